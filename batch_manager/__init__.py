@@ -1,0 +1,1 @@
+"""In-flight batching manager in the shape of TensorRT-LLM's GptManager."""

@@ -1,0 +1,11 @@
+"""Model runtime: engine directories, the tensor-dict model runner over a paged KV pool,
+GptSession (static-batch generation) and the kernel backends."""
+from .config import BuildConfig, ConfigError, ModelConfig, SUPPORTED_ARCHITECTURES
+from .engine import Engine, build_engine
+from .model_runner import ModelRunner
+from .session import GenerationInput, GenerationOutput, GptSession, SamplingConfig, WorldConfig
+from .weights import WeightError
+
+__all__ = ["BuildConfig", "ConfigError", "ModelConfig", "SUPPORTED_ARCHITECTURES", "Engine", "build_engine",
+           "ModelRunner", "GenerationInput", "GenerationOutput", "GptSession", "SamplingConfig", "WorldConfig",
+           "WeightError"]

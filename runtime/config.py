@@ -1,0 +1,288 @@
+"""Model and build configurations: what a checkpoint's `config.json` says, normalised.
+
+`ModelConfig` describes the network (one decoder-only transformer family parameterised by
+its fields); `BuildConfig` records the build-time limits an engine directory carries. Both are
+frozen and plain JSON-serialisable. `model_config_from_hf` maps a Hugging Face config onto them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("gpt2", "llama", "mistral", "qwen2")
+SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
+_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16",
+                  "bf16": "bfloat16"}
+
+
+class ConfigError(ValueError):
+    """A config file or value that the runtime cannot use; the message names the field."""
+
+
+def normalize_dtype(name: str) -> str:
+    name = str(name).replace("torch.", "")
+    name = _DTYPE_ALIASES.get(name, name)
+    if name not in SUPPORTED_DTYPES:
+        raise ConfigError(f"dtype: unsupported value {name!r}; supported: {', '.join(SUPPORTED_DTYPES)}")
+    return name
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    scaling_type: str = "default"  # default | linear | llama3
+    factor: float = 1.0
+    low_freq_factor: float = 1.0        # llama3
+    high_freq_factor: float = 4.0       # llama3
+    original_max_position_embeddings: int = 8192  # llama3
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str               # one of SUPPORTED_ARCHITECTURES
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_position_embeddings: int
+    norm_type: str                  # "layernorm" | "rmsnorm"
+    norm_eps: float
+    mlp_type: str                   # "gelu" (fc -> act -> proj) | "gated" (silu(gate) * up -> down)
+    activation: str                 # "gelu_new" | "gelu" | "silu" | "relu" ...
+    position_embedding: str         # "learned" | "rope"
+    rope: RopeConfig | None
+    qkv_bias: bool
+    out_bias: bool
+    mlp_bias: bool
+    tie_word_embeddings: bool
+    sliding_window: int | None      # attend to keys with q_pos - window < k_pos <= q_pos
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def num_params(self) -> int:
+        """Parameter count of the weights as stored (a tied lm_head counted once)."""
+        h, i = self.hidden_size, self.intermediate_size
+        attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
+        mlp = (3 if self.mlp_type == "gated" else 2) * h * i
+        params = self.num_layers * (attn + mlp) + self.vocab_size * h
+        if not self.tie_word_embeddings:
+            params += self.vocab_size * h
+        if self.position_embedding == "learned":
+            params += self.max_position_embeddings * h
+        return params
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> "ModelConfig":
+        d = dict(d)
+        rope = d.get("rope")
+        d["rope"] = RopeConfig(**rope) if rope is not None else None
+        fields = {f.name for f in dataclasses.fields(ModelConfig)}
+        unknown = set(d) - fields
+        if unknown:
+            raise ConfigError(f"model config: unknown fields {sorted(unknown)}")
+        return ModelConfig(**d).validated()
+
+    def validated(self) -> "ModelConfig":
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "intermediate_size", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"{name}: must be a positive integer, got {value!r}")
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ConfigError(f"architecture: unsupported {self.architecture!r}; "
+                              f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"num_key_value_heads: {self.num_kv_heads} does not divide "
+                              f"num_attention_heads {self.num_heads}")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ConfigError(f"sliding_window: must be positive, got {self.sliding_window}")
+        if not (isinstance(self.norm_eps, (int, float)) and 0 < self.norm_eps < 1):
+            raise ConfigError(f"norm_eps: must be in (0, 1), got {self.norm_eps!r}")
+        return self
+
+
+@dataclass(frozen=True)
+class BuildConfig:
+    """Build-time limits recorded in an engine directory (TensorRT-LLM's build flags)."""
+    max_batch_size: int = 64
+    max_input_len: int = 1024
+    max_seq_len: int = 2048
+    max_num_tokens: int = 8192
+    dtype: str = "float32"
+    tokens_per_block: int = 64
+    gather_context_logits: bool = False
+    gather_generation_logits: bool = False
+    max_beam_width: int = 4
+
+    def validated(self, model: ModelConfig | None = None) -> "BuildConfig":
+        for name in ("max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens",
+                     "tokens_per_block", "max_beam_width"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"{name}: must be a positive integer, got {value!r}")
+        normalize_dtype(self.dtype)
+        if self.max_input_len > self.max_seq_len:
+            raise ConfigError(f"max_input_len: {self.max_input_len} exceeds max_seq_len {self.max_seq_len}")
+        if model is not None and self.max_seq_len > model.max_position_embeddings \
+                and model.position_embedding == "learned":
+            raise ConfigError(f"max_seq_len: {self.max_seq_len} exceeds the model's "
+                              f"{model.max_position_embeddings} learned positions")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> "BuildConfig":
+        fields = {f.name for f in dataclasses.fields(BuildConfig)}
+        unknown = set(d) - fields
+        if unknown:
+            raise ConfigError(f"build config: unknown fields {sorted(unknown)}")
+        d = dict(d)
+        if "dtype" in d:
+            d["dtype"] = normalize_dtype(d["dtype"])
+        return BuildConfig(**d).validated()
+
+
+def default_build_config(model: ModelConfig, checkpoint_dtype: str | None, **overrides) -> BuildConfig:
+    """Limits used when an HF checkpoint directory is served directly (no build step).
+
+    max_seq_len = min(max_position_embeddings, 2048); max_input_len = max_seq_len - 1 (any
+    prompt that leaves room for one new token); dtype float32 unless overridden (CPU matmuls
+    are fastest in fp32; GPU users build an fp16/bf16 engine); the other fields as BuildConfig.
+    """
+    max_seq_len = overrides.pop("max_seq_len", min(model.max_position_embeddings, 2048))
+    fields = dict(max_seq_len=max_seq_len, max_input_len=max(1, max_seq_len - 1), dtype="float32")
+    fields.update(overrides)
+    if "dtype" in fields:
+        fields["dtype"] = normalize_dtype(fields["dtype"])
+    del checkpoint_dtype  # recorded by the caller for reference only
+    return BuildConfig(**fields).validated(model)
+
+
+def read_json(path: str | os.PathLike, what: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            data = json.loads(f.read())
+    except FileNotFoundError:
+        raise ConfigError(f"{what}: file not found: {os.fspath(path)}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{what}: cannot read {os.fspath(path)}: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{what}: {os.fspath(path)} must hold a JSON object")
+    return data
+
+
+def _require(hf: dict[str, Any], key: str, *alternatives: str) -> Any:
+    for k in (key, *alternatives):
+        if k in hf and hf[k] is not None:
+            return hf[k]
+    raise ConfigError(f"config.json: missing field {key!r}")
+
+
+def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
+    # transformers < 5 writes rope_theta + rope_scaling; >= 5 writes rope_parameters.
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict) and "rope_theta" not in params and len(params) and \
+            all(isinstance(v, dict) for v in params.values()):
+        raise ConfigError("rope_parameters: per-layer-type rope parameters are not supported")
+    scaling = dict(params) if isinstance(params, dict) else dict(hf.get("rope_scaling") or {})
+    theta = float(scaling.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if float(scaling.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ConfigError("rope_parameters: partial_rotary_factor != 1 is not supported")
+    if kind == "default":
+        return RopeConfig(theta=theta)
+    factor = float(scaling.get("factor", 1.0))
+    if kind == "linear":
+        return RopeConfig(theta=theta, scaling_type="linear", factor=factor)
+    if kind == "llama3":
+        return RopeConfig(theta=theta, scaling_type="llama3", factor=factor,
+                          low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
+                          high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
+                          original_max_position_embeddings=int(
+                              scaling.get("original_max_position_embeddings", 8192)))
+    raise ConfigError(f"rope_scaling: unsupported type {kind!r}; supported: default, linear, llama3")
+
+
+def _first_id(value: Any) -> int | None:
+    if isinstance(value, list):
+        return int(value[0]) if value else None
+    return None if value is None else int(value)
+
+
+def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
+    """Map a transformers `config.json` onto ModelConfig, or raise ConfigError naming the field."""
+    model_type = hf.get("model_type")
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        archs = hf.get("architectures")
+        raise ConfigError(f"config.json: unsupported architecture (model_type={model_type!r}, "
+                          f"architectures={archs!r}); supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    ids = dict(bos_token_id=_first_id(hf.get("bos_token_id")),
+               eos_token_id=_first_id(hf.get("eos_token_id")),
+               pad_token_id=_first_id(hf.get("pad_token_id")))
+    if model_type == "gpt2":
+        for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
+            if hf.get(flag):
+                raise ConfigError(f"config.json: {flag}=true is not supported")
+        if hf.get("scale_attn_weights", True) is False:
+            raise ConfigError("config.json: scale_attn_weights=false is not supported")
+        hidden = int(_require(hf, "n_embd", "hidden_size"))
+        heads = int(_require(hf, "n_head", "num_attention_heads"))
+        inner = hf.get("n_inner")
+        return ModelConfig(
+            architecture="gpt2", vocab_size=int(_require(hf, "vocab_size")), hidden_size=hidden,
+            num_layers=int(_require(hf, "n_layer", "num_hidden_layers")), num_heads=heads,
+            num_kv_heads=heads, head_dim=hidden // heads,
+            intermediate_size=int(inner) if inner else 4 * hidden,
+            max_position_embeddings=int(_require(hf, "n_positions", "max_position_embeddings")),
+            norm_type="layernorm", norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
+            mlp_type="gelu", activation=hf.get("activation_function", "gelu_new"),
+            position_embedding="learned", rope=None, qkv_bias=True, out_bias=True, mlp_bias=True,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)), sliding_window=None,
+            **ids).validated()
+
+    hidden = int(_require(hf, "hidden_size"))
+    heads = int(_require(hf, "num_attention_heads"))
+    kv_heads = int(hf.get("num_key_value_heads") or heads)
+    head_dim = int(hf.get("head_dim") or hidden // heads)
+    window = hf.get("sliding_window")
+    if model_type == "qwen2" and not hf.get("use_sliding_window", False):
+        window = None
+    if model_type == "qwen2" and window is not None:
+        max_window_layers = hf.get("max_window_layers", hf.get("num_hidden_layers"))
+        if max_window_layers is not None and int(max_window_layers) < int(hf["num_hidden_layers"]):
+            raise ConfigError("config.json: Qwen2 sliding window on a subset of layers "
+                              f"(max_window_layers={max_window_layers}) is not supported")
+    if model_type == "llama" and hf.get("pretraining_tp", 1) not in (1, None):
+        pass  # tensor-parallel pretraining only changed how the reference split matmuls
+    attention_bias = bool(hf.get("attention_bias", False))
+    return ModelConfig(
+        architecture=model_type, vocab_size=int(_require(hf, "vocab_size")), hidden_size=hidden,
+        num_layers=int(_require(hf, "num_hidden_layers")), num_heads=heads, num_kv_heads=kv_heads,
+        head_dim=head_dim, intermediate_size=int(_require(hf, "intermediate_size")),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+        norm_type="rmsnorm", norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        mlp_type="gated", activation=hf.get("hidden_act", "silu"), position_embedding="rope",
+        rope=_rope_from_hf(hf), qkv_bias=True if model_type == "qwen2" else attention_bias,
+        out_bias=attention_bias, mlp_bias=bool(hf.get("mlp_bias", False)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        sliding_window=int(window) if window is not None else None, **ids).validated()

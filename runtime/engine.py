@@ -1,0 +1,100 @@
+"""Engine directories: load (engine dir or HF checkpoint dir) and save (the build step).
+
+An engine directory holds `engine.json` ({"format", "version", "model": ModelConfig,
+"build": BuildConfig}) and `weights.safetensors` with the canonical weight names in the build
+dtype. An HF checkpoint directory (`config.json` + safetensors) is accepted wherever an engine
+directory is; its limits then come from `default_build_config` plus any overrides.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+from safetensors.torch import save_file
+
+from .config import (BuildConfig, ConfigError, ModelConfig, default_build_config, model_config_from_hf,
+                     normalize_dtype, read_json)
+from .weights import Weights, load_engine_weights, load_hf_weights
+
+ENGINE_CONFIG_FILE = "engine.json"
+ENGINE_WEIGHTS_FILE = "weights.safetensors"
+ENGINE_FORMAT = "batch-manager-engine"
+ENGINE_VERSION = 1
+
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class Engine:
+    model_config: ModelConfig
+    build_config: BuildConfig
+    weights: Weights
+    source_dir: str
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return TORCH_DTYPES[self.build_config.dtype]
+
+    @staticmethod
+    def from_dir(path: str | os.PathLike, **build_overrides) -> "Engine":
+        """Load an engine directory or an HF checkpoint directory.
+
+        `build_overrides` (BuildConfig fields) replace the recorded limits; for an HF directory
+        they replace the defaults of `default_build_config`.
+        """
+        directory = os.fspath(path)
+        if not os.path.isdir(directory):
+            raise ConfigError(f"engine_dir: not a directory: {directory!r}")
+        if os.path.exists(os.path.join(directory, ENGINE_CONFIG_FILE)):
+            return _load_engine_dir(directory, build_overrides)
+        if os.path.exists(os.path.join(directory, "config.json")):
+            return _load_hf_dir(directory, build_overrides)
+        raise ConfigError(f"engine_dir: {directory!r} holds neither {ENGINE_CONFIG_FILE} (an engine) "
+                          "nor config.json (a Hugging Face checkpoint)")
+
+    def save(self, directory: str | os.PathLike) -> None:
+        directory = os.fspath(directory)
+        os.makedirs(directory, exist_ok=True)
+        tensors = {name: t.contiguous() for name, t in self.weights.items()}
+        save_file(tensors, os.path.join(directory, ENGINE_WEIGHTS_FILE), metadata={"format": ENGINE_FORMAT})
+        config = {"format": ENGINE_FORMAT, "version": ENGINE_VERSION,
+                  "model": self.model_config.to_dict(), "build": self.build_config.to_dict()}
+        with open(os.path.join(directory, ENGINE_CONFIG_FILE), "w") as f:
+            json.dump(config, f, indent=2)
+
+
+def _load_engine_dir(directory: str, overrides: dict) -> Engine:
+    data = read_json(os.path.join(directory, ENGINE_CONFIG_FILE), ENGINE_CONFIG_FILE)
+    if data.get("format") != ENGINE_FORMAT or data.get("version") != ENGINE_VERSION:
+        raise ConfigError(f"{ENGINE_CONFIG_FILE}: unknown format/version "
+                          f"({data.get('format')!r}, {data.get('version')!r}); expected "
+                          f"({ENGINE_FORMAT!r}, {ENGINE_VERSION})")
+    if not isinstance(data.get("model"), dict) or not isinstance(data.get("build"), dict):
+        raise ConfigError(f"{ENGINE_CONFIG_FILE}: 'model' and 'build' must be objects")
+    try:
+        model = ModelConfig.from_dict(data["model"])
+        build = BuildConfig.from_dict({**data["build"], **overrides})
+    except TypeError as e:
+        raise ConfigError(f"{ENGINE_CONFIG_FILE}: {e}") from None
+    build.validated(model)
+    weights = load_engine_weights(os.path.join(directory, ENGINE_WEIGHTS_FILE), model, TORCH_DTYPES[build.dtype])
+    return Engine(model, build, weights, directory)
+
+
+def _load_hf_dir(directory: str, overrides: dict) -> Engine:
+    hf = read_json(os.path.join(directory, "config.json"), "config.json")
+    model = model_config_from_hf(hf)
+    build = default_build_config(model, hf.get("torch_dtype", hf.get("dtype")), **overrides)
+    weights = load_hf_weights(directory, model, TORCH_DTYPES[build.dtype])
+    return Engine(model, build, weights, directory)
+
+
+def build_engine(checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike, **build_fields) -> Engine:
+    """Convert an HF checkpoint into an engine directory with the given build-time limits."""
+    if "dtype" in build_fields:
+        build_fields["dtype"] = normalize_dtype(build_fields["dtype"])
+    engine = Engine.from_dir(checkpoint_dir, **build_fields)
+    engine.save(output_dir)
+    return engine

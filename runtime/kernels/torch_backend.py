@@ -1,0 +1,100 @@
+"""Torch reference of the KV-cache and attention kernels (the oracle for the CUDA versions).
+
+Layouts shared with every backend:
+  k_cache, v_cache: [num_blocks, tokens_per_block, num_kv_heads, head_dim] (one layer)
+  block_tables:     int32 [num_seqs, max_blocks_per_seq]; entry j holds the block of tokens
+                    [j * tokens_per_block, (j + 1) * tokens_per_block); unused entries are ignored
+  window:           None or w > 0; query at position p sees keys at positions (p - w, p]
+Attention math runs in float32 on CPU (fp16/bf16 storage is upcast), in the storage dtype on GPU.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float32 if t.device.type == "cpu" else t.dtype
+
+
+def _visible(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """bool mask [..., num_queries, num_keys]: causal, limited to the window when one is set."""
+    mask = key_pos[..., None, :] <= query_pos[..., :, None]
+    if window is not None:
+        mask &= key_pos[..., None, :] > query_pos[..., :, None] - window
+    return mask
+
+
+class TorchKernels:
+    name = "torch"
+
+    def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        """k, v [T, kv_heads, head_dim] -> cache slots slot_mapping int64 [T] (block * tpb + offset)."""
+        num_kv_heads, head_dim = k_cache.shape[2:]
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+    def copy_blocks(self, kv_pool: torch.Tensor, src_block_ids: torch.Tensor, dst_block_ids: torch.Tensor) -> None:
+        """kv_pool [num_layers, 2, num_blocks, ...]: blocks src[i] -> dst[i] in every layer."""
+        if src_block_ids.numel():
+            kv_pool[:, :, dst_block_ids.long()] = kv_pool[:, :, src_block_ids.long()]
+
+    def gather_kv(self, cache: torch.Tensor, block_tables: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """[B, num_tokens, kv_heads, head_dim]: the first num_tokens cached tokens of each row."""
+        tpb = cache.shape[1]
+        num_blocks = -(-num_tokens // tpb)
+        blocks = cache[block_tables[:, :num_blocks].long()]  # [B, nb, tpb, kvH, D]
+        return blocks.flatten(1, 2)[:, :num_tokens]
+
+    def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                         window: int | None) -> torch.Tensor:
+        """One query per sequence at position seq_lens - 1. q [B, H, D] -> [B, H, D].
+
+        seq_lens int [B] counts the cached tokens including the query's own (already written).
+        """
+        batch, num_heads, head_dim = q.shape
+        num_kv_heads = k_cache.shape[2]
+        dtype = _compute_dtype(q)
+        max_len = int(seq_lens.max())
+        k = self.gather_kv(k_cache, block_tables, max_len).to(dtype)  # [B, L, kvH, D]
+        v = self.gather_kv(v_cache, block_tables, max_len).to(dtype)
+        qg = q.to(dtype).view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        scores = torch.matmul(qg, k.permute(0, 2, 3, 1)) * scale  # [B, kvH, g, L]
+        key_pos = torch.arange(max_len, device=q.device)
+        lens = seq_lens.to(q.device).long()
+        visible = key_pos[None, :] < lens[:, None]
+        if window is not None:
+            visible &= key_pos[None, :] > (lens[:, None] - 1 - window)
+        scores.masked_fill_(~visible[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out = torch.matmul(probs, v.transpose(1, 2))  # [B, kvH, g, D]
+        return out.reshape(batch, num_heads, head_dim).to(q.dtype)
+
+    def context_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          block_table: torch.Tensor, past_len: int, scale: float,
+                          window: int | None) -> torch.Tensor:
+        """Queries at positions past_len .. past_len + n - 1 of one sequence whose keys
+        (including the n new ones) are in the cache. q [n, H, D] -> [n, H, D]."""
+        n = q.shape[0]
+        total = past_len + n
+        dtype = _compute_dtype(q)
+        k = self.gather_kv(k_cache, block_table[None], total)[0].to(dtype)  # [total, kvH, D]
+        v = self.gather_kv(v_cache, block_table[None], total)[0].to(dtype)
+        return self.dense_attention(q.to(dtype), k, v, past_len, scale, window).to(q.dtype)
+
+    @staticmethod
+    def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past_len: int, scale: float,
+                        window: int | None) -> torch.Tensor:
+        """q [n, H, D] at positions past_len.., k/v [past_len + n, kvH, D] -> [n, H, D]."""
+        n, total = q.shape[0], k.shape[0]
+        qt, kt, vt = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+        if past_len == 0 and window is None:
+            out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            query_pos = torch.arange(past_len, total, device=q.device)
+            key_pos = torch.arange(total, device=q.device)
+            mask = _visible(query_pos, key_pos, window)
+            out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=True)
+        return out[0].transpose(0, 1)

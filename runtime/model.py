@@ -1,0 +1,138 @@
+"""The decoder-only transformer: one implementation parameterised by ModelConfig.
+
+Computes a packed step (`StepLayout`, built by the model runner) over the paged KV pool. Every
+weight is applied once per layer to all tokens of all sequences (fused QKV, fused gate/up);
+attention splits into the batched generation path (one query per sequence) and the context
+path (one call per context sequence).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .config import ModelConfig
+from .rope import apply_rope, rope_cos_sin, rope_inv_freq
+from .weights import Weights
+
+_ACTIVATIONS = {
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_fast": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+    "silu": F.silu,
+    "swish": F.silu,
+    "relu": F.relu,
+}
+
+
+@dataclass
+class StepLayout:
+    """Per-step metadata shared by all layers (device tensors unless noted)."""
+    input_ids: torch.Tensor            # int64 [T]
+    position_ids: torch.Tensor         # int64 [T]
+    slot_mapping: torch.Tensor         # int64 [T]: block_id * tokens_per_block + offset
+    last_token_index: torch.Tensor     # int64 [S]: index in T of each sequence's last new token
+    generation_seq_ids: torch.Tensor   # int64 [G]: sequences with exactly one new token
+    generation_token_index: torch.Tensor  # int64 [G]: their token index in T
+    generation_block_tables: torch.Tensor  # int32 [G, max_blocks]
+    generation_seq_lens: torch.Tensor  # int64 [G]: cached tokens incl. the new one
+    context_spans: list[tuple[int, int, int, int]]  # host: (seq, token_start, num_tokens, past_len)
+    block_tables: torch.Tensor         # int32 [S, max_blocks]
+    context_logits_index: torch.Tensor | None  # int64 [C]: tokens whose logits are returned
+
+
+class Transformer:
+    def __init__(self, config: ModelConfig, weights: Weights, device: torch.device):
+        self.config = config
+        self.w = {name: t.to(device) for name, t in weights.items()}
+        self.device = device
+        self.dtype = self.w["embed_tokens"].dtype
+        self.scale = 1.0 / math.sqrt(config.head_dim)
+        act = _ACTIVATIONS.get(config.activation)
+        if act is None:
+            raise ValueError(f"activation: unsupported {config.activation!r}; supported: {sorted(_ACTIVATIONS)}")
+        self.act = act
+        self.inv_freq = (rope_inv_freq(config.rope, config.head_dim).to(device)
+                         if config.position_embedding == "rope" else None)
+        self.lm_head = self.w.get("lm_head", self.w["embed_tokens"])
+
+    def _norm(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
+        weight = self.w[prefix + ".weight"]
+        if self.config.norm_type == "layernorm":
+            return F.layer_norm(x, (x.shape[-1],), weight, self.w[prefix + ".bias"], self.config.norm_eps)
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), weight, self.config.norm_eps)
+        # Half precision: normalise in float32, as the reference implementation does.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.config.norm_eps)
+        return weight * h.to(x.dtype)
+
+    def forward(self, step: StepLayout, kv_pool: torch.Tensor, kernels) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """kv_pool [num_layers, 2, num_blocks, tpb, kvH, D] -> (last-token logits float32 [S, V],
+        context logits float32 [C, V] or None)."""
+        cfg, w = self.config, self.w
+        x = w["embed_tokens"][step.input_ids]  # [T, H]
+        cos = sin = None
+        if cfg.position_embedding == "learned":
+            x = x + w["position_embeddings"][step.position_ids]
+        else:
+            cos, sin = rope_cos_sin(self.inv_freq, step.position_ids, self.dtype)
+        for layer in range(cfg.num_layers):
+            p = f"layers.{layer}."
+            h = self._norm(x, p + "input_norm")
+            qkv = F.linear(h, w[p + "qkv.weight"], w.get(p + "qkv.bias"))
+            attn = self._attention(qkv, cos, sin, step, kv_pool[layer, 0], kv_pool[layer, 1], kernels)
+            x = x + F.linear(attn, w[p + "out.weight"], w.get(p + "out.bias"))
+            h = self._norm(x, p + "post_norm")
+            x = x + self._mlp(h, p)
+        logits = self._logits(x[step.last_token_index])
+        context_logits = None
+        if step.context_logits_index is not None:
+            context_logits = self._logits(x[step.context_logits_index])
+        return logits, context_logits
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self._norm(x, "final_norm"), self.lm_head).float()
+
+    def _mlp(self, h: torch.Tensor, p: str) -> torch.Tensor:
+        w = self.w
+        up = F.linear(h, w[p + "mlp_in.weight"], w.get(p + "mlp_in.bias"))
+        if self.config.mlp_type == "gated":
+            gate, up = up.chunk(2, dim=-1)
+            up = self.act(gate) * up
+        else:
+            up = self.act(up)
+        return F.linear(up, w[p + "mlp_out.weight"], w.get(p + "mlp_out.bias"))
+
+    def _attention(self, qkv: torch.Tensor, cos, sin, step: StepLayout, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, kernels) -> torch.Tensor:
+        """qkv [T, q + 2 kv] -> attention output [T, q]."""
+        cfg = self.config
+        num_tokens = qkv.shape[0]
+        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = q.view(num_tokens, cfg.num_heads, cfg.head_dim)
+        k = k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        if cos is not None:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        kernels.write_kv(k_cache, v_cache, k, v, step.slot_mapping)
+        out = torch.empty_like(q)
+        window = cfg.sliding_window
+        if step.generation_seq_ids.numel():
+            idx = step.generation_token_index
+            out[idx] = kernels.decode_attention(q[idx], k_cache, v_cache, step.generation_block_tables,
+                                                step.generation_seq_lens, self.scale, window)
+        for seq, start, n, past_len in step.context_spans:
+            qs = q[start:start + n]
+            if past_len == 0:  # NOTE: a fresh prompt attends to the keys just computed: no gather
+                ks, vs = k[start:start + n], v[start:start + n]
+                if qs.device.type == "cpu":  # attention math in float32 on CPU, as in the kernels
+                    qs, ks, vs = qs.float(), ks.float(), vs.float()
+                out[start:start + n] = kernels.dense_attention(qs, ks, vs, 0, self.scale, window).to(q.dtype)
+            else:
+                out[start:start + n] = kernels.context_attention(qs, k_cache, v_cache, step.block_tables[seq],
+                                                                 past_len, self.scale, window)
+        return out.view(num_tokens, cfg.q_size)

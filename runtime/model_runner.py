@@ -1,0 +1,143 @@
+"""The tensor-dict runtime: owns the model on its device and the paged KV pool.
+
+`ModelRunner.forward(inputs) -> outputs`, like an engine's named I/O. Inputs (CPU or device):
+
+  input_ids             int32 [T]     new tokens of every sequence, packed in sequence order
+  input_lengths         int32 [S]     new tokens per sequence (1 for a generation step)
+  past_lengths          int32 [S]     tokens of the sequence already in the KV cache
+  block_tables          int32 [S, B]  KV block ids of each sequence, in token order; entries
+                                      past ceil((past + new) / tokens_per_block) are ignored
+  position_ids          int32 [T]     optional; default past_length + offset within the step
+  return_context_logits bool  [S]     optional; sequences whose every new token's logits are returned
+
+Outputs:
+  logits                float32 [S, V]  logits of each sequence's last new token
+  context_logits        float32 [C, V]  only when asked: the flagged sequences' tokens, packed
+
+A sequence's new K/V are written to the cache before attention; a step may mix any number of
+context sequences (any lengths, with or without cached past) and generation sequences.
+"""
+from __future__ import annotations
+
+import torch
+
+from .engine import Engine
+from .kernels import get_kernels
+from .model import StepLayout, Transformer
+
+REQUIRED_INPUTS = ("input_ids", "input_lengths", "past_lengths", "block_tables")
+OPTIONAL_INPUTS = ("position_ids", "return_context_logits")
+
+
+class ModelRunner:
+    def __init__(self, engine: Engine, num_blocks: int, kernels=None, device: str | torch.device | None = None):
+        cfg = engine.model_config
+        if not isinstance(num_blocks, int) or num_blocks <= 0:
+            raise ValueError(f"num_blocks: must be a positive integer, got {num_blocks!r}")
+        self.engine = engine
+        self.model_config = cfg
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.kernels = kernels if kernels is not None and not isinstance(kernels, str) else get_kernels(kernels)
+        self.tokens_per_block = engine.build_config.tokens_per_block
+        self.num_blocks = num_blocks
+        self.model = Transformer(cfg, engine.weights, self.device)
+        # [num_layers, K/V, num_blocks, tokens_per_block, num_kv_heads, head_dim]
+        self.kv_pool = torch.zeros(cfg.num_layers, 2, num_blocks, self.tokens_per_block, cfg.num_kv_heads,
+                                   cfg.head_dim, dtype=engine.dtype, device=self.device)
+
+    @staticmethod
+    def kv_bytes_per_block(engine: Engine) -> int:
+        cfg = engine.model_config
+        return (cfg.num_layers * 2 * engine.build_config.tokens_per_block * cfg.num_kv_heads * cfg.head_dim
+                * engine.dtype.itemsize)
+
+    @torch.inference_mode()
+    def forward(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        step = self._layout(inputs)
+        logits, context_logits = self.model.forward(step, self.kv_pool, self.kernels)
+        outputs = {"logits": logits}
+        if context_logits is not None:
+            outputs["context_logits"] = context_logits
+        return outputs
+
+    @torch.inference_mode()
+    def copy_blocks(self, src_block_ids: list[int], dst_block_ids: list[int]) -> None:
+        src = torch.tensor(src_block_ids, dtype=torch.int64, device=self.device)
+        dst = torch.tensor(dst_block_ids, dtype=torch.int64, device=self.device)
+        self.kernels.copy_blocks(self.kv_pool, src, dst)
+
+    def _layout(self, inputs: dict[str, torch.Tensor]) -> StepLayout:
+        _check_inputs(inputs)
+        tpb = self.tokens_per_block
+        lengths = inputs["input_lengths"].to("cpu", torch.int64)
+        past = inputs["past_lengths"].to("cpu", torch.int64)
+        input_ids = inputs["input_ids"].to("cpu", torch.int64)
+        block_tables = inputs["block_tables"].to("cpu", torch.int32)
+        num_seqs, num_tokens = lengths.numel(), input_ids.numel()
+        if past.numel() != num_seqs or block_tables.shape[0] != num_seqs:
+            raise ValueError(f"past_lengths / block_tables: expected {num_seqs} rows like input_lengths, got "
+                             f"{past.numel()} and {block_tables.shape[0]}")
+        if num_seqs == 0 or int(lengths.sum()) != num_tokens or bool((lengths <= 0).any()) or bool((past < 0).any()):
+            raise ValueError(f"input_lengths: must be positive and sum to len(input_ids)={num_tokens}, "
+                             f"got {lengths.tolist()} (past_lengths {past.tolist()})")
+        vocab = self.model_config.vocab_size
+        if int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab:
+            raise ValueError(f"input_ids: token ids must be in [0, {vocab}), got min {int(input_ids.min())} "
+                             f"max {int(input_ids.max())}")
+        blocks_needed = (past + lengths + tpb - 1) // tpb
+        if int(blocks_needed.max()) > block_tables.shape[1]:
+            raise ValueError(f"block_tables: {block_tables.shape[1]} columns, but a sequence needs "
+                             f"{int(blocks_needed.max())} blocks of {tpb} tokens")
+        used = block_tables[torch.arange(block_tables.shape[1])[None, :] < blocks_needed[:, None]]
+        if int(used.min()) < 0 or int(used.max()) >= self.num_blocks:
+            raise ValueError(f"block_tables: block ids must be in [0, {self.num_blocks}), got "
+                             f"min {int(used.min())} max {int(used.max())}")
+
+        starts = torch.cumsum(lengths, 0) - lengths
+        seq_of_token = torch.repeat_interleave(torch.arange(num_seqs), lengths)
+        cache_pos = past[seq_of_token] + torch.arange(num_tokens) - starts[seq_of_token]
+        slots = block_tables[seq_of_token, cache_pos // tpb].long() * tpb + cache_pos % tpb
+        position_ids = inputs.get("position_ids")
+        position_ids = cache_pos if position_ids is None else position_ids.to("cpu", torch.int64)
+        if position_ids.shape != (num_tokens,):
+            raise ValueError(f"position_ids: expected shape [{num_tokens}], got {list(position_ids.shape)}")
+
+        is_generation = lengths == 1
+        generation_seq_ids = torch.nonzero(is_generation).flatten()
+        context_seq_ids = torch.nonzero(~is_generation).flatten().tolist()
+        starts_list, lengths_list, past_list = starts.tolist(), lengths.tolist(), past.tolist()
+        context_spans = [(s, starts_list[s], lengths_list[s], past_list[s]) for s in context_seq_ids]
+
+        context_logits_index = None
+        flags = inputs.get("return_context_logits")
+        if flags is not None and bool(flags.any()):
+            flagged = torch.nonzero(flags.to("cpu").bool().flatten()).flatten().tolist()
+            context_logits_index = torch.cat([torch.arange(starts_list[s], starts_list[s] + lengths_list[s])
+                                              for s in flagged])
+
+        dev = self.device
+        return StepLayout(
+            input_ids=input_ids.to(dev), position_ids=position_ids.to(dev), slot_mapping=slots.to(dev),
+            last_token_index=(starts + lengths - 1).to(dev),
+            generation_seq_ids=generation_seq_ids.to(dev),
+            generation_token_index=starts[generation_seq_ids].to(dev),
+            generation_block_tables=block_tables[generation_seq_ids].to(dev),
+            generation_seq_lens=(past[generation_seq_ids] + 1).to(dev),
+            context_spans=context_spans, block_tables=block_tables.to(dev),
+            context_logits_index=None if context_logits_index is None else context_logits_index.to(dev))
+
+
+def _check_inputs(inputs: dict[str, torch.Tensor]) -> None:
+    missing = [name for name in REQUIRED_INPUTS if name not in inputs]
+    if missing:
+        raise ValueError(f"forward inputs: missing {missing}; required {list(REQUIRED_INPUTS)}")
+    unknown = set(inputs) - set(REQUIRED_INPUTS) - set(OPTIONAL_INPUTS)
+    if unknown:
+        raise ValueError(f"forward inputs: unknown names {sorted(unknown)}")
+    for name in ("input_ids", "input_lengths", "past_lengths", "position_ids"):
+        t = inputs.get(name)
+        if t is not None and (t.dim() != 1 or t.dtype not in (torch.int32, torch.int64)):
+            raise ValueError(f"{name}: expected a 1-D int32 tensor, got {t.dtype} {list(t.shape)}")
+    bt = inputs["block_tables"]
+    if bt.dim() != 2 or bt.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"block_tables: expected a 2-D int32 tensor, got {bt.dtype} {list(bt.shape)}")
