@@ -1,1 +1,14 @@
-"""In-flight batching manager in the shape of TensorRT-LLM's GptManager."""
+"""In-flight batching manager in the shape of TensorRT-LLM's legacy GptManager."""
+from . import tensor_names
+from .gpt_manager import GptManager
+from .inference_request import InferenceRequest, NamedTensor
+from .llm_request import LlmRequest, RequestState
+from .options import (CapacitySchedulerPolicy, KvCacheConfig, SchedulerConfig, SchedulerPolicy,
+                      TrtGptModelOptionalParams, TrtGptModelType)
+from .scheduler import (CapacityScheduler, GuaranteedNoEvictScheduler, MaxUtilizationScheduler,
+                        MicroBatchScheduler, StaticBatchScheduler)
+
+__all__ = ["tensor_names", "GptManager", "InferenceRequest", "NamedTensor", "LlmRequest", "RequestState",
+           "CapacitySchedulerPolicy", "KvCacheConfig", "SchedulerConfig", "SchedulerPolicy",
+           "TrtGptModelOptionalParams", "TrtGptModelType", "CapacityScheduler", "GuaranteedNoEvictScheduler",
+           "MaxUtilizationScheduler", "MicroBatchScheduler", "StaticBatchScheduler"]

@@ -1,0 +1,115 @@
+"""GptManager: the legacy callback batch manager. A thin facade over `Worker`, which owns all
+mutable state on its own thread (the facade holds no state the worker needs, so an unreferenced
+manager can be collected and shut down)."""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import weakref
+from typing import Callable
+
+import torch
+
+from runtime import Engine, ModelRunner
+
+from .kv_cache_manager import KvCacheManager
+from .kv_sizing import num_kv_blocks
+from .model_executor import ModelExecutor
+from .options import SchedulerConfig, SchedulerPolicy, TrtGptModelOptionalParams, TrtGptModelType
+from .scheduler import MicroBatchScheduler, make_capacity_scheduler
+from .validation import AdmissionLimits
+from .worker import Worker, WorkerConfig
+
+logger = logging.getLogger(__name__)
+
+_live_workers: "weakref.WeakSet[Worker]" = weakref.WeakSet()
+
+
+def _shutdown_live_workers() -> None:
+    for worker in list(_live_workers):
+        worker.shutdown()
+
+
+# Runs before the interpreter joins non-daemon threads, so a forgotten manager cannot hang exit.
+if hasattr(threading, "_register_atexit"):
+    threading._register_atexit(_shutdown_live_workers)
+
+
+class GptManager:
+    def __init__(self, engine_dir: str | os.PathLike, model_type: TrtGptModelType, max_beam_width: int,
+                 scheduler_policy: SchedulerPolicy | SchedulerConfig,
+                 get_inference_requests_cb: Callable, send_response_cb: Callable,
+                 poll_stop_signal_cb: Callable | None = None,
+                 return_batch_manager_stats_cb: Callable | None = None,
+                 optional_params: TrtGptModelOptionalParams | None = None,
+                 terminate_req_id: int | None = None, exclude_input_in_output: bool = False):
+        if not callable(get_inference_requests_cb) or not callable(send_response_cb):
+            raise ValueError("get_inference_requests_cb and send_response_cb must be callables")
+        for name, cb in (("poll_stop_signal_cb", poll_stop_signal_cb),
+                         ("return_batch_manager_stats_cb", return_batch_manager_stats_cb)):
+            if cb is not None and not callable(cb):
+                raise ValueError(f"{name}: must be callable or None, got {type(cb).__name__}")
+        model_type = TrtGptModelType(model_type)
+        params = optional_params if optional_params is not None else TrtGptModelOptionalParams()
+        policy = scheduler_policy.capacity_scheduler_policy if isinstance(scheduler_policy, SchedulerConfig) \
+            else SchedulerPolicy(scheduler_policy)
+        if not isinstance(max_beam_width, int) or max_beam_width < 1:
+            raise ValueError(f"max_beam_width: must be an integer >= 1, got {max_beam_width!r}")
+
+        engine = Engine.from_dir(engine_dir)
+        build = engine.build_config
+        max_batch_size = _positive("max_batch_size", params.max_batch_size, build.max_batch_size)
+        max_num_tokens = _positive("max_num_tokens", params.max_num_tokens, build.max_num_tokens)
+        max_num_sequences = _positive("max_num_sequences", params.max_num_sequences, max_batch_size)
+        device = torch.device(params.device or ("cuda" if params.device_ids else "cpu"))
+        num_blocks = num_kv_blocks(engine, params.kv_cache_config, max_num_sequences, device)
+        runner = ModelRunner(engine, num_blocks, kernels=params.kernel_backend, device=device)
+        kv = KvCacheManager(num_blocks, build.tokens_per_block)
+        if model_type == TrtGptModelType.V1:  # static lockstep batches, whatever the policy
+            capacity = make_capacity_scheduler(SchedulerPolicy.STATIC_BATCH, kv, max_batch_size, max_num_tokens)
+        else:
+            capacity = make_capacity_scheduler(policy, kv, max_num_sequences)
+        limits = AdmissionLimits(
+            vocab_size=engine.model_config.vocab_size, max_input_len=build.max_input_len,
+            max_seq_len=build.max_seq_len, max_beam_width=max_beam_width, max_num_blocks=num_blocks,
+            tokens_per_block=build.tokens_per_block, gather_context_logits=build.gather_context_logits,
+            gather_generation_logits=build.gather_generation_logits)
+        config = WorkerConfig(model_type=model_type, max_num_sequences=max_num_sequences,
+                              terminate_req_id=terminate_req_id, exclude_input_in_output=exclude_input_in_output,
+                              limits=limits)
+        self._worker = Worker(config, kv, capacity, MicroBatchScheduler(max_batch_size, max_num_tokens),
+                              ModelExecutor(runner, kv), get_inference_requests_cb, send_response_cb,
+                              poll_stop_signal_cb, return_batch_manager_stats_cb)
+        _live_workers.add(self._worker)
+        self._worker.start()
+
+    def shutdown(self) -> None:
+        """Stop fetching, finish the requests in flight, join the worker. Idempotent."""
+        self._worker.shutdown()
+
+    def wait_until_terminate(self) -> None:
+        """Join the worker without asking it to stop (it stops on terminate_req_id or shutdown)."""
+        self._worker.join()
+
+    def get_num_active_requests(self) -> int:
+        return self._worker.num_active_requests
+
+    def __enter__(self) -> "GptManager":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        worker = getattr(self, "_worker", None)
+        if worker is not None:
+            worker.shutdown()
+
+
+def _positive(name: str, value, default: int) -> int:
+    if value is None:
+        return default
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"TrtGptModelOptionalParams.{name}: must be a positive integer, got {value!r}")
+    return value

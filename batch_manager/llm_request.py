@@ -1,0 +1,128 @@
+"""LlmRequest: the manager's per-request state (plain Python, no tensors of its own).
+
+Each request has a token list (prompt + generated) and a count of tokens whose KV is in the
+cache (`num_computed_tokens`). A step computes the tokens between the two; when they meet, the
+step's last logits yield the next token. Pausing drops the cache (`num_computed_tokens = 0`), so
+a resumed request recomputes prompt + generated tokens as one context.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+
+class RequestState(enum.IntEnum):
+    WAITING = 0      # admitted, holds no KV blocks (new, or paused)
+    CONTEXT = 1      # holds KV blocks, more than one token left to compute
+    GENERATION = 2   # holds KV blocks, one token per step
+    FINISHED = 3
+
+
+_ALLOWED = {
+    RequestState.WAITING: {RequestState.CONTEXT, RequestState.FINISHED},
+    RequestState.CONTEXT: {RequestState.GENERATION, RequestState.WAITING, RequestState.FINISHED},
+    RequestState.GENERATION: {RequestState.WAITING, RequestState.FINISHED, RequestState.CONTEXT},
+    RequestState.FINISHED: set(),
+}
+
+
+class FinishReason(enum.Enum):
+    END_ID = "end_id"
+    LENGTH = "length"
+    STOPPED = "stopped"
+    ERROR = "error"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request decoding settings, validated Python values (the decoder's input)."""
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 0.0
+    min_length: int = 0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    random_seed: int = 0
+    length_penalty: float = 1.0
+    early_stopping: int = 1
+    no_repeat_ngram_size: int = 0
+
+
+@dataclass(eq=False)
+class LlmRequest:
+    request_id: int
+    prompt: list[int]
+    max_new_tokens: int
+    end_id: int | None = None
+    pad_id: int = 0
+    beam_width: int = 1
+    is_streaming: bool = False
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    return_log_probs: bool = False
+    return_context_logits: bool = False
+    return_generation_logits: bool = False
+    logits_post_processor: Callable | None = None
+    arrival_index: int = 0  # admission order, for FIFO scheduling and pause priority
+
+    state: RequestState = RequestState.WAITING
+    generated: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_sent_tokens: int = 0   # generated tokens already streamed
+    num_pauses: int = 0
+    start_index: int = -1      # when it last started holding blocks (pause picks the largest)
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    log_probs: list[float] = field(default_factory=list)
+    context_logits: Any = None             # float32 [prompt_len, V] when requested
+    generation_logits: list[Any] = field(default_factory=list)  # float32 [V] per generated token
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.generated)
+
+    @property
+    def max_num_tokens(self) -> int:
+        """Worst-case length: prompt + max_new_tokens (what GUARANTEED_NO_EVICT reserves)."""
+        return len(self.prompt) + self.max_new_tokens
+
+    @property
+    def num_tokens_to_compute(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.state == RequestState.FINISHED
+
+    @property
+    def holds_blocks(self) -> bool:
+        return self.state in (RequestState.CONTEXT, RequestState.GENERATION)
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        n = len(self.prompt)
+        if stop <= n:
+            return self.prompt[start:stop]
+        if start >= n:
+            return self.generated[start - n:stop - n]
+        return self.prompt[start:] + self.generated[:stop - n]
+
+    def set_state(self, new: RequestState) -> None:
+        if new not in _ALLOWED[self.state]:
+            raise AssertionError(f"request {self.request_id}: illegal transition {self.state.name} -> {new.name}")
+        self.state = new
+
+    def pause(self) -> None:
+        """Drop the KV cache; the request resumes later by recomputing all its tokens."""
+        self.set_state(RequestState.WAITING)
+        self.num_computed_tokens = 0
+        self.num_pauses += 1
+
+    def finish(self, reason: FinishReason, error: str | None = None) -> None:
+        self.set_state(RequestState.FINISHED)
+        self.finish_reason = reason
+        self.error = error

@@ -1,0 +1,53 @@
+"""User-facing options: batching type, scheduler policy, KV-cache config, optional parameters.
+
+Mutable attribute bags, as in the legacy binding (users set attributes after construction).
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class TrtGptModelType(enum.IntEnum):
+    V1 = 0                     # static batching: a batch runs in lockstep until all its members finish
+    InflightBatching = 1       # context and generation requests in separate forwards per iteration
+    InflightFusedBatching = 2  # one packed forward mixes them
+
+
+class SchedulerPolicy(enum.IntEnum):
+    MAX_UTILIZATION = 0
+    GUARANTEED_NO_EVICT = 1
+    STATIC_BATCH = 2
+
+
+CapacitySchedulerPolicy = SchedulerPolicy
+
+
+@dataclass
+class SchedulerConfig:
+    capacity_scheduler_policy: SchedulerPolicy = SchedulerPolicy.GUARANTEED_NO_EVICT
+
+
+@dataclass
+class KvCacheConfig:
+    max_tokens: int | None = None
+    max_attention_window: int | None = None
+    sink_token_length: int | None = None
+    free_gpu_memory_fraction: float | None = None  # None = 0.9
+    enable_block_reuse: bool = False
+
+
+@dataclass
+class TrtGptModelOptionalParams:
+    kv_cache_config: KvCacheConfig = field(default_factory=KvCacheConfig)
+    max_num_sequences: int | None = None   # None = max_batch_size
+    enable_trt_overlap: bool = False
+    device_ids: list[int] | None = None
+    normalize_log_probs: bool = True
+    enable_chunked_context: bool = False
+    max_batch_size: int | None = None      # None = the engine's
+    max_num_tokens: int | None = None      # None = the engine's
+    max_beam_width: int | None = None
+    scheduler_config: SchedulerConfig | None = None
+    kernel_backend: str | None = None      # "torch" | "cuda" | "emu"; None = BATCH_MANAGER_KERNELS or default
+    device: str | None = None              # torch device of the runtime; None = "cuda" if device_ids else "cpu"

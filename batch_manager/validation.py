@@ -1,0 +1,179 @@
+"""Admission: turn an InferenceRequest's tensors into a validated LlmRequest, or a ValueError that
+names the tensor and the value. Nothing is changed for a rejected request."""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+
+from . import tensor_names as tn
+from .inference_request import InferenceRequest
+from .llm_request import LlmRequest, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_INT_DTYPES = (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8, torch.uint32, torch.uint64)
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+# Accepted and validated, but not implemented by this version: a request that sets them is refused.
+_UNSUPPORTED = (tn.POSITION_IDS, tn.DRAFT_INPUT_IDS, tn.DRAFT_LOGITS, tn.PROMPT_EMBEDDING_TABLE,
+                tn.PROMPT_VOCAB_SIZE, tn.LORA_TASK_ID, tn.LORA_WEIGHTS, tn.LORA_CONFIG,
+                tn.BAD_WORDS_LIST, tn.STOP_WORDS_LIST, tn.EMBEDDING_BIAS)
+
+
+class RequestError(ValueError):
+    """A request that cannot be admitted; the message names the tensor and the value."""
+
+
+@dataclass(frozen=True)
+class AdmissionLimits:
+    vocab_size: int
+    max_input_len: int
+    max_seq_len: int
+    max_beam_width: int
+    max_num_blocks: int          # the whole KV pool: a request that cannot fit it alone is refused
+    tokens_per_block: int
+    gather_context_logits: bool
+    gather_generation_logits: bool
+
+
+def _tensor(name: str, value) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise RequestError(f"{name}: expected a torch tensor, got {type(value).__name__}")
+    return value
+
+
+def _scalar(tensors: dict, name: str, kind: str, default=None):
+    """Read a one-element tensor ([1], [1, 1] or []) as an int, float or bool."""
+    if name not in tensors:
+        return default
+    t = _tensor(name, tensors[name])
+    if t.numel() != 1 or t.dim() > 2:
+        raise RequestError(f"{name}: expected one value (shape [1] or [1, 1]), got shape {list(t.shape)}")
+    if kind == "int":
+        if t.dtype not in _INT_DTYPES:
+            raise RequestError(f"{name}: expected an integer tensor, got {t.dtype}")
+        return int(t.item())
+    if kind == "float":
+        if t.dtype not in _FLOAT_DTYPES:
+            raise RequestError(f"{name}: expected a float32 tensor, got {t.dtype}")
+        value = float(t.item())
+        if not math.isfinite(value):
+            raise RequestError(f"{name}: must be finite, got {value}")
+        return value
+    if t.dtype != torch.bool and t.dtype not in _INT_DTYPES:
+        raise RequestError(f"{name}: expected a bool tensor, got {t.dtype}")
+    return bool(t.item())
+
+
+def _input_ids(tensors: dict, limits: AdmissionLimits) -> list[int]:
+    if tn.INPUT_IDS not in tensors:
+        raise RequestError(f"{tn.INPUT_IDS}: missing (required)")
+    t = _tensor(tn.INPUT_IDS, tensors[tn.INPUT_IDS])
+    if t.dtype not in _INT_DTYPES:
+        raise RequestError(f"{tn.INPUT_IDS}: expected int32, got {t.dtype}")
+    if t.dim() == 2 and t.shape[0] == 1:
+        t = t[0]
+    if t.dim() != 1:
+        raise RequestError(f"{tn.INPUT_IDS}: expected shape [L] or [1, L], got {list(t.shape)}")
+    if t.numel() == 0:
+        raise RequestError(f"{tn.INPUT_IDS}: empty prompt")
+    if t.numel() > limits.max_input_len:
+        raise RequestError(f"{tn.INPUT_IDS}: prompt length {t.numel()} exceeds the engine's max_input_len "
+                           f"{limits.max_input_len}")
+    low, high = int(t.min()), int(t.max())
+    if low < 0 or high >= limits.vocab_size:
+        bad = low if low < 0 else high
+        raise RequestError(f"{tn.INPUT_IDS}: token id {bad} outside [0, {limits.vocab_size})")
+    return t.tolist()
+
+
+def _check_range(name: str, value, low, high, low_inclusive=True, high_inclusive=True):
+    ok_low = value >= low if low_inclusive else value > low
+    ok_high = value <= high if high_inclusive else value < high
+    if not (ok_low and ok_high):
+        lb, hb = "[" if low_inclusive else "(", "]" if high_inclusive else ")"
+        raise RequestError(f"{name}: {value} outside {lb}{low}, {high}{hb}")
+
+
+def _sampling(tensors: dict) -> SamplingParams:
+    p = SamplingParams(
+        temperature=_scalar(tensors, tn.TEMPERATURE, "float", 1.0),
+        top_k=_scalar(tensors, tn.RUNTIME_TOP_K, "int", 0),
+        top_p=_scalar(tensors, tn.RUNTIME_TOP_P, "float", 0.0),
+        min_length=_scalar(tensors, tn.MIN_LENGTH, "int", 0),
+        repetition_penalty=_scalar(tensors, tn.REPETITION_PENALTY, "float", 1.0),
+        presence_penalty=_scalar(tensors, tn.PRESENCE_PENALTY, "float", 0.0),
+        frequency_penalty=_scalar(tensors, tn.FREQUENCY_PENALTY, "float", 0.0),
+        random_seed=_scalar(tensors, tn.RANDOM_SEED, "int", 0),
+        length_penalty=_scalar(tensors, tn.LENGTH_PENALTY, "float", 1.0),
+        early_stopping=_scalar(tensors, tn.EARLY_STOPPING, "int", 1),
+        no_repeat_ngram_size=_scalar(tensors, tn.NO_REPEAT_NGRAM_SIZE, "int", 0))
+    _check_range(tn.TEMPERATURE, p.temperature, 0.0, 1e4)
+    _check_range(tn.RUNTIME_TOP_K, p.top_k, 0, 1 << 20)
+    _check_range(tn.RUNTIME_TOP_P, p.top_p, 0.0, 1.0)
+    _check_range(tn.MIN_LENGTH, p.min_length, 0, 1 << 30)
+    _check_range(tn.REPETITION_PENALTY, p.repetition_penalty, 0.0, 1e4, low_inclusive=False)
+    _check_range(tn.NO_REPEAT_NGRAM_SIZE, p.no_repeat_ngram_size, 0, 1 << 20)
+    _check_range(tn.RANDOM_SEED, p.random_seed, -(1 << 63), (1 << 64) - 1)
+    # Greedy decoding only in this version: refuse settings that would change the tokens.
+    for name, value, greedy in ((tn.RUNTIME_TOP_K, p.top_k, p.top_k <= 1), (tn.RUNTIME_TOP_P, p.top_p, p.top_p == 0),
+                                (tn.MIN_LENGTH, p.min_length, p.min_length <= 1),
+                                (tn.REPETITION_PENALTY, p.repetition_penalty, p.repetition_penalty == 1.0),
+                                (tn.PRESENCE_PENALTY, p.presence_penalty, p.presence_penalty == 0.0),
+                                (tn.FREQUENCY_PENALTY, p.frequency_penalty, p.frequency_penalty == 0.0),
+                                (tn.NO_REPEAT_NGRAM_SIZE, p.no_repeat_ngram_size, p.no_repeat_ngram_size == 0)):
+        if not greedy:
+            raise RequestError(f"{name}: {value} is not supported; this version decodes greedily")
+    return p
+
+
+def to_llm_request(request: InferenceRequest, limits: AdmissionLimits, arrival_index: int) -> LlmRequest:
+    tensors = request.input_tensors
+    unknown = set(tensors) - tn.INPUT_NAMES
+    if unknown:
+        raise RequestError(f"unknown input tensor names {sorted(unknown)}")
+    for name in _UNSUPPORTED:
+        if name in tensors:
+            raise RequestError(f"{name}: not supported by this version")
+    prompt = _input_ids(tensors, limits)
+    if tn.MAX_NEW_TOKENS not in tensors:
+        raise RequestError(f"{tn.MAX_NEW_TOKENS}: missing (required)")
+    max_new_tokens = _scalar(tensors, tn.MAX_NEW_TOKENS, "int")
+    if max_new_tokens <= 0:
+        raise RequestError(f"{tn.MAX_NEW_TOKENS}: must be positive, got {max_new_tokens}")
+    if len(prompt) + max_new_tokens > limits.max_seq_len:
+        clamped = limits.max_seq_len - len(prompt)
+        logger.warning("request %s: prompt %d + %s %d exceeds max_seq_len %d; clamped to %d new tokens",
+                       request.request_id, len(prompt), tn.MAX_NEW_TOKENS, max_new_tokens, limits.max_seq_len,
+                       clamped)
+        max_new_tokens = clamped
+    beam_width = _scalar(tensors, tn.BEAM_WIDTH, "int", 1)
+    _check_range(tn.BEAM_WIDTH, beam_width, 1, limits.max_beam_width)
+    if beam_width != 1:
+        raise RequestError(f"{tn.BEAM_WIDTH}: {beam_width} is not supported; this version decodes greedily")
+    end_id = _scalar(tensors, tn.END_ID, "int", None)
+    if end_id is not None and end_id != -1:
+        _check_range(tn.END_ID, end_id, 0, limits.vocab_size, high_inclusive=False)
+    pad_id = _scalar(tensors, tn.PAD_ID, "int", 0)
+    sampling = _sampling(tensors)
+    flags = {name: _scalar(tensors, name, "bool", False)
+             for name in (tn.RETURN_LOG_PROBS, tn.RETURN_CONTEXT_LOGITS, tn.RETURN_GENERATION_LOGITS)}
+    if flags[tn.RETURN_CONTEXT_LOGITS] and not limits.gather_context_logits:
+        raise RequestError(f"{tn.RETURN_CONTEXT_LOGITS}: true, but the engine was not built with gather_context_logits")
+    if flags[tn.RETURN_GENERATION_LOGITS] and not limits.gather_generation_logits:
+        raise RequestError(f"{tn.RETURN_GENERATION_LOGITS}: true, but the engine was not built with "
+                           "gather_generation_logits")
+    need_blocks = -(-(len(prompt) + max_new_tokens) // limits.tokens_per_block)
+    if need_blocks > limits.max_num_blocks:
+        raise RequestError(f"{tn.MAX_NEW_TOKENS}: prompt {len(prompt)} + {max_new_tokens} new tokens need "
+                           f"{need_blocks} KV blocks; the whole pool has {limits.max_num_blocks}")
+    return LlmRequest(
+        request_id=request.request_id, prompt=prompt, max_new_tokens=max_new_tokens,
+        end_id=None if end_id == -1 else end_id, pad_id=pad_id, beam_width=beam_width,
+        is_streaming=bool(request.is_streaming), sampling=sampling,
+        return_log_probs=flags[tn.RETURN_LOG_PROBS], return_context_logits=flags[tn.RETURN_CONTEXT_LOGITS],
+        return_generation_logits=flags[tn.RETURN_GENERATION_LOGITS],
+        logits_post_processor=request.logits_post_processor, arrival_index=arrival_index)

@@ -1,0 +1,215 @@
+"""The worker loop: owns the active requests and runs one iteration after another on its thread.
+
+Iteration order (API.md): fetch + validate + admit, stop signals, schedule (capacity, then
+micro-batch), run the step, send responses, report stats. User callbacks run here; their
+exceptions are logged and contained. A failed step fails only that step's requests.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+from .kv_cache_manager import KvCacheManager
+from .llm_request import FinishReason, LlmRequest
+from .model_executor import ModelExecutor
+from .options import TrtGptModelType
+from .responses import response_tensors
+from .scheduler import CapacityScheduler, MicroBatch, MicroBatchScheduler
+from .stats import IterationStats, stats_json
+from .validation import AdmissionLimits, RequestError, to_llm_request
+
+logger = logging.getLogger(__name__)
+
+# Idle poll interval: bounds the latency an idle manager adds to a new request (~0.5 ms) while
+# keeping an idle worker near 0 % CPU.
+IDLE_SLEEP_S = 0.0005
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    model_type: TrtGptModelType
+    max_num_sequences: int
+    terminate_req_id: int | None
+    exclude_input_in_output: bool
+    limits: AdmissionLimits
+
+
+class Worker:
+    def __init__(self, config: WorkerConfig, kv: KvCacheManager, capacity: CapacityScheduler,
+                 micro_batch: MicroBatchScheduler, executor: ModelExecutor, get_requests: Callable,
+                 send_response: Callable, poll_stop_signals: Callable | None, report_stats: Callable | None):
+        self.config = config
+        self.kv, self.capacity, self.micro_batch, self.executor = kv, capacity, micro_batch, executor
+        self._get_requests, self._send_response = get_requests, send_response
+        self._poll_stop_signals, self._report_stats = poll_stop_signals, report_stats
+        self._active: dict[int, LlmRequest] = {}  # admission order
+        self._num_admitted = 0
+        self._iteration = 0
+        self._static_batch_size = 0
+        self._stop_requested = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="GptManagerWorker")
+        self.memory_usage = executor.memory_usage()
+        # A test hook: called with the micro-batch's requests before each forward; may raise.
+        self.fault_injector: Callable[[list[LlmRequest]], None] | None = None
+
+    @property
+    def num_active_requests(self) -> int:
+        return len(self._active)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        self._stop_requested.set()
+        self.join()
+
+    def join(self) -> None:
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    # -- the loop ---------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not (self._stop_requested.is_set() and not self._active):
+                fetched = 0
+                if not self._stop_requested.is_set():
+                    fetched, terminate = self._fetch_new_requests()
+                    if terminate:
+                        self._fail_all("terminated: the terminate request id was received")
+                        return
+                self._apply_stop_signals()
+                if not self._active:
+                    if not fetched:
+                        self._stop_requested.wait(IDLE_SLEEP_S)
+                    continue
+                batch, num_paused = self._schedule()
+                self._run_step(batch)
+                self._iteration += 1
+                self._send_responses(batch)
+                self._send_stats(batch, num_paused)
+        except BaseException:  # an internal bug: fail what is in flight rather than hang the users
+            logger.exception("GptManager worker crashed")
+            self._fail_all("internal error in the batch manager worker (see the log)")
+
+    def _fetch_new_requests(self) -> tuple[int, bool]:
+        capacity = max(self.config.max_num_sequences - len(self._active), 0)
+        try:
+            requests = list(self._call("get_inference_requests_cb", self._get_requests, capacity) or ())
+        except TypeError:
+            logger.error("get_inference_requests_cb returned a non-iterable; ignored")
+            requests = []
+        for i, request in enumerate(requests):
+            if self.config.terminate_req_id is not None and request.request_id == self.config.terminate_req_id:
+                for later in requests[i + 1:]:
+                    self._send(later.request_id, [], True, "terminated: the terminate request id was received")
+                return len(requests), True
+            self._admit(request)
+        return len(requests), False
+
+    def _admit(self, request) -> None:
+        request_id = getattr(request, "request_id", None)
+        try:
+            if not isinstance(request_id, int) or isinstance(request_id, bool) or not 0 <= request_id < 1 << 64:
+                raise RequestError(f"request_id: expected an integer in [0, 2**64), got {request_id!r}")
+            if request_id in self._active:
+                raise RequestError(f"request_id: {request_id} already exists among the active requests")
+            llm_request = to_llm_request(request, self.config.limits, self._num_admitted)
+        except Exception as e:  # noqa: BLE001 - any bad input becomes that request's error
+            self._send(request_id, [], True, f"Cannot process new request: {e}")
+            return
+        self._num_admitted += 1
+        self._active[request_id] = llm_request
+
+    def _apply_stop_signals(self) -> None:
+        if self._poll_stop_signals is None:
+            return
+        try:
+            stop_ids = list(self._call("poll_stop_signal_cb", self._poll_stop_signals) or ())
+        except TypeError:
+            logger.error("poll_stop_signal_cb returned a non-iterable; ignored")
+            return
+        for request_id in stop_ids:
+            r = self._active.get(request_id) if isinstance(request_id, int) else None
+            if r is not None:
+                r.finish(FinishReason.STOPPED)
+                self._complete(r)
+
+    def _schedule(self) -> tuple[MicroBatch, int]:
+        self.kv.start_iteration()
+        capacity = self.capacity.schedule(list(self._active.values()))
+        return self.micro_batch.schedule(capacity.fitting), len(capacity.paused)
+
+    def _run_step(self, batch: MicroBatch) -> None:
+        if self.config.model_type == TrtGptModelType.InflightFusedBatching:
+            groups = [batch.generation_requests + batch.context_requests]
+        else:
+            groups = [batch.context_requests, batch.generation_requests]
+        for group in groups:
+            if not group:
+                continue
+            try:
+                if self.fault_injector is not None:
+                    self.fault_injector(group)
+                self.executor.step(group)
+            except Exception as e:  # noqa: BLE001
+                logger.exception("model step failed for requests %s", [r.request_id for r in group])
+                for r in group:
+                    r.finish(FinishReason.ERROR, f"Encountered an error in the model step: {e!r}")
+
+    def _send_responses(self, batch: MicroBatch) -> None:
+        for r in batch.context_requests + batch.generation_requests:
+            if r.is_finished:
+                self._complete(r)
+            elif r.is_streaming and len(r.generated) > r.num_sent_tokens:
+                self._send(r.request_id, response_tensors(r, self.config.exclude_input_in_output), False, "")
+
+    def _complete(self, r: LlmRequest) -> None:
+        """Send the final response and release everything the request holds."""
+        self.kv.free(r.request_id)
+        del self._active[r.request_id]
+        if r.finish_reason == FinishReason.ERROR:
+            self._send(r.request_id, [], True, r.error or "error")
+        else:
+            self._send(r.request_id, response_tensors(r, self.config.exclude_input_in_output), True, "")
+
+    def _fail_all(self, message: str) -> None:
+        for r in list(self._active.values()):
+            if not r.is_finished:
+                r.finish(FinishReason.ERROR, message)
+            self._complete(r)
+
+    def _send_stats(self, batch: MicroBatch, num_paused: int) -> None:
+        if self._report_stats is None or not self._active:
+            return
+        cpu, gpu, pinned = self.memory_usage
+        is_v1 = self.config.model_type == TrtGptModelType.V1
+        if is_v1 and batch.context_requests:  # a new static batch: its slots stay until all finish
+            self._static_batch_size = batch.num_requests
+        stats = IterationStats(
+            iteration=self._iteration, num_active=len(self._active),
+            max_num_requests=self.config.max_num_sequences, cpu_memory_bytes=cpu, gpu_memory_bytes=gpu,
+            pinned_memory_bytes=pinned, max_blocks=self.kv.num_blocks, free_blocks=self.kv.num_free_blocks,
+            used_blocks=self.kv.num_used_blocks, tokens_per_block=self.kv.tokens_per_block,
+            allocated_total_blocks=self.kv.num_allocated_total, allocated_new_blocks=self.kv.num_allocated_new,
+            reused_blocks=0, num_scheduled=batch.num_requests, num_context=len(batch.context_requests),
+            num_generation=len(batch.generation_requests), num_context_tokens=batch.num_context_tokens,
+            num_generation_tokens=len(batch.generation_requests), num_paused=num_paused,
+            num_empty_generation_slots=max(0, self._static_batch_size - batch.num_requests) if is_v1 else 0)
+        self._call("return_batch_manager_stats_cb", self._report_stats, stats_json(stats, is_v1))
+
+    # -- callbacks --------------------------------------------------------------------------------
+
+    def _send(self, request_id, tensors, is_final: bool, err_msg: str) -> None:
+        self._call("send_response_cb", self._send_response, request_id, tensors, is_final, err_msg)
+
+    @staticmethod
+    def _call(name: str, fn: Callable, *args):
+        try:
+            return fn(*args)
+        except Exception:  # noqa: BLE001 - a user callback never kills the worker
+            logger.exception("user callback %s raised", name)
+            return None
+
