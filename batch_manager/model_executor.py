@@ -41,13 +41,17 @@ class ModelExecutor:
         inputs, context_logits_rows = self._inputs(requests)
         outputs = self.runner.forward(inputs)
         logits = outputs["logits"]  # float32 [S, V]
-        self._post_process(requests, logits)
+        with torch.inference_mode():  # the runtime's outputs are inference tensors
+            failures = self._post_process(requests, logits)
         next_tokens = logits.argmax(dim=-1).tolist()
         log_probs = None
         if any(r.return_log_probs for r in requests):
             log_probs = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(next_tokens)[:, None])[:, 0].tolist()
         context_logits = outputs.get("context_logits")
         for row, r in enumerate(requests):
+            if r in failures:
+                r.finish(FinishReason.ERROR, failures[r])
+                continue
             if r in context_logits_rows:
                 start = context_logits_rows[r]
                 r.context_logits = context_logits[start:start + r.prompt_len].cpu()
@@ -85,16 +89,23 @@ class ModelExecutor:
         return inputs, context_logits_rows
 
     @staticmethod
-    def _post_process(requests: list[LlmRequest], logits: torch.Tensor) -> None:
+    def _post_process(requests: list[LlmRequest], logits: torch.Tensor) -> dict[LlmRequest, str]:
         """Per-request logits post-processors, called as fn(request_id, logits [1, V], token_ids
-        [[...]], stream, client_id) and allowed to modify logits in place (or return new ones)."""
+        [[...]], stream, client_id) and allowed to modify logits in place (or return new ones).
+        Returns the requests whose post-processor raised -> error message."""
+        failures: dict[LlmRequest, str] = {}
         for row, r in enumerate(requests):
             if r.logits_post_processor is None:
                 continue
             view = logits[row:row + 1]
-            result = r.logits_post_processor(r.request_id, view, [r.prompt + r.generated], None, None)
-            if isinstance(result, torch.Tensor) and result is not view:
-                view.copy_(result.reshape(view.shape))
+            try:
+                result = r.logits_post_processor(r.request_id, view, [r.prompt + r.generated], None, None)
+                if isinstance(result, torch.Tensor) and result is not view:
+                    view.copy_(result.reshape(view.shape))
+            except Exception as e:  # noqa: BLE001 - user code fails only its own request
+                logger.exception("logits post-processor of request %s raised", r.request_id)
+                failures[r] = f"logits post-processor raised: {e!r}"
+        return failures
 
     @staticmethod
     def _accept(r: LlmRequest, token: int, log_prob: float | None, logits_row: torch.Tensor | None) -> None:
