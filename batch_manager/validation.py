@@ -83,11 +83,15 @@ def _input_ids(tensors: dict, limits: AdmissionLimits) -> list[int]:
     if t.numel() > limits.max_input_len:
         raise RequestError(f"{tn.INPUT_IDS}: prompt length {t.numel()} exceeds the engine's max_input_len "
                            f"{limits.max_input_len}")
-    low, high = int(t.min()), int(t.max())
+    if t.numel() >= limits.max_seq_len:
+        raise RequestError(f"{tn.INPUT_IDS}: prompt length {t.numel()} leaves no room to generate within the "
+                           f"engine's max_seq_len {limits.max_seq_len}")
+    prompt = t.tolist()  # Python ints: also for unsigned dtypes, which have no min/max kernels
+    low, high = min(prompt), max(prompt)
     if low < 0 or high >= limits.vocab_size:
         bad = low if low < 0 else high
         raise RequestError(f"{tn.INPUT_IDS}: token id {bad} outside [0, {limits.vocab_size})")
-    return t.tolist()
+    return prompt
 
 
 def _check_range(name: str, value, low, high, low_inclusive=True, high_inclusive=True):

@@ -198,6 +198,14 @@ def _require(hf: dict[str, Any], key: str, *alternatives: str) -> Any:
     raise ConfigError(f"config.json: missing field {key!r}")
 
 
+def _positive_int(hf: dict[str, Any], key: str, *alternatives: str) -> int:
+    value = _require(hf, key, *alternatives)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        found = next(k for k in (key, *alternatives) if hf.get(k) is not None)
+        raise ConfigError(f"config.json: {found} must be a positive integer, got {value!r}")
+    return value
+
+
 def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
     # transformers < 5 writes rope_theta + rope_scaling; >= 5 writes rope_parameters.
     params = hf.get("rope_parameters")
@@ -245,23 +253,23 @@ def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
                 raise ConfigError(f"config.json: {flag}=true is not supported")
         if hf.get("scale_attn_weights", True) is False:
             raise ConfigError("config.json: scale_attn_weights=false is not supported")
-        hidden = int(_require(hf, "n_embd", "hidden_size"))
-        heads = int(_require(hf, "n_head", "num_attention_heads"))
+        hidden = _positive_int(hf, "n_embd", "hidden_size")
+        heads = _positive_int(hf, "n_head", "num_attention_heads")
         inner = hf.get("n_inner")
         return ModelConfig(
-            architecture="gpt2", vocab_size=int(_require(hf, "vocab_size")), hidden_size=hidden,
-            num_layers=int(_require(hf, "n_layer", "num_hidden_layers")), num_heads=heads,
+            architecture="gpt2", vocab_size=_positive_int(hf, "vocab_size"), hidden_size=hidden,
+            num_layers=_positive_int(hf, "n_layer", "num_hidden_layers"), num_heads=heads,
             num_kv_heads=heads, head_dim=hidden // heads,
             intermediate_size=int(inner) if inner else 4 * hidden,
-            max_position_embeddings=int(_require(hf, "n_positions", "max_position_embeddings")),
+            max_position_embeddings=_positive_int(hf, "n_positions", "max_position_embeddings"),
             norm_type="layernorm", norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
             mlp_type="gelu", activation=hf.get("activation_function", "gelu_new"),
             position_embedding="learned", rope=None, qkv_bias=True, out_bias=True, mlp_bias=True,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)), sliding_window=None,
             **ids).validated()
 
-    hidden = int(_require(hf, "hidden_size"))
-    heads = int(_require(hf, "num_attention_heads"))
+    hidden = _positive_int(hf, "hidden_size")
+    heads = _positive_int(hf, "num_attention_heads")
     kv_heads = int(hf.get("num_key_value_heads") or heads)
     head_dim = int(hf.get("head_dim") or hidden // heads)
     window = hf.get("sliding_window")
@@ -276,9 +284,9 @@ def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         pass  # tensor-parallel pretraining only changed how the reference split matmuls
     attention_bias = bool(hf.get("attention_bias", False))
     return ModelConfig(
-        architecture=model_type, vocab_size=int(_require(hf, "vocab_size")), hidden_size=hidden,
-        num_layers=int(_require(hf, "num_hidden_layers")), num_heads=heads, num_kv_heads=kv_heads,
-        head_dim=head_dim, intermediate_size=int(_require(hf, "intermediate_size")),
+        architecture=model_type, vocab_size=_positive_int(hf, "vocab_size"), hidden_size=hidden,
+        num_layers=_positive_int(hf, "num_hidden_layers"), num_heads=heads, num_kv_heads=kv_heads,
+        head_dim=head_dim, intermediate_size=_positive_int(hf, "intermediate_size"),
         max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
         norm_type="rmsnorm", norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         mlp_type="gated", activation=hf.get("hidden_act", "silu"), position_embedding="rope",

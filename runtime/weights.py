@@ -114,7 +114,11 @@ def _hf_gpt2(src: _TensorSource, cfg: ModelConfig) -> Weights:
         return src.get(prefix + name)
 
     def conv1d(name: str) -> torch.Tensor:  # GPT-2's Conv1D stores [in, out]
-        return get(name).t().contiguous()
+        tensor = get(name)
+        if tensor.dim() != 2:
+            raise WeightError(f"{src.directory}: tensor {prefix + name!r} has shape {list(tensor.shape)}, "
+                              "expected a 2-D [in, out] Conv1D weight")
+        return tensor.t().contiguous()
 
     w: Weights = {"embed_tokens": get("wte.weight"), "position_embeddings": get("wpe.weight"),
                   "final_norm.weight": get("ln_f.weight"), "final_norm.bias": get("ln_f.bias")}
@@ -131,25 +135,39 @@ def _hf_gpt2(src: _TensorSource, cfg: ModelConfig) -> Weights:
     return w
 
 
+def _cat(src: _TensorSource, name_to_shape: dict[str, tuple[int, ...]]) -> torch.Tensor:
+    """Concatenate HF tensors along dim 0 (fused q/k/v, gate/up), naming any misshaped part."""
+    parts = []
+    for name, shape in name_to_shape.items():
+        tensor = src.get(name)
+        if tuple(tensor.shape) != shape:
+            raise WeightError(f"{src.directory}: tensor {name!r} has shape {list(tensor.shape)}, "
+                              f"expected {list(shape)} from the config")
+        parts.append(tensor)
+    return torch.cat(parts)
+
+
 def _hf_llama(src: _TensorSource, cfg: ModelConfig) -> Weights:
     """LLaMA, Mistral and Qwen2 share one naming scheme."""
     get = src.get
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    qkv_rows = {"q": cfg.q_size, "k": cfg.kv_size, "v": cfg.kv_size}
     w: Weights = {"embed_tokens": get("model.embed_tokens.weight"), "final_norm.weight": get("model.norm.weight")}
     for layer in range(cfg.num_layers):
         p, q = f"model.layers.{layer}.", f"layers.{layer}."
         w[q + "input_norm.weight"] = get(p + "input_layernorm.weight")
         w[q + "post_norm.weight"] = get(p + "post_attention_layernorm.weight")
         attn = p + "self_attn."
-        w[q + "qkv.weight"] = torch.cat([get(attn + f"{x}_proj.weight") for x in "qkv"])
+        w[q + "qkv.weight"] = _cat(src, {attn + f"{x}_proj.weight": (n, h) for x, n in qkv_rows.items()})
         if cfg.qkv_bias:
-            w[q + "qkv.bias"] = torch.cat([get(attn + f"{x}_proj.bias") for x in "qkv"])
+            w[q + "qkv.bias"] = _cat(src, {attn + f"{x}_proj.bias": (n,) for x, n in qkv_rows.items()})
         w[q + "out.weight"] = get(attn + "o_proj.weight")
         if cfg.out_bias:
             w[q + "out.bias"] = get(attn + "o_proj.bias")
-        w[q + "mlp_in.weight"] = torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
+        w[q + "mlp_in.weight"] = _cat(src, {p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h)})
         w[q + "mlp_out.weight"] = get(p + "mlp.down_proj.weight")
         if cfg.mlp_bias:
-            w[q + "mlp_in.bias"] = torch.cat([get(p + "mlp.gate_proj.bias"), get(p + "mlp.up_proj.bias")])
+            w[q + "mlp_in.bias"] = _cat(src, {p + "mlp.gate_proj.bias": (i,), p + "mlp.up_proj.bias": (i,)})
             w[q + "mlp_out.bias"] = get(p + "mlp.down_proj.bias")
     if not cfg.tie_word_embeddings:
         w["lm_head"] = get("lm_head.weight")
@@ -178,11 +196,7 @@ def _checked(weights: Weights, cfg: ModelConfig, dtype: torch.dtype, where: str)
 
 
 def load_hf_weights(directory: str, cfg: ModelConfig, dtype: torch.dtype) -> Weights:
-    src = _TensorSource(directory)
-    try:
-        raw = HF_WEIGHT_READERS[cfg.architecture](src, cfg)
-    except RuntimeError as e:  # torch.cat of misshaped q/k/v parts
-        raise WeightError(f"{directory}: inconsistent attention/MLP projection shapes: {e}") from None
+    raw = HF_WEIGHT_READERS[cfg.architecture](_TensorSource(directory), cfg)
     return _checked(raw, cfg, dtype, directory)
 
 

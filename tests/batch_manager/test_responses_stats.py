@@ -1,0 +1,185 @@
+"""Response tensors (names, dtypes, shapes, streaming chunks) and the stats JSON keys of API.md."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from datetime import datetime
+
+import pytest
+import torch
+
+from batch_manager.llm_request import FinishReason, LlmRequest, RequestState
+from batch_manager.responses import response_tensors
+from batch_manager.stats import IterationStats, stats_json
+
+VOCAB = 5
+OUTPUT_NAMES = ["output_ids", "sequence_length", "output_log_probs", "cum_log_probs", "context_logits",
+                "generation_logits"]
+
+
+def make_request(prompt=(1, 2, 3), generated=(10, 11), finished: bool = True, **kw) -> LlmRequest:
+    r = LlmRequest(request_id=1, prompt=list(prompt), max_new_tokens=8, **kw)
+    r.set_state(RequestState.CONTEXT)
+    r.set_state(RequestState.GENERATION)
+    r.generated = list(generated)
+    if finished:
+        r.finish(FinishReason.LENGTH)
+    return r
+
+
+def as_dict(r: LlmRequest, exclude_input_in_output: bool = False) -> dict[str, torch.Tensor]:
+    tensors = response_tensors(r, exclude_input_in_output)
+    assert [t.name for t in tensors] == OUTPUT_NAMES
+    return {t.name: t.tensor for t in tensors}
+
+
+def assert_tensor(t: torch.Tensor, dtype: torch.dtype, expected) -> None:
+    expected = torch.as_tensor(expected, dtype=dtype)
+    assert t.dtype == dtype
+    assert t.device.type == "cpu"
+    assert list(t.shape) == list(expected.shape)
+    assert torch.equal(t, expected)
+
+
+# -- responses -------------------------------------------------------------------------------------
+
+def test_non_streaming_prompt_plus_generated_with_dummies():
+    out = as_dict(make_request())
+    assert_tensor(out["output_ids"], torch.int32, [[[1, 2, 3, 10, 11]]])
+    assert_tensor(out["sequence_length"], torch.int32, [[5]])
+    assert_tensor(out["output_log_probs"], torch.float32, torch.zeros(1, 1, 2))
+    assert_tensor(out["cum_log_probs"], torch.float32, [[0.0]])
+    assert_tensor(out["context_logits"], torch.float32, torch.zeros(1, 1, 1))
+    assert_tensor(out["generation_logits"], torch.float32, torch.zeros(1, 1, 1, 1))
+
+
+def test_non_streaming_exclude_input_in_output():
+    out = as_dict(make_request(), exclude_input_in_output=True)
+    assert_tensor(out["output_ids"], torch.int32, [[[10, 11]]])
+    assert_tensor(out["sequence_length"], torch.int32, [[2]])
+    assert_tensor(out["output_log_probs"], torch.float32, torch.zeros(1, 1, 2))
+
+
+def test_streaming_sends_only_new_tokens():
+    r = make_request(generated=[10], finished=False, is_streaming=True)
+    out = as_dict(r)
+    assert_tensor(out["output_ids"], torch.int32, [[[10]]])
+    assert_tensor(out["sequence_length"], torch.int32, [[1]])
+    assert_tensor(out["output_log_probs"], torch.float32, torch.zeros(1, 1, 1))
+    assert r.num_sent_tokens == 1
+    r.generated += [11, 12]
+    out = as_dict(r, exclude_input_in_output=False)      # streaming never repeats the prompt
+    assert_tensor(out["output_ids"], torch.int32, [[[11, 12]]])
+    assert_tensor(out["sequence_length"], torch.int32, [[2]])
+    assert_tensor(out["output_log_probs"], torch.float32, torch.zeros(1, 1, 2))
+    assert r.num_sent_tokens == 3
+    r.finish(FinishReason.END_ID)                        # final response with nothing new
+    out = as_dict(r)
+    assert_tensor(out["output_ids"], torch.int32, torch.zeros(1, 1, 0))
+    assert_tensor(out["sequence_length"], torch.int32, [[0]])
+    assert r.num_sent_tokens == 3
+
+
+def test_non_streaming_response_marks_everything_sent():
+    r = make_request()
+    as_dict(r)
+    assert r.num_sent_tokens == 2
+
+
+def test_log_probs_when_requested():
+    r = make_request(return_log_probs=True)
+    r.log_probs = [-0.5, -1.25]
+    out = as_dict(r)
+    assert_tensor(out["output_log_probs"], torch.float32, [[[-0.5, -1.25]]])
+    assert_tensor(out["cum_log_probs"], torch.float32, [[-1.75]])
+
+
+def test_streaming_log_probs_chunk_and_cumulative_sum():
+    r = make_request(generated=[10], finished=False, is_streaming=True, return_log_probs=True)
+    r.log_probs = [-0.5]
+    as_dict(r)
+    r.generated.append(11)
+    r.log_probs.append(-0.25)
+    out = as_dict(r)
+    assert_tensor(out["output_log_probs"], torch.float32, [[[-0.25]]])
+    assert_tensor(out["cum_log_probs"], torch.float32, [[-0.75]])
+
+
+def test_context_logits_when_requested_in_the_final_response():
+    r = make_request(return_context_logits=True, finished=False, is_streaming=True)
+    r.context_logits = torch.arange(3 * VOCAB, dtype=torch.float16).view(3, VOCAB)
+    assert_tensor(as_dict(r)["context_logits"], torch.float32, torch.zeros(1, 1, 1))   # not final yet
+    r.finish(FinishReason.LENGTH)
+    assert_tensor(as_dict(r)["context_logits"], torch.float32,
+                  torch.arange(3 * VOCAB, dtype=torch.float32).view(1, 3, VOCAB))
+
+
+def test_generation_logits_when_requested():
+    rows = [torch.full((VOCAB,), float(i)) for i in range(3)]
+    r = make_request(generated=[10, 11], return_generation_logits=True)
+    r.generation_logits = rows[:2]
+    assert_tensor(as_dict(r)["generation_logits"], torch.float32, torch.stack(rows[:2]).view(1, 1, 2, VOCAB))
+
+    r = make_request(generated=[10, 11], finished=False, is_streaming=True, return_generation_logits=True)
+    r.generation_logits = rows[:2]
+    as_dict(r)
+    r.generated.append(12)
+    r.generation_logits.append(rows[2])
+    assert_tensor(as_dict(r)["generation_logits"], torch.float32, rows[2].view(1, 1, 1, VOCAB))
+
+
+# -- stats -----------------------------------------------------------------------------------------
+
+ALWAYS_KEYS = {"Timestamp", "Iteration Counter", "Active Request Count", "Max Request Count",
+               "Runtime CPU Memory Usage", "Runtime GPU Memory Usage", "Runtime Pinned Memory Usage"}
+KV_KEYS = {"Max KV cache blocks", "Free KV cache blocks", "Used KV cache blocks", "Tokens per KV cache block",
+           "Allocated total KV cache blocks", "Allocated new KV cache blocks", "Reused KV cache blocks"}
+INFLIGHT_KEYS = {"Scheduled Requests", "Context Requests", "Generation Requests", "Total Context Tokens",
+                 "MicroBatch ID", "Paused Requests"}
+V1_KEYS = {"Scheduled Requests", "Context Requests", "Total Generation Tokens", "Total Context Tokens",
+           "Empty Generation Slots"}
+
+
+def make_stats() -> IterationStats:
+    """Every field a distinct value, so a key wired to the wrong field shows."""
+    names = [f.name for f in dataclasses.fields(IterationStats)]
+    return IterationStats(**{name: 100 + i for i, name in enumerate(names)})
+
+
+def test_stats_json_in_flight_keys_and_values():
+    s = make_stats()
+    d = json.loads(stats_json(s, is_static_batching=False))
+    assert set(d) == ALWAYS_KEYS | KV_KEYS | INFLIGHT_KEYS
+    assert not set(d) & (V1_KEYS - INFLIGHT_KEYS)
+    assert {k: v for k, v in d.items() if k != "Timestamp"} == {
+        "Iteration Counter": s.iteration, "Active Request Count": s.num_active,
+        "Max Request Count": s.max_num_requests, "Runtime CPU Memory Usage": s.cpu_memory_bytes,
+        "Runtime GPU Memory Usage": s.gpu_memory_bytes, "Runtime Pinned Memory Usage": s.pinned_memory_bytes,
+        "Max KV cache blocks": s.max_blocks, "Free KV cache blocks": s.free_blocks,
+        "Used KV cache blocks": s.used_blocks, "Tokens per KV cache block": s.tokens_per_block,
+        "Allocated total KV cache blocks": s.allocated_total_blocks,
+        "Allocated new KV cache blocks": s.allocated_new_blocks, "Reused KV cache blocks": s.reused_blocks,
+        "Scheduled Requests": s.num_scheduled, "Context Requests": s.num_context,
+        "Generation Requests": s.num_generation, "Total Context Tokens": s.num_context_tokens,
+        "MicroBatch ID": s.micro_batch_id, "Paused Requests": s.num_paused}
+
+
+def test_stats_json_v1_keys_and_values():
+    s = make_stats()
+    d = json.loads(stats_json(s, is_static_batching=True))
+    assert set(d) == ALWAYS_KEYS | KV_KEYS | V1_KEYS
+    assert not set(d) & (INFLIGHT_KEYS - V1_KEYS)
+    assert (d["Scheduled Requests"], d["Context Requests"], d["Total Generation Tokens"],
+            d["Total Context Tokens"], d["Empty Generation Slots"]) == \
+        (s.num_scheduled, s.num_context, s.num_generation_tokens, s.num_context_tokens,
+         s.num_empty_generation_slots)
+    assert d["Iteration Counter"] == s.iteration and d["Free KV cache blocks"] == s.free_blocks
+
+
+@pytest.mark.parametrize("is_static_batching", [False, True])
+def test_stats_timestamp_format(is_static_batching):
+    before = datetime.now().replace(microsecond=0)
+    d = json.loads(stats_json(make_stats(), is_static_batching))
+    after = datetime.now()
+    timestamp = datetime.strptime(d["Timestamp"], "%m-%d-%Y %H:%M:%S")
+    assert before <= timestamp <= after

@@ -1,0 +1,124 @@
+"""Import layering, read from the source (ast): the runtime never sees the manager; the manager's
+bookkeeping modules stay free of torch, numpy and the runtime; CuPy is only ever imported lazily."""
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGES = ("batch_manager", "runtime", "cuda_src", "samples")
+
+RUNTIME_USERS = {"batch_manager.model_executor", "batch_manager.kv_sizing", "batch_manager.gpt_manager"}
+PURE_MODULES = {"batch_manager.kv_cache_manager", "batch_manager.scheduler", "batch_manager.llm_request",
+                "batch_manager.stats", "batch_manager.options", "batch_manager.tensor_names"}
+HEAVY = ("torch", "numpy", "runtime")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def all_modules() -> dict[str, Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in sorted((REPO / package).rglob("*.py")):
+            found[module_name(path)] = path
+    return found
+
+
+MODULES = all_modules()
+
+
+def resolve(module: str, is_package: bool, node: ast.ImportFrom) -> str:
+    if node.level == 0:
+        return node.module or ""
+    base = module.split(".")
+    base = base if is_package else base[:-1]
+    base = base[:len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def imports(module: str, top_level_only: bool = False) -> set[str]:
+    """Absolute names of everything `module` imports (for `from x import y`, both x and x.y)."""
+    path = MODULES[module]
+    tree = ast.parse(path.read_text(), str(path))
+    names: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if top_level_only and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            return
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = resolve(module, path.name == "__init__.py", node)
+            names.add(base)
+            names.update(f"{base}.{alias.name}" for alias in node.names)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return names
+
+
+def touches(names: set[str], top: str) -> bool:
+    return any(name == top or name.startswith(top + ".") for name in names)
+
+
+def project_closure(module: str) -> set[str]:
+    """Everything `module` imports, following the project's own modules (not parent __init__s)."""
+    seen, todo, names = {module}, [module], set()
+    while todo:
+        direct = imports(todo.pop())
+        names |= direct
+        for name in direct:
+            if name in MODULES and name not in seen:
+                seen.add(name)
+                todo.append(name)
+    return names
+
+
+def test_the_walk_finds_the_modules_and_their_imports():
+    assert RUNTIME_USERS | PURE_MODULES <= set(MODULES)
+    assert "runtime.kernels" in MODULES
+    assert touches(imports("batch_manager.gpt_manager"), "runtime")
+    assert "batch_manager.kv_cache_manager" in imports("batch_manager.scheduler")
+
+
+def test_runtime_never_imports_batch_manager():
+    offenders = [m for m in MODULES if m.split(".")[0] == "runtime" and touches(imports(m), "batch_manager")]
+    assert offenders == []
+
+
+def test_only_the_executor_sizing_and_facade_import_runtime():
+    users = {m for m in MODULES if m.split(".")[0] == "batch_manager" and touches(imports(m), "runtime")}
+    assert users <= RUNTIME_USERS
+
+
+@pytest.mark.parametrize("module", sorted(PURE_MODULES))
+def test_bookkeeping_modules_import_no_torch_numpy_or_runtime(module):
+    names = project_closure(module)
+    assert [top for top in HEAVY if touches(names, top)] == []
+
+
+def test_no_module_imports_cupy_at_top_level():
+    offenders = [m for m in MODULES if touches(imports(m, top_level_only=True), "cupy")]
+    assert offenders == []
+
+
+def test_importing_the_packages_does_not_import_cupy(tmp_path):
+    (tmp_path / "cupy").mkdir()                     # an importable stand-in, so the check bites
+    (tmp_path / "cupy" / "__init__.py").write_text("")     # even where CuPy is not installed
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
+    code = "import sys, batch_manager, runtime; print(sorted(m for m in sys.modules if m.split('.')[0] == 'cupy'))"
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
