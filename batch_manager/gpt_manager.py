@@ -57,6 +57,7 @@ class GptManager:
         if not isinstance(max_beam_width, int) or max_beam_width < 1:
             raise ValueError(f"max_beam_width: must be an integer >= 1, got {max_beam_width!r}")
 
+        _check_unimplemented_options(params)
         engine = Engine.from_dir(engine_dir)
         build = engine.build_config
         max_batch_size = _positive("max_batch_size", params.max_batch_size, build.max_batch_size)
@@ -105,6 +106,20 @@ class GptManager:
         worker = getattr(self, "_worker", None)
         if worker is not None:
             worker.shutdown()
+
+
+def _check_unimplemented_options(params: TrtGptModelOptionalParams) -> None:
+    """Options that would change results are refused; pure performance options that this version
+    does not implement are accepted with a warning (results are the same without them)."""
+    kv = params.kv_cache_config
+    for name in ("max_attention_window", "sink_token_length"):
+        if getattr(kv, name) is not None:
+            raise ValueError(f"KvCacheConfig.{name}: {getattr(kv, name)!r} is not supported by this version")
+    for owner, name in ((kv, "enable_block_reuse"), (params, "enable_chunked_context"),
+                        (params, "enable_trt_overlap")):
+        if getattr(owner, name):
+            logger.warning("%s.%s=True is not implemented in this version and has no effect",
+                           type(owner).__name__, name)
 
 
 def _positive(name: str, value, default: int) -> int:

@@ -340,3 +340,16 @@ def test_max_new_tokens_is_clamped_to_the_max_sequence_length(tiny_engine, promp
     tensors, _, err = client.final(0)
     assert err == "" and tensors[tensor_names.OUTPUT_IDS].shape[2] == 96
     assert any("clamped" in rec.message for rec in caplog.records)
+
+
+def test_options_this_version_lacks_are_refused_or_warned(tiny_engine, caplog):
+    from batch_manager import KvCacheConfig as Kv
+    engine_dir, _ = tiny_engine
+    client = Client([])
+    with pytest.raises(ValueError, match="max_attention_window"):
+        GptManager(engine_dir, TrtGptModelType.InflightFusedBatching, 1, SchedulerPolicy.GUARANTEED_NO_EVICT,
+                   *client.callbacks(), TrtGptModelOptionalParams(kv_cache_config=Kv(max_attention_window=16)))
+    with GptManager(engine_dir, TrtGptModelType.InflightFusedBatching, 1, SchedulerPolicy.GUARANTEED_NO_EVICT,
+                    *client.callbacks(), TrtGptModelOptionalParams(enable_chunked_context=True)):
+        pass
+    assert any("enable_chunked_context" in rec.message for rec in caplog.records)
