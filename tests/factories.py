@@ -57,3 +57,17 @@ def make_checkpoint(directory: str | os.PathLike, arch: str = "llama", seed: int
         kwargs["max_shard_size"] = max_shard_size
     model.save_pretrained(os.fspath(directory), **kwargs)
     return model
+
+
+def step_inputs(seqs: list[tuple[list[int], int, list[int]]], context_logits: bool = False) -> dict:
+    """seqs: (new tokens, past length, block ids) per sequence -> ModelRunner.forward inputs."""
+    width = max(len(blocks) for _, _, blocks in seqs)
+    inputs = {
+        "input_ids": torch.tensor([t for tokens, _, _ in seqs for t in tokens], dtype=torch.int32),
+        "input_lengths": torch.tensor([len(tokens) for tokens, _, _ in seqs], dtype=torch.int32),
+        "past_lengths": torch.tensor([past for _, past, _ in seqs], dtype=torch.int32),
+        "block_tables": torch.tensor([blocks + [0] * (width - len(blocks)) for _, _, blocks in seqs],
+                                     dtype=torch.int32)}
+    if context_logits:
+        inputs["return_context_logits"] = torch.ones(len(seqs), dtype=torch.bool)
+    return inputs

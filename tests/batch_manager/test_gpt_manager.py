@@ -353,3 +353,17 @@ def test_options_this_version_lacks_are_refused_or_warned(tiny_engine, caplog):
                     *client.callbacks(), TrtGptModelOptionalParams(enable_chunked_context=True)):
         pass
     assert any("enable_chunked_context" in rec.message for rec in caplog.records)
+
+
+def test_an_unreferenced_manager_is_shut_down_when_collected(tiny_engine):
+    import gc
+    engine_dir, _ = tiny_engine
+    client = Client([])
+    manager = GptManager(engine_dir, TrtGptModelType.InflightFusedBatching, 1, SchedulerPolicy.GUARANTEED_NO_EVICT,
+                         *client.callbacks())
+    thread = manager._worker._thread
+    assert thread.is_alive()
+    del manager
+    gc.collect()
+    thread.join(2)
+    assert not thread.is_alive()

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from runtime import (Engine, GenerationInput, GenerationOutput, GptSession, ModelRunner, SamplingConfig,
                      WorldConfig)
-from tests.factories import make_checkpoint
+from tests.factories import make_checkpoint, step_inputs
 
 ARCHS = ("gpt2", "llama", "mistral", "qwen2")
 ATOL = 1e-4
@@ -23,20 +23,6 @@ NO_END_ID = -1  # never produced by argmax: generation runs to max_new_tokens
 
 def random_tokens(n: int, seed: int, vocab: int = 128) -> list[int]:
     return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def step_inputs(seqs: list[tuple[list[int], int, list[int]]], context_logits: bool = False) -> dict:
-    """seqs: (new tokens, past length, block ids) per sequence -> ModelRunner.forward inputs."""
-    width = max(len(blocks) for _, _, blocks in seqs)
-    inputs = {
-        "input_ids": torch.tensor([t for tokens, _, _ in seqs for t in tokens], dtype=torch.int32),
-        "input_lengths": torch.tensor([len(tokens) for tokens, _, _ in seqs], dtype=torch.int32),
-        "past_lengths": torch.tensor([past for _, past, _ in seqs], dtype=torch.int32),
-        "block_tables": torch.tensor([blocks + [0] * (width - len(blocks)) for _, _, blocks in seqs],
-                                     dtype=torch.int32)}
-    if context_logits:
-        inputs["return_context_logits"] = torch.ones(len(seqs), dtype=torch.bool)
-    return inputs
 
 
 @torch.no_grad()

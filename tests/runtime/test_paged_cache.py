@@ -7,7 +7,7 @@ import torch
 
 from runtime import Engine, ModelRunner
 from runtime.kernels import TorchKernels
-from tests.factories import make_checkpoint
+from tests.factories import make_checkpoint, step_inputs
 
 ATOL = 1e-4
 VOCAB = 128
@@ -15,20 +15,6 @@ VOCAB = 128
 
 def random_tokens(n: int, seed: int) -> list[int]:
     return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def step_inputs(seqs: list[tuple[list[int], int, list[int]]], context_logits: bool = False) -> dict:
-    """seqs: (new tokens, past length, block ids) per sequence -> ModelRunner.forward inputs."""
-    width = max(len(blocks) for _, _, blocks in seqs)
-    inputs = {
-        "input_ids": torch.tensor([t for tokens, _, _ in seqs for t in tokens], dtype=torch.int32),
-        "input_lengths": torch.tensor([len(tokens) for tokens, _, _ in seqs], dtype=torch.int32),
-        "past_lengths": torch.tensor([past for _, past, _ in seqs], dtype=torch.int32),
-        "block_tables": torch.tensor([blocks + [0] * (width - len(blocks)) for _, _, blocks in seqs],
-                                     dtype=torch.int32)}
-    if context_logits:
-        inputs["return_context_logits"] = torch.ones(len(seqs), dtype=torch.bool)
-    return inputs
 
 
 def one_shot_logits(engine: Engine, tokens: list[int]) -> torch.Tensor:
