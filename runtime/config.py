@@ -162,7 +162,7 @@ class BuildConfig:
         return BuildConfig(**d).validated()
 
 
-def default_build_config(model: ModelConfig, checkpoint_dtype: str | None, **overrides) -> BuildConfig:
+def default_build_config(model: ModelConfig, **overrides) -> BuildConfig:
     """Limits used when an HF checkpoint directory is served directly (no build step).
 
     max_seq_len = min(max_position_embeddings, 2048); max_input_len = max_seq_len - 1 (any
@@ -174,7 +174,6 @@ def default_build_config(model: ModelConfig, checkpoint_dtype: str | None, **ove
     fields.update(overrides)
     if "dtype" in fields:
         fields["dtype"] = normalize_dtype(fields["dtype"])
-    del checkpoint_dtype  # recorded by the caller for reference only
     return BuildConfig(**fields).validated(model)
 
 
@@ -280,8 +279,6 @@ def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         if max_window_layers is not None and int(max_window_layers) < int(hf["num_hidden_layers"]):
             raise ConfigError("config.json: Qwen2 sliding window on a subset of layers "
                               f"(max_window_layers={max_window_layers}) is not supported")
-    if model_type == "llama" and hf.get("pretraining_tp", 1) not in (1, None):
-        pass  # tensor-parallel pretraining only changed how the reference split matmuls
     attention_bias = bool(hf.get("attention_bias", False))
     return ModelConfig(
         architecture=model_type, vocab_size=_positive_int(hf, "vocab_size"), hidden_size=hidden,

@@ -86,7 +86,7 @@ def _load_engine_dir(directory: str, overrides: dict) -> Engine:
 def _load_hf_dir(directory: str, overrides: dict) -> Engine:
     hf = read_json(os.path.join(directory, "config.json"), "config.json")
     model = model_config_from_hf(hf)
-    build = default_build_config(model, hf.get("torch_dtype", hf.get("dtype")), **overrides)
+    build = default_build_config(model, **overrides)
     weights = load_hf_weights(directory, model, TORCH_DTYPES[build.dtype])
     return Engine(model, build, weights, directory)
 

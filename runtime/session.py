@@ -6,6 +6,7 @@ sequence owns a fixed slice of the session's KV pool.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -103,7 +104,7 @@ class GenerationInput:
             flat = self.ids.flatten().tolist()
             if sum(lengths) != len(flat):
                 raise ValueError(f"GenerationInput.lengths: sum {sum(lengths)} != packed ids length {len(flat)}")
-            starts = [sum(lengths[:i]) for i in range(len(lengths))]
+            starts = [0, *itertools.accumulate(lengths)][:-1]
             return [flat[s:s + n] for s, n in zip(starts, lengths)]
         if self.ids.dim() != 2 or self.ids.shape[0] != len(lengths):
             raise ValueError(f"GenerationInput.ids: expected [batch={len(lengths)}, max_input_len], "

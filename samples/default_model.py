@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import torch
 from safetensors.torch import save_file
@@ -57,7 +58,11 @@ def default_model_dir(cache_dir: str | None = None) -> str:
     """The default model's checkpoint directory, written on first use."""
     directory = os.path.join(cache_dir or os.environ.get("BATCH_MANAGER_CACHE", DEFAULT_CACHE_DIR), "llama-50m-random")
     if not os.path.exists(os.path.join(directory, "config.json")):
+        # Written aside and renamed, so a concurrent or interrupted first run never leaves half a model.
         tmp = directory + f".tmp{os.getpid()}"
         write_random_llama(tmp)
-        os.replace(tmp, directory) if not os.path.exists(directory) else None
+        try:
+            os.replace(tmp, directory)
+        except OSError:  # another process finished first
+            shutil.rmtree(tmp, ignore_errors=True)
     return directory
