@@ -5,6 +5,10 @@ Layouts shared with every backend:
   block_tables:     int32 [num_seqs, max_blocks_per_seq]; entry j holds the block of tokens
                     [j * tokens_per_block, (j + 1) * tokens_per_block); unused entries are ignored
   window:           None or w > 0; query at position p sees keys at positions (p - w, p]
+  sink:             s >= 0 sink tokens (StreamingLLM): keys at positions < s stay visible to every
+                    later query even outside the window (only meaningful with a window)
+  A block-table entry whose block holds no key visible to any query of the call may be negative
+  (its block was released); kernels never read such blocks.
 Attention math runs in float32 on CPU (fp16/bf16 storage is upcast), in the storage dtype on GPU.
 """
 from __future__ import annotations
@@ -17,11 +21,13 @@ def _compute_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float32 if t.device.type == "cpu" else t.dtype
 
 
-def _visible(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None) -> torch.Tensor:
-    """bool mask [..., num_queries, num_keys]: causal, limited to the window when one is set."""
+def _visible(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None, sink: int = 0) -> torch.Tensor:
+    """bool mask [..., num_queries, num_keys]: causal, limited to the window (plus the sink
+    tokens) when one is set."""
     mask = key_pos[..., None, :] <= query_pos[..., :, None]
     if window is not None:
-        mask &= key_pos[..., None, :] > query_pos[..., :, None] - window
+        in_window = key_pos[..., None, :] > query_pos[..., :, None] - window
+        mask &= in_window | (key_pos[..., None, :] < sink)
     return mask
 
 
@@ -44,12 +50,13 @@ class TorchKernels:
         """[B, num_tokens, kv_heads, head_dim]: the first num_tokens cached tokens of each row."""
         tpb = cache.shape[1]
         num_blocks = -(-num_tokens // tpb)
-        blocks = cache[block_tables[:, :num_blocks].long()]  # [B, nb, tpb, kvH, D]
+        # Released blocks (negative ids) hold only invisible keys: read block 0 in their place.
+        blocks = cache[block_tables[:, :num_blocks].long().clamp(min=0)]  # [B, nb, tpb, kvH, D]
         return blocks.flatten(1, 2)[:, :num_tokens]
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                         window: int | None) -> torch.Tensor:
+                         window: int | None, sink: int = 0) -> torch.Tensor:
         """One query per sequence at position seq_lens - 1. q [B, H, D] -> [B, H, D].
 
         seq_lens int [B] counts the cached tokens including the query's own (already written).
@@ -64,9 +71,7 @@ class TorchKernels:
         scores = torch.matmul(qg, k.permute(0, 2, 3, 1)) * scale  # [B, kvH, g, L]
         key_pos = torch.arange(max_len, device=q.device)
         lens = seq_lens.to(q.device).long()
-        visible = key_pos[None, :] < lens[:, None]
-        if window is not None:
-            visible &= key_pos[None, :] > (lens[:, None] - 1 - window)
+        visible = _visible(lens - 1, key_pos, window, sink)
         scores.masked_fill_(~visible[:, None, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out = torch.matmul(probs, v.transpose(1, 2))  # [B, kvH, g, D]
@@ -74,7 +79,7 @@ class TorchKernels:
 
     def context_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_table: torch.Tensor, past_len: int, scale: float,
-                          window: int | None) -> torch.Tensor:
+                          window: int | None, sink: int = 0) -> torch.Tensor:
         """Queries at positions past_len .. past_len + n - 1 of one sequence whose keys
         (including the n new ones) are in the cache. q [n, H, D] -> [n, H, D]."""
         n = q.shape[0]
@@ -82,11 +87,11 @@ class TorchKernels:
         dtype = _compute_dtype(q)
         k = self.gather_kv(k_cache, block_table[None], total)[0].to(dtype)  # [total, kvH, D]
         v = self.gather_kv(v_cache, block_table[None], total)[0].to(dtype)
-        return self.dense_attention(q.to(dtype), k, v, past_len, scale, window).to(q.dtype)
+        return self.dense_attention(q.to(dtype), k, v, past_len, scale, window, sink).to(q.dtype)
 
     @staticmethod
     def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past_len: int, scale: float,
-                        window: int | None) -> torch.Tensor:
+                        window: int | None, sink: int = 0) -> torch.Tensor:
         """q [n, H, D] at positions past_len.., k/v [past_len + n, kvH, D] -> [n, H, D]."""
         n, total = q.shape[0], k.shape[0]
         qt, kt, vt = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
@@ -95,6 +100,6 @@ class TorchKernels:
         else:
             query_pos = torch.arange(past_len, total, device=q.device)
             key_pos = torch.arange(total, device=q.device)
-            mask = _visible(query_pos, key_pos, window)
+            mask = _visible(query_pos, key_pos, window, sink)
             out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=True)
         return out[0].transpose(0, 1)
