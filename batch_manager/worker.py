@@ -138,7 +138,6 @@ class Worker:
                 self._complete(r)
 
     def _schedule(self) -> tuple[MicroBatch, int]:
-        self.kv.start_iteration()
         capacity = self.capacity.schedule(list(self._active.values()))
         return self.micro_batch.schedule(capacity.fitting), len(capacity.paused)
 
@@ -194,7 +193,7 @@ class Worker:
             pinned_memory_bytes=pinned, max_blocks=self.kv.num_blocks, free_blocks=self.kv.num_free_blocks,
             used_blocks=self.kv.num_used_blocks, tokens_per_block=self.kv.tokens_per_block,
             allocated_total_blocks=self.kv.num_allocated_total, allocated_new_blocks=self.kv.num_allocated_new,
-            reused_blocks=0, num_scheduled=batch.num_requests, num_context=len(batch.context_requests),
+            reused_blocks=self.kv.num_reused, num_scheduled=batch.num_requests, num_context=len(batch.context_requests),
             num_generation=len(batch.generation_requests), num_context_tokens=batch.num_context_tokens,
             num_generation_tokens=len(batch.generation_requests), num_paused=num_paused,
             num_empty_generation_slots=max(0, self._static_batch_size - batch.num_requests) if is_v1 else 0)
