@@ -1,8 +1,13 @@
 """Kernel backends: the paged-KV and attention operations behind one interface.
 
-`get_kernels(name)` returns a backend object. Names: "torch" (reference, default on CPU),
-"cuda" and "emu" (raw CUDA sources; arrive with the CUDA kernels). The environment variable
-BATCH_MANAGER_KERNELS overrides the default choice.
+`get_kernels(name)` returns a backend object:
+  "torch"  plain-torch reference of every op (the oracle in tests)
+  "cuda"   cuda_src/ kernels through CuPy RawModule on torch's current stream (cuda_backend.py)
+  "emu"    the same sources compiled for the CPU with g++ and a shim; slow, for tests (emu_backend.py)
+The name comes from configuration (ModelRunner / GptSession `kernels=`,
+TrtGptModelOptionalParams.kernel_backend), else from BATCH_MANAGER_KERNELS, else the default:
+"cuda" when a CUDA device and CuPy are present, "torch" otherwise. An unavailable backend is an
+error, never a silent fallback.
 """
 from __future__ import annotations
 
@@ -11,16 +16,44 @@ import os
 from .torch_backend import TorchKernels
 
 KERNELS_ENV_VAR = "BATCH_MANAGER_KERNELS"
-KNOWN_BACKENDS = ("torch",)
+KNOWN_BACKENDS = ("torch", "cuda", "emu")
+
+
+class KernelBackendError(ValueError):
+    """The requested kernel backend is unknown or cannot run on this machine."""
+
+
+def _cuda_available() -> bool:
+    from .cuda_backend import cuda_available
+    return cuda_available()
 
 
 def default_backend_name() -> str:
-    return os.environ.get(KERNELS_ENV_VAR, "").strip() or "torch"
+    """BATCH_MANAGER_KERNELS if set, else "cuda" when usable, else "torch"."""
+    return os.environ.get(KERNELS_ENV_VAR, "").strip() or ("cuda" if _cuda_available() else "torch")
 
 
 def get_kernels(name: str | None = None) -> TorchKernels:
+    """A constructed backend (its modules compiled). Raises KernelBackendError for an unknown or
+    unavailable one."""
+    env_name = os.environ.get(KERNELS_ENV_VAR, "").strip()
+    origin = "configuration" if name else (KERNELS_ENV_VAR if env_name else "default")
     name = name or default_backend_name()
+    if name not in KNOWN_BACKENDS:
+        raise KernelBackendError(f"kernel backend: unknown {name!r} (from {origin}); "
+                                 f"known: {', '.join(KNOWN_BACKENDS)}")
     if name == "torch":
         return TorchKernels()
-    raise ValueError(f"kernel backend: unknown or unavailable {name!r} "
-                     f"(from {KERNELS_ENV_VAR} or configuration); available: {', '.join(KNOWN_BACKENDS)}")
+    if name == "cuda":
+        if not _cuda_available():
+            raise KernelBackendError(f"kernel backend 'cuda' (from {origin}) is unavailable: it needs a CUDA "
+                                     f"device and CuPy; choose 'torch' or 'emu'")
+        from .cuda_backend import CudaKernels
+        # NOTE: when cuda was picked by default, a runner whose tensors live on the CPU still works:
+        # such calls go to the torch reference.
+        return CudaKernels(cpu_fallback=origin == "default")
+    from .emu_backend import EmuKernels, compiler_available
+    if not compiler_available():
+        raise KernelBackendError(f"kernel backend 'emu' (from {origin}) is unavailable: it needs a C++20 "
+                                 f"compiler (g++ or $CXX)")
+    return EmuKernels()

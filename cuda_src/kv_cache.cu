@@ -1,0 +1,44 @@
+// KV-cache writes and block copies over the paged pool (torch references: TorchKernels.write_kv,
+// TorchKernels.copy_blocks).
+//
+// Launch contract
+//   write_kv:     grid (num_tokens), block (any multiple of 32, <= 1024), no shared memory.
+//                 k_cache, v_cache storage_t [num_blocks, tokens_per_block, num_kv_heads, head_dim]
+//                 (contiguous, one layer); k, v storage_t [num_tokens, num_kv_heads, head_dim] whose
+//                 [num_kv_heads, head_dim] rows are contiguous, tokens `*_token_stride` elements
+//                 apart (views of a fused QKV are fine); slot_mapping int64 [num_tokens]
+//                 (block * tokens_per_block + offset; a negative slot skips its token).
+//   copy_blocks:  grid (num_pairs, num_planes), block (any multiple of 32, <= 1024), no shared memory.
+//                 kv_pool storage_t [num_planes = num_layers * 2, num_blocks, block_elems]
+//                 (contiguous); src_block_ids, dst_block_ids int64 [num_pairs]. Destinations are
+//                 distinct and no destination is also a source (copy-on-write into fresh blocks).
+//   dtypes:       storage_t per DTYPE (0 fp32, 1 fp16, 2 bf16); these kernels only move elements.
+#include "prelude.cuh"
+
+extern "C" __global__ void write_kv(storage_t* __restrict__ k_cache, storage_t* __restrict__ v_cache,
+                                    const storage_t* __restrict__ k, const storage_t* __restrict__ v,
+                                    const long long* __restrict__ slot_mapping, int row_elems,
+                                    long long k_token_stride, long long v_token_stride) {
+  const long long token = blockIdx.x;
+  const long long slot = slot_mapping[token];
+  if (slot < 0) return;
+  storage_t* k_dst = k_cache + slot * row_elems;
+  storage_t* v_dst = v_cache + slot * row_elems;
+  const storage_t* k_src = k + token * k_token_stride;
+  const storage_t* v_src = v + token * v_token_stride;
+  for (int i = threadIdx.x; i < row_elems; i += blockDim.x) {
+    k_dst[i] = k_src[i];
+    v_dst[i] = v_src[i];
+  }
+}
+
+extern "C" __global__ void copy_blocks(storage_t* __restrict__ kv_pool, const long long* __restrict__ src_block_ids,
+                                       const long long* __restrict__ dst_block_ids, long long num_blocks,
+                                       long long block_elems) {
+  const long long pair = blockIdx.x;
+  const long long plane = blockIdx.y;
+  storage_t* base = kv_pool + plane * num_blocks * block_elems;
+  const storage_t* src = base + src_block_ids[pair] * block_elems;
+  storage_t* dst = base + dst_block_ids[pair] * block_elems;
+  for (long long i = threadIdx.x; i < block_elems; i += blockDim.x) dst[i] = src[i];
+}

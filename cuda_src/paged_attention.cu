@@ -1,0 +1,159 @@
+// Paged decode attention (one query per sequence) over the block pool, split into partitions of
+// the visible keys and merged with an online-softmax rescale (flash-decoding). Torch reference:
+// TorchKernels.decode_attention.
+//
+// Visibility: the query sits at position L - 1 (L = seq_lens[seq]); key k is visible iff k < L and
+// (window == 0 or k >= L - window or k < sink). The visible keys are enumerated as
+//   j in [0, n_sink)          -> position j               (sink tokens before the window)
+//   j in [n_sink, n_visible)  -> position lo + j - n_sink (the window, lo = max(L - window, 0))
+// with n_sink = min(sink, lo). Partition p covers j in [p * partition_size, (p + 1) * partition_size);
+// only blocks holding a visible key are read, so other block-table entries may be negative.
+//
+// Launch contract
+//   decode_attention_partition:
+//     grid (num_partitions, num_kv_heads, batch), block (NUM_THREADS), dynamic shared memory
+//     decode_smem_bytes(group, head_dim, partition_size) (see runtime/kernels/launchers.py).
+//     One CTA serves the `group = num_heads / num_kv_heads` query heads of one KV head, so each
+//     K/V row is loaded once per group. THREADS_PER_KEY lanes (a power of two <= 32) share one key.
+//     q       storage_t [batch, num_heads, head_dim]                       contiguous
+//     k/v     storage_t [num_blocks, tokens_per_block, num_kv_heads, head_dim] contiguous (one layer)
+//     block_tables int32 [batch, table_stride]; seq_lens int32 [batch] (>= 1)
+//     num_partitions == 1: writes out storage_t [batch, num_heads, head_dim] directly.
+//     num_partitions > 1:  writes part_acc float32 [batch, num_heads, num_partitions, head_dim]
+//                          (unnormalised sum of p * v), part_max / part_sum float32
+//                          [batch, num_heads, num_partitions] (part_sum == 0: empty partition).
+//   decode_attention_merge:
+//     grid (num_heads, batch), block (any multiple of 32), no shared memory; reads the partials,
+//     writes out storage_t [batch, num_heads, head_dim].
+//   dtypes: storage_t per DTYPE (0 fp32, 1 fp16, 2 bf16); all arithmetic in float32.
+#include "prelude.cuh"
+
+#ifndef NUM_THREADS
+#define NUM_THREADS 128
+#endif
+#ifndef THREADS_PER_KEY
+#define THREADS_PER_KEY 4
+#endif
+
+extern "C" __global__ void __launch_bounds__(NUM_THREADS) decode_attention_partition(
+    storage_t* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_max,
+    float* __restrict__ part_sum, const storage_t* __restrict__ q, const storage_t* __restrict__ k_cache,
+    const storage_t* __restrict__ v_cache, const int* __restrict__ block_tables, const int* __restrict__ seq_lens,
+    int num_heads, int num_kv_heads, int head_dim, int tokens_per_block, int table_stride, int partition_size,
+    float scale, int window, int sink) {
+  const int partition = blockIdx.x, kv_head = blockIdx.y, seq = blockIdx.z;
+  const int num_partitions = gridDim.x;
+  const int group = num_heads / num_kv_heads;
+  const int first_head = kv_head * group;
+  const int seq_len = seq_lens[seq];
+  const int lo = window > 0 ? max(seq_len - window, 0) : 0;
+  const int n_sink = window > 0 ? min(sink, lo) : 0;
+  const int n_visible = n_sink + seq_len - lo;
+  const int begin = partition * partition_size;
+  const int n = min(begin + partition_size, n_visible) - begin;  // keys of this partition
+  if (n <= 0) {  // block-uniform: nothing visible here (only when num_partitions > 1)
+    for (int h = threadIdx.x; h < group; h += blockDim.x) {
+      const long long stat = ((long long)seq * num_heads + first_head + h) * num_partitions + partition;
+      part_max[stat] = NEG_INF;
+      part_sum[stat] = 0.0f;
+    }
+    return;
+  }
+
+  DYNAMIC_SMEM(float, smem);
+  float* q_s = smem;                                   // [group, head_dim], pre-scaled
+  float* probs = q_s + group * head_dim;               // [group, partition_size]: logits, then exp
+  float* stats = probs + group * partition_size;       // [2, group]: max, sum
+  long long* rows = reinterpret_cast<long long*>(stats + 2 * group + ((group * head_dim + group * partition_size) & 1));
+  // rows [partition_size]: element offset of each key's [head_dim] row for this KV head
+
+  const long long row_elems = (long long)num_kv_heads * head_dim;
+  const storage_t* q_seq = q + ((long long)seq * num_heads + first_head) * head_dim;
+  for (int i = threadIdx.x; i < group * head_dim; i += blockDim.x) q_s[i] = load_float(q_seq + i) * scale;
+  const int* table = block_tables + (long long)seq * table_stride;
+  for (int jj = threadIdx.x; jj < n; jj += blockDim.x) {
+    const int j = begin + jj;
+    const int pos = j < n_sink ? j : lo + (j - n_sink);
+    const long long block = table[pos / tokens_per_block];
+    rows[jj] = (block * tokens_per_block + pos % tokens_per_block) * row_elems + (long long)kv_head * head_dim;
+  }
+  __syncthreads();
+
+  // QK: THREADS_PER_KEY lanes per key; the trip count is block-uniform so shuffles never diverge.
+  const int key_lane = threadIdx.x % THREADS_PER_KEY;
+  const int keys_per_step = blockDim.x / THREADS_PER_KEY;
+  for (int base = 0; base < n; base += keys_per_step) {
+    const int jj = base + threadIdx.x / THREADS_PER_KEY;
+    const bool valid = jj < n;
+    const storage_t* k_row = k_cache + (valid ? rows[jj] : 0);
+    for (int h = 0; h < group; ++h) {
+      float dot = 0.0f;
+      if (valid)
+        for (int d = key_lane; d < head_dim; d += THREADS_PER_KEY) dot += q_s[h * head_dim + d] * load_float(k_row + d);
+      dot = group_reduce_sum(dot, THREADS_PER_KEY);
+      if (valid && key_lane == 0) probs[h * partition_size + jj] = dot;
+    }
+  }
+  __syncthreads();
+
+  // Softmax statistics: one warp per query head (warp-uniform loop, no block barrier inside).
+  const int lane = threadIdx.x % BM_WARP_SIZE, warp = threadIdx.x / BM_WARP_SIZE;
+  for (int h = warp; h < group; h += blockDim.x / BM_WARP_SIZE) {
+    float* row = probs + h * partition_size;
+    float m = NEG_INF;
+    for (int jj = lane; jj < n; jj += BM_WARP_SIZE) m = fmaxf(m, row[jj]);
+    m = warp_reduce_max(m);
+    float s = 0.0f;
+    for (int jj = lane; jj < n; jj += BM_WARP_SIZE) {
+      const float e = fast_exp(row[jj] - m);
+      row[jj] = e;
+      s += e;
+    }
+    s = warp_reduce_sum(s);
+    if (lane == 0) {
+      stats[h] = m;
+      stats[group + h] = s;
+    }
+  }
+  __syncthreads();
+
+  // PV: one (head, dim) output element per thread and step; consecutive threads read consecutive dims.
+  for (int item = threadIdx.x; item < group * head_dim; item += blockDim.x) {
+    const int h = item / head_dim, d = item % head_dim;
+    const float* p = probs + h * partition_size;
+    float acc = 0.0f;
+    for (int jj = 0; jj < n; ++jj) acc += p[jj] * load_float(v_cache + rows[jj] + d);
+    const long long head = (long long)seq * num_heads + first_head + h;
+    if (num_partitions == 1) {
+      out[head * head_dim + d] = to_storage(acc / stats[group + h]);
+    } else {
+      part_acc[(head * num_partitions + partition) * head_dim + d] = acc;
+      if (d == 0) {
+        part_max[head * num_partitions + partition] = stats[h];
+        part_sum[head * num_partitions + partition] = stats[group + h];
+      }
+    }
+  }
+}
+
+extern "C" __global__ void decode_attention_merge(storage_t* __restrict__ out, const float* __restrict__ part_acc,
+                                                  const float* __restrict__ part_max,
+                                                  const float* __restrict__ part_sum, int num_heads, int head_dim,
+                                                  int num_partitions) {
+  const long long head = (long long)blockIdx.y * num_heads + blockIdx.x;
+  const float* maxes = part_max + head * num_partitions;
+  const float* sums = part_sum + head * num_partitions;
+  float m = NEG_INF;
+  for (int p = 0; p < num_partitions; ++p)
+    if (sums[p] > 0.0f) m = fmaxf(m, maxes[p]);
+  float denom = 0.0f;
+  for (int p = 0; p < num_partitions; ++p)
+    if (sums[p] > 0.0f) denom += sums[p] * fast_exp(maxes[p] - m);
+  const float* acc = part_acc + head * num_partitions * head_dim;
+  for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+    float num = 0.0f;
+    for (int p = 0; p < num_partitions; ++p)
+      if (sums[p] > 0.0f) num += fast_exp(maxes[p] - m) * acc[(long long)p * head_dim + d];
+    out[head * head_dim + d] = to_storage(num / denom);
+  }
+}

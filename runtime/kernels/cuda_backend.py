@@ -1,0 +1,128 @@
+"""The `cuda` kernel backend: the raw CUDA sources of cuda_src/ compiled through CuPy's RawModule
+(NVRTC) and launched on torch's current stream with pointers to torch tensors.
+
+`CudaKernels` overrides the KV-cache ops (write_kv, copy_blocks, decode_attention); every op it
+does not override falls back to the torch reference (TorchKernels) on the same device tensors.
+The emu backend subclasses it and swaps only the module loader, the device and the stream, so
+both run the same launchers (launchers.py).
+
+Compilation: every module (one per source file and storage dtype) compiles when the backend is
+constructed, i.e. at engine start, never in a request's latency. CuPy keeps compiled cubins in its
+on-disk kernel cache: CUPY_CACHE_DIR (default ~/.cupy/kernel_cache), keyed by the full source
+string (prelude inlined, defines included), the options and the NVRTC version, so a warm start
+only loads modules.
+
+NOTE: context attention over cached blocks (chunked context, reused prefixes) stays on torch
+(TorchKernels.context_attention: gather + scaled_dot_product_attention with a bottom-right
+causal / window mask). It runs once per context chunk rather than once per token, torch's fused
+SDPA kernels already serve it well, and a raw paged prefill kernel (FlashAttention-style tiling
+over blocks) is a large kernel of its own for a small share of step time.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from . import sources
+from .launchers import DTYPE_CODES, KvLaunchers, LaunchConfig
+from .torch_backend import TorchKernels
+
+logger = logging.getLogger(__name__)
+
+NVRTC_OPTIONS = ("-std=c++17",)
+
+
+def import_cupy():
+    """The one place CuPy is imported (lazily: `import runtime` must work without it)."""
+    import cupy
+    return cupy
+
+
+def cuda_available() -> bool:
+    """True when a CUDA device is visible to torch and CuPy imports."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import_cupy()
+    except Exception:  # noqa: BLE001 - any import failure means the backend is unavailable
+        return False
+    return True
+
+
+class CudaKernels(TorchKernels):
+    name = "cuda"
+    device_type = "cuda"
+
+    def __init__(self, config: LaunchConfig | None = None, cpu_fallback: bool = False):
+        """cpu_fallback: route CPU tensors to the torch reference (set when this backend was picked
+        by default, so a runner on the CPU of a GPU machine keeps working)."""
+        self.config = config or self.default_config()
+        self.cpu_fallback = cpu_fallback
+        self._functions = self._compile_all()
+        self.launchers = KvLaunchers(self._function, self.device_type, self._stream, self.config)
+
+    @staticmethod
+    def default_config() -> LaunchConfig:
+        return LaunchConfig()
+
+    # ---- module loading (overridden by the emu backend) -----------------------------------------
+    def _compile_all(self) -> dict[tuple[torch.dtype, str], object]:
+        cupy = import_cupy()
+        functions = {}
+        for source, kernel_names in sources.KERNEL_SOURCES.items():
+            for dtype in DTYPE_CODES:
+                code = sources.program(source, self.config.defines(dtype))
+                module = cupy.RawModule(code=code, options=NVRTC_OPTIONS)
+                module.compile()
+                for name in kernel_names:
+                    functions[dtype, name] = module.get_function(name)
+        logger.info("cuda kernels: %d functions compiled (CuPy cache CUPY_CACHE_DIR)", len(functions))
+        return functions
+
+    def _function(self, dtype: torch.dtype, name: str):
+        return self._functions[dtype, name]
+
+    def _stream(self):
+        """torch's current stream, fetched at every launch (graph capture switches it)."""
+        cupy = import_cupy()
+        stream = torch.cuda.current_stream()
+        return cupy.cuda.ExternalStream(stream.cuda_stream, stream.device.index)
+
+    def _use_reference(self, t: torch.Tensor) -> bool:
+        return self.cpu_fallback and t.device.type == "cpu"
+
+    # ---- ops --------------------------------------------------------------------------------------
+    def write_kv(self, k_cache, v_cache, k, v, slot_mapping) -> None:
+        if self._use_reference(k_cache):
+            return super().write_kv(k_cache, v_cache, k, v, slot_mapping)
+        self.launchers.write_kv(k_cache, v_cache, _rows_contiguous(k.to(k_cache.dtype)),
+                                _rows_contiguous(v.to(v_cache.dtype)), slot_mapping.to(torch.int64).contiguous())
+
+    def copy_blocks(self, kv_pool, src_block_ids, dst_block_ids) -> None:
+        if self._use_reference(kv_pool):
+            return super().copy_blocks(kv_pool, src_block_ids, dst_block_ids)
+        self.launchers.copy_blocks(kv_pool, src_block_ids.to(torch.int64).contiguous(),
+                                   dst_block_ids.to(torch.int64).contiguous())
+
+    def decode_attention(self, q, k_cache, v_cache, block_tables, seq_lens, scale, window, sink=0):
+        if self._use_reference(q):
+            return super().decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, window, sink)
+        if window is not None and (not isinstance(window, int) or window <= 0):
+            raise ValueError(f"window: must be None or a positive int, got {window!r}")
+        if not isinstance(sink, int) or sink < 0:
+            raise ValueError(f"sink: must be a non-negative int, got {sink!r}")
+        if q.dtype != k_cache.dtype:
+            raise ValueError(f"q: dtype {q.dtype} differs from the cache's {k_cache.dtype}")
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        self.launchers.decode_attention(out, q, k_cache, v_cache, block_tables.to(torch.int32).contiguous(),
+                                        seq_lens.to(torch.int32).contiguous(), scale, window or 0, sink)
+        return out
+
+
+def _rows_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """[T, kvH, D] with contiguous [kvH, D] rows (a view of a fused QKV qualifies as is)."""
+    if t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2]:
+        return t
+    return t.contiguous()
