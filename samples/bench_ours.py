@@ -1,0 +1,139 @@
+"""Our backend of samples.benchmark: the dataset through a GptManager serving loop, the way the
+legacy gptManagerBenchmark drove it (a thread-safe queue behind the get-requests callback,
+per-response timing in the send-response callback, the stats callback's JSON kept per iteration)."""
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+
+import torch
+
+from batch_manager import (GptManager, InferenceRequest, KvCacheConfig, SchedulerPolicy,
+                           TrtGptModelOptionalParams, TrtGptModelType, tensor_names)
+from samples.bench_dataset import Sample
+from samples.bench_report import ProgressBar, RequestTiming, RunResult
+
+MODEL_TYPES = {"IFB": TrtGptModelType.InflightFusedBatching, "UIFB": TrtGptModelType.InflightBatching,
+               "V1": TrtGptModelType.V1}
+WARM_UP_ID_BASE = 1 << 40  # warm-up request ids, apart from the dataset's (0 .. n-1)
+
+
+class BenchmarkClient:
+    """The four callbacks. They run on the manager's worker thread; the feeding thread only puts
+    requests on `incoming` and reads results after `done` is set."""
+
+    def __init__(self, progress: ProgressBar | None = None):
+        self.incoming: queue.Queue[InferenceRequest] = queue.Queue()
+        self.lock = threading.Lock()
+        self.start_s = time.perf_counter()
+        self.timings: dict[int, RequestTiming] = {}
+        self.token_events: list[tuple[float, int]] = []
+        self.iteration_stats: list[dict] = []
+        self.num_expected = 0
+        self.num_final = 0
+        self.done = threading.Event()
+        self.progress = progress
+
+    def now_s(self) -> float:
+        return time.perf_counter() - self.start_s
+
+    def reset(self, num_expected: int, progress: ProgressBar | None) -> None:
+        """Start a new measured phase (after the warm-up)."""
+        with self.lock:
+            self.start_s = time.perf_counter()
+            self.timings, self.token_events, self.iteration_stats = {}, [], []
+            self.num_expected, self.num_final, self.progress = num_expected, 0, progress
+            self.done.clear()
+
+    def submit(self, request: InferenceRequest) -> None:
+        with self.lock:
+            self.timings[request.request_id] = RequestTiming(enqueue_s=self.now_s())
+        self.incoming.put(request)
+
+    def get_requests(self, max_num_requests: int) -> list[InferenceRequest]:
+        batch = []
+        while len(batch) < max_num_requests:
+            try:
+                batch.append(self.incoming.get_nowait())
+            except queue.Empty:
+                break
+        return batch
+
+    def send_response(self, request_id: int, tensors, is_final: bool, err_msg: str) -> None:
+        now_s = self.now_s()
+        with self.lock:
+            timing = self.timings.get(request_id)
+            if timing is None:
+                return
+            if err_msg:
+                timing.error = err_msg
+            else:
+                output = {t.name: t.tensor for t in tensors}
+                num_new = int(output[tensor_names.SEQUENCE_LENGTH][0, 0])  # generated only: input excluded
+                if num_new:
+                    if timing.first_token_s is None:
+                        timing.first_token_s = now_s
+                    timing.num_output_tokens += num_new
+                    self.token_events.append((now_s, num_new))
+            if is_final:
+                timing.end_s = now_s
+                self.num_final += 1
+                if self.progress is not None:
+                    self.progress.update(self.num_final)
+                if self.num_final >= self.num_expected:
+                    self.done.set()
+
+    def poll_stop_signals(self) -> set[int]:
+        return set()
+
+    def report_stats(self, stats_json: str) -> None:
+        stats = json.loads(stats_json)
+        with self.lock:
+            stats["time_s"] = self.now_s()
+            self.iteration_stats.append(stats)
+
+    def callbacks(self):
+        return self.get_requests, self.send_response, self.poll_stop_signals, self.report_stats
+
+
+def make_request(request_id: int, sample: Sample, streaming: bool) -> InferenceRequest:
+    r = InferenceRequest(request_id)
+    r.input_ids = torch.tensor(sample.input_ids, dtype=torch.int32)
+    r.max_new_tokens = torch.tensor([[sample.output_len]], dtype=torch.int32)
+    r.is_streaming = streaming
+    return r
+
+
+def optional_params(args) -> TrtGptModelOptionalParams:
+    kv = KvCacheConfig(max_tokens=args.max_tokens_in_paged_kvcache,
+                       free_gpu_memory_fraction=args.kv_cache_free_gpu_mem_fraction)
+    return TrtGptModelOptionalParams(kv_cache_config=kv, max_batch_size=args.max_batch_size,
+                                     max_num_tokens=args.max_num_tokens)
+
+
+def run_ours(model_dir: str, samples: list[Sample], delays_s: list[float], args) -> RunResult:
+    """Warm up with `args.warm_up` copies of sample 0, then enqueue the samples on schedule and
+    wait for every final response. Times count from the first enqueue after the warm-up."""
+    client = BenchmarkClient()
+    get, send, poll, stats = client.callbacks()
+    with GptManager(model_dir, MODEL_TYPES[args.type], 1, SchedulerPolicy[args.scheduler_policy.upper()],
+                    get, send, poll, stats, optional_params(args), exclude_input_in_output=True):
+        if args.warm_up > 0:
+            client.reset(args.warm_up, None)
+            for i in range(args.warm_up):
+                client.submit(make_request(WARM_UP_ID_BASE + i, samples[0], args.streaming))
+            client.done.wait()
+        client.reset(len(samples), ProgressBar(len(samples), "ours", not args.no_progress))
+        next_s = 0.0
+        for request_id, (sample, delay_s) in enumerate(zip(samples, delays_s)):
+            client.submit(make_request(request_id, sample, args.streaming))
+            next_s += delay_s
+            wait_s = next_s - client.now_s()
+            if wait_s > 0:
+                time.sleep(wait_s)
+        client.done.wait()
+        total_s = max(t.end_s for t in client.timings.values())
+    timings = [client.timings[i] for i in range(len(samples))]
+    return RunResult("ours", timings, total_s, client.token_events, client.iteration_stats, args.streaming)

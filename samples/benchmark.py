@@ -1,0 +1,183 @@
+"""gptManagerBenchmark-style benchmark: a dataset through a GptManager serving loop, optionally
+next to transformers' static `generate` on the same dataset, and against the matmul roofline.
+
+    python -m samples.benchmark                                  # W64 on the default model, ours vs hf
+    python -m samples.benchmark --backend ours --streaming --request-rate 20 --seed 1
+    python -m samples.benchmark --dataset legacy.json --engine-dir DIR --output-json out.json --plot out.png
+
+Dataset: the legacy JSON ({"samples": [{"input_ids", "output_len", "delay"}]}) or a seeded
+synthetic one (default W64: 64 requests, prompts uniform 16-256, outputs uniform 16-128 tokens).
+Arrivals: offline (all at once), the dataset's delays, or Poisson at --request-rate requests/s.
+The default model (random weights, LLaMA-style, ~57M) is written on first run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+from runtime.config import ModelConfig, default_build_config, model_config_from_hf, read_json
+from samples.bench_dataset import (LengthDistribution, arrival_delays_s, load_dataset, save_dataset,
+                                   synthetic_dataset)
+from samples.bench_report import RunResult, format_text, iteration_breakdown, metrics
+from samples.default_model import default_model_dir
+
+TOKEN_THROUGHPUT = "token_throughput(token/sec)"
+
+
+def model_limits(model_dir: str) -> tuple[ModelConfig, int]:
+    """(model config, max_seq_len) of an engine or HF checkpoint directory, without loading weights."""
+    engine_json = os.path.join(model_dir, "engine.json")
+    if os.path.exists(engine_json):
+        data = read_json(engine_json, "engine.json")
+        return ModelConfig.from_dict(data["model"]), int(data["build"]["max_seq_len"])
+    cfg = model_config_from_hf(read_json(os.path.join(model_dir, "config.json"), "config.json"))
+    return cfg, default_build_config(cfg).max_seq_len
+
+
+def flops_per_generated_token(cfg: ModelConfig) -> float:
+    """2 FLOPs per matmul weight a generated token passes through: the layers and the lm_head."""
+    from samples.bench_runtime import layer_matmul_params
+    return 2.0 * (layer_matmul_params(cfg) + cfg.vocab_size * cfg.hidden_size)
+
+
+def model_flops(cfg: ModelConfig, result: RunResult, prompt_lens: list[int]) -> float:
+    """Every FLOP the run had to do: context and generation matmuls, attention (QK^T and PV) and
+    one lm_head row per generated token."""
+    from samples.bench_runtime import layer_matmul_params
+    total = 0.0
+    for timing, num_prompt in zip(result.timings, prompt_lens):
+        n = timing.num_output_tokens
+        if timing.error or n == 0:
+            continue
+        positions = num_prompt + n - 1                     # tokens fed through the layers
+        keys = positions * (positions + 1) // 2            # keys seen, summed over those tokens
+        total += 2.0 * layer_matmul_params(cfg) * positions + 2.0 * cfg.vocab_size * cfg.hidden_size * n
+        total += 4.0 * keys * cfg.q_size * cfg.num_layers
+    return total
+
+
+def roofline_report(cfg: ModelConfig, result: RunResult, prompt_lens: list[int], reps: int) -> dict:
+    from samples.bench_runtime import measure_matmul
+    with torch.inference_mode():
+        gflops = max(max(measure_matmul(reps).values()), max(measure_matmul(reps).values()))
+    tokens_per_s = metrics(result)[TOKEN_THROUGHPUT]
+    roofline_tokens_per_s = gflops * 1e9 / flops_per_generated_token(cfg)
+    return {"roofline_gflops": gflops, "roofline_token_throughput(token/sec)": roofline_tokens_per_s,
+            "token_throughput_of_roofline": tokens_per_s / roofline_tokens_per_s,
+            "model_flops_utilization": model_flops(cfg, result, prompt_lens) / result.total_s / (gflops * 1e9)}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--engine-dir", help="engine or HF checkpoint directory (default: the random-weight "
+                                        "LLaMA-style default model, written on first run)")
+    p.add_argument("--cache-dir", help="where the default model is written (default ~/.cache/batch_manager)")
+    p.add_argument("--backend", default="both", choices=["ours", "hf", "both"],
+                   help="ours: GptManager; hf: transformers' static generate; both: one after the other, "
+                        "with the throughput ratio (default)")
+    d = p.add_argument_group("dataset")
+    d.add_argument("--dataset", help="legacy dataset JSON (default: a synthetic one)")
+    d.add_argument("--max-num-samples", type=int, help="use only the first N samples of --dataset")
+    d.add_argument("--num-samples", type=int, default=64, help="synthetic: number of requests")
+    d.add_argument("--prompt-len", default="uniform:16:256",
+                   help="synthetic prompt lengths: uniform:LOW:HIGH, constant:N, normal:MEAN:STD, exponential:MEAN")
+    d.add_argument("--output-len", default="uniform:16:128", help="synthetic output lengths, same forms")
+    d.add_argument("--seed", type=int, default=0, help="seeds the synthetic dataset and the Poisson arrivals")
+    d.add_argument("--save-dataset", metavar="PATH", help="write the dataset used as legacy JSON")
+    d.add_argument("--request-rate", type=float,
+                   help="Poisson arrivals at this many requests/s (default: offline, or the dataset's delays)")
+    r = p.add_argument_group("ours")
+    r.add_argument("--streaming", action="store_true", help="stream responses (adds TTFT and ITL statistics)")
+    r.add_argument("--type", default="IFB", choices=["IFB", "UIFB", "V1"],
+                   help="IFB: InflightFusedBatching, UIFB: InflightBatching, V1: static batching")
+    r.add_argument("--scheduler-policy", default="guaranteed_no_evict",
+                   choices=["guaranteed_no_evict", "max_utilization", "static_batch"])
+    r.add_argument("--max-batch-size", type=int, help="default: the engine's")
+    r.add_argument("--max-num-tokens", type=int, help="default: the engine's")
+    r.add_argument("--max-tokens-in-paged-kvcache", type=int)
+    r.add_argument("--kv-cache-free-gpu-mem-fraction", type=float)
+    r.add_argument("--warm-up", type=int, default=2, help="untimed requests (copies of sample 0) first")
+    h = p.add_argument_group("hf")
+    h.add_argument("--hf-batch-size", type=int, default=64, help="static batch size of the hf baseline")
+    o = p.add_argument_group("output")
+    o.add_argument("--output-json", metavar="PATH", help="write every metric as JSON")
+    o.add_argument("--plot", metavar="PNG", help="write latency, throughput and batch-composition plots")
+    o.add_argument("--no-roofline", action="store_true", help="skip the matmul roofline measurement")
+    o.add_argument("--roofline-reps", type=int, default=5)
+    o.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
+    o.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    return p.parse_args(argv)
+
+
+def load_samples(args, model_dir: str):
+    cfg, max_seq_len = model_limits(model_dir)
+    if args.dataset:
+        return load_dataset(args.dataset, args.max_num_samples), cfg
+    samples = synthetic_dataset(args.num_samples, LengthDistribution.parse("--prompt-len", args.prompt_len),
+                                LengthDistribution.parse("--output-len", args.output_len), cfg.vocab_size,
+                                args.seed, max_seq_len)
+    return samples, cfg
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model_dir = args.engine_dir or default_model_dir(args.cache_dir)
+    samples, cfg = load_samples(args, model_dir)
+    if args.save_dataset:
+        save_dataset(samples, args.save_dataset)
+    delays_s = arrival_delays_s(samples, args.request_rate, args.seed)
+    num_prompt_tokens = sum(len(s.input_ids) for s in samples)
+    print(f"model: {model_dir} ({cfg.architecture}, {cfg.num_params() / 1e6:.1f}M parameters), "
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"dataset: {len(samples)} requests, {num_prompt_tokens} prompt tokens, "
+          f"{sum(s.output_len for s in samples)} requested output tokens; "
+          + (f"Poisson arrivals at {args.request_rate} req/s" if args.request_rate and args.request_rate > 0
+             else "arrivals from the dataset's delays" if any(delays_s) else "offline (all at once)"))
+    report: dict = {"model_dir": model_dir, "num_params": cfg.num_params(), "threads": torch.get_num_threads()}
+    results: dict[str, RunResult] = {}
+    if args.backend in ("ours", "both"):
+        from samples.bench_ours import run_ours
+        results["ours"] = run_ours(model_dir, samples, delays_s, args)
+        report["ours"] = {**metrics(results["ours"]), **iteration_breakdown(results["ours"])}
+        if not args.no_roofline:
+            report["ours"].update(roofline_report(cfg, results["ours"], [len(s.input_ids) for s in samples],
+                                                  args.roofline_reps))
+        print(format_text("ours (GptManager, " + args.type + ("", ", streaming")[args.streaming] + ")",
+                          report["ours"]))
+    if args.backend in ("hf", "both"):
+        from samples.bench_hf import run_hf
+        if any(delays_s):
+            print("note: the hf baseline runs offline (static batches); arrival delays are ignored")
+        results["hf"] = run_hf(model_dir, samples, args.hf_batch_size, show_progress=not args.no_progress)
+        report["hf"] = {**metrics(results["hf"]), **results["hf"].extra}
+        print(format_text(f"hf (transformers generate, static batch {args.hf_batch_size})", report["hf"]))
+    if "ours" in report and "hf" in report:
+        report["ratio_ours_to_hf"] = report["ours"][TOKEN_THROUGHPUT] / report["hf"][TOKEN_THROUGHPUT]
+        print(f"[BENCHMARK] token_throughput ours {report['ours'][TOKEN_THROUGHPUT]:.1f} vs hf "
+              f"{report['hf'][TOKEN_THROUGHPUT]:.1f} token/sec: {report['ratio_ours_to_hf']:.2f}x")
+    if "ours" in report and "token_throughput_of_roofline" in report["ours"]:
+        print(f"[BENCHMARK] ours vs the fp32 matmul roofline ({report['ours']['roofline_gflops']:.0f} GFLOP/s): "
+              f"{report['ours']['token_throughput_of_roofline']:.1%} of its generated-token rate, "
+              f"{report['ours']['model_flops_utilization']:.1%} model FLOP utilisation (context included)")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(report, f, indent=2)
+    if args.plot:
+        from samples.bench_plot import have_matplotlib, write_plot
+        if not have_matplotlib():
+            print("--plot: matplotlib is not installed (pip install matplotlib, or the 'samples' extra)",
+                  file=sys.stderr)
+        elif "ours" in results:
+            write_plot(args.plot, results["ours"], results.get("hf"))
+            print(f"plot: {args.plot}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

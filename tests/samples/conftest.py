@@ -1,0 +1,86 @@
+"""Fixtures for the samples' tests: a tiny engine, a local tokenizer, the real HTTP server on a
+loopback port (its own event loop on a thread) and an aiohttp client runner."""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from batch_manager import KvCacheConfig, SchedulerPolicy, TrtGptModelOptionalParams, TrtGptModelType
+from runtime import build_engine
+from tests.factories import make_checkpoint
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory):
+    """(HF checkpoint dir, engine dir, transformers model) of a tiny LLaMA (vocab 128) with small
+    limits and 4-token blocks."""
+    root = tmp_path_factory.mktemp("samples")
+    model = make_checkpoint(root / "hf", "llama")
+    build_engine(root / "hf", root / "engine", tokens_per_block=4, max_batch_size=8, max_input_len=48,
+                 max_seq_len=96, max_num_tokens=128)
+    return str(root / "hf"), str(root / "engine"), model
+
+
+def greedy_reference(model, prompt: list[int], num_new_tokens: int) -> list[int]:
+    """transformers' greedy continuation (generated tokens only)."""
+    import torch
+    ids = model.generate(torch.tensor([prompt]), max_new_tokens=num_new_tokens, min_new_tokens=num_new_tokens,
+                         do_sample=False, eos_token_id=None, pad_token_id=0)
+    return ids[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory):
+    """A word-level tokenizer over the tiny vocabulary: token i is the word `t{i}`."""
+    import tokenizers
+    import transformers
+    vocab = {"[PAD]": 0, "<s>": 1, "</s>": 2, **{f"t{i}": i for i in range(3, 128)}}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[PAD]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", bos_token="<s>",
+                                                eos_token="</s>")
+    directory = tmp_path_factory.mktemp("tokenizer")
+    fast.save_pretrained(directory)
+    return str(directory)
+
+
+class ServerThread:
+    """samples.serve's app on 127.0.0.1 (a free port), served by an event loop on its own thread."""
+
+    def __init__(self, engine_dir: str, tokenizer=None, num_kv_tokens: int | None = None, metrics=None):
+        from samples.serve import start_server
+        from samples.serve_bridge import ManagerBridge
+        from samples.serve_metrics import TritonMetrics
+        params = TrtGptModelOptionalParams(kv_cache_config=KvCacheConfig(max_tokens=num_kv_tokens))
+        self.bridge = ManagerBridge(engine_dir, TrtGptModelType.InflightFusedBatching, 1,
+                                    SchedulerPolicy.GUARANTEED_NO_EVICT, params, metrics or TritonMetrics(False))
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="test-http-server", daemon=True)
+        self.thread.start()
+        self.runner, self.port = asyncio.run_coroutine_threadsafe(
+            start_server(self.bridge, "127.0.0.1", 0, tokenizer, default_max_new_tokens=8), self.loop).result(30)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(30)
+        self.bridge.close()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dirs, tokenizer_dir):
+    from samples.serve import load_tokenizer
+    s = ServerThread(tiny_model_dirs[1], load_tokenizer(tokenizer_dir))
+    yield s
+    s.stop()
+
+
+def run(coroutine_fn, *args, timeout_s: float = 60.0):
+    """Run an async client function to completion on a fresh event loop (the test's thread)."""
+    async def bounded():
+        return await asyncio.wait_for(coroutine_fn(*args), timeout_s)
+    return asyncio.run(bounded())

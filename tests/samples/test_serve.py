@@ -1,0 +1,201 @@
+"""samples.serve end to end: the real aiohttp server on a loopback port, a real HTTP client."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import aiohttp
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from samples.serve_metrics import TritonMetrics
+from tests.samples.conftest import ServerThread, greedy_reference, run
+
+PROMPTS = [[random.Random(i).randrange(3, 128) for _ in range(random.Random(i).randrange(3, 30))] for i in range(12)]
+
+
+async def post(url: str, body, timeout_s: float = 30.0) -> tuple[int, dict]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
+        data = body if isinstance(body, (str, bytes)) else json.dumps(body)
+        async with session.post(url + "/generate", data=data) as response:
+            return response.status, await response.json()
+
+
+async def post_stream(url: str, body) -> tuple[int, str, list[dict]]:
+    """(status, content type, the SSE events' JSON bodies)."""
+    async with aiohttp.ClientSession() as session:
+        async with session.post(url + "/generate", json={**body, "stream": True}) as response:
+            if response.status != 200:
+                return response.status, response.content_type, [await response.json()]
+            events = []
+            async for line in response.content:
+                if line.startswith(b"data: "):
+                    events.append(json.loads(line[6:]))
+            return response.status, response.content_type, events
+
+
+async def get(url: str, path: str) -> tuple[int, str]:
+    async with aiohttp.ClientSession() as session:
+        async with session.get(url + path) as response:
+            return response.status, await response.text()
+
+
+def test_health(server):
+    status, text = run(get, server.url, "/health")
+    assert status == 200
+    assert json.loads(text) == {"status": "ok", "active_requests": 0, "waiting_requests": 0}
+
+
+def test_generate_json_matches_transformers(server, tiny_model_dirs):
+    status, body = run(post, server.url, {"input_ids": PROMPTS[0], "max_new_tokens": 6})
+    assert status == 200, body
+    assert body["output_ids"] == greedy_reference(tiny_model_dirs[2], PROMPTS[0], 6)
+    assert body["num_output_tokens"] == 6 and body["is_final"]
+    assert body["text"] == " ".join(f"t{t}" for t in body["output_ids"] if t >= 3)
+
+
+def test_streaming_sse(server, tiny_model_dirs):
+    status, content_type, events = run(post_stream, server.url, {"input_ids": PROMPTS[1], "max_new_tokens": 7})
+    assert status == 200 and content_type == "text/event-stream"
+    assert len(events) > 1 and events[-1]["is_final"] and not any(e["is_final"] for e in events[:-1])
+    tokens = [t for e in events for t in e["output_ids"]]
+    assert tokens == greedy_reference(tiny_model_dirs[2], PROMPTS[1], 7)
+    assert "".join(e["text"] for e in events).split() == [f"t{t}" for t in tokens if t >= 3]
+
+
+def test_text_prompt(server, tiny_model_dirs):
+    status, body = run(post, server.url, {"text": "t5 t6 t7 t8", "max_new_tokens": 4})
+    assert status == 200, body
+    assert body["output_ids"] == greedy_reference(tiny_model_dirs[2], [5, 6, 7, 8], 4)
+
+
+def test_concurrent_requests(server, tiny_model_dirs):
+    """More requests than max_batch_size (8), half streamed, all at once: each gets its own tokens."""
+    async def all_requests():
+        calls = [post_stream(server.url, {"input_ids": p, "max_new_tokens": 5}) if i % 2 else
+                 post(server.url, {"input_ids": p, "max_new_tokens": 5}) for i, p in enumerate(PROMPTS)]
+        return await asyncio.gather(*calls)
+
+    results = run(all_requests)
+    for i, (prompt, result) in enumerate(zip(PROMPTS, results)):
+        tokens = [t for e in result[2] for t in e["output_ids"]] if i % 2 else result[1]["output_ids"]
+        assert tokens == greedy_reference(tiny_model_dirs[2], prompt, 5), i
+    assert server.bridge.manager.get_num_active_requests() == 0
+
+
+@pytest.mark.parametrize("body, status, names", [
+    ("{not json", 400, "JSON"),
+    ({"input_ids": [5, 6], "colour": 1}, 400, "colour"),
+    ({"max_new_tokens": 4}, 400, "input_ids"),
+    ({"input_ids": "t5", "max_new_tokens": 4}, 400, "input_ids"),
+    ({"input_ids": [5, 6], "max_new_tokens": "4"}, 400, "max_new_tokens"),
+    ({"input_ids": [5, 6], "temperature": "hot"}, 400, "temperature"),
+    ({"input_ids": [5, 6], "stop_words": [[]]}, 400, "stop_words[0]"),
+    # GptManager's own validation errors, passed through as 400:
+    ({"input_ids": [5, 1000], "max_new_tokens": 4}, 400, "input_ids: token id 1000"),
+    ({"input_ids": [5, 6], "max_new_tokens": 0}, 400, "request_output_len"),
+    ({"input_ids": [5] * 60, "max_new_tokens": 4}, 400, "max_input_len"),
+    ({"input_ids": [5, 6], "temperature": -1.0}, 400, "temperature"),
+    ({"input_ids": [5, 6], "beam_width": 0}, 400, "beam_width"),
+])
+def test_bad_input_is_4xx(server, body, status, names):
+    got_status, got = run(post, server.url, body)
+    assert got_status == status and names in got["error"], got
+
+
+def test_bad_input_while_streaming_is_4xx_not_sse(server):
+    status, content_type, events = run(post_stream, server.url, {"input_ids": [5, 6], "temperature": -1.0})
+    assert status == 400 and content_type == "application/json"
+    assert "temperature" in events[0]["error"]
+
+
+def test_metrics_scrape(server):
+    assert run(post, server.url, {"input_ids": PROMPTS[2], "max_new_tokens": 3})[0] == 200
+    status, text = run(get, server.url, "/metrics")
+    assert status == 200
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(text) for s in family.samples}
+
+    def value(family: str, label: str, label_value: str) -> float:
+        return samples[(family, tuple(sorted({"model": "tensorrt_llm", "version": "1", label: label_value}.items())))]
+
+    assert value("nv_trt_llm_request_metrics", "request_type", "max") == 8
+    assert value("nv_trt_llm_request_metrics", "request_type", "active") == 0   # idle again
+    assert value("nv_trt_llm_kv_cache_block_metrics", "kv_cache_block_type", "tokens_per") == 4
+    assert value("nv_trt_llm_kv_cache_block_metrics", "kv_cache_block_type", "used") == 0
+    assert value("nv_trt_llm_kv_cache_block_metrics", "kv_cache_block_type", "max") > 0
+    assert value("nv_trt_llm_runtime_memory_metrics", "memory_type", "cpu") > 0
+    assert ("nv_trt_llm_inflight_batcher_metrics", tuple(sorted(
+        {"model": "tensorrt_llm", "version": "1", "inflight_batcher_specific_metric": "micro_batch_id"}.items()))) \
+        in samples
+    assert value("nv_trt_llm_general_metrics", "general_type", "iteration_counter") >= 2
+    assert value("nv_trt_llm_general_metrics", "general_type", "timestamp") > 1.6e9
+
+
+class SlowMetrics(TritonMetrics):
+    """Paces the manager: the stats callback runs on its worker thread once per iteration."""
+
+    def update(self, stats_json):
+        super().update(stats_json)
+        time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def slow_server(tiny_model_dirs):
+    s = ServerThread(tiny_model_dirs[1], metrics=SlowMetrics(False))
+    yield s
+    s.stop()
+
+
+def _assert_freed_soon(server, max_iterations: int) -> None:
+    deadline = time.monotonic() + 5
+    while server.bridge.manager.get_num_active_requests() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert server.bridge.manager.get_num_active_requests() == 0
+    kv = server.bridge.manager._worker.kv  # internal: the block pool is whole again
+    assert kv.num_free_blocks == kv.num_blocks
+    assert server.bridge.num_waiting_handlers() == 0
+    # Stopped long before its 80 tokens (one iteration per token, each >= 20 ms here).
+    assert server.bridge.metrics.last_stats["Iteration Counter"] < max_iterations
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+def test_disconnect_stops_the_request_and_frees_its_blocks(slow_server, streaming):
+    start_iteration = slow_server.bridge.metrics.last_stats.get("Iteration Counter", 0)
+
+    async def disconnect_early():
+        session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None if streaming else 0.3))
+        body = {"input_ids": PROMPTS[3][:10], "max_new_tokens": 80, "stream": streaming}
+        try:
+            async with session.post(slow_server.url + "/generate", json=body) as response:
+                await response.content.readline()  # the first event
+        except asyncio.TimeoutError:
+            assert not streaming
+        await session.close()
+
+    run(disconnect_early)
+    _assert_freed_soon(slow_server, start_iteration + 60)
+
+
+def test_cli_serves_and_exits_on_sigterm(tiny_model_dirs):
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    proc = subprocess.Popen([sys.executable, "-m", "samples.serve", "--engine-dir", tiny_model_dirs[1], "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("listening on http://127.0.0.1:"), line
+        url = line.split()[-1]
+        status, text = run(get, url, "/health")
+        assert status == 200 and json.loads(text)["status"] == "ok"
+        status, body = run(post, url, {"input_ids": [5, 6, 7], "max_new_tokens": 2})
+        assert status == 200 and len(body["output_ids"]) == 2
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        proc.kill()
