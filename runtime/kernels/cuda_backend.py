@@ -54,11 +54,17 @@ class CudaKernels(TorchKernels):
     name = "cuda"
     device_type = "cuda"
 
-    def __init__(self, config: LaunchConfig | None = None, cpu_fallback: bool = False):
+    def __init__(self, config: LaunchConfig | None = None, cpu_fallback: bool = False,
+                 dtypes: tuple[torch.dtype, ...] = tuple(DTYPE_CODES)):
         """cpu_fallback: route CPU tensors to the torch reference (set when this backend was picked
-        by default, so a runner on the CPU of a GPU machine keeps working)."""
+        by default, so a runner on the CPU of a GPU machine keeps working). dtypes: the storage
+        dtypes to compile modules for (all by default)."""
+        unknown = [d for d in dtypes if d not in DTYPE_CODES]
+        if unknown:
+            raise ValueError(f"dtypes: unsupported {unknown}; supported {list(DTYPE_CODES)}")
         self.config = config or self.default_config()
         self.cpu_fallback = cpu_fallback
+        self.dtypes = tuple(dtypes)
         self._functions = self._compile_all()
         self.launchers = KvLaunchers(self._function, self.device_type, self._stream, self.config)
 
@@ -71,7 +77,7 @@ class CudaKernels(TorchKernels):
         cupy = import_cupy()
         functions = {}
         for source, kernel_names in sources.KERNEL_SOURCES.items():
-            for dtype in DTYPE_CODES:
+            for dtype in self.dtypes:
                 code = sources.program(source, self.config.defines(dtype))
                 module = cupy.RawModule(code=code, options=NVRTC_OPTIONS)
                 module.compile()
@@ -81,7 +87,10 @@ class CudaKernels(TorchKernels):
         return functions
 
     def _function(self, dtype: torch.dtype, name: str):
-        return self._functions[dtype, name]
+        function = self._functions.get((dtype, name))
+        if function is None:
+            raise ValueError(f"{self.name} kernels: no {name} module for dtype {dtype} (compiled: {list(self.dtypes)})")
+        return function
 
     def _stream(self):
         """torch's current stream, fetched at every launch (graph capture switches it)."""

@@ -148,8 +148,8 @@ class EmuKernels(CudaKernels):
     name = "emu"
     device_type = "cpu"
 
-    def __init__(self, config: LaunchConfig | None = None):
-        super().__init__(config, cpu_fallback=False)
+    def __init__(self, config: LaunchConfig | None = None, dtypes: tuple[torch.dtype, ...] = tuple(DTYPE_CODES)):
+        super().__init__(config, cpu_fallback=False, dtypes=dtypes)
 
     @staticmethod
     def default_config() -> LaunchConfig:
@@ -161,7 +161,7 @@ class EmuKernels(CudaKernels):
         if not compiler_available():
             raise RuntimeError(f"emu kernels: the C++ compiler {CXX!r} is not available")
         jobs = [(source, names, sources.program(source, self.config.defines(dtype)), dtype)
-                for source, names in sources.KERNEL_SOURCES.items() for dtype in DTYPE_CODES]
+                for source, names in sources.KERNEL_SOURCES.items() for dtype in self.dtypes]
         with ThreadPoolExecutor(max_workers=max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
             paths = list(pool.map(lambda job: build(job[2]), jobs))
         functions = {}
