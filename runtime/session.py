@@ -6,6 +6,7 @@ sequence owns a fixed slice of the session's KV pool.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from dataclasses import dataclass, field
@@ -15,6 +16,8 @@ import torch
 
 from .config import ModelConfig
 from .engine import Engine
+from .decoder import Decoder, DecodeState
+from .decoding_params import DecodingParams, parse_word_list
 from .model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -71,19 +74,34 @@ class SamplingConfig:
     top_p_reset_ids: Sequence[int] | int | None = None
     beam_search_diversity_rate: Sequence[float] | float | None = None
     length_penalty: Sequence[float] | float | None = None
+    early_stopping: Sequence[int] | int | None = None
+    no_repeat_ngram_size: Sequence[int] | int | None = None
 
-    def check_greedy(self, batch_size: int) -> None:
-        """This runtime decodes greedily; refuse settings that would change greedy tokens."""
-        if self.beam_width != 1:
-            raise ValueError(f"SamplingConfig.beam_width: only 1 is supported, got {self.beam_width}")
-        checks = (("top_k", 0, lambda v: v in (0, 1)), ("top_p", 0.0, lambda v: v == 0.0),
-                  ("min_length", 0, lambda v: v <= 1), ("repetition_penalty", 1.0, lambda v: v in (0.0, 1.0)),
-                  ("presence_penalty", 0.0, lambda v: v == 0.0), ("frequency_penalty", 0.0, lambda v: v == 0.0))
-        for name, default, is_greedy in checks:
-            for value in _per_sequence(name, getattr(self, name), batch_size, default):
-                if not is_greedy(value):
-                    raise ValueError(f"SamplingConfig.{name}: {value!r} is not supported; this runtime "
-                                     "decodes greedily (top_k 0/1, top_p 0, no penalties)")
+    def decoding_params(self, batch_size: int, end_id: int, vocab_size: int,
+                        normalize_log_probs: bool = True) -> list[DecodingParams]:
+        """One validated DecodingParams per sequence (runtime/decoding_params.py has the semantics;
+        an unset random_seed is 0, as in TensorRT-LLM)."""
+        fields = {"temperature": ("temperature", 1.0), "min_length": ("min_length", 0),
+                  "repetition_penalty": ("repetition_penalty", 1.0),
+                  "presence_penalty": ("presence_penalty", 0.0), "frequency_penalty": ("frequency_penalty", 0.0),
+                  "random_seed": ("random_seed", 0), "top_k": ("top_k", 0), "top_p": ("top_p", 0.0),
+                  "top_p_decay": ("top_p_decay", 1.0), "top_p_min": ("top_p_min", 1e-6),
+                  "top_p_reset_ids": ("top_p_reset_id", -1),
+                  "beam_search_diversity_rate": ("diversity_rate", 0.0), "length_penalty": ("length_penalty", 0.0),
+                  "early_stopping": ("early_stopping", 1), "no_repeat_ngram_size": ("no_repeat_ngram_size", 0)}
+        columns = {param: _per_sequence(name, getattr(self, name), batch_size, default)
+                   for name, (param, default) in fields.items()}
+        result = []
+        for i in range(batch_size):
+            values = {param: column[i] for param, column in columns.items()}
+            params = DecodingParams(beam_width=self.beam_width, end_id=end_id,
+                                    normalize_log_probs=normalize_log_probs, **values)
+            try:
+                params.validate(vocab_size, max_beam_width=self.beam_width)
+            except ValueError as e:
+                raise ValueError(f"SamplingConfig.{e}") from None
+            result.append(params)
+        return result
 
 
 @dataclass
@@ -119,7 +137,8 @@ class GenerationInput:
 class GenerationOutput:
     ids: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int32))
     lengths: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int32))
-    log_probs: torch.Tensor | None = None
+    log_probs: torch.Tensor | None = None        # float32 [batch, beam, max_new_tokens]
+    cum_log_probs: torch.Tensor | None = None    # float32 [batch, beam]
     context_logits: torch.Tensor | None = None
     generation_logits: torch.Tensor | None = None
     # (ids [batch, beam, max_seq_len], step, all_finished) -> None, after every generation step
@@ -154,20 +173,20 @@ class GptSession:
         self.blocks_per_sequence = -(-config.max_sequence_length // tpb)
         num_blocks = config.max_batch_size * config.max_beam_width * self.blocks_per_sequence
         self.runner = ModelRunner(engine, num_blocks, kernels=kernels, device=device)
+        self.decoder = Decoder(self.runner.kernels)
 
     def generate(self, output: GenerationOutput, inputs: GenerationInput, sampling: SamplingConfig) -> None:
         prompts = inputs.prompts()
         batch = len(prompts)
         if not 0 < batch <= self.config.max_batch_size:
             raise ValueError(f"GenerationInput: batch size {batch} not in [1, {self.config.max_batch_size}]")
-        sampling.check_greedy(batch)
-        for name in ("embedding_bias", "bad_words_list", "stop_words_list"):
-            if getattr(inputs, name) is not None:
-                raise ValueError(f"GenerationInput.{name}: not supported by this runtime's greedy decoder")
-        max_input_len = max(len(p) for p in prompts)
+        if not 1 <= sampling.beam_width <= self.config.max_beam_width:
+            raise ValueError(f"SamplingConfig.beam_width: must be in [1, {self.config.max_beam_width}], "
+                             f"got {sampling.beam_width}")
         max_new_tokens = inputs.max_new_tokens
-        if max_new_tokens is None or max_new_tokens <= 0:
+        if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
             raise ValueError(f"GenerationInput.max_new_tokens: must be a positive integer, got {max_new_tokens!r}")
+        max_input_len = max(len(p) for p in prompts)
         max_seq_len = max_input_len + max_new_tokens
         if max_seq_len > self.config.max_sequence_length:
             raise ValueError(f"GenerationInput: max input length {max_input_len} + max_new_tokens {max_new_tokens} "
@@ -179,48 +198,115 @@ class GptSession:
         for p in prompts:
             if min(p) < 0 or max(p) >= vocab:
                 raise ValueError(f"GenerationInput.ids: token ids must be in [0, {vocab}), got {min(p)}..{max(p)}")
+        if not -1 <= inputs.end_id < vocab:
+            raise ValueError(f"GenerationInput.end_id: must be -1 or in [0, {vocab}), got {inputs.end_id}")
+        params = self._with_inputs(sampling.decoding_params(batch, inputs.end_id, vocab), inputs, vocab)
 
         build = self.engine.build_config
-        block_tables = torch.arange(batch * self.blocks_per_sequence, dtype=torch.int32).view(batch, -1)
-        out_ids = torch.full((batch, 1, max_seq_len), inputs.pad_id, dtype=torch.int32)
+        states = [DecodeState(params[i], prompts[i], max_new_tokens, build.gather_generation_logits)
+                  for i in range(batch)]
+        blocks = _BeamBlocks(self.runner, self.config.max_batch_size * self.config.max_beam_width
+                             * self.blocks_per_sequence, build.tokens_per_block)
         for i, p in enumerate(prompts):
-            out_ids[i, 0, :len(p)] = torch.tensor(p, dtype=torch.int32)
-        lengths = [len(p) for p in prompts]
+            blocks.start_sequence(i, len(p))
         context_logits = torch.zeros(batch, max_input_len, vocab) if build.gather_context_logits else None
-        generation_logits = (torch.zeros(batch, 1, max_new_tokens, vocab)
-                             if build.gather_generation_logits else None)
+        beam_width = sampling.beam_width
+        out_ids = torch.full((batch, beam_width, max_seq_len), inputs.pad_id, dtype=torch.int32)
 
-        logits = self._context(prompts, block_tables, context_logits)
-        finished = [False] * batch
+        logits = self._context(prompts, blocks.tables(range(batch)), context_logits)
+        running = list(range(batch))
         for step in range(max_new_tokens):
-            active = [i for i in range(batch) if not finished[i]]
-            tokens = logits.argmax(dim=-1).tolist()
-            for row, i in enumerate(active):
-                if generation_logits is not None:
-                    generation_logits[i, 0, step] = logits[row]
-                if tokens[row] == inputs.end_id:
-                    finished[i] = True
-                    continue
-                out_ids[i, 0, lengths[i]] = tokens[row]
-                lengths[i] += 1
-                if step + 1 == max_new_tokens:
-                    finished[i] = True
-            all_finished = all(finished)
+            self.decoder.step([states[i] for i in running], logits)
+            self._write_ids(out_ids, states, running, inputs.pad_id)
+            for i in running:
+                if states[i].is_finished:
+                    blocks.end_sequence(i)
+                else:
+                    blocks.fork(i, states[i].parents)
+            running = [i for i in running if not states[i].is_finished]
             if output.on_token_generated is not None:
-                output.on_token_generated(out_ids, step, all_finished)
-            if all_finished:
+                output.on_token_generated(out_ids, step, not running)
+            if not running:
                 break
-            running = [i for i in range(batch) if not finished[i]]
-            logits = self.runner.forward({
-                "input_ids": torch.tensor([int(out_ids[i, 0, lengths[i] - 1]) for i in running],
-                                          dtype=torch.int32),
-                "input_lengths": torch.ones(len(running), dtype=torch.int32),
-                "past_lengths": torch.tensor([lengths[i] - 1 for i in running], dtype=torch.int32),
-                "block_tables": block_tables[running]})["logits"]
-
-        output.ids = out_ids
-        output.lengths = torch.tensor(lengths, dtype=torch.int32).view(batch, 1)
+            logits = self._generation_step(states, running, blocks)
+        self._write_outputs(output, out_ids, states, prompts, max_new_tokens, vocab)
         output.context_logits = context_logits
+
+    def _with_inputs(self, params: list[DecodingParams], inputs: GenerationInput, vocab: int) -> list[DecodingParams]:
+        """Fold the per-sequence tensors of GenerationInput (bias, word lists) into the params."""
+        batch = len(params)
+
+        def per_sequence(name: str, value: torch.Tensor | None, rank: int) -> list:
+            if value is None:
+                return [None] * batch
+            if value.dim() == rank:
+                return [value] * batch
+            if value.dim() == rank + 1 and value.shape[0] == batch:
+                return list(value)
+            raise ValueError(f"GenerationInput.{name}: expected {rank} dims or [batch={batch}, ...], "
+                             f"got {list(value.shape)}")
+
+        biases = per_sequence("embedding_bias", inputs.embedding_bias, 1)
+        bad = per_sequence("bad_words_list", inputs.bad_words_list, 2)
+        stop = per_sequence("stop_words_list", inputs.stop_words_list, 2)
+        result = []
+        for p, bias, bad_words, stop_words in zip(params, biases, bad, stop):
+            p = dataclasses.replace(
+                p, embedding_bias=None if bias is None else bias.float(),
+                bad_words=parse_word_list(bad_words, "GenerationInput.bad_words_list", vocab),
+                stop_words=parse_word_list(stop_words, "GenerationInput.stop_words_list", vocab))
+            try:
+                p.validate(vocab, self.config.max_beam_width)
+            except ValueError as e:
+                raise ValueError(f"GenerationInput.{e}") from None
+            result.append(p)
+        return result
+
+    def _generation_step(self, states: list[DecodeState], running: list[int], blocks: "_BeamBlocks") -> torch.Tensor:
+        """One forward over every live beam of the running sequences -> logits [rows, V]."""
+        input_ids, past_lengths, keys = [], [], []
+        for i in running:
+            s = states[i]
+            for beam, h in enumerate(s.beams):
+                input_ids.append(h.tokens[-1])
+                past_lengths.append(len(s.prompt) + len(h.tokens) - 1)
+                keys.append((i, beam))
+        blocks.make_writable(keys, past_lengths)
+        return self.runner.forward({
+            "input_ids": torch.tensor(input_ids, dtype=torch.int32),
+            "input_lengths": torch.ones(len(keys), dtype=torch.int32),
+            "past_lengths": torch.tensor(past_lengths, dtype=torch.int32),
+            "block_tables": blocks.tables(keys)})["logits"]
+
+    @staticmethod
+    def _write_ids(out_ids: torch.Tensor, states: list[DecodeState], rows: list[int], pad_id: int) -> None:
+        """out_ids[i, beam] = prompt, the beam's generated tokens, pad_id (beams reorder every step)."""
+        for i in rows:
+            s = states[i]
+            n = len(s.prompt)
+            for beam, h in enumerate(s.outputs()):
+                out_ids[i, beam, :n] = torch.tensor(s.prompt, dtype=torch.int32)
+                out_ids[i, beam, n:n + len(h.tokens)] = torch.tensor(h.tokens, dtype=torch.int32)
+                out_ids[i, beam, n + len(h.tokens):] = pad_id
+
+    def _write_outputs(self, output: GenerationOutput, out_ids: torch.Tensor, states: list[DecodeState],
+                       prompts: list[list[int]], max_new_tokens: int, vocab: int) -> None:
+        batch, beam_width = out_ids.shape[:2]
+        lengths = torch.zeros(batch, beam_width, dtype=torch.int32)
+        log_probs = torch.zeros(batch, beam_width, max_new_tokens)
+        cum_log_probs = torch.zeros(batch, beam_width)
+        gather = states[0].gather_generation_logits
+        generation_logits = torch.zeros(batch, beam_width, max_new_tokens, vocab) if gather else None
+        for i, s in enumerate(states):
+            lengths[i] = len(prompts[i])
+            for beam, h in enumerate(s.outputs()):
+                lengths[i, beam] = len(prompts[i]) + len(h.tokens)
+                log_probs[i, beam, :len(h.log_probs)] = torch.tensor(h.log_probs)
+                cum_log_probs[i, beam] = h.cum_log_prob
+                if gather and h.logits:
+                    generation_logits[i, beam, :len(h.logits)] = torch.stack(h.logits).cpu()
+        output.ids, output.lengths = out_ids, lengths
+        output.log_probs, output.cum_log_probs = log_probs, cum_log_probs
         output.generation_logits = generation_logits
 
     def _context(self, prompts: list[list[int]], block_tables: torch.Tensor,
@@ -255,3 +341,71 @@ class GptSession:
                     context_logits[i, :n] = outputs["context_logits"][offset:offset + n]
                     offset += n
         return torch.cat(all_logits)
+
+
+class _BeamBlocks:
+    """The session's KV blocks: one block table per live (sequence, beam), blocks shared between
+    beams by reference count. A beam that continues another takes its table (no copy); before a
+    token is written into a shared block, that block is copied (copy-on-write), so a step copies
+    at most one partial block per beam."""
+
+    def __init__(self, runner: ModelRunner, num_blocks: int, tokens_per_block: int):
+        self.runner = runner
+        self.tokens_per_block = tokens_per_block
+        self.free = list(range(num_blocks - 1, -1, -1))
+        self.ref_counts = [0] * num_blocks
+        self.table_of: dict[tuple[int, int], list[int]] = {}  # (sequence, beam) -> block ids
+
+    def _take(self) -> int:
+        block = self.free.pop()
+        self.ref_counts[block] = 1
+        return block
+
+    def _release(self, table: list[int]) -> None:
+        for block in table:
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.free.append(block)
+
+    def start_sequence(self, seq: int, num_tokens: int) -> None:
+        self.table_of[(seq, 0)] = [self._take() for _ in range(-(-num_tokens // self.tokens_per_block))]
+
+    def end_sequence(self, seq: int) -> None:
+        for key in [k for k in self.table_of if k[0] == seq]:
+            self._release(self.table_of.pop(key))
+
+    def fork(self, seq: int, parents: list[int]) -> None:
+        """Live beam b of `seq` continues the previous beam parents[b]."""
+        old = {beam: table for (s, beam), table in self.table_of.items() if s == seq}
+        for beam, parent in enumerate(parents):
+            table = list(old[parent])
+            for block in table:
+                self.ref_counts[block] += 1
+            self.table_of[(seq, beam)] = table
+        for beam, table in old.items():
+            self._release(table)
+            if beam >= len(parents):
+                del self.table_of[(seq, beam)]
+
+    def make_writable(self, keys: list[tuple[int, int]], positions: list[int]) -> None:
+        """Each keys[j] is about to write the token at positions[j]: give it a private block there."""
+        sources, targets = [], []
+        for key, position in zip(keys, positions):
+            table = self.table_of[key]
+            index = position // self.tokens_per_block
+            if index == len(table):
+                table.append(self._take())
+            elif self.ref_counts[table[index]] > 1:
+                fresh = self._take()
+                sources.append(table[index])
+                targets.append(fresh)
+                self.ref_counts[table[index]] -= 1
+                table[index] = fresh
+        if sources:
+            self.runner.copy_blocks(sources, targets)
+
+    def tables(self, keys) -> torch.Tensor:
+        """int32 [len(keys), max_blocks]; keys are (sequence, beam) pairs or sequence numbers (beam 0)."""
+        rows = [self.table_of[k if isinstance(k, tuple) else (k, 0)] for k in keys]
+        width = max(len(r) for r in rows)
+        return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32)

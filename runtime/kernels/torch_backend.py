@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .torch_decoder import TorchDecoderKernels
+
 
 def _compute_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float32 if t.device.type == "cpu" else t.dtype
@@ -31,7 +33,7 @@ def _visible(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None,
     return mask
 
 
-class TorchKernels:
+class TorchKernels(TorchDecoderKernels):
     name = "torch"
 
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

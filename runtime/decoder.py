@@ -1,0 +1,218 @@
+"""The decoder: turns one step's last-token logits into tokens for a batch of requests with any
+mix of settings (greedy, sampling, beam search), through the kernel backend's decoding
+operations. Owns nothing across steps; each request's progress lives in its `DecodeState`.
+GptSession and the batch manager's model executor both drive it.
+
+Rows: `step(states, logits)` takes logits float32 [R, V] whose rows are the states' live beams in
+order (state i contributes `states[i].num_rows` rows: 1 on its first step, its beam width after).
+Randomness: the draw for a request's token t of beam b is `rng.uniforms(seed, t, b)`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import rng
+from .beam_search import BeamSearch, Hypothesis
+from .decoding_params import DecodingParams
+
+
+class DecodeState:
+    """One request's decoding progress: its live beams, the beam-search bank, the decayed top-p."""
+
+    def __init__(self, params: DecodingParams, prompt: list[int], max_new_tokens: int,
+                 gather_generation_logits: bool = False):
+        assert max_new_tokens >= 1
+        self.params = params
+        self.prompt = prompt
+        self.max_new_tokens = max_new_tokens
+        self.gather_generation_logits = gather_generation_logits
+        self.beams = [Hypothesis([], [], 0.0, 0.0, [] if gather_generation_logits else None)]
+        self.parents = [0]  # after a step: the previous beam each live beam continues
+        self.search = (BeamSearch(params.beam_width, params.length_penalty, params.early_stopping,
+                                  params.diversity_rate, max_new_tokens) if params.is_beam_search else None)
+        self.top_p = params.top_p
+        self.finish_reason: str | None = None  # "end_id" | "stop_words" | "length"
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.beams)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.beams[0].tokens)
+
+    def ends_beam(self, tokens: list[int], token: int) -> str | None:
+        """Why appending `token` to generated `tokens` ends the beam, or None."""
+        if token == self.params.end_id:
+            return "end_id"
+        for word in self.params.stop_words:
+            n = len(word)
+            if word[-1] == token and len(tokens) >= n - 1 and tuple(tokens[len(tokens) - n + 1:]) == word[:-1]:
+                return "stop_words"
+        return None
+
+    def outputs(self) -> list[Hypothesis]:
+        """The request's beams, best first, without a trailing end token (final once finished;
+        the current live beams while running)."""
+        beams = self.search.final(self.beams) if (self.search and self.is_finished) else self.beams
+        end_id = self.params.end_id
+        stripped = []
+        for h in beams:
+            if h.tokens and h.tokens[-1] == end_id:
+                h = Hypothesis(h.tokens[:-1], h.log_probs[:-1], h.cum_log_prob, h.score,
+                               None if h.logits is None else h.logits[:-1])
+            stripped.append(h)
+        return stripped
+
+
+@dataclass
+class _Rows:
+    """Row bookkeeping of one step: row -> (state, beam) and each state's first row."""
+    state_of_row: list[DecodeState]
+    beam_of_row: list[int]
+    first_row: list[int]
+
+
+class Decoder:
+    def __init__(self, kernels):
+        self.kernels = kernels
+
+    def step(self, states: list[DecodeState], logits: torch.Tensor) -> None:
+        """Process, select and record one token per live beam of every state (see module doc).
+        logits may be modified in place."""
+        rows = self._rows(states)
+        assert logits.shape[0] == len(rows.state_of_row), "one logits row per live beam"
+        raw = logits.clone() if any(s.gather_generation_logits for s in states) else None
+        self._apply_penalties(logits, rows)
+        self._apply_bans(logits, rows)
+        single = [i for i, s in enumerate(states) if s.search is None]
+        greedy = [i for i in single if states[i].params.is_greedy]
+        sampled = [i for i in single if not states[i].params.is_greedy]
+        if greedy:
+            index = torch.tensor([rows.first_row[i] for i in greedy], device=logits.device)
+            tokens, log_probs = self.kernels.greedy(logits[index])
+            self._accept(states, greedy, tokens.tolist(), log_probs.tolist(), raw, rows)
+        if sampled:
+            self._sample(states, sampled, logits, raw, rows)
+        for i, state in enumerate(states):
+            if state.search is not None:
+                self._beam_step(state, logits, raw, rows.first_row[i])
+
+    @staticmethod
+    def _rows(states: list[DecodeState]) -> _Rows:
+        state_of_row, beam_of_row, first_row = [], [], []
+        for s in states:
+            assert not s.is_finished, "a finished request has no rows"
+            first_row.append(len(state_of_row))
+            state_of_row += [s] * s.num_rows
+            beam_of_row += range(s.num_rows)
+        return _Rows(state_of_row, beam_of_row, first_row)
+
+    def _apply_penalties(self, logits: torch.Tensor, rows: _Rows) -> None:
+        picked = [r for r, s in enumerate(rows.state_of_row) if s.params.needs_penalties]
+        if not picked:
+            return
+        device = logits.device
+        sequences = [rows.state_of_row[r].prompt + rows.state_of_row[r].beams[rows.beam_of_row[r]].tokens
+                     for r in picked]
+        max_len = max(len(seq) for seq in sequences)
+        token_ids = torch.tensor([seq + [0] * (max_len - len(seq)) for seq in sequences], dtype=torch.int64)
+        params = [rows.state_of_row[r].params for r in picked]
+        bias = None
+        if any(p.embedding_bias is not None for p in params):
+            bias = torch.zeros(len(picked), logits.shape[1])
+            for j, p in enumerate(params):
+                if p.embedding_bias is not None:
+                    bias[j] = p.embedding_bias
+            bias = bias.to(device)
+
+        def column(values, dtype):
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        self.kernels.apply_penalties(
+            logits, column(picked, torch.int64), token_ids.to(device),
+            column([len(seq) for seq in sequences], torch.int64), bias,
+            column([p.temperature or 1.0 for p in params], torch.float32),
+            column([p.repetition_penalty for p in params], torch.float32),
+            column([p.presence_penalty for p in params], torch.float32),
+            column([p.frequency_penalty for p in params], torch.float32),
+            column([p.min_length for p in params], torch.int64),
+            column([rows.state_of_row[r].num_generated for r in picked], torch.int64),
+            column([p.end_id for p in params], torch.int64))
+
+    def _apply_bans(self, logits: torch.Tensor, rows: _Rows) -> None:
+        ban_rows, ban_tokens = [], []
+        for r, s in enumerate(rows.state_of_row):
+            p = s.params
+            if not p.bad_words and not p.no_repeat_ngram_size:
+                continue
+            sequence = s.prompt + s.beams[rows.beam_of_row[r]].tokens
+            banned = set()
+            for word in p.bad_words:
+                n = len(word)
+                if n == 1 or (len(sequence) >= n - 1 and tuple(sequence[len(sequence) - n + 1:]) == word[:-1]):
+                    banned.add(word[-1])
+            if p.no_repeat_ngram_size:
+                banned.update(self.kernels.repeat_ngram_bans(torch.tensor(sequence), p.no_repeat_ngram_size).tolist())
+            ban_rows += [r] * len(banned)
+            ban_tokens += sorted(banned)
+        if ban_rows:
+            self.kernels.ban_tokens(logits, torch.tensor(ban_rows, device=logits.device),
+                                    torch.tensor(ban_tokens, device=logits.device))
+
+    def _sample(self, states, picked: list[int], logits, raw, rows: _Rows) -> None:
+        device = logits.device
+        chosen = [states[i] for i in picked]
+        index = torch.tensor([rows.first_row[i] for i in picked], device=device)
+        draws = rng.uniforms([s.params.random_seed for s in chosen], [s.num_generated for s in chosen],
+                             [0] * len(chosen))
+        tokens, log_probs = self.kernels.sample(
+            logits[index],
+            torch.tensor([s.params.top_k for s in chosen], dtype=torch.int64, device=device),
+            torch.tensor([s.top_p for s in chosen], dtype=torch.float32, device=device),
+            torch.from_numpy(draws).to(device),
+            torch.tensor([s.params.normalize_log_probs for s in chosen], device=device))
+        self._accept(states, picked, tokens.tolist(), log_probs.tolist(), raw, rows)
+
+    @staticmethod
+    def _accept(states, picked: list[int], tokens: list[int], log_probs: list[float], raw, rows: _Rows) -> None:
+        for i, token, log_prob in zip(picked, tokens, log_probs):
+            state = states[i]
+            beam = state.beams[0]
+            reason = state.ends_beam(beam.tokens, token)
+            beam.cum_log_prob += log_prob
+            state.parents = [0]
+            if reason == "end_id":
+                state.finish_reason = reason
+                continue
+            beam.tokens.append(token)
+            beam.log_probs.append(log_prob)
+            if beam.logits is not None:
+                beam.logits.append(raw[rows.first_row[i]])
+            p = state.params
+            if p.top_p_decay != 1.0 or p.top_p_reset_id >= 0:
+                state.top_p = p.top_p if token == p.top_p_reset_id else max(state.top_p * p.top_p_decay, p.top_p_min)
+            if reason is not None:
+                state.finish_reason = reason
+            elif len(beam.tokens) >= state.max_new_tokens:
+                state.finish_reason = "length"
+
+    def _beam_step(self, state: DecodeState, logits, raw, first_row: int) -> None:
+        span = slice(first_row, first_row + state.num_rows)
+        log_probs = self.kernels.log_softmax(logits[span]).cpu()
+        histories = state.beams
+        parents = state.search.step(log_probs, histories,
+                                    lambda parent, token: state.ends_beam(histories[parent].tokens, token) is not None,
+                                    None if raw is None else raw[span])
+        state.beams = state.search.live
+        state.parents = parents
+        if state.search.done:
+            best = state.search.final(state.beams)[0]
+            state.finish_reason = (state.ends_beam(best.tokens[:-1], best.tokens[-1]) if best.tokens else None) \
+                or "length"
