@@ -2,6 +2,8 @@
 composition per iteration (from the stats callback's JSON). Needs matplotlib (the `samples` extra)."""
 from __future__ import annotations
 
+import math
+
 from samples.bench_report import RunResult, throughput_over_time
 
 
@@ -30,10 +32,14 @@ def write_plot(path: str, ours: RunResult, hf: RunResult | None = None) -> None:
 
     fig, axes = plt.subplots(2, 2, figsize=(13, 8))
     ax = axes[0][0]
-    for name, values in _latencies_ms(ours).items():
-        if values:
-            ax.hist(values, bins=30, alpha=0.6, label=name)
-    ax.set(title="latency distribution (ours)", xlabel="ms", ylabel="requests", xscale="linear")
+    latencies = {name: values for name, values in _latencies_ms(ours).items() if values}
+    every = [v for values in latencies.values() for v in values if v > 0]
+    if every:  # log-spaced bins: TTFT, ITL and whole-sequence latency differ by orders of magnitude
+        low, high = math.log10(min(every)), math.log10(max(every)) + 1e-9
+        bins = [10 ** (low + (high - low) * i / 40) for i in range(41)]
+        for name, values in latencies.items():
+            ax.hist(values, bins=bins, alpha=0.6, label=name)
+    ax.set(title="latency distribution (ours)", xlabel="ms (log scale)", ylabel="requests", xscale="log")
     ax.legend()
 
     ax = axes[0][1]
@@ -58,7 +64,7 @@ def write_plot(path: str, ours: RunResult, hf: RunResult | None = None) -> None:
     ax.legend()
 
     ax = axes[1][1]
-    ax.plot(iterations, [s.get("Total Context Tokens", 0) for s in stats], label="context tokens")
+    ax.plot(iterations, [s.get("Total Context Tokens", 0) for s in stats], label="Total Context Tokens (stats JSON)")
     ax.plot(iterations, [s.get("Used KV cache blocks", 0) for s in stats], label="used KV blocks")
     ax.set(title="context tokens and KV blocks per iteration", xlabel="iteration")
     ax.legend()
