@@ -45,8 +45,14 @@ class StepLayout:
 
 
 class Transformer:
-    def __init__(self, config: ModelConfig, weights: Weights, device: torch.device):
+    def __init__(self, config: ModelConfig, weights: Weights, device: torch.device,
+                 attention_window: int | None = None, sink_token_length: int = 0):
+        """attention_window: the window every layer uses (None = full causal attention); the
+        caller folds the model's own sliding window in. sink_token_length: keys at positions
+        below it stay visible outside the window (only with a window)."""
         self.config = config
+        self.attention_window = attention_window
+        self.sink_token_length = sink_token_length if attention_window is not None else 0
         self.w = {name: t.to(device) for name, t in weights.items()}
         self.device = device
         self.dtype = self.w["embed_tokens"].dtype
@@ -120,19 +126,20 @@ class Transformer:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         kernels.write_kv(k_cache, v_cache, k, v, step.slot_mapping)
         out = torch.empty_like(q)
-        window = cfg.sliding_window
+        window, sink = self.attention_window, self.sink_token_length
         if step.generation_seq_ids.numel():
             idx = step.generation_token_index
             out[idx] = kernels.decode_attention(q[idx], k_cache, v_cache, step.generation_block_tables,
-                                                step.generation_seq_lens, self.scale, window)
+                                                step.generation_seq_lens, self.scale, window, sink)
         for seq, start, n, past_len in step.context_spans:
             qs = q[start:start + n]
             if past_len == 0:  # NOTE: a fresh prompt attends to the keys just computed: no gather
                 ks, vs = k[start:start + n], v[start:start + n]
                 if qs.device.type == "cpu":  # attention math in float32 on CPU, as in the kernels
                     qs, ks, vs = qs.float(), ks.float(), vs.float()
-                out[start:start + n] = kernels.dense_attention(qs, ks, vs, 0, self.scale, window).to(q.dtype)
+                out[start:start + n] = kernels.dense_attention(qs, ks, vs, 0, self.scale, window,
+                                                               sink).to(q.dtype)
             else:
                 out[start:start + n] = kernels.context_attention(qs, k_cache, v_cache, step.block_tables[seq],
-                                                                 past_len, self.scale, window)
+                                                                 past_len, self.scale, window, sink)
         return out.view(num_tokens, cfg.q_size)

@@ -16,6 +16,14 @@ Outputs:
 
 A sequence's new K/V are written to the cache before attention; a step may mix any number of
 context sequences (any lengths, with or without cached past) and generation sequences.
+
+Attention window and sink tokens (`max_attention_window`, `sink_token_length`): a query at
+position q sees the keys at k with k <= q and (k > q - w or k < s), where w is the smaller of
+`max_attention_window` and the model's own sliding window (either may be None) and s applies only
+when some window exists. Positions stay the tokens' original positions (no shift of positions
+into the window, as TensorRT-LLM without its cyclic-position option; StreamingLLM re-indexes
+instead). A block-table entry whose block holds no key any query of its sequence can see in
+this step may be negative (the block was released); every other used entry must be a block id.
 """
 from __future__ import annotations
 
@@ -29,18 +37,31 @@ REQUIRED_INPUTS = ("input_ids", "input_lengths", "past_lengths", "block_tables")
 OPTIONAL_INPUTS = ("position_ids", "return_context_logits")
 
 
+def effective_window(model_window: int | None, max_attention_window: int | None) -> int | None:
+    """The window attention uses: the smaller of the model's own and the configured one."""
+    windows = [w for w in (model_window, max_attention_window) if w is not None]
+    return min(windows) if windows else None
+
+
 class ModelRunner:
-    def __init__(self, engine: Engine, num_blocks: int, kernels=None, device: str | torch.device | None = None):
+    def __init__(self, engine: Engine, num_blocks: int, kernels=None, device: str | torch.device | None = None,
+                 max_attention_window: int | None = None, sink_token_length: int | None = None):
         cfg = engine.model_config
         if not isinstance(num_blocks, int) or num_blocks <= 0:
             raise ValueError(f"num_blocks: must be a positive integer, got {num_blocks!r}")
+        for name, value, low in (("max_attention_window", max_attention_window, 1),
+                                 ("sink_token_length", sink_token_length, 0)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < low):
+                raise ValueError(f"{name}: must be an integer >= {low}, got {value!r}")
+        self.attention_window = effective_window(cfg.sliding_window, max_attention_window)
+        self.sink_token_length = (sink_token_length or 0) if self.attention_window is not None else 0
         self.engine = engine
         self.model_config = cfg
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.kernels = kernels if kernels is not None and not isinstance(kernels, str) else get_kernels(kernels)
         self.tokens_per_block = engine.build_config.tokens_per_block
         self.num_blocks = num_blocks
-        self.model = Transformer(cfg, engine.weights, self.device)
+        self.model = Transformer(cfg, engine.weights, self.device, self.attention_window, self.sink_token_length)
         # [num_layers, K/V, num_blocks, tokens_per_block, num_kv_heads, head_dim]
         self.kv_pool = torch.zeros(cfg.num_layers, 2, num_blocks, self.tokens_per_block, cfg.num_kv_heads,
                                    cfg.head_dim, dtype=engine.dtype, device=self.device)
@@ -88,7 +109,7 @@ class ModelRunner:
         if int(blocks_needed.max()) > block_tables.shape[1]:
             raise ValueError(f"block_tables: {block_tables.shape[1]} columns, but a sequence needs "
                              f"{int(blocks_needed.max())} blocks of {tpb} tokens")
-        used = block_tables[torch.arange(block_tables.shape[1])[None, :] < blocks_needed[:, None]]
+        used = block_tables[self._read_blocks(past, lengths, blocks_needed, block_tables.shape[1])]
         if int(used.min()) < 0 or int(used.max()) >= self.num_blocks:
             raise ValueError(f"block_tables: block ids must be in [0, {self.num_blocks}), got "
                              f"min {int(used.min())} max {int(used.max())}")
@@ -125,6 +146,20 @@ class ModelRunner:
             generation_seq_lens=(past[generation_seq_ids] + 1).to(dev),
             context_spans=context_spans, block_tables=block_tables.to(dev),
             context_logits_index=None if context_logits_index is None else context_logits_index.to(dev))
+
+
+    def _read_blocks(self, past: torch.Tensor, lengths: torch.Tensor, blocks_needed: torch.Tensor,
+                     width: int) -> torch.Tensor:
+        """bool [S, width]: table entries this step reads or writes (they must be block ids)."""
+        column = torch.arange(width)[None, :]
+        read = column < blocks_needed[:, None]
+        if self.attention_window is not None:
+            tpb = self.tokens_per_block
+            # Keys visible to queries at positions >= past: [past - w + 1, ...) and the sinks.
+            first_visible = (past - self.attention_window + 1).clamp(min=0) // tpb
+            num_sink_blocks = -(-torch.clamp(past + lengths, max=self.sink_token_length) // tpb)
+            read &= (column >= first_visible[:, None]) | (column < num_sink_blocks[:, None])
+        return read
 
 
 def _check_inputs(inputs: dict[str, torch.Tensor]) -> None:
