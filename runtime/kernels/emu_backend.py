@@ -33,6 +33,9 @@ logger = logging.getLogger(__name__)
 CACHE_ENV_VAR = "BATCH_MANAGER_EMU_CACHE"
 CXX = os.environ.get("CXX", "g++")
 CXX_FLAGS = ("-std=c++20", "-O2", "-pthread", "-fPIC", "-shared", "-fno-strict-aliasing")
+# ThreadSanitizer build: catches shared-memory races such as a missing __syncthreads. The process
+# that loads such a library must start with libtsan preloaded (LD_PRELOAD=$(g++ -print-file-name=libtsan.so)).
+TSAN_CXX_FLAGS = ("-std=c++20", "-O1", "-g", "-pthread", "-fPIC", "-shared", "-fno-strict-aliasing", "-fsanitize=thread")
 _CTYPES = {
     "pointer": ctypes.c_void_p, "int": ctypes.c_int32, "unsigned int": ctypes.c_uint32, "unsigned": ctypes.c_uint32,
     "long long": ctypes.c_int64, "unsigned long long": ctypes.c_uint64, "float": ctypes.c_float,
@@ -148,7 +151,9 @@ class EmuKernels(CudaKernels):
     name = "emu"
     device_type = "cpu"
 
-    def __init__(self, config: LaunchConfig | None = None, dtypes: tuple[torch.dtype, ...] = tuple(DTYPE_CODES)):
+    def __init__(self, config: LaunchConfig | None = None, dtypes: tuple[torch.dtype, ...] = tuple(DTYPE_CODES),
+                 cxx_flags: tuple[str, ...] = CXX_FLAGS):
+        self.cxx_flags = tuple(cxx_flags)
         super().__init__(config, cpu_fallback=False, dtypes=dtypes)
 
     @staticmethod
@@ -163,7 +168,7 @@ class EmuKernels(CudaKernels):
         jobs = [(source, names, sources.program(source, self.config.defines(dtype)), dtype)
                 for source, names in sources.KERNEL_SOURCES.items() for dtype in self.dtypes]
         with ThreadPoolExecutor(max_workers=max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
-            paths = list(pool.map(lambda job: build(job[2]), jobs))
+            paths = list(pool.map(lambda job: build(job[2], self.cxx_flags), jobs))
         functions = {}
         for (_, names, code, dtype), path in zip(jobs, paths):
             module = EmuModule(code, path)

@@ -70,12 +70,17 @@ def _check(lib: ctypes.CDLL, result: int, what: str, log: str = "") -> None:
 
 
 def compile_program(code: str, name: str, arch: str, options: tuple[str, ...] = ("-std=c++17",),
-                    cubin: bool = False) -> bytes:
+                    cubin: bool = False, headers: dict[str, str] | None = None) -> bytes:
     """PTX of `code` for a virtual arch ("compute_90"), or with cubin=True the CUBIN for a real
-    arch ("sm_90"). Raises NvrtcError with the compile log on failure."""
+    arch ("sm_90"). `headers`: include name -> text, served to `#include "name"` without any
+    include path. Raises NvrtcError with the compile log on failure."""
     lib = _require()
     program = ctypes.c_void_p()
-    _check(lib, lib.nvrtcCreateProgram(ctypes.byref(program), code.encode(), name.encode(), 0, None, None),
+    headers = headers or {}
+    texts = (ctypes.c_char_p * len(headers))(*[text.encode() for text in headers.values()])
+    names = (ctypes.c_char_p * len(headers))(*[header.encode() for header in headers])
+    _check(lib, lib.nvrtcCreateProgram(ctypes.byref(program), code.encode(), name.encode(), len(headers),
+                                       texts if headers else None, names if headers else None),
            "nvrtcCreateProgram")
     try:
         args = [f"--gpu-architecture={arch}", *options]
