@@ -83,6 +83,7 @@ class Decoder:
     def __init__(self, kernels):
         self.kernels = kernels
 
+    @torch.inference_mode()  # the runner's outputs are inference tensors, modified in place here
     def step(self, states: list[DecodeState], logits: torch.Tensor) -> None:
         """Process, select and record one token per live beam of every state (see module doc).
         logits may be modified in place."""
