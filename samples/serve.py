@@ -107,6 +107,8 @@ async def handle_health(request: web.Request) -> web.Response:
 
 async def handle_metrics(request: web.Request) -> web.Response:
     bridge = request.app[BRIDGE]
+    if bridge.metrics is None:
+        return _error(404, "metrics: this server was started without metrics")
     if bridge.manager.get_num_active_requests() == 0:
         bridge.metrics.mark_idle()
     return web.Response(body=generate_latest(bridge.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})

@@ -184,9 +184,10 @@ def test_disconnect_stops_the_request_and_frees_its_blocks(slow_server, streamin
 
 
 def test_cli_serves_and_exits_on_sigterm(tiny_model_dirs):
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": repo_root}
     proc = subprocess.Popen([sys.executable, "-m", "samples.serve", "--engine-dir", tiny_model_dirs[1], "--port", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, cwd=repo_root)
     try:
         line = proc.stdout.readline()
         assert line.startswith("listening on http://127.0.0.1:"), line
