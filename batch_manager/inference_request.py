@@ -40,7 +40,9 @@ class InferenceRequest:
     """One request: an id, named input tensors (torch, CPU), streaming flag, optional logits post-processor.
 
     InferenceRequest(request_id[, logits_post_processor=fn]) or the legacy
-    InferenceRequest(request_id, {wire_name: tensor}).
+    InferenceRequest(request_id, {wire_name: tensor}). With use_batched_logits_post_processor set,
+    the manager's batched post-processor (TrtGptModelOptionalParams.logits_post_processor_batched)
+    sees this request's logits together with those of every other request that set it.
     """
 
     def __init__(self, request_id: int, tensors_or_post_processor: Any = None, *,
@@ -49,6 +51,7 @@ class InferenceRequest:
         self._tensors: dict[str, Any] = {}
         self.is_streaming = False
         self.logits_post_processor = logits_post_processor
+        self.use_batched_logits_post_processor = False
         if isinstance(tensors_or_post_processor, dict):
             for name, tensor in tensors_or_post_processor.items():
                 self.emplace_input_tensor(name, tensor)

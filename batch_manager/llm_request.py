@@ -30,24 +30,32 @@ _ALLOWED = {
 class FinishReason(enum.Enum):
     END_ID = "end_id"
     LENGTH = "length"
+    STOP_WORDS = "stop_words"
     STOPPED = "stopped"
     ERROR = "error"
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request decoding settings, validated Python values (the decoder's input)."""
+    """Per-request decoding settings, validated Python values (the decoder's input; the semantics
+    are documented in runtime/decoding_params.py)."""
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 0.0
+    top_p_decay: float = 1.0
+    top_p_min: float = 1e-6
+    top_p_reset_id: int = -1
     min_length: int = 0
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    random_seed: int = 0
-    length_penalty: float = 1.0
+    random_seed: int = 0          # unsigned 64-bit
+    length_penalty: float = 0.0
     early_stopping: int = 1
+    diversity_rate: float = 0.0
     no_repeat_ngram_size: int = 0
+    bad_words: tuple[tuple[int, ...], ...] = ()
+    stop_words: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(eq=False)
@@ -64,17 +72,25 @@ class LlmRequest:
     return_context_logits: bool = False
     return_generation_logits: bool = False
     logits_post_processor: Callable | None = None
+    use_batched_post_processor: bool = False  # the manager's batched logits post-processor applies
+    embedding_bias: Any = None     # float32 [V] tensor, added to the logits, or None
     arrival_index: int = 0  # admission order, for FIFO scheduling and pause priority
 
     state: RequestState = RequestState.WAITING
     generated: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_sent_tokens: int = 0   # generated tokens already streamed
+    context_chunk_size: int | None = None  # tokens of the next step when a context is chunked; None = all
     num_pauses: int = 0
     start_index: int = -1      # when it last started holding blocks (pause picks the largest)
     finish_reason: FinishReason | None = None
     error: str | None = None
     log_probs: list[float] = field(default_factory=list)
+    cum_log_prob: float = 0.0     # includes the end token's log prob, which has no log_probs entry
+    # Beam search (beam_width > 1): the current beams, best first; `generated` mirrors beam 0.
+    beam_tokens: list[list[int]] = field(default_factory=list)
+    beam_log_probs: list[list[float]] = field(default_factory=list)
+    beam_cum_log_probs: list[float] = field(default_factory=list)
     context_logits: Any = None             # float32 [prompt_len, V] when requested
     generation_logits: list[Any] = field(default_factory=list)  # float32 [V] per generated token
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Callable
 
 
 class TrtGptModelType(enum.IntEnum):
@@ -51,3 +52,7 @@ class TrtGptModelOptionalParams:
     scheduler_config: SchedulerConfig | None = None
     kernel_backend: str | None = None      # "torch" | "cuda" | "emu"; None = BATCH_MANAGER_KERNELS or default
     device: str | None = None              # torch device of the runtime; None = "cuda" if device_ids else "cpu"
+    # fn(request_ids, logits [list of [beams, V] tensors, modifiable in place], token_ids [per request,
+    # per beam: list of ints], stream, client_ids), once per step for the requests that set
+    # InferenceRequest.use_batched_logits_post_processor; applied before sampling.
+    logits_post_processor_batched: Callable | None = None

@@ -11,6 +11,8 @@ from .llm_request import LlmRequest
 def response_tensors(r: LlmRequest, exclude_input_in_output: bool) -> list[NamedTensor]:
     """Streaming: the tokens generated since the last response. Non-streaming: prompt + generated
     (generated only with exclude_input_in_output). Beam width 1: every tensor has beam dim 1."""
+    if r.beam_width > 1:
+        return _beam_response_tensors(r, exclude_input_in_output)
     if r.is_streaming:
         start = r.num_sent_tokens
         tokens = r.generated[start:]
@@ -27,14 +29,11 @@ def response_tensors(r: LlmRequest, exclude_input_in_output: bool) -> list[Named
     sequence_length = torch.tensor([[len(tokens)]], dtype=torch.int32)
     if log_probs is not None:
         output_log_probs = torch.tensor(log_probs, dtype=torch.float32).view(1, 1, len(log_probs))
-        cum_log_probs = torch.tensor([[sum(r.log_probs)]], dtype=torch.float32)
+        cum_log_probs = torch.tensor([[r.cum_log_prob]], dtype=torch.float32)
     else:
         output_log_probs = torch.zeros(1, 1, num_generated, dtype=torch.float32)
         cum_log_probs = torch.zeros(1, 1, dtype=torch.float32)
-    if r.return_context_logits and r.context_logits is not None and r.is_finished:
-        context_logits = r.context_logits.to(torch.float32)[None]
-    else:
-        context_logits = torch.zeros(1, 1, 1, dtype=torch.float32)
+    context_logits = _context_logits(r)
     if r.return_generation_logits and generation_logits:
         generation_logits_t = torch.stack(generation_logits).to(torch.float32)[None, None]
     elif r.return_generation_logits:
@@ -44,3 +43,44 @@ def response_tensors(r: LlmRequest, exclude_input_in_output: bool) -> list[Named
     return [NamedTensor(output_ids, tn.OUTPUT_IDS), NamedTensor(sequence_length, tn.SEQUENCE_LENGTH),
             NamedTensor(output_log_probs, tn.OUTPUT_LOG_PROBS), NamedTensor(cum_log_probs, tn.CUM_LOG_PROBS),
             NamedTensor(context_logits, tn.CONTEXT_LOGITS), NamedTensor(generation_logits_t, tn.GENERATION_LOGITS)]
+
+
+def _context_logits(r: LlmRequest) -> torch.Tensor:
+    if r.return_context_logits and r.context_logits is not None and r.is_finished:
+        return r.context_logits.to(torch.float32)[None]
+    return torch.zeros(1, 1, 1, dtype=torch.float32)
+
+
+def _beam_response_tensors(r: LlmRequest, exclude_input_in_output: bool) -> list[NamedTensor]:
+    """Beam search: every response (streamed or final) carries all current beams whole, best
+    first — beams reorder between steps, so "new tokens only" has no meaning for them. Streamed
+    responses hold the generated tokens; a final non-streaming one prompt + generated unless
+    exclude_input_in_output. Rows are padded with pad_id to the longest beam."""
+    beams = r.beam_tokens or [list(r.generated)]
+    prefix = [] if (r.is_streaming or exclude_input_in_output) else r.prompt
+    rows = [prefix + tokens for tokens in beams]
+    width = max(len(row) for row in rows)
+    num_beams = len(rows)
+    output_ids = torch.full((1, num_beams, width), r.pad_id, dtype=torch.int32)
+    for b, row in enumerate(rows):
+        output_ids[0, b, :len(row)] = torch.tensor(row, dtype=torch.int32)
+    sequence_length = torch.tensor([[len(row) for row in rows]], dtype=torch.int32)
+    max_generated = max(len(tokens) for tokens in beams)
+    output_log_probs = torch.zeros(1, num_beams, max_generated, dtype=torch.float32)
+    cum_log_probs = torch.zeros(1, num_beams, dtype=torch.float32)
+    if r.return_log_probs and r.beam_log_probs:
+        for b, log_probs in enumerate(r.beam_log_probs):
+            output_log_probs[0, b, :len(log_probs)] = torch.tensor(log_probs, dtype=torch.float32)
+        cum_log_probs[0] = torch.tensor(r.beam_cum_log_probs, dtype=torch.float32)
+    if r.return_generation_logits and r.generation_logits:
+        vocab = r.generation_logits[0][0].shape[-1] if r.generation_logits[0] else 1
+        generation_logits = torch.zeros(1, num_beams, max_generated, vocab, dtype=torch.float32)
+        for b, rows_b in enumerate(r.generation_logits):
+            if rows_b:
+                generation_logits[0, b, :len(rows_b)] = torch.stack(rows_b).to(torch.float32)
+    else:
+        generation_logits = torch.zeros(1, 1, 1, 1, dtype=torch.float32)
+    r.num_sent_tokens = len(r.generated)
+    return [NamedTensor(output_ids, tn.OUTPUT_IDS), NamedTensor(sequence_length, tn.SEQUENCE_LENGTH),
+            NamedTensor(output_log_probs, tn.OUTPUT_LOG_PROBS), NamedTensor(cum_log_probs, tn.CUM_LOG_PROBS),
+            NamedTensor(_context_logits(r), tn.CONTEXT_LOGITS), NamedTensor(generation_logits, tn.GENERATION_LOGITS)]

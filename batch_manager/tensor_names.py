@@ -31,6 +31,11 @@ LORA_WEIGHTS = "lora_weights"
 LORA_CONFIG = "lora_config"
 NO_REPEAT_NGRAM_SIZE = "noRepeatNgramSize"
 INPUT_LENGTHS = "input_lengths"  # obsolete; accepted and ignored
+# Extensions (GptSession's SamplingConfig fields, absent from the legacy request):
+TOP_P_DECAY = "top_p_decay"
+TOP_P_MIN = "top_p_min"
+TOP_P_RESET_IDS = "top_p_reset_ids"
+BEAM_SEARCH_DIVERSITY_RATE = "beam_search_diversity_rate"
 
 OUTPUT_IDS = "output_ids"
 SEQUENCE_LENGTH = "sequence_length"
@@ -52,5 +57,7 @@ INPUT_NAME_TO_PROPERTY = {
     PROMPT_EMBEDDING_TABLE: "prompt_embedding_table", PROMPT_VOCAB_SIZE: "prompt_vocab_size",
     LORA_TASK_ID: "lora_task_id", LORA_WEIGHTS: "lora_weights", LORA_CONFIG: "lora_config",
     NO_REPEAT_NGRAM_SIZE: "no_repeat_ngram_size", INPUT_LENGTHS: "input_lengths",
+    TOP_P_DECAY: "top_p_decay", TOP_P_MIN: "top_p_min", TOP_P_RESET_IDS: "top_p_reset_ids",
+    BEAM_SEARCH_DIVERSITY_RATE: "beam_search_diversity_rate",
 }
 INPUT_NAMES = frozenset(INPUT_NAME_TO_PROPERTY)

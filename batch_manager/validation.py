@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.decoding_params import parse_word_list
+
 from . import tensor_names as tn
 from .inference_request import InferenceRequest
 from .llm_request import LlmRequest, SamplingParams
@@ -19,8 +21,7 @@ _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 # Accepted and validated, but not implemented by this version: a request that sets them is refused.
 _UNSUPPORTED = (tn.POSITION_IDS, tn.DRAFT_INPUT_IDS, tn.DRAFT_LOGITS, tn.PROMPT_EMBEDDING_TABLE,
-                tn.PROMPT_VOCAB_SIZE, tn.LORA_TASK_ID, tn.LORA_WEIGHTS, tn.LORA_CONFIG,
-                tn.BAD_WORDS_LIST, tn.STOP_WORDS_LIST, tn.EMBEDDING_BIAS)
+                tn.PROMPT_VOCAB_SIZE, tn.LORA_TASK_ID, tn.LORA_WEIGHTS, tn.LORA_CONFIG)
 
 
 class RequestError(ValueError):
@@ -102,36 +103,76 @@ def _check_range(name: str, value, low, high, low_inclusive=True, high_inclusive
         raise RequestError(f"{name}: {value} outside {lb}{low}, {high}{hb}")
 
 
-def _sampling(tensors: dict) -> SamplingParams:
+def _seed(tensors: dict) -> int:
+    """random_seed as uint64: an int64 tensor's negative values wrap (two's complement)."""
+    seed = _scalar(tensors, tn.RANDOM_SEED, "int", 0)
+    _check_range(tn.RANDOM_SEED, seed, -(1 << 63), (1 << 64) - 1)
+    return seed & ((1 << 64) - 1)
+
+
+def _word_list(tensors: dict, name: str, vocab_size: int) -> tuple[tuple[int, ...], ...]:
+    if name not in tensors:
+        return ()
+    t = _tensor(name, tensors[name])
+    if t.dtype not in _INT_DTYPES:
+        raise RequestError(f"{name}: expected an int32 tensor, got {t.dtype}")
+    try:
+        return parse_word_list(t, name, vocab_size)
+    except ValueError as e:
+        raise RequestError(str(e)) from None
+
+
+def _sampling(tensors: dict, vocab_size: int) -> SamplingParams:
     p = SamplingParams(
         temperature=_scalar(tensors, tn.TEMPERATURE, "float", 1.0),
         top_k=_scalar(tensors, tn.RUNTIME_TOP_K, "int", 0),
         top_p=_scalar(tensors, tn.RUNTIME_TOP_P, "float", 0.0),
+        top_p_decay=_scalar(tensors, tn.TOP_P_DECAY, "float", 1.0),
+        top_p_min=_scalar(tensors, tn.TOP_P_MIN, "float", 1e-6),
+        top_p_reset_id=_scalar(tensors, tn.TOP_P_RESET_IDS, "int", -1),
         min_length=_scalar(tensors, tn.MIN_LENGTH, "int", 0),
         repetition_penalty=_scalar(tensors, tn.REPETITION_PENALTY, "float", 1.0),
         presence_penalty=_scalar(tensors, tn.PRESENCE_PENALTY, "float", 0.0),
         frequency_penalty=_scalar(tensors, tn.FREQUENCY_PENALTY, "float", 0.0),
-        random_seed=_scalar(tensors, tn.RANDOM_SEED, "int", 0),
-        length_penalty=_scalar(tensors, tn.LENGTH_PENALTY, "float", 1.0),
+        random_seed=_seed(tensors),
+        length_penalty=_scalar(tensors, tn.LENGTH_PENALTY, "float", 0.0),
         early_stopping=_scalar(tensors, tn.EARLY_STOPPING, "int", 1),
-        no_repeat_ngram_size=_scalar(tensors, tn.NO_REPEAT_NGRAM_SIZE, "int", 0))
+        diversity_rate=_scalar(tensors, tn.BEAM_SEARCH_DIVERSITY_RATE, "float", 0.0),
+        no_repeat_ngram_size=_scalar(tensors, tn.NO_REPEAT_NGRAM_SIZE, "int", 0),
+        bad_words=_word_list(tensors, tn.BAD_WORDS_LIST, vocab_size),
+        stop_words=_word_list(tensors, tn.STOP_WORDS_LIST, vocab_size))
     _check_range(tn.TEMPERATURE, p.temperature, 0.0, 1e4)
     _check_range(tn.RUNTIME_TOP_K, p.top_k, 0, 1 << 20)
     _check_range(tn.RUNTIME_TOP_P, p.top_p, 0.0, 1.0)
+    _check_range(tn.TOP_P_DECAY, p.top_p_decay, 0.0, 1.0, low_inclusive=False)
+    _check_range(tn.TOP_P_MIN, p.top_p_min, 0.0, 1.0, low_inclusive=False)
+    _check_range(tn.TOP_P_RESET_IDS, p.top_p_reset_id, -1, vocab_size, high_inclusive=False)
     _check_range(tn.MIN_LENGTH, p.min_length, 0, 1 << 30)
     _check_range(tn.REPETITION_PENALTY, p.repetition_penalty, 0.0, 1e4, low_inclusive=False)
+    _check_range(tn.PRESENCE_PENALTY, p.presence_penalty, -1e4, 1e4)
+    _check_range(tn.FREQUENCY_PENALTY, p.frequency_penalty, -1e4, 1e4)
+    _check_range(tn.LENGTH_PENALTY, p.length_penalty, -1e4, 1e4)
+    _check_range(tn.BEAM_SEARCH_DIVERSITY_RATE, p.diversity_rate, 0.0, 1e4)
     _check_range(tn.NO_REPEAT_NGRAM_SIZE, p.no_repeat_ngram_size, 0, 1 << 20)
-    _check_range(tn.RANDOM_SEED, p.random_seed, -(1 << 63), (1 << 64) - 1)
-    # Greedy decoding only in this version: refuse settings that would change the tokens.
-    for name, value, greedy in ((tn.RUNTIME_TOP_K, p.top_k, p.top_k <= 1), (tn.RUNTIME_TOP_P, p.top_p, p.top_p == 0),
-                                (tn.MIN_LENGTH, p.min_length, p.min_length <= 1),
-                                (tn.REPETITION_PENALTY, p.repetition_penalty, p.repetition_penalty == 1.0),
-                                (tn.PRESENCE_PENALTY, p.presence_penalty, p.presence_penalty == 0.0),
-                                (tn.FREQUENCY_PENALTY, p.frequency_penalty, p.frequency_penalty == 0.0),
-                                (tn.NO_REPEAT_NGRAM_SIZE, p.no_repeat_ngram_size, p.no_repeat_ngram_size == 0)):
-        if not greedy:
-            raise RequestError(f"{name}: {value} is not supported; this version decodes greedily")
     return p
+
+
+def _embedding_bias(tensors: dict, vocab_size: int):
+    """float32 [V] (from [V] or [1, V]) or None."""
+    if tn.EMBEDDING_BIAS not in tensors:
+        return None
+    t = _tensor(tn.EMBEDDING_BIAS, tensors[tn.EMBEDDING_BIAS])
+    if t.dtype not in _FLOAT_DTYPES:
+        raise RequestError(f"{tn.EMBEDDING_BIAS}: expected a float32 tensor, got {t.dtype}")
+    if t.dim() == 2 and t.shape[0] == 1:
+        t = t[0]
+    if t.shape != (vocab_size,):
+        raise RequestError(f"{tn.EMBEDDING_BIAS}: expected shape [{vocab_size}] or [1, {vocab_size}], "
+                           f"got {list(tensors[tn.EMBEDDING_BIAS].shape)}")
+    t = t.detach().to("cpu", torch.float32).clone()
+    if not bool(torch.isfinite(t).all()):
+        raise RequestError(f"{tn.EMBEDDING_BIAS}: must be finite (NaN or inf found)")
+    return t
 
 
 def to_llm_request(request: InferenceRequest, limits: AdmissionLimits, arrival_index: int) -> LlmRequest:
@@ -156,13 +197,12 @@ def to_llm_request(request: InferenceRequest, limits: AdmissionLimits, arrival_i
         max_new_tokens = clamped
     beam_width = _scalar(tensors, tn.BEAM_WIDTH, "int", 1)
     _check_range(tn.BEAM_WIDTH, beam_width, 1, limits.max_beam_width)
-    if beam_width != 1:
-        raise RequestError(f"{tn.BEAM_WIDTH}: {beam_width} is not supported; this version decodes greedily")
     end_id = _scalar(tensors, tn.END_ID, "int", None)
     if end_id is not None and end_id != -1:
         _check_range(tn.END_ID, end_id, 0, limits.vocab_size, high_inclusive=False)
     pad_id = _scalar(tensors, tn.PAD_ID, "int", 0)
-    sampling = _sampling(tensors)
+    sampling = _sampling(tensors, limits.vocab_size)
+    embedding_bias = _embedding_bias(tensors, limits.vocab_size)
     flags = {name: _scalar(tensors, name, "bool", False)
              for name in (tn.RETURN_LOG_PROBS, tn.RETURN_CONTEXT_LOGITS, tn.RETURN_GENERATION_LOGITS)}
     if flags[tn.RETURN_CONTEXT_LOGITS] and not limits.gather_context_logits:
@@ -180,4 +220,6 @@ def to_llm_request(request: InferenceRequest, limits: AdmissionLimits, arrival_i
         is_streaming=bool(request.is_streaming), sampling=sampling,
         return_log_probs=flags[tn.RETURN_LOG_PROBS], return_context_logits=flags[tn.RETURN_CONTEXT_LOGITS],
         return_generation_logits=flags[tn.RETURN_GENERATION_LOGITS],
-        logits_post_processor=request.logits_post_processor, arrival_index=arrival_index)
+        logits_post_processor=request.logits_post_processor,
+        use_batched_post_processor=bool(getattr(request, "use_batched_logits_post_processor", False)),
+        embedding_bias=embedding_bias, arrival_index=arrival_index)

@@ -89,6 +89,7 @@ def test_non_streaming_response_marks_everything_sent():
 def test_log_probs_when_requested():
     r = make_request(return_log_probs=True)
     r.log_probs = [-0.5, -1.25]
+    r.cum_log_prob = -1.75
     out = as_dict(r)
     assert_tensor(out["output_log_probs"], torch.float32, [[[-0.5, -1.25]]])
     assert_tensor(out["cum_log_probs"], torch.float32, [[-1.75]])
@@ -96,10 +97,11 @@ def test_log_probs_when_requested():
 
 def test_streaming_log_probs_chunk_and_cumulative_sum():
     r = make_request(generated=[10], finished=False, is_streaming=True, return_log_probs=True)
-    r.log_probs = [-0.5]
+    r.log_probs, r.cum_log_prob = [-0.5], -0.5
     as_dict(r)
     r.generated.append(11)
     r.log_probs.append(-0.25)
+    r.cum_log_prob = -0.75
     out = as_dict(r)
     assert_tensor(out["output_log_probs"], torch.float32, [[[-0.25]]])
     assert_tensor(out["cum_log_probs"], torch.float32, [[-0.75]])
