@@ -80,9 +80,8 @@ class CudaKernels(TorchKernels):
             for dtype in self.dtypes:
                 code = sources.program(source, self.config.defines(dtype))
                 module = cupy.RawModule(code=code, options=NVRTC_OPTIONS)
-                module.compile()
-                for name in kernel_names:
-                    functions[dtype, name] = module.get_function(name)
+                for name in kernel_names:  # the first get_function compiles and loads the module
+                    functions[dtype, name] = _OnStreamDevice(module.get_function(name))
         logger.info("cuda kernels: %d functions compiled (CuPy cache CUPY_CACHE_DIR)", len(functions))
         return functions
 
@@ -92,11 +91,10 @@ class CudaKernels(TorchKernels):
             raise ValueError(f"{self.name} kernels: no {name} module for dtype {dtype} (compiled: {list(self.dtypes)})")
         return function
 
-    def _stream(self):
-        """torch's current stream, fetched at every launch (graph capture switches it)."""
-        cupy = import_cupy()
-        stream = torch.cuda.current_stream()
-        return cupy.cuda.ExternalStream(stream.cuda_stream, stream.device.index)
+    def _stream(self, device: torch.device):
+        """torch's current stream on `device`, fetched at every launch (graph capture switches it)."""
+        stream = torch.cuda.current_stream(device)
+        return import_cupy().cuda.ExternalStream(stream.cuda_stream, stream.device.index)
 
     def _use_reference(self, t: torch.Tensor) -> bool:
         return self.cpu_fallback and t.device.type == "cpu"
@@ -128,6 +126,18 @@ class CudaKernels(TorchKernels):
         self.launchers.decode_attention(out, q, k_cache, v_cache, block_tables.to(torch.int32).contiguous(),
                                         seq_lens.to(torch.int32).contiguous(), scale, window or 0, sink)
         return out
+
+
+class _OnStreamDevice:
+    """A CuPy RawKernel launched with CuPy's current device set to the stream's device (CuPy picks
+    the loaded module by its current device)."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __call__(self, grid, block, args, shared_mem=0, stream=None):
+        with import_cupy().cuda.Device(stream.device_id):
+            self.kernel(grid, block, args, shared_mem=shared_mem, stream=stream)
 
 
 def _rows_contiguous(t: torch.Tensor) -> torch.Tensor:

@@ -176,5 +176,5 @@ class EmuKernels(CudaKernels):
                 functions[dtype, name] = module.get_function(name)
         return functions
 
-    def _stream(self):
+    def _stream(self, device: torch.device):
         return None

@@ -86,7 +86,7 @@ class KvLaunchers:
     def __init__(self, function: Callable, device_type: str, stream: Callable, config: LaunchConfig):
         self._function = function          # (dtype, kernel name) -> launchable kernel
         self._device_type = device_type    # "cuda" or "cpu" (emu)
-        self._stream = stream              # () -> stream object for this launch (fetched every time)
+        self._stream = stream              # device -> stream object for this launch (fetched every time)
         self.config = config
 
     def _check(self, name: str, t: torch.Tensor, dtype: torch.dtype | tuple, dim: int | None = None) -> None:
@@ -115,7 +115,7 @@ class KvLaunchers:
         kernel((num_tokens,), (self.config.copy_threads,),
                (c_ptr(k_cache), c_ptr(v_cache), c_ptr(k), c_ptr(v), c_ptr(slot_mapping),
                 c_int(num_kv_heads * head_dim), c_long_long(k.stride(0)), c_long_long(v.stride(0))),
-               shared_mem=0, stream=self._stream())
+               shared_mem=0, stream=self._stream(k_cache.device))
 
     def copy_blocks(self, kv_pool: torch.Tensor, src_block_ids: torch.Tensor, dst_block_ids: torch.Tensor) -> None:
         """kv_pool [num_layers, 2, num_blocks, ...] (contiguous); int64 [P] src -> dst in every layer."""
@@ -135,7 +135,7 @@ class KvLaunchers:
         kernel((num_pairs, num_planes), (self.config.copy_threads,),
                (c_ptr(kv_pool), c_ptr(src_block_ids), c_ptr(dst_block_ids), c_long_long(num_blocks),
                 c_long_long(kv_pool[0, 0, 0].numel())),
-               shared_mem=0, stream=self._stream())
+               shared_mem=0, stream=self._stream(kv_pool.device))
 
     def decode_attention(self, out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, window: int, sink: int) -> None:
@@ -168,7 +168,7 @@ class KvLaunchers:
             part_acc = torch.empty(batch, num_heads, num_partitions, head_dim, dtype=torch.float32, device=q.device)
             part_max = torch.empty(batch, num_heads, num_partitions, dtype=torch.float32, device=q.device)
             part_sum = torch.empty_like(part_max)
-        stream = self._stream()
+        stream = self._stream(q.device)
         kernel = self._function(dtype, "decode_attention_partition")
         kernel((num_partitions, num_kv_heads, batch), (self.config.attention_threads,),
                (c_ptr(out), c_ptr(part_acc), c_ptr(part_max), c_ptr(part_sum), c_ptr(q), c_ptr(k_cache),

@@ -1,0 +1,125 @@
+"""The cuda backend. Without a GPU: its CuPy calls, against a stand-in `cupy` module (every
+module compiled and loaded at construction, NVRTC options, launches on the stream's device).
+With a GPU and CuPy (skipped otherwise): every kernel equals the torch reference on the device,
+and a decode-attention bandwidth figure is printed."""
+from __future__ import annotations
+
+import math
+import sys
+import time
+import types
+
+import pytest
+import torch
+
+from runtime.kernels import sources
+from runtime.kernels.cuda_backend import NVRTC_OPTIONS, CudaKernels, cuda_available
+from runtime.kernels.launchers import DTYPE_CODES
+from tests.runtime.kernels.conftest import paged_case, tolerance
+
+
+class FakeRawModule:
+    created: list["FakeRawModule"] = []
+
+    def __init__(self, code, options):
+        self.code, self.options, self.fetched = code, options, []
+        FakeRawModule.created.append(self)
+
+    def get_function(self, name):
+        self.fetched.append(name)
+        return lambda *args, **kwargs: FakeRawModule.launches.append((name, args, kwargs))
+
+
+@pytest.fixture
+def fake_cupy(monkeypatch):
+    entered = []
+
+    class Device:
+        def __init__(self, device_id):
+            self.device_id = device_id
+
+        def __enter__(self):
+            entered.append(self.device_id)
+
+        def __exit__(self, *exc):
+            return False
+
+    cuda = types.SimpleNamespace(Device=Device, ExternalStream=None)
+    module = types.ModuleType("cupy")
+    module.RawModule, module.cuda = FakeRawModule, cuda
+    FakeRawModule.created, FakeRawModule.launches = [], []
+    monkeypatch.setitem(sys.modules, "cupy", module)
+    return entered
+
+
+def test_every_module_compiles_and_loads_at_construction(fake_cupy):
+    backend = CudaKernels()
+    assert len(FakeRawModule.created) == len(sources.KERNEL_SOURCES) * len(DTYPE_CODES)
+    for module in FakeRawModule.created:
+        assert module.options == NVRTC_OPTIONS
+        source = next(name for name, kernels in sources.KERNEL_SOURCES.items() if set(module.fetched) == set(kernels))
+        assert module.code in {sources.program(source, backend.config.defines(d)) for d in DTYPE_CODES}
+    stream = types.SimpleNamespace(device_id=3)
+    backend._function(torch.float16, "write_kv")((1,), (32,), (), shared_mem=0, stream=stream)
+    assert fake_cupy == [3] and FakeRawModule.launches[-1][0] == "write_kv"
+    with pytest.raises(ValueError, match="no write_kv module for dtype torch.float64"):
+        backend._function(torch.float64, "write_kv")
+
+
+gpu = pytest.mark.skipif(not cuda_available(), reason="needs a CUDA device and CuPy")
+
+
+@pytest.fixture(scope="module")
+def cuda_kernels():
+    return CudaKernels()
+
+
+@gpu
+@pytest.mark.parametrize("dtype", list(DTYPE_CODES), ids=str)
+@pytest.mark.parametrize("window,sink", [(None, 0), (37, 4)])
+def test_decode_attention_equals_torch_on_the_device(cuda_kernels, reference, dtype, window, sink):
+    q, clean, poisoned, table, lens = paged_case([1, 16, 17, 700, 1500], 8, 2, 64, 16, dtype, window, sink)
+    scale = 1 / math.sqrt(64)
+    expected = reference.decode_attention(q.float(), *(c.float() for c in clean), table, lens, scale, window, sink)
+    got = cuda_kernels.decode_attention(q.cuda(), *(p.cuda() for p in poisoned), table.cuda(), lens.cuda(), scale,
+                                        window, sink)
+    torch.testing.assert_close(got.cpu().float(), expected, **tolerance(dtype))
+
+
+@gpu
+@pytest.mark.parametrize("dtype", list(DTYPE_CODES), ids=str)
+def test_kv_writes_and_copies_equal_torch_on_the_device(cuda_kernels, reference, dtype):
+    pool = torch.randn(2, 2, 64, 16, 2, 64, device="cuda").to(dtype)
+    expected = pool.clone()
+    k, v = torch.randn(2, 40, 2, 64, device="cuda").to(dtype)
+    slots = torch.randperm(64 * 16, device="cuda")[:40]
+    reference.write_kv(expected[0, 0], expected[0, 1], k, v, slots)
+    cuda_kernels.write_kv(pool[0, 0], pool[0, 1], k, v, slots)
+    src, dst = torch.tensor([1, 2, 3], device="cuda"), torch.tensor([10, 20, 30], device="cuda")
+    reference.copy_blocks(expected, src, dst)
+    cuda_kernels.copy_blocks(pool, src, dst)
+    assert torch.equal(pool, expected)
+
+
+@gpu
+def test_decode_attention_bandwidth(cuda_kernels):
+    """Prints the KV bytes read per second at batch 64 x 4k context (fp16, 32 heads / 8 KV heads)."""
+    batch, context, tpb, num_kv_heads, head_dim = 64, 4096, 16, 8, 128
+    blocks = batch * context // tpb
+    k_cache = torch.randn(blocks, tpb, num_kv_heads, head_dim, device="cuda", dtype=torch.float16)
+    v_cache = torch.randn_like(k_cache)
+    table = torch.randperm(blocks, device="cuda", dtype=torch.int64).int().view(batch, -1)
+    lens = torch.full((batch,), context, device="cuda")
+    q = torch.randn(batch, 32, head_dim, device="cuda", dtype=torch.float16)
+    for _ in range(3):
+        cuda_kernels.decode_attention(q, k_cache, v_cache, table, lens, 0.088, None)
+    torch.cuda.synchronize()
+    iters = 20
+    start = time.perf_counter()
+    for _ in range(iters):
+        cuda_kernels.decode_attention(q, k_cache, v_cache, table, lens, 0.088, None)
+    torch.cuda.synchronize()
+    seconds = (time.perf_counter() - start) / iters
+    gigabytes = 2 * k_cache.numel() * k_cache.element_size() / 1e9
+    print(f"\ndecode attention: {seconds * 1e6:.0f} us, {gigabytes / seconds:.0f} GB/s of KV "
+          f"({torch.cuda.get_device_name()})")
