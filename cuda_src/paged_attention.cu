@@ -51,7 +51,12 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) decode_attention_parti
   const int n_visible = n_sink + seq_len - lo;
   const int begin = partition * partition_size;
   const int n = min(begin + partition_size, n_visible) - begin;  // keys of this partition
-  if (n <= 0) {  // block-uniform: nothing visible here (only when num_partitions > 1)
+  if (n <= 0) {  // block-uniform: no visible key here (seq_len >= 1 makes that num_partitions > 1)
+    if (num_partitions == 1) {  // defensive, seq_len < 1: zeros rather than a write through NULL
+      for (int i = threadIdx.x; i < group * head_dim; i += blockDim.x)
+        out[((long long)seq * num_heads + first_head) * head_dim + i] = to_storage(0.0f);
+      return;
+    }
     for (int h = threadIdx.x; h < group; h += blockDim.x) {
       const long long stat = ((long long)seq * num_heads + first_head + h) * num_partitions + partition;
       part_max[stat] = NEG_INF;
@@ -154,6 +159,6 @@ extern "C" __global__ void decode_attention_merge(storage_t* __restrict__ out, c
     float num = 0.0f;
     for (int p = 0; p < num_partitions; ++p)
       if (sums[p] > 0.0f) num += fast_exp(maxes[p] - m) * acc[(long long)p * head_dim + d];
-    out[head * head_dim + d] = to_storage(num / denom);
+    out[head * head_dim + d] = to_storage(denom > 0.0f ? num / denom : 0.0f);
   }
 }

@@ -142,6 +142,6 @@ class _OnStreamDevice:
 
 def _rows_contiguous(t: torch.Tensor) -> torch.Tensor:
     """[T, kvH, D] with contiguous [kvH, D] rows (a view of a fused QKV qualifies as is)."""
-    if t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2]:
+    if t.dim() == 3 and t.stride(2) == 1 and (t.shape[1] == 1 or t.stride(1) == t.shape[2]):
         return t
     return t.contiguous()

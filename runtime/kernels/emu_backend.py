@@ -19,6 +19,7 @@ import os
 import subprocess
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -59,6 +60,11 @@ def cache_dir() -> Path:
     return Path(base) / "batch_manager" / "emu"
 
 
+@lru_cache(maxsize=None)
+def compiler_version(cxx: str = CXX) -> str:
+    return subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
+
+
 def compiler_available() -> bool:
     try:
         return subprocess.run([CXX, "--version"], capture_output=True, timeout=30).returncode == 0
@@ -83,8 +89,7 @@ def translation_unit(code: str) -> str:
 def build(code: str, flags: tuple[str, ...] = CXX_FLAGS, directory: Path | None = None) -> Path:
     """Compile `code` with the shim into a cached shared library; returns its path."""
     unit = translation_unit(code)
-    version = subprocess.run([CXX, "--version"], capture_output=True, text=True, check=True).stdout
-    digest = hashlib.sha256("\0".join([unit, " ".join(flags), version]).encode()).hexdigest()[:24]
+    digest = hashlib.sha256("\0".join([unit, " ".join(flags), compiler_version()]).encode()).hexdigest()[:24]
     directory = directory or cache_dir()
     library = directory / f"kernels-{digest}.so"
     if library.exists():

@@ -108,7 +108,8 @@ class KvLaunchers:
         assert v.shape == k.shape and k_cache.shape[2:] == (num_kv_heads, head_dim), (k.shape, k_cache.shape)
         assert slot_mapping.shape == (num_tokens,) and slot_mapping.is_contiguous()
         for t in (k, v):
-            assert t.stride(2) == 1 and t.stride(1) == head_dim, f"K/V rows must be contiguous, strides {t.stride()}"
+            assert t.stride(2) == 1 and (num_kv_heads == 1 or t.stride(1) == head_dim), \
+                f"K/V rows must be contiguous, strides {t.stride()}"
         if num_tokens == 0:
             return
         kernel = self._function(dtype, "write_kv")
