@@ -114,7 +114,90 @@ class TorchDecoderKernels:
                normalize_log_probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """logits float32 [R, V] (processed), uniforms float32 [R] in [0, 1) ->
         (tokens int64 [R], log_probs float32 [R]): the log probability under the top-k/top-p
-        renormalised distribution where normalize_log_probs [R] is set, else over the whole vocabulary."""
+        renormalised distribution where normalize_log_probs [R] is set, else over the whole vocabulary.
+
+        NOTE: the result equals `_sample_masked` (the definition) row for row; the fast paths only
+        avoid whole-vocabulary passes: a top-k row draws among its k candidates (exact unless
+        the k-th value is tied, then it takes the masked path), a top-p row among the 1024 most
+        probable tokens when they hold at least p of the mass."""
+        tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+        log_probs = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+        vocab = logits.shape[1]
+        is_top_k = top_k > 0
+        is_top_p = ~is_top_k & (top_p > 0) & (top_p < 1)
+        slow = ~is_top_k & ~is_top_p
+        k_rows = is_top_k.nonzero()[:, 0]
+        if k_rows.numel():
+            sub, k = logits[k_rows], top_k[k_rows].clamp(max=vocab)
+            values, index = sub.topk(int(k.max()), dim=-1)
+            kth = values.gather(1, (k - 1)[:, None])
+            exact = (sub >= kth).sum(-1) == k  # no tie at the k-th place
+            valid = torch.arange(values.shape[1], device=sub.device)[None, :] < k[:, None]
+            self._fast_rows(k_rows, exact, sub, values, index, valid, top_p[k_rows], None, uniforms,
+                            normalize_log_probs, tokens, log_probs, slow)
+        p_rows = is_top_p.nonzero()[:, 0]
+        if p_rows.numel():
+            sub = logits[p_rows]
+            lse = torch.logsumexp(sub, dim=-1)
+            values, index = sub.topk(min(vocab, 1024), dim=-1)
+            p = top_p[p_rows]
+            enough = torch.exp(values - lse[:, None]).sum(-1) >= p
+            self._fast_rows(p_rows, enough, sub, values, index, torch.ones_like(values, dtype=torch.bool), p, lse,
+                            uniforms, normalize_log_probs, tokens, log_probs, slow)
+        rest = slow.nonzero()[:, 0]
+        if rest.numel():
+            t, lp = self._sample_masked(logits[rest], top_k[rest], top_p[rest], uniforms[rest],
+                                        normalize_log_probs[rest])
+            tokens[rest], log_probs[rest] = t, lp
+        return tokens, log_probs
+
+    def _fast_rows(self, rows, ok, sub, values, index, valid, top_p, lse, uniforms, normalize, tokens, log_probs,
+                   slow) -> None:
+        """Draw for rows[ok] among the candidates (values/index [n, C], best first); flag the others slow."""
+        slow[rows[~ok]] = True
+        pick = ok.nonzero()[:, 0]
+        if not pick.numel():
+            return
+        rows, sub = rows[pick], sub[pick]
+        values, index, valid, top_p = values[pick], index[pick], valid[pick], top_p[pick]
+        # Ties: lower token id first (topk leaves equal values in any order).
+        order = index.argsort(dim=-1)
+        values, index, valid = values.gather(1, order), index.gather(1, order), valid.gather(1, order)
+        order = values.masked_fill(~valid, float("-inf")).argsort(dim=-1, descending=True, stable=True)
+        values, index, valid = values.gather(1, order), index.gather(1, order), valid.gather(1, order)
+        masked = values.masked_fill(~valid, NEG_INF)
+        if lse is None:  # top-k: top-p is relative to the top-k mass
+            probs = torch.softmax(masked, dim=-1)
+        else:            # top-p alone: relative to the whole vocabulary
+            probs = torch.exp(masked - lse[pick, None])
+        p_on = ((top_p > 0) & (top_p < 1))[:, None]
+        keep = valid & (~p_on | (_exclusive_cumsum(probs) < top_p[:, None]))
+        keep[:, 0] = True
+        # The draw runs in token-id order over the kept candidates (as over the whole vocabulary).
+        by_id = index.masked_fill(~keep, sub.shape[1]).argsort(dim=-1)
+        ids, kept_logits, kept = index.gather(1, by_id), masked.gather(1, by_id), keep.gather(1, by_id)
+        row_max = values[:, :1]
+        weights = torch.exp(kept_logits - row_max).masked_fill_(~kept, 0.0)
+        cdf = weights.cumsum(dim=-1)
+        total = cdf[:, -1]
+        position = (cdf <= (uniforms[rows] * total)[:, None]).sum(dim=-1)
+        last_positive = weights.shape[1] - 1 - (weights > 0).flip(-1).to(torch.int8).argmax(dim=-1)
+        position = torch.minimum(position, last_positive)
+        token_logits = kept_logits.gather(1, position[:, None])[:, 0]
+        tokens[rows] = ids.gather(1, position[:, None])[:, 0]
+        normalised = token_logits - row_max[:, 0] - torch.log(total)
+        want_full = ~normalize[rows]
+        result = normalised.clone()
+        if bool(want_full.any()):
+            full_lse = lse[pick] if lse is not None else torch.logsumexp(sub[want_full], dim=-1)
+            full = token_logits[want_full] - (full_lse[want_full] if lse is not None else full_lse)
+            result[want_full] = full
+        log_probs[rows] = result
+
+    def _sample_masked(self, logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, uniforms: torch.Tensor,
+                       normalize_log_probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The definition, over the whole vocabulary: the first token (in id order) whose
+        cumulative kept weight exceeds u * total."""
         vocab = logits.shape[1]
         kept = self.top_k_top_p_mask(logits, top_k, top_p)
         row_max = logits.max(dim=-1, keepdim=True).values
@@ -127,5 +210,7 @@ class TorchDecoderKernels:
         tokens = torch.minimum(tokens, last_positive)
         token_logits = logits.gather(1, tokens[:, None])[:, 0]
         normalised = token_logits - row_max[:, 0] - torch.log(total)
+        if bool(normalize_log_probs.all()):
+            return tokens, normalised
         full = token_logits - torch.logsumexp(logits, dim=-1)
         return tokens, torch.where(normalize_log_probs, normalised, full)

@@ -194,3 +194,22 @@ def test_ban_tokens_sets_minus_infinity_on_the_pairs_only():
     logits = torch.zeros(2, 5)
     KERNELS.ban_tokens(logits, torch.tensor([0, 1, 1]), torch.tensor([3, 0, 4]))
     assert torch.isinf(logits).nonzero().tolist() == [[0, 3], [1, 0], [1, 4]]
+
+
+@pytest.mark.parametrize("vocab", [50, 3000])
+def test_fast_sampling_paths_equal_the_masked_definition(vocab):
+    """Top-k rows (with and without ties at the k-th place), top-p rows whose nucleus fits the
+    1024 candidates or not, and full-distribution rows: the same tokens and log probs as the
+    whole-vocabulary definition."""
+    rows = 48
+    gen = torch.Generator().manual_seed(9)
+    logits = torch.randn(rows, vocab, generator=gen) * torch.linspace(0.2, 6.0, rows)[:, None]
+    logits[::7] = logits[::7].round()  # plenty of ties
+    top_k = torch.tensor([0, 1, 3, 40, 0, 0, 200, 5] * 6)
+    top_p = torch.tensor([0.0, 0.0, 0.5, 0.9, 0.3, 0.999, 0.0, 1.0] * 6)
+    u = torch.rand(rows, generator=gen)
+    normalize = torch.arange(rows) % 3 != 0
+    fast = KERNELS.sample(logits, top_k, top_p, u, normalize)
+    slow = KERNELS._sample_masked(logits, top_k, top_p, u, normalize)
+    assert fast[0].tolist() == slow[0].tolist()
+    torch.testing.assert_close(fast[1], slow[1], atol=1e-5, rtol=0)
