@@ -16,7 +16,7 @@ from runtime import Engine, ModelRunner
 from .kv_cache_manager import KvCacheManager
 from .kv_sizing import num_kv_blocks
 from .model_executor import ModelExecutor
-from .options import SchedulerConfig, SchedulerPolicy, TrtGptModelOptionalParams, TrtGptModelType
+from .options import KvCacheConfig, SchedulerConfig, SchedulerPolicy, TrtGptModelOptionalParams, TrtGptModelType
 from .scheduler import MicroBatchScheduler, make_capacity_scheduler
 from .validation import AdmissionLimits
 from .worker import Worker, WorkerConfig
@@ -57,16 +57,26 @@ class GptManager:
         if not isinstance(max_beam_width, int) or max_beam_width < 1:
             raise ValueError(f"max_beam_width: must be an integer >= 1, got {max_beam_width!r}")
 
-        _check_unimplemented_options(params)
+        kv_config = params.kv_cache_config
+        _check_kv_cache_config(kv_config)
         engine = Engine.from_dir(engine_dir)
         build = engine.build_config
         max_batch_size = _positive("max_batch_size", params.max_batch_size, build.max_batch_size)
         max_num_tokens = _positive("max_num_tokens", params.max_num_tokens, build.max_num_tokens)
         max_num_sequences = _positive("max_num_sequences", params.max_num_sequences, max_batch_size)
         device = torch.device(params.device or ("cuda" if params.device_ids else "cpu"))
-        num_blocks = num_kv_blocks(engine, params.kv_cache_config, max_num_sequences, device)
-        runner = ModelRunner(engine, num_blocks, kernels=params.kernel_backend, device=device)
-        kv = KvCacheManager(num_blocks, build.tokens_per_block)
+        num_blocks = num_kv_blocks(engine, kv_config, max_num_sequences, device)
+        runner = ModelRunner(engine, num_blocks, kernels=params.kernel_backend, device=device,
+                             max_attention_window=kv_config.max_attention_window,
+                             sink_token_length=kv_config.sink_token_length)
+        # The block manager releases what the runner's window (the model's own included) hides.
+        kv = KvCacheManager(num_blocks, build.tokens_per_block, enable_block_reuse=bool(kv_config.enable_block_reuse),
+                            attention_window=runner.attention_window, sink_token_length=runner.sink_token_length)
+        enable_chunked_context, enable_trt_overlap = bool(params.enable_chunked_context), bool(params.enable_trt_overlap)
+        if model_type == TrtGptModelType.V1 and (enable_chunked_context or enable_trt_overlap):
+            logger.warning("enable_chunked_context and enable_trt_overlap have no effect with TrtGptModelType.V1 "
+                           "(static lockstep batches)")
+            enable_chunked_context = enable_trt_overlap = False
         if model_type == TrtGptModelType.V1:  # static lockstep batches, whatever the policy
             capacity = make_capacity_scheduler(SchedulerPolicy.STATIC_BATCH, kv, max_batch_size, max_num_tokens)
         else:
@@ -78,9 +88,11 @@ class GptManager:
             gather_generation_logits=build.gather_generation_logits)
         config = WorkerConfig(model_type=model_type, max_num_sequences=max_num_sequences,
                               terminate_req_id=terminate_req_id, exclude_input_in_output=exclude_input_in_output,
-                              limits=limits)
-        self._worker = Worker(config, kv, capacity, MicroBatchScheduler(max_batch_size, max_num_tokens),
-                              ModelExecutor(runner, kv), get_inference_requests_cb, send_response_cb,
+                              limits=limits, enable_trt_overlap=enable_trt_overlap)
+        micro_batch = MicroBatchScheduler(max_batch_size, max_num_tokens, enable_chunked_context)
+        self._worker = Worker(config, kv, capacity, micro_batch,
+                              ModelExecutor(runner, kv, bool(params.normalize_log_probs),
+                                            params.logits_post_processor_batched), get_inference_requests_cb, send_response_cb,
                               poll_stop_signal_cb, return_batch_manager_stats_cb)
         _live_workers.add(self._worker)
         self._worker.start()
@@ -108,18 +120,11 @@ class GptManager:
             worker.shutdown()
 
 
-def _check_unimplemented_options(params: TrtGptModelOptionalParams) -> None:
-    """Options that would change results are refused; pure performance options that this version
-    does not implement are accepted with a warning (results are the same without them)."""
-    kv = params.kv_cache_config
-    for name in ("max_attention_window", "sink_token_length"):
-        if getattr(kv, name) is not None:
-            raise ValueError(f"KvCacheConfig.{name}: {getattr(kv, name)!r} is not supported by this version")
-    for owner, name in ((kv, "enable_block_reuse"), (params, "enable_chunked_context"),
-                        (params, "enable_trt_overlap")):
-        if getattr(owner, name):
-            logger.warning("%s.%s=True is not implemented in this version and has no effect",
-                           type(owner).__name__, name)
+def _check_kv_cache_config(kv: KvCacheConfig) -> None:
+    for name, low in (("max_attention_window", 1), ("sink_token_length", 0)):
+        value = getattr(kv, name)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < low):
+            raise ValueError(f"KvCacheConfig.{name}: must be an integer >= {low} or None, got {value!r}")
 
 
 def _positive(name: str, value, default: int) -> int:

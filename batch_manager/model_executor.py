@@ -1,23 +1,37 @@
 """The only module of the manager that touches the runtime: builds each step's tensor dict from
-the scheduled requests, runs the forward, decodes (greedy), and records tokens on the requests."""
+the scheduled requests (`prepare`), runs the forward (`forward`, safe on another thread), then
+advances the requests, registers their full blocks for reuse and decodes (`update`)."""
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from runtime import ModelRunner
 
 from .kv_cache_manager import KvCacheManager
-from .llm_request import FinishReason, LlmRequest, RequestState
+from .llm_request import LlmRequest
+from .request_decoder import RequestDecoder
 
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class PreparedStep:
+    requests: list[LlmRequest]
+    num_step_tokens: list[int]                  # tokens each request computes in this step
+    inputs: dict[str, torch.Tensor]             # ModelRunner.forward inputs
+    context_logits_rows: dict[LlmRequest, int]  # request -> first row of its prompt in context_logits
+
+
 class ModelExecutor:
-    def __init__(self, runner: ModelRunner, kv_cache_manager: KvCacheManager):
+    def __init__(self, runner: ModelRunner, kv_cache_manager: KvCacheManager, normalize_log_probs: bool = True,
+                 batched_post_processor: Callable | None = None):
         self.runner = runner
         self.kv = kv_cache_manager
+        self.decoder = RequestDecoder(runner.kernels, normalize_log_probs, batched_post_processor)
 
     def memory_usage(self) -> tuple[int, int, int]:
         """Bytes of runtime memory (weights + KV pool) on the CPU, the GPU, and pinned."""
@@ -34,90 +48,80 @@ class ModelExecutor:
         return cpu, gpu, 0
 
     def step(self, requests: list[LlmRequest]) -> None:
-        """One packed forward over `requests` (each computes all its uncomputed tokens), then one
-        new token for each. Raises on a runtime failure; the requests are then left unchanged."""
-        if not requests:
-            return
-        inputs, context_logits_rows = self._inputs(requests)
-        outputs = self.runner.forward(inputs)
-        logits = outputs["logits"]  # float32 [S, V]
-        with torch.inference_mode():  # the runtime's outputs are inference tensors
-            failures = self._post_process(requests, logits)
-        next_tokens = logits.argmax(dim=-1).tolist()
-        log_probs = None
-        if any(r.return_log_probs for r in requests):
-            log_probs = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(next_tokens)[:, None])[:, 0].tolist()
-        context_logits = outputs.get("context_logits")
-        for row, r in enumerate(requests):
-            if r in failures:
-                r.finish(FinishReason.ERROR, failures[r])
-                continue
-            if r in context_logits_rows:
-                start = context_logits_rows[r]
-                r.context_logits = context_logits[start:start + r.prompt_len].cpu()
-            r.num_computed_tokens = r.num_tokens
-            self._accept(r, next_tokens[row], None if log_probs is None else log_probs[row],
-                         logits[row] if r.return_generation_logits else None)
+        """One packed forward over `requests`, then one new token for each that computed all its
+        tokens. Raises on a runtime failure; the requests are then left unchanged."""
+        if requests:
+            prepared = self.prepare(requests)
+            self.update(prepared, self.forward(prepared))
 
-    def _inputs(self, requests: list[LlmRequest]) -> tuple[dict[str, torch.Tensor], dict[LlmRequest, int]]:
+    # -- input building ---------------------------------------------------------------------------
+
+    def prepare(self, requests: list[LlmRequest]) -> PreparedStep:
+        """The step's tensor dict. Each request computes its next chunk (context_chunk_size) or
+        all its uncomputed tokens. Reads the requests; changes nothing."""
         token_ids: list[int] = []
         lengths, past, tables, flags = [], [], [], []
         context_logits_rows: dict[LlmRequest, int] = {}
         num_flagged_tokens = 0
         for r in requests:
-            new_tokens = r.token_slice(r.num_computed_tokens, r.num_tokens)
+            n = r.context_chunk_size or r.num_tokens_to_compute
+            new_tokens = r.token_slice(r.num_computed_tokens, r.num_computed_tokens + n)
             token_ids.extend(new_tokens)
-            lengths.append(len(new_tokens))
+            lengths.append(n)
             past.append(r.num_computed_tokens)
             tables.append(self.kv.block_table(r.request_id))
-            # Context logits are gathered the first time the whole prompt is computed in one step.
+            # Context logits are gathered when the whole prompt is computed in one step (such a
+            # request is never chunked and reuses no prefix).
             wants = r.return_context_logits and r.context_logits is None and r.num_computed_tokens == 0
             flags.append(wants)
             if wants:
                 context_logits_rows[r] = num_flagged_tokens
-                num_flagged_tokens += len(new_tokens)
+                num_flagged_tokens += n
         width = max(len(t) for t in tables)
-        block_tables = torch.zeros(len(requests), width, dtype=torch.int32)
-        for i, t in enumerate(tables):
-            block_tables[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+        # Released blocks (window) stay negative: the runtime never reads them.
+        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
         inputs = {"input_ids": torch.tensor(token_ids, dtype=torch.int32),
                   "input_lengths": torch.tensor(lengths, dtype=torch.int32),
                   "past_lengths": torch.tensor(past, dtype=torch.int32),
                   "block_tables": block_tables}
         if context_logits_rows:
             inputs["return_context_logits"] = torch.tensor(flags, dtype=torch.bool)
-        return inputs, context_logits_rows
+        return PreparedStep(list(requests), lengths, inputs, context_logits_rows)
 
-    @staticmethod
-    def _post_process(requests: list[LlmRequest], logits: torch.Tensor) -> dict[LlmRequest, str]:
-        """Per-request logits post-processors, called as fn(request_id, logits [1, V], token_ids
-        [[...]], stream, client_id) and allowed to modify logits in place (or return new ones).
-        Returns the requests whose post-processor raised -> error message."""
-        failures: dict[LlmRequest, str] = {}
-        for row, r in enumerate(requests):
-            if r.logits_post_processor is None:
+    def forward(self, prepared: PreparedStep) -> dict[str, torch.Tensor]:
+        """The runtime forward alone: touches no manager state (overlap runs it on another thread)."""
+        return self.runner.forward(prepared.inputs)
+
+    def update(self, prepared: PreparedStep, outputs: dict[str, torch.Tensor]) -> None:
+        """Advance each request by the tokens it computed, register newly full blocks for reuse,
+        and decode a token for the requests that computed everything they have. Requests that
+        finished meanwhile (stopped while their forward ran) are skipped."""
+        rows = []
+        for row, (r, n) in enumerate(zip(prepared.requests, prepared.num_step_tokens)):
+            if r.is_finished:
                 continue
-            view = logits[row:row + 1]
-            try:
-                result = r.logits_post_processor(r.request_id, view, [r.prompt + r.generated], None, None)
-                if isinstance(result, torch.Tensor) and result is not view:
-                    view.copy_(result.reshape(view.shape))
-            except Exception as e:  # noqa: BLE001 - user code fails only its own request
-                logger.exception("logits post-processor of request %s raised", r.request_id)
-                failures[r] = f"logits post-processor raised: {e!r}"
-        return failures
-
-    @staticmethod
-    def _accept(r: LlmRequest, token: int, log_prob: float | None, logits_row: torch.Tensor | None) -> None:
-        if r.end_id is not None and token == r.end_id:
-            r.finish(FinishReason.END_ID)
+            r.num_computed_tokens += n
+            r.context_chunk_size = None
+            self.kv.store_computed_blocks(
+                r.request_id, r.token_slice(self.kv.num_stored_tokens(r.request_id), r.num_computed_tokens),
+                r.num_computed_tokens)
+            if r.num_computed_tokens == r.num_tokens:
+                rows.append(row)
+        if not rows:
             return
-        r.generated.append(token)
-        if log_prob is not None:
-            r.log_probs.append(log_prob)
-        if logits_row is not None:
-            r.generation_logits.append(logits_row.cpu())
-        if len(r.generated) >= r.max_new_tokens:
-            r.finish(FinishReason.LENGTH)
-        elif r.state == RequestState.CONTEXT:
-            r.set_state(RequestState.GENERATION)
+        logits = outputs["logits"]  # float32 [S, V]
+        if len(rows) < len(prepared.requests):
+            logits = logits[rows]
+        self._decode([prepared.requests[i] for i in rows], logits, outputs.get("context_logits"),
+                     prepared.context_logits_rows)
+
+    # -- decoding -----------------------------------------------------------------------------------
+
+    def _decode(self, requests: list[LlmRequest], logits: torch.Tensor, context_logits: torch.Tensor | None,
+                context_logits_rows: dict[LlmRequest, int]) -> None:
+        """logits float32 [rows, V] (each request's live beams): one decoder step for each request."""
+        for r in requests:
+            if r in context_logits_rows:
+                start = context_logits_rows[r]
+                r.context_logits = context_logits[start:start + r.prompt_len].cpu()
+        self.decoder.decode(requests, logits)

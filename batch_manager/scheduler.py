@@ -22,41 +22,79 @@ class CapacityOutput:
 
 class CapacityScheduler:
     """Base: GUARANTEED_NO_EVICT. A request is admitted (FIFO, never skipping the head of the
-    queue) only if the worst case of every admitted request, prompt + max_new_tokens, fits."""
+    queue) only if the worst case of every admitted request fits: the most blocks it can hold
+    at once (prompt + max_new_tokens, or less under an attention window).
+
+    The promise with shared blocks: S = free - sum over running requests of (worst - held) never
+    goes negative. A prefix block another request holds costs its new holder nothing, and only
+    a window release of a still-shared block lowers S (by one per extra reference), so with a
+    window the shared blocks are kept in reserve (`kv.num_extra_refs`) and reuse earns no credit.
+
+    Requests in `in_flight` (their forward is running: overlap) hold their blocks untouched.
+    """
 
     def __init__(self, kv_cache_manager: KvCacheManager, max_num_requests: int):
         self.kv = kv_cache_manager
         self.max_num_requests = max_num_requests
         self._num_starts = 0
 
-    def schedule(self, requests: list[LlmRequest]) -> CapacityOutput:
+    def schedule(self, requests: list[LlmRequest], in_flight: frozenset[LlmRequest] = frozenset()) -> CapacityOutput:
         """`requests`: active (unfinished) requests in admission order."""
         running = [r for r in requests if r.holds_blocks]
-        out = CapacityOutput(fitting=list(running))
+        out = CapacityOutput(fitting=[r for r in running if r not in in_flight])
+        num_holding = len(running)
         if self.can_admit(running):
             available = self.kv.num_free_blocks - sum(
-                self.kv.num_blocks_missing(r.request_id, r.max_num_tokens) for r in running)
+                max(0, self._worst_case_blocks(r) - self.kv.num_blocks_held(r.request_id)) for r in running)
+            if self.kv.attention_window is not None:
+                available -= self.kv.num_extra_refs
             for r in requests:
                 if r.state != RequestState.WAITING:
                     continue
-                need = self.kv.blocks_for_tokens(r.max_num_tokens)
-                if len(out.fitting) >= self.max_num_requests or need > available:
+                cost = self._admission_cost(r)
+                if num_holding >= self.max_num_requests or cost > available:
                     break
-                available -= need
+                available -= cost
+                num_holding += 1
                 self._start(r)
                 out.fitting.append(r)
         for r in out.fitting:
-            ok = self.kv.allocate(r.request_id, r.num_tokens)
+            ok = self._grow(r)
             assert ok, f"request {r.request_id}: reserved KV blocks were not available"
         return out
 
     def can_admit(self, running: list[LlmRequest]) -> bool:
         return True
 
+    def _worst_case_blocks(self, r: LlmRequest) -> int:
+        return self.kv.max_blocks_held(r.prompt_len, r.max_num_tokens)
+
+    def _admission_cost(self, r: LlmRequest) -> int:
+        """Free blocks admitting `r` takes out of the promise: its worst case, less the cached
+        prefix blocks it will share (plus the cached ones it takes off the free list)."""
+        worst = self._worst_case_blocks(r)
+        if self.kv.attention_window is not None:
+            return worst
+        prefix = self.kv.find_cached_prefix(_reusable_tokens(r))
+        return worst - len(prefix) + sum(1 for b in prefix if self.kv.is_free(b))
+
     def _start(self, r: LlmRequest) -> None:
+        """Admit `r`: it starts holding blocks, beginning with its cached prefix."""
         r.set_state(RequestState.CONTEXT)
         r.start_index = self._num_starts
         self._num_starts += 1
+        assert r.num_computed_tokens == 0
+        r.num_computed_tokens = self.kv.acquire_cached_prefix(r.request_id, _reusable_tokens(r))
+
+    def _grow(self, r: LlmRequest) -> bool:
+        """Release what the window hides, then cover every token of `r`'s next step."""
+        self.kv.release_invisible_blocks(r.request_id, r.num_computed_tokens)
+        return self.kv.allocate(r.request_id, r.num_tokens)
+
+
+def _reusable_tokens(r: LlmRequest) -> list[int]:
+    """Tokens whose cached KV `r` may reuse: none when it wants the logits of its whole prompt."""
+    return [] if r.return_context_logits else r.token_slice(0, r.num_tokens)
 
 
 class GuaranteedNoEvictScheduler(CapacityScheduler):
@@ -74,31 +112,34 @@ class StaticBatchScheduler(CapacityScheduler):
     def can_admit(self, running: list[LlmRequest]) -> bool:
         return not running
 
-    def schedule(self, requests: list[LlmRequest]) -> CapacityOutput:
+    def schedule(self, requests: list[LlmRequest], in_flight: frozenset[LlmRequest] = frozenset()) -> CapacityOutput:
         if self.max_num_tokens is None or any(r.holds_blocks for r in requests):
-            return super().schedule(requests)
+            return super().schedule(requests, in_flight)
         budget, admissible = self.max_num_tokens, []
         for r in requests:
             if admissible and r.num_tokens > budget:
                 break
             budget -= r.num_tokens
             admissible.append(r)
-        return super().schedule(admissible)
+        return super().schedule(admissible, in_flight)
 
 
 class MaxUtilizationScheduler(CapacityScheduler):
     """Admit what fits now. When a running request needs a block and none is free, pause the most
-    recently started request (free its blocks; it resumes later by recomputing its tokens)."""
+    recently started request (free its blocks; it resumes later by recomputing its tokens, or
+    by reusing them when block reuse is on)."""
 
-    def schedule(self, requests: list[LlmRequest]) -> CapacityOutput:
-        running = sorted((r for r in requests if r.holds_blocks), key=lambda r: r.start_index)
+    def schedule(self, requests: list[LlmRequest], in_flight: frozenset[LlmRequest] = frozenset()) -> CapacityOutput:
+        running = sorted((r for r in requests if r.holds_blocks and r not in in_flight), key=lambda r: r.start_index)
         out = CapacityOutput()
+        num_holding = sum(1 for r in requests if r.holds_blocks)
         while running:
             r = running.pop(0)
-            while not self.kv.allocate(r.request_id, r.num_tokens):
+            while not self._grow(r):
                 victim = running.pop() if running else r
                 self.kv.free(victim.request_id)
                 victim.pause()
+                num_holding -= 1
                 out.paused.append(victim)
                 if victim is r:
                     break
@@ -109,11 +150,14 @@ class MaxUtilizationScheduler(CapacityScheduler):
         for r in requests:
             if r.state != RequestState.WAITING:
                 continue
-            if len(out.fitting) >= self.max_num_requests or \
-                    self.kv.num_blocks_missing(r.request_id, r.num_tokens) > self.kv.num_free_blocks:
+            prefix = self.kv.find_cached_prefix(_reusable_tokens(r))
+            cost = self.kv.blocks_for_tokens(r.num_tokens) - len(prefix) + sum(1 for b in prefix if self.kv.is_free(b))
+            if num_holding >= self.max_num_requests or cost > self.kv.num_free_blocks:
                 break
             self._start(r)
-            self.kv.allocate(r.request_id, r.num_tokens)
+            num_holding += 1
+            ok = self._grow(r)
+            assert ok, f"request {r.request_id}: blocks counted free were not"
             out.fitting.append(r)
         return out
 
@@ -133,38 +177,51 @@ def make_capacity_scheduler(policy: SchedulerPolicy, kv_cache_manager: KvCacheMa
 class MicroBatch:
     context_requests: list[LlmRequest] = field(default_factory=list)
     generation_requests: list[LlmRequest] = field(default_factory=list)
+    # Context tokens this step computes (chunks; never a reused prefix). Counted when scheduled:
+    # the requests' own counts move on with the step.
+    num_context_tokens: int = 0
+
+    @property
+    def requests(self) -> list[LlmRequest]:
+        return self.context_requests + self.generation_requests
 
     @property
     def num_requests(self) -> int:
         return len(self.context_requests) + len(self.generation_requests)
 
-    @property
-    def num_context_tokens(self) -> int:
-        return sum(r.num_tokens_to_compute for r in self.context_requests)
-
 
 class MicroBatchScheduler:
     """Generation requests first (one token each), then context requests in order, under
-    max_batch_size sequences and max_num_tokens tokens. A context longer than the whole token
-    budget runs alone rather than never."""
+    max_batch_size sequences and max_num_tokens tokens. Without chunking, a context longer than
+    the whole token budget runs alone rather than never. With `enable_chunked_context`, the
+    context that does not fit gets the rest of the budget as a chunk (its other tokens follow in
+    later steps, next to the generation tokens of the running requests), so every step stays
+    within max_num_tokens. A request that wants its context logits is never chunked."""
 
-    def __init__(self, max_batch_size: int, max_num_tokens: int):
+    def __init__(self, max_batch_size: int, max_num_tokens: int, enable_chunked_context: bool = False):
         self.max_batch_size = max_batch_size
         self.max_num_tokens = max_num_tokens
+        self.enable_chunked_context = enable_chunked_context
 
-    def schedule(self, fitting: list[LlmRequest]) -> MicroBatch:
+    def schedule(self, fitting: list[LlmRequest], max_batch_size: int | None = None) -> MicroBatch:
+        """`max_batch_size` lowers the limit for this step (overlap: half the requests each)."""
+        limit = self.max_batch_size if max_batch_size is None else min(max_batch_size, self.max_batch_size)
         batch = MicroBatch()
         num_tokens = 0
         for r in fitting:
-            if r.state == RequestState.GENERATION and batch.num_requests < self.max_batch_size \
+            if r.state == RequestState.GENERATION and batch.num_requests < limit \
                     and num_tokens + 1 <= self.max_num_tokens:
                 batch.generation_requests.append(r)
                 num_tokens += 1
         for r in fitting:
-            if r.state != RequestState.CONTEXT or batch.num_requests >= self.max_batch_size:
+            if r.state != RequestState.CONTEXT or batch.num_requests >= limit:
                 continue
-            n = r.num_tokens_to_compute
-            if num_tokens + n <= self.max_num_tokens or batch.num_requests == 0:
+            n, budget = r.num_tokens_to_compute, self.max_num_tokens - num_tokens
+            r.context_chunk_size = None
+            if n > budget and self.enable_chunked_context and budget > 0 and not r.return_context_logits:
+                r.context_chunk_size = n = budget
+            if n <= budget or batch.num_requests == 0:
                 batch.context_requests.append(r)
+                batch.num_context_tokens += n
                 num_tokens += n
         return batch

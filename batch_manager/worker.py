@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import logging
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
 from .kv_cache_manager import KvCacheManager
 from .llm_request import FinishReason, LlmRequest
-from .model_executor import ModelExecutor
+from .model_executor import ModelExecutor, PreparedStep
 from .options import TrtGptModelType
 from .responses import response_tensors
 from .scheduler import CapacityScheduler, MicroBatch, MicroBatchScheduler
@@ -34,6 +35,15 @@ class WorkerConfig:
     terminate_req_id: int | None
     exclude_input_in_output: bool
     limits: AdmissionLimits
+    enable_trt_overlap: bool = False
+
+
+@dataclass
+class _InFlight:
+    """A micro-batch whose forward runs on the forward thread (overlap)."""
+    batch: MicroBatch
+    groups: list[tuple[list[LlmRequest], PreparedStep]]
+    future: Future   # -> list[dict of outputs | Exception], one per group
 
 
 class Worker:
@@ -51,6 +61,11 @@ class Worker:
         self._stop_requested = threading.Event()
         self._thread = threading.Thread(target=self._run, name="GptManagerWorker")
         self.memory_usage = executor.memory_usage()
+        # Overlap: forwards run on this one thread while the worker does the host work of the other
+        # micro-batch (torch releases the GIL inside its kernels).
+        self._forward_pool = ThreadPoolExecutor(1, thread_name_prefix="GptManagerForward") \
+            if config.enable_trt_overlap else None
+        self._in_flight: _InFlight | None = None
         # A test hook: called with the micro-batch's requests before each forward; may raise.
         self.fault_injector: Callable[[list[LlmRequest]], None] | None = None
 
@@ -85,14 +100,20 @@ class Worker:
                     if not fetched:
                         self._stop_requested.wait(IDLE_SLEEP_S)
                     continue
-                batch, num_paused = self._schedule()
-                self._run_step(batch)
-                self._iteration += 1
-                self._send_responses(batch)
+                if self._forward_pool is None:
+                    batch, num_paused = self._schedule()
+                    self._run_step(batch)
+                    self._iteration += 1
+                    self._send_responses(batch)
+                else:
+                    batch, num_paused = self._overlapped_step()
                 self._send_stats(batch, num_paused)
         except BaseException:  # an internal bug: fail what is in flight rather than hang the users
             logger.exception("GptManager worker crashed")
             self._fail_all("internal error in the batch manager worker (see the log)")
+        finally:
+            if self._forward_pool is not None:
+                self._forward_pool.shutdown(wait=True)
 
     def _fetch_new_requests(self) -> tuple[int, bool]:
         capacity = max(self.config.max_num_sequences - len(self._active), 0)
@@ -133,30 +154,88 @@ class Worker:
             return
         for request_id in stop_ids:
             r = self._active.get(request_id) if isinstance(request_id, int) else None
-            if r is not None:
+            if r is not None and not r.is_finished:
                 r.finish(FinishReason.STOPPED)
-                self._complete(r)
+                if not self._is_in_flight(r):   # else completed once its forward is done
+                    self._complete(r)
 
-    def _schedule(self) -> tuple[MicroBatch, int]:
-        capacity = self.capacity.schedule(list(self._active.values()))
-        return self.micro_batch.schedule(capacity.fitting), len(capacity.paused)
+    def _is_in_flight(self, r: LlmRequest) -> bool:
+        return self._in_flight is not None and any(r in group for group, _ in self._in_flight.groups)
+
+    def _schedule(self, in_flight: frozenset[LlmRequest] = frozenset(),
+                  max_batch_size: int | None = None) -> tuple[MicroBatch, int]:
+        capacity = self.capacity.schedule(list(self._active.values()), in_flight)
+        return self.micro_batch.schedule(capacity.fitting, max_batch_size), len(capacity.paused)
+
+    # -- the step: prepare, forward, update -------------------------------------------------------
 
     def _run_step(self, batch: MicroBatch) -> None:
+        groups = self._prepare_groups(batch)
+        self._update_groups(groups, self._forward_groups(groups))
+
+    def _overlapped_step(self) -> tuple[MicroBatch, int]:
+        """Schedule and prepare this micro-batch while the other one's forward runs; then start
+        this forward and, while it runs, decode the other one and send its responses."""
+        in_flight = frozenset(r for group, _ in self._in_flight.groups for r in group) \
+            if self._in_flight is not None else frozenset()
+        # Half the active requests per micro-batch, so that the two alternate.
+        batch, num_paused = self._schedule(in_flight, max(1, -(-len(self._active) // 2)))
+        groups = self._prepare_groups(batch)
+        previous, self._in_flight = self._in_flight, None
+        previous_results = previous.future.result() if previous is not None else None
+        if groups:
+            self._in_flight = _InFlight(batch, groups, self._forward_pool.submit(self._forward_groups, groups))
+        self._iteration += 1
+        for r in batch.requests:   # failed while preparing
+            if r.is_finished:
+                self._complete(r)
+        if previous is not None:
+            self._update_groups(previous.groups, previous_results)
+            self._send_responses(previous.batch)
+        return batch, num_paused
+
+    def _prepare_groups(self, batch: MicroBatch) -> list[tuple[list[LlmRequest], PreparedStep]]:
         if self.config.model_type == TrtGptModelType.InflightFusedBatching:
             groups = [batch.generation_requests + batch.context_requests]
         else:
             groups = [batch.context_requests, batch.generation_requests]
+        prepared = []
         for group in groups:
             if not group:
                 continue
             try:
                 if self.fault_injector is not None:
                     self.fault_injector(group)
-                self.executor.step(group)
+                prepared.append((group, self.executor.prepare(group)))
             except Exception as e:  # noqa: BLE001
-                logger.exception("model step failed for requests %s", [r.request_id for r in group])
-                for r in group:
-                    r.finish(FinishReason.ERROR, f"Encountered an error in the model step: {e!r}")
+                self._fail_group(group, e)
+        return prepared
+
+    def _forward_groups(self, groups: list[tuple[list[LlmRequest], PreparedStep]]) -> list:
+        """Runs on the forward thread under overlap: touches no manager state."""
+        results = []
+        for _, prepared in groups:
+            try:
+                results.append(self.executor.forward(prepared))
+            except Exception as e:  # noqa: BLE001
+                results.append(e)
+        return results
+
+    def _update_groups(self, groups: list[tuple[list[LlmRequest], PreparedStep]], results: list) -> None:
+        for (group, prepared), result in zip(groups, results):
+            try:
+                if isinstance(result, Exception):
+                    raise result
+                self.executor.update(prepared, result)
+            except Exception as e:  # noqa: BLE001
+                self._fail_group(group, e)
+
+    @staticmethod
+    def _fail_group(group: list[LlmRequest], e: Exception) -> None:
+        logger.error("model step failed for requests %s", [r.request_id for r in group], exc_info=e)
+        for r in group:
+            if not r.is_finished:
+                r.finish(FinishReason.ERROR, f"Encountered an error in the model step: {e!r}")
 
     def _send_responses(self, batch: MicroBatch) -> None:
         for r in batch.context_requests + batch.generation_requests:
@@ -175,6 +254,9 @@ class Worker:
             self._send(r.request_id, response_tensors(r, self.config.exclude_input_in_output), True, "")
 
     def _fail_all(self, message: str) -> None:
+        if self._in_flight is not None:   # let its forward end before the blocks are freed
+            self._in_flight.future.exception()
+            self._in_flight = None
         for r in list(self._active.values()):
             if not r.is_finished:
                 r.finish(FinishReason.ERROR, message)
@@ -196,7 +278,8 @@ class Worker:
             reused_blocks=self.kv.num_reused, num_scheduled=batch.num_requests, num_context=len(batch.context_requests),
             num_generation=len(batch.generation_requests), num_context_tokens=batch.num_context_tokens,
             num_generation_tokens=len(batch.generation_requests), num_paused=num_paused,
-            num_empty_generation_slots=max(0, self._static_batch_size - batch.num_requests) if is_v1 else 0)
+            num_empty_generation_slots=max(0, self._static_batch_size - batch.num_requests) if is_v1 else 0,
+            micro_batch_id=self._iteration % 2 if self._forward_pool is not None else 0)
         self._call("return_batch_manager_stats_cb", self._report_stats, stats_json(stats, is_v1))
 
     # -- callbacks --------------------------------------------------------------------------------

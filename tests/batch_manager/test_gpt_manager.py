@@ -342,17 +342,23 @@ def test_max_new_tokens_is_clamped_to_the_max_sequence_length(tiny_engine, promp
     assert any("clamped" in rec.message for rec in caplog.records)
 
 
-def test_options_this_version_lacks_are_refused_or_warned(tiny_engine, caplog):
-    from batch_manager import KvCacheConfig as Kv
+@pytest.mark.parametrize("field, value", [("max_attention_window", 0), ("max_attention_window", 2.5),
+                                          ("sink_token_length", -1)])
+def test_bad_window_options_are_refused(tiny_engine, field, value):
     engine_dir, _ = tiny_engine
-    client = Client([])
-    with pytest.raises(ValueError, match="max_attention_window"):
+    with pytest.raises(ValueError, match=field):
         GptManager(engine_dir, TrtGptModelType.InflightFusedBatching, 1, SchedulerPolicy.GUARANTEED_NO_EVICT,
-                   *client.callbacks(), TrtGptModelOptionalParams(kv_cache_config=Kv(max_attention_window=16)))
-    with GptManager(engine_dir, TrtGptModelType.InflightFusedBatching, 1, SchedulerPolicy.GUARANTEED_NO_EVICT,
-                    *client.callbacks(), TrtGptModelOptionalParams(enable_chunked_context=True)):
-        pass
-    assert any("enable_chunked_context" in rec.message for rec in caplog.records)
+                   *Client([]).callbacks(), TrtGptModelOptionalParams(kv_cache_config=KvCacheConfig(**{field: value})))
+
+
+def test_chunking_and_overlap_are_ignored_with_a_warning_for_static_batching(tiny_engine, caplog):
+    engine_dir, _ = tiny_engine
+    params = TrtGptModelOptionalParams(enable_chunked_context=True, enable_trt_overlap=True)
+    with GptManager(engine_dir, TrtGptModelType.V1, 1, SchedulerPolicy.GUARANTEED_NO_EVICT,
+                    *Client([]).callbacks(), params) as manager:
+        assert not manager._worker.micro_batch.enable_chunked_context
+        assert manager._worker._forward_pool is None
+    assert any("no effect with TrtGptModelType.V1" in rec.message for rec in caplog.records)
 
 
 def test_an_unreferenced_manager_is_shut_down_when_collected(tiny_engine):
