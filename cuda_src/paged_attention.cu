@@ -12,9 +12,11 @@
 // Launch contract
 //   decode_attention_partition:
 //     grid (num_partitions, num_kv_heads, batch), block (NUM_THREADS), dynamic shared memory
-//     decode_smem_bytes(group, head_dim, partition_size) (see runtime/kernels/launchers.py).
-//     One CTA serves the `group = num_heads / num_kv_heads` query heads of one KV head, so each
-//     K/V row is loaded once per group. THREADS_PER_KEY lanes (a power of two <= 32) share one key.
+//     decode_smem_bytes(group, head_dim, tile_size) (see runtime/kernels/launchers.py).
+//     One CTA serves the `group = num_heads / num_kv_heads` query heads of one KV head over
+//     `partition_size` visible keys, so each K/V row is loaded once per group; it walks them in
+//     tiles of `tile_size` keys (shared memory) merged with an online softmax. THREADS_PER_KEY lanes
+//     (a power of two <= 32) share one key's dot products.
 //     q       storage_t [batch, num_heads, head_dim]                       contiguous
 //     k/v     storage_t [num_blocks, tokens_per_block, num_kv_heads, head_dim] contiguous (one layer)
 //     block_tables int32 [batch, table_stride]; seq_lens int32 [batch] (>= 1)
@@ -40,102 +42,124 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) decode_attention_parti
     float* __restrict__ part_sum, const storage_t* __restrict__ q, const storage_t* __restrict__ k_cache,
     const storage_t* __restrict__ v_cache, const int* __restrict__ block_tables, const int* __restrict__ seq_lens,
     int num_heads, int num_kv_heads, int head_dim, int tokens_per_block, int table_stride, int partition_size,
-    float scale, int window, int sink) {
+    int tile_size, float scale, int window, int sink) {
   const int partition = blockIdx.x, kv_head = blockIdx.y, seq = blockIdx.z;
   const int num_partitions = gridDim.x;
   const int group = num_heads / num_kv_heads;
   const int first_head = kv_head * group;
+  const long long head_base = (long long)seq * num_heads + first_head;  // first query head of the group
   const int seq_len = seq_lens[seq];
   const int lo = window > 0 ? max(seq_len - window, 0) : 0;
   const int n_sink = window > 0 ? min(sink, lo) : 0;
   const int n_visible = n_sink + seq_len - lo;
   const int begin = partition * partition_size;
-  const int n = min(begin + partition_size, n_visible) - begin;  // keys of this partition
-  if (n <= 0) {  // block-uniform: no visible key here (seq_len >= 1 makes that num_partitions > 1)
+  const int n_keys = min(begin + partition_size, n_visible) - begin;  // keys of this partition
+  if (n_keys <= 0) {  // block-uniform: no visible key here (seq_len >= 1 makes that num_partitions > 1)
     if (num_partitions == 1) {  // defensive, seq_len < 1: zeros rather than a write through NULL
-      for (int i = threadIdx.x; i < group * head_dim; i += blockDim.x)
-        out[((long long)seq * num_heads + first_head) * head_dim + i] = to_storage(0.0f);
+      for (int i = threadIdx.x; i < group * head_dim; i += blockDim.x) out[head_base * head_dim + i] = to_storage(0.0f);
       return;
     }
     for (int h = threadIdx.x; h < group; h += blockDim.x) {
-      const long long stat = ((long long)seq * num_heads + first_head + h) * num_partitions + partition;
-      part_max[stat] = NEG_INF;
-      part_sum[stat] = 0.0f;
+      part_max[(head_base + h) * num_partitions + partition] = NEG_INF;
+      part_sum[(head_base + h) * num_partitions + partition] = 0.0f;
     }
     return;
   }
 
   DYNAMIC_SMEM(float, smem);
   float* q_s = smem;                                   // [group, head_dim], pre-scaled
-  float* probs = q_s + group * head_dim;               // [group, partition_size]: logits, then exp
-  float* stats = probs + group * partition_size;       // [2, group]: max, sum
-  long long* rows = reinterpret_cast<long long*>(stats + 2 * group + ((group * head_dim + group * partition_size) & 1));
-  // rows [partition_size]: element offset of each key's [head_dim] row for this KV head
+  float* acc_s = q_s + group * head_dim;               // [group, head_dim]: running sum of p * v
+  float* probs = acc_s + group * head_dim;             // [group, tile_size]: logits, then exp
+  float* stats = probs + group * tile_size;            // [3, group]: running max, running sum, rescale
+  const int floats = 2 * group * head_dim + group * tile_size + 3 * group;
+  long long* rows = reinterpret_cast<long long*>(smem + floats + (floats & 1));
+  // rows [tile_size]: element offset of each key's [head_dim] row for this KV head
 
   const long long row_elems = (long long)num_kv_heads * head_dim;
-  const storage_t* q_seq = q + ((long long)seq * num_heads + first_head) * head_dim;
-  for (int i = threadIdx.x; i < group * head_dim; i += blockDim.x) q_s[i] = load_float(q_seq + i) * scale;
-  const int* table = block_tables + (long long)seq * table_stride;
-  for (int jj = threadIdx.x; jj < n; jj += blockDim.x) {
-    const int j = begin + jj;
-    const int pos = j < n_sink ? j : lo + (j - n_sink);
-    const long long block = table[pos / tokens_per_block];
-    rows[jj] = (block * tokens_per_block + pos % tokens_per_block) * row_elems + (long long)kv_head * head_dim;
+  const storage_t* q_seq = q + head_base * head_dim;
+  for (int i = threadIdx.x; i < group * head_dim; i += blockDim.x) {
+    q_s[i] = load_float(q_seq + i) * scale;
+    acc_s[i] = 0.0f;
   }
-  __syncthreads();
-
-  // QK: THREADS_PER_KEY lanes per key; the trip count is block-uniform so shuffles never diverge.
+  for (int h = threadIdx.x; h < group; h += blockDim.x) {
+    stats[h] = NEG_INF;
+    stats[group + h] = 0.0f;
+  }
+  const int* table = block_tables + (long long)seq * table_stride;
   const int key_lane = threadIdx.x % THREADS_PER_KEY;
   const int keys_per_step = blockDim.x / THREADS_PER_KEY;
-  for (int base = 0; base < n; base += keys_per_step) {
-    const int jj = base + threadIdx.x / THREADS_PER_KEY;
-    const bool valid = jj < n;
-    const storage_t* k_row = k_cache + (valid ? rows[jj] : 0);
-    for (int h = 0; h < group; ++h) {
-      float dot = 0.0f;
-      if (valid)
-        for (int d = key_lane; d < head_dim; d += THREADS_PER_KEY) dot += q_s[h * head_dim + d] * load_float(k_row + d);
-      dot = group_reduce_sum(dot, THREADS_PER_KEY);
-      if (valid && key_lane == 0) probs[h * partition_size + jj] = dot;
-    }
-  }
-  __syncthreads();
-
-  // Softmax statistics: one warp per query head (warp-uniform loop, no block barrier inside).
   const int lane = threadIdx.x % BM_WARP_SIZE, warp = threadIdx.x / BM_WARP_SIZE;
-  for (int h = warp; h < group; h += blockDim.x / BM_WARP_SIZE) {
-    float* row = probs + h * partition_size;
-    float m = NEG_INF;
-    for (int jj = lane; jj < n; jj += BM_WARP_SIZE) m = fmaxf(m, row[jj]);
-    m = warp_reduce_max(m);
-    float s = 0.0f;
-    for (int jj = lane; jj < n; jj += BM_WARP_SIZE) {
-      const float e = fast_exp(row[jj] - m);
-      row[jj] = e;
-      s += e;
-    }
-    s = warp_reduce_sum(s);
-    if (lane == 0) {
-      stats[h] = m;
-      stats[group + h] = s;
-    }
-  }
-  __syncthreads();
 
-  // PV: one (head, dim) output element per thread and step; consecutive threads read consecutive dims.
+  // Tiles of the partition's keys, merged with an online softmax; every loop bound below is
+  // block-uniform (barriers) or warp-uniform (shuffles).
+  for (int tile = 0; tile < n_keys; tile += tile_size) {
+    const int n = min(tile_size, n_keys - tile);
+    for (int jj = threadIdx.x; jj < n; jj += blockDim.x) {
+      const int j = begin + tile + jj;
+      const int pos = j < n_sink ? j : lo + (j - n_sink);
+      const long long block = table[pos / tokens_per_block];
+      rows[jj] = (block * tokens_per_block + pos % tokens_per_block) * row_elems + (long long)kv_head * head_dim;
+    }
+    __syncthreads();
+
+    // QK: THREADS_PER_KEY lanes per key.
+    for (int base = 0; base < n; base += keys_per_step) {
+      const int jj = base + threadIdx.x / THREADS_PER_KEY;
+      const bool valid = jj < n;
+      const storage_t* k_row = k_cache + (valid ? rows[jj] : 0);
+      for (int h = 0; h < group; ++h) {
+        float dot = 0.0f;
+        if (valid)
+          for (int d = key_lane; d < head_dim; d += THREADS_PER_KEY) dot += q_s[h * head_dim + d] * load_float(k_row + d);
+        dot = group_reduce_sum(dot, THREADS_PER_KEY);
+        if (valid && key_lane == 0) probs[h * tile_size + jj] = dot;
+      }
+    }
+    __syncthreads();
+
+    // Online softmax: one warp per query head.
+    for (int h = warp; h < group; h += blockDim.x / BM_WARP_SIZE) {
+      float* row = probs + h * tile_size;
+      float m = stats[h];
+      for (int jj = lane; jj < n; jj += BM_WARP_SIZE) m = fmaxf(m, row[jj]);
+      m = warp_reduce_max(m);
+      float s = 0.0f;
+      for (int jj = lane; jj < n; jj += BM_WARP_SIZE) {
+        const float e = fast_exp(row[jj] - m);
+        row[jj] = e;
+        s += e;
+      }
+      s = warp_reduce_sum(s);
+      if (lane == 0) {
+        const float rescale = fast_exp(stats[h] - m);  // 0 on the first tile (max was -inf)
+        stats[h] = m;
+        stats[group + h] = stats[group + h] * rescale + s;
+        stats[2 * group + h] = rescale;
+      }
+    }
+    __syncthreads();
+
+    // PV: each (head, dim) element belongs to one thread across tiles; consecutive threads read
+    // consecutive dims of a V row.
+    for (int item = threadIdx.x; item < group * head_dim; item += blockDim.x) {
+      const int h = item / head_dim, d = item % head_dim;
+      const float* p = probs + h * tile_size;
+      float acc = 0.0f;
+      for (int jj = 0; jj < n; ++jj) acc += p[jj] * load_float(v_cache + rows[jj] + d);
+      acc_s[item] = acc_s[item] * stats[2 * group + h] + acc;
+    }
+    __syncthreads();  // the next tile overwrites rows and probs
+  }
+
   for (int item = threadIdx.x; item < group * head_dim; item += blockDim.x) {
     const int h = item / head_dim, d = item % head_dim;
-    const float* p = probs + h * partition_size;
-    float acc = 0.0f;
-    for (int jj = 0; jj < n; ++jj) acc += p[jj] * load_float(v_cache + rows[jj] + d);
-    const long long head = (long long)seq * num_heads + first_head + h;
     if (num_partitions == 1) {
-      out[head * head_dim + d] = to_storage(acc / stats[group + h]);
+      out[(head_base + h) * head_dim + d] = to_storage(acc_s[item] / stats[group + h]);
     } else {
-      part_acc[(head * num_partitions + partition) * head_dim + d] = acc;
+      part_acc[((head_base + h) * num_partitions + partition) * head_dim + d] = acc_s[item];
       if (d == 0) {
-        part_max[head * num_partitions + partition] = stats[h];
-        part_sum[head * num_partitions + partition] = stats[group + h];
+        part_max[(head_base + h) * num_partitions + partition] = stats[h];
+        part_sum[(head_base + h) * num_partitions + partition] = stats[group + h];
       }
     }
   }

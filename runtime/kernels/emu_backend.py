@@ -163,9 +163,9 @@ class EmuKernels(CudaKernels):
 
     @staticmethod
     def default_config() -> LaunchConfig:
-        # NOTE: small blocks and partitions: a barrier costs ~0.25 ms at 128 OS threads, and short
-        # partitions make ordinary test contexts exercise the split + merge path.
-        return LaunchConfig(attention_threads=64, threads_per_key=4, partition_size=32, copy_threads=32)
+        # NOTE: small blocks, partitions and tiles: a barrier costs ~0.25 ms at 128 OS threads, and
+        # short partitions and tiles make ordinary test contexts exercise the tile loop and the merge.
+        return LaunchConfig(attention_threads=64, threads_per_key=4, partition_size=32, tile_size=16, copy_threads=32)
 
     def _compile_all(self):
         if not compiler_available():

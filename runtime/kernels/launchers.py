@@ -26,7 +26,9 @@ _INT32_MAX = 2 ** 31 - 1
 class LaunchConfig:
     attention_threads: int = 128     # NUM_THREADS of decode_attention_partition (multiple of 32)
     threads_per_key: int = 8         # THREADS_PER_KEY: lanes sharing one key's dot products
-    partition_size: int = 512        # visible keys per CTA before splitting (flash-decoding)
+    partition_size: int = 512        # visible keys per CTA (flash-decoding split), at least
+    max_partitions: int = 64         # ... so long tables use at most this many CTAs per KV head
+    tile_size: int = 512             # keys per shared-memory tile inside a CTA (shrunk to fit)
     copy_threads: int = 256          # block size of the copy kernels and the merge
 
     def __post_init__(self):
@@ -34,8 +36,9 @@ class LaunchConfig:
             raise ValueError(f"attention_threads: must be a multiple of 32 in [32, 1024], got {self.attention_threads}")
         if self.threads_per_key not in (1, 2, 4, 8, 16, 32):
             raise ValueError(f"threads_per_key: must be a power of two <= 32, got {self.threads_per_key}")
-        if self.partition_size < 1:
-            raise ValueError(f"partition_size: must be positive, got {self.partition_size}")
+        for name in ("partition_size", "max_partitions", "tile_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")
         if self.copy_threads % 32 or not 32 <= self.copy_threads <= 1024:
             raise ValueError(f"copy_threads: must be a multiple of 32 in [32, 1024], got {self.copy_threads}")
 
@@ -63,21 +66,31 @@ def c_float(value: float) -> np.float32:
     return np.float32(float(value))
 
 
-def decode_smem_bytes(group: int, head_dim: int, partition_size: int) -> int:
+def decode_smem_bytes(group: int, head_dim: int, tile_size: int) -> int:
     """Dynamic shared memory of decode_attention_partition (mirrors its carving)."""
-    floats = group * head_dim + group * partition_size
-    floats += 2 * group + (floats & 1)
-    return floats * 4 + partition_size * 8
+    floats = 2 * group * head_dim + group * tile_size + 3 * group
+    floats += floats & 1
+    return floats * 4 + tile_size * 8
 
 
-def fit_partition_size(group: int, head_dim: int, wanted: int) -> int:
-    """The largest partition size <= wanted whose shared memory fits MAX_SHARED_BYTES."""
-    fixed = decode_smem_bytes(group, head_dim, 0) + 4
-    largest = (MAX_SHARED_BYTES - fixed) // (4 * group + 8)
+def fit_tile_size(group: int, head_dim: int, wanted: int) -> int:
+    """The largest tile <= wanted whose shared memory fits MAX_SHARED_BYTES."""
+    largest = (MAX_SHARED_BYTES - decode_smem_bytes(group, head_dim, 0) - 4) // (4 * group + 8)
     if largest < 1:
         raise ValueError(f"decode attention: {group} query heads per KV head x head_dim {head_dim} do not fit "
                          f"{MAX_SHARED_BYTES} bytes of shared memory")
     return min(wanted, largest)
+
+
+def plan_partitions(max_visible: int, config: LaunchConfig) -> tuple[int, int]:
+    """(partition_size, num_partitions) for up to max_visible keys per sequence.
+
+    NOTE: sized from the block-table width (a host shape), not from the sequence lengths (device
+    data): no sync per step; CTAs past a sequence's visible keys exit at once. The partial-result
+    buffer is batch x heads x num_partitions x head_dim floats, hence max_partitions.
+    """
+    partition_size = max(config.partition_size, -(-max_visible // config.max_partitions))
+    return partition_size, max(1, -(-max_visible // partition_size))
 
 
 class KvLaunchers:
@@ -158,11 +171,11 @@ class KvLaunchers:
         if batch == 0:
             return
         group = num_heads // num_kv_heads
-        partition_size = fit_partition_size(group, head_dim, self.config.partition_size)
         max_visible = block_tables.shape[1] * tokens_per_block
         if window:
             max_visible = min(max_visible, window + sink)
-        num_partitions = max(1, -(-max_visible // partition_size))
+        partition_size, num_partitions = plan_partitions(max_visible, self.config)
+        tile_size = fit_tile_size(group, head_dim, min(self.config.tile_size, partition_size))
         assert num_kv_heads <= 65535 and batch <= 65535, (num_kv_heads, batch)
         part_acc = part_max = part_sum = None
         if num_partitions > 1:
@@ -175,8 +188,8 @@ class KvLaunchers:
                (c_ptr(out), c_ptr(part_acc), c_ptr(part_max), c_ptr(part_sum), c_ptr(q), c_ptr(k_cache),
                 c_ptr(v_cache), c_ptr(block_tables), c_ptr(seq_lens), c_int(num_heads), c_int(num_kv_heads),
                 c_int(head_dim), c_int(tokens_per_block), c_int(block_tables.shape[1]), c_int(partition_size),
-                c_float(scale), c_int(window), c_int(sink)),
-               shared_mem=decode_smem_bytes(group, head_dim, partition_size), stream=stream)
+                c_int(tile_size), c_float(scale), c_int(window), c_int(sink)),
+               shared_mem=decode_smem_bytes(group, head_dim, tile_size), stream=stream)
         if num_partitions > 1:
             merge = self._function(dtype, "decode_attention_merge")
             merge((num_heads, batch), (min(self.config.copy_threads, 32 * -(-head_dim // 32)),),

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from runtime.kernels.emu_backend import EmuKernels
-from runtime.kernels.launchers import LaunchConfig
+from runtime.kernels.launchers import (MAX_SHARED_BYTES, LaunchConfig, decode_smem_bytes, fit_tile_size,
+                                        plan_partitions)
 from tests.runtime.kernels.conftest import paged_case, tolerance
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -51,12 +52,25 @@ def test_released_blocks_are_never_read(emu, reference, release):
     check(emu, reference, [50, 61], window=8, sink=3, release=release, seed=3)
 
 
-@pytest.mark.parametrize("partition_size", [1, 8, 13, 32, 1024])
-def test_partition_sizes_merge_to_the_same_result(reference, emu, partition_size):
+@pytest.mark.parametrize("partition_size,tile_size,max_partitions", [(1, 1, 256), (8, 3, 64), (13, 13, 64),
+                                                                     (32, 8, 64), (1024, 7, 64), (4, 4, 3)])
+def test_partitions_and_tiles_merge_to_the_same_result(reference, emu, partition_size, tile_size, max_partitions):
     kernels = EmuKernels(LaunchConfig(attention_threads=64, threads_per_key=4, partition_size=partition_size,
-                                      copy_threads=32))
+                                      tile_size=tile_size, max_partitions=max_partitions, copy_threads=32))
     check(kernels, reference, [2, 40, 130], seed=partition_size)
     check(kernels, reference, [2, 40, 130], window=20, sink=2, seed=partition_size)
+
+
+def test_partition_plan_and_tile_fit():
+    config = LaunchConfig(partition_size=512, max_partitions=64)
+    assert plan_partitions(1, config) == (512, 1)
+    assert plan_partitions(513, config) == (512, 2)
+    assert plan_partitions(128 * 1024, config) == (2048, 64)
+    assert fit_tile_size(4, 128, 512) == 512
+    tile = fit_tile_size(32, 128, 512)          # 32 query heads per KV head: the tile shrinks to fit
+    assert 1 <= tile < 512 and decode_smem_bytes(32, 128, tile) <= MAX_SHARED_BYTES
+    with pytest.raises(ValueError, match="shared memory"):
+        fit_tile_size(64, 128, 512)
 
 
 @pytest.mark.parametrize("head_dim", [20, 64])
