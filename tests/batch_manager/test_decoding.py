@@ -1,0 +1,165 @@
+"""The decoder through GptManager: seeded sampling that does not depend on the batch, its
+position, the batching type or the policy; the same tokens as GptSession for the same settings;
+word lists, embedding bias, log probs and the batched logits post-processor."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from batch_manager import (GptManager, SchedulerPolicy, TrtGptModelOptionalParams, TrtGptModelType, tensor_names)
+from runtime import Engine, GenerationInput, GenerationOutput, GptSession, SamplingConfig, WorldConfig
+from tests.batch_manager.conftest import NUM_NEW_TOKENS, Client, make_request
+from tests.batch_manager.test_gpt_manager import run_to_completion, small_pool
+
+SEEDED = dict(temperature=torch.tensor([0.9]), runtime_top_k=torch.tensor([20], dtype=torch.int32),
+              runtime_top_p=torch.tensor([0.9]), random_seed=torch.tensor([4242], dtype=torch.int64))
+
+
+def mixed_settings(rng: random.Random) -> dict:
+    """A random mix of decoding settings for the other requests of a batch."""
+    choice = rng.randrange(6)
+    if choice == 0:
+        return {}
+    if choice == 1:
+        return dict(temperature=torch.tensor([rng.uniform(0.5, 1.5)]),
+                    random_seed=torch.tensor([rng.randrange(1000)], dtype=torch.int64))
+    if choice == 2:
+        return dict(runtime_top_k=torch.tensor([rng.randrange(1, 50)], dtype=torch.int32),
+                    random_seed=torch.tensor([rng.randrange(1000)], dtype=torch.int64))
+    if choice == 3:
+        return dict(runtime_top_p=torch.tensor([rng.uniform(0.1, 0.95)]),
+                    repetition_penalty=torch.tensor([1.2]), presence_penalty=torch.tensor([0.3]))
+    if choice == 4:
+        return dict(no_repeat_ngram_size=torch.tensor([2], dtype=torch.int32), min_length=torch.tensor([3]))
+    return dict(frequency_penalty=torch.tensor([0.5]), runtime_top_k=torch.tensor([5], dtype=torch.int32),
+                random_seed=torch.tensor([rng.randrange(1000)], dtype=torch.int64))
+
+
+def output_tokens(client: Client, request_id: int, prompt_len: int) -> list[int]:
+    tensors, _, err = client.final(request_id)
+    assert err == ""
+    n = int(tensors[tensor_names.SEQUENCE_LENGTH][0, 0])
+    return tensors[tensor_names.OUTPUT_IDS][0, 0, prompt_len:n].tolist()
+
+
+@pytest.fixture(scope="module")
+def seeded_alone(tiny_engine, prompts):
+    client = Client([make_request(0, prompts[3], **SEEDED)])
+    run_to_completion(tiny_engine[0], client)
+    return output_tokens(client, 0, len(prompts[3]))
+
+
+@pytest.mark.parametrize("model_type, policy", [
+    (TrtGptModelType.InflightFusedBatching, SchedulerPolicy.GUARANTEED_NO_EVICT),
+    (TrtGptModelType.InflightFusedBatching, SchedulerPolicy.MAX_UTILIZATION),
+    (TrtGptModelType.InflightBatching, SchedulerPolicy.GUARANTEED_NO_EVICT),
+    (TrtGptModelType.V1, SchedulerPolicy.GUARANTEED_NO_EVICT)])
+def test_seeded_request_is_the_same_alone_and_in_a_mixed_batch_of_32(tiny_engine, prompts, seeded_alone,
+                                                                       model_type, policy):
+    rng = random.Random(int(model_type) * 7 + int(policy))
+    position = rng.randrange(32)
+    requests, arrivals = [], []
+    for i in range(32):
+        if i == position:
+            requests.append(make_request(100, prompts[3], **SEEDED))
+        else:
+            requests.append(make_request(i, prompts[i % len(prompts)], max_new_tokens=rng.randrange(2, 16),
+                                         **mixed_settings(rng)))
+        arrivals.append(rng.randrange(0, 20))
+    client = Client(requests, sorted(arrivals))
+    manager = run_to_completion(tiny_engine[0], client, model_type, policy, small_pool(200))
+    assert output_tokens(client, 100, len(prompts[3])) == seeded_alone
+    kv = manager._worker.kv
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_sampling_through_the_manager_equals_gpt_session(tiny_engine, prompts, seeded_alone):
+    engine = Engine.from_dir(tiny_engine[0])
+    session = GptSession(GptSession.Config(max_batch_size=2, max_beam_width=1, max_sequence_length=96),
+                         engine.model_config, WorldConfig(), engine)
+    p = prompts[3]
+    out = GenerationOutput()
+    session.generate(out, GenerationInput(-1, 0, torch.tensor([p], dtype=torch.int32), torch.tensor([len(p)]),
+                                          max_new_tokens=NUM_NEW_TOKENS),
+                     SamplingConfig(temperature=0.9, top_k=20, top_p=0.9, random_seed=4242))
+    assert out.ids[0, 0, len(p):out.lengths[0, 0]].tolist() == seeded_alone
+
+
+def word_list(words: list[list[int]]) -> torch.Tensor:
+    tokens = [t for w in words for t in w]
+    offsets = [sum(len(w) for w in words[:i + 1]) for i in range(len(words))]
+    width = max(len(tokens), len(offsets))
+    return torch.tensor([[tokens + [-1] * (width - len(tokens)), offsets + [-1] * (width - len(offsets))]],
+                        dtype=torch.int32)
+
+
+def test_stop_words_bad_words_and_embedding_bias(tiny_engine, prompts, references):
+    p, ref = prompts[5], references[5][len(prompts[5]):]
+    bias = torch.zeros(1, 128)
+    bias[0, 7] = 1e4  # forces token 7 everywhere
+    client = Client([
+        make_request(1, p, stop_words_list=word_list([[999 % 128], ref[2:4]])),
+        make_request(2, p, bad_words_list=word_list([ref[:1]])),
+        make_request(3, p, embedding_bias=bias),
+        make_request(4, p, stop_words_list=word_list([ref[:1]]), streaming=True),
+    ])
+    run_to_completion(tiny_engine[0], client)
+    assert output_tokens(client, 1, len(p)) == ref[:4]
+    assert output_tokens(client, 2, len(p))[0] != ref[0]
+    assert output_tokens(client, 3, len(p)) == [7] * NUM_NEW_TOKENS
+    streamed = [t for tensors, _, _ in client.responses[4] for t in tensors[tensor_names.OUTPUT_IDS][0, 0].tolist()]
+    assert streamed == ref[:1]
+
+
+def test_sampled_log_probs_are_reported_and_sum_to_the_cumulative(tiny_engine, prompts):
+    client = Client([make_request(1, prompts[2], return_log_probs=torch.tensor([True]), **SEEDED)])
+    run_to_completion(tiny_engine[0], client)
+    tensors, _, _ = client.final(1)
+    log_probs = tensors[tensor_names.OUTPUT_LOG_PROBS][0, 0]
+    assert log_probs.shape == (NUM_NEW_TOKENS,) and bool((log_probs <= 0).all()) and bool((log_probs < 0).any())
+    assert tensors[tensor_names.CUM_LOG_PROBS][0, 0].item() == pytest.approx(log_probs.sum().item(), abs=1e-4)
+
+
+def test_batched_post_processor_sees_every_opted_in_request_once_per_step(tiny_engine, prompts, references):
+    calls = []
+
+    def batched(request_ids, logits, token_ids, stream, client_ids):
+        calls.append(sorted(request_ids))
+        for rows in logits:
+            rows[:, 9] = 1e4  # force token 9
+        if 3 in request_ids and len(token_ids[request_ids.index(3)][0]) > len(prompts[3]) + 2:
+            raise RuntimeError("boom")
+
+    def make(i, opt_in, max_new_tokens):
+        r = make_request(i, prompts[i], max_new_tokens=max_new_tokens)
+        r.use_batched_logits_post_processor = opt_in
+        return r
+
+    # Request 3's processor call raises once it holds 3 tokens: request 1 (2 tokens) is done by then.
+    client = Client([make(1, True, 2), make(2, False, 4), make(3, True, 6)])
+    params = small_pool()
+    params.logits_post_processor_batched = batched
+    run_to_completion(tiny_engine[0], client, params=params)
+    assert output_tokens(client, 1, len(prompts[1])) == [9] * 2
+    assert output_tokens(client, 2, len(prompts[2])) == references[2][len(prompts[2]):][:4]
+    _, _, err = client.final(3)
+    assert "batched logits post-processor raised" in err and "boom" in err
+    assert all(2 not in ids for ids in calls)
+    assert calls[0] == [1, 3]
+
+
+@pytest.mark.parametrize("tensors, message", [
+    (dict(stop_words_list=torch.tensor([[1, 2], [3, -1]], dtype=torch.int32)), "stop_words_list"),
+    (dict(bad_words_list=torch.tensor([[[500], [1]]], dtype=torch.int32)), "bad_words_list: token id 500"),
+    (dict(embedding_bias=torch.zeros(1, 5)), "embedding_bias"),
+    (dict(embedding_bias=torch.full((128,), float("nan"))), "embedding_bias"),
+    (dict(runtime_top_p=torch.tensor([1.5])), "runtime_top_p"),
+    (dict(beam_width=torch.tensor([9], dtype=torch.int32)), "beam_width"),
+])
+def test_bad_decoding_inputs_get_one_error_naming_the_tensor(tiny_engine, prompts, tensors, message):
+    client = Client([make_request(1, prompts[1], **tensors)])
+    run_to_completion(tiny_engine[0], client)
+    _, _, err = client.final(1)
+    assert message in err
