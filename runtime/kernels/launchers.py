@@ -132,7 +132,12 @@ class KvLaunchers:
                shared_mem=0, stream=self._stream(k_cache.device))
 
     def copy_blocks(self, kv_pool: torch.Tensor, src_block_ids: torch.Tensor, dst_block_ids: torch.Tensor) -> None:
-        """kv_pool [num_layers, 2, num_blocks, ...] (contiguous); int64 [P] src -> dst in every layer."""
+        """kv_pool [num_layers, 2, num_blocks, ...] (contiguous); int64 [P] src -> dst in every layer.
+
+        NOTE: the pairs are copied concurrently, so destinations must be distinct and no destination
+        may also be a source (copy-on-write into fresh blocks); checking that here would cost a
+        device-to-host sync per call.
+        """
         self._check("kv_pool", kv_pool, tuple(DTYPE_CODES))
         self._check("src_block_ids", src_block_ids, torch.int64, 1)
         self._check("dst_block_ids", dst_block_ids, torch.int64, 1)
@@ -162,7 +167,7 @@ class KvLaunchers:
         self._check("block_tables", block_tables, torch.int32, 2)
         self._check("seq_lens", seq_lens, torch.int32, 1)
         batch, num_heads, head_dim = q.shape
-        num_blocks, tokens_per_block, num_kv_heads, _ = k_cache.shape
+        _, tokens_per_block, num_kv_heads, _ = k_cache.shape
         assert out.shape == q.shape and v_cache.shape == k_cache.shape and k_cache.shape[3] == head_dim
         assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
         assert block_tables.shape[0] == batch and seq_lens.shape == (batch,)
@@ -178,7 +183,7 @@ class KvLaunchers:
         tile_size = fit_tile_size(group, head_dim, min(self.config.tile_size, partition_size))
         assert num_kv_heads <= 65535 and batch <= 65535, (num_kv_heads, batch)
         part_acc = part_max = part_sum = None
-        if num_partitions > 1:
+        if num_partitions > 1:  # NOTE: freed on return; safe, torch's allocator is ordered on this stream
             part_acc = torch.empty(batch, num_heads, num_partitions, head_dim, dtype=torch.float32, device=q.device)
             part_max = torch.empty(batch, num_heads, num_partitions, dtype=torch.float32, device=q.device)
             part_sum = torch.empty_like(part_max)
