@@ -27,6 +27,8 @@ this step may be negative (the block was released); every other used entry must 
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .engine import Engine
@@ -41,6 +43,16 @@ def effective_window(model_window: int | None, max_attention_window: int | None)
     """The window attention uses: the smaller of the model's own and the configured one."""
     windows = [w for w in (model_window, max_attention_window) if w is not None]
     return min(windows) if windows else None
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    """Free device memory (CUDA) or available host memory (CPU; unbounded where unknown)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 62
 
 
 class ModelRunner:
@@ -61,6 +73,12 @@ class ModelRunner:
         self.kernels = kernels if kernels is not None and not isinstance(kernels, str) else get_kernels(kernels)
         self.tokens_per_block = engine.build_config.tokens_per_block
         self.num_blocks = num_blocks
+        pool_bytes = num_blocks * self.kv_bytes_per_block(engine)
+        available = available_memory_bytes(self.device)
+        if pool_bytes > available:
+            raise ValueError(f"num_blocks: a KV pool of {num_blocks} blocks of {self.tokens_per_block} tokens needs "
+                             f"{pool_bytes / 2**30:.1f} GiB; only {available / 2**30:.1f} GiB are available on "
+                             f"{self.device}")
         self.model = Transformer(cfg, engine.weights, self.device, self.attention_window, self.sink_token_length)
         # [num_layers, K/V, num_blocks, tokens_per_block, num_kv_heads, head_dim]
         self.kv_pool = torch.zeros(cfg.num_layers, 2, num_blocks, self.tokens_per_block, cfg.num_kv_heads,

@@ -1,0 +1,126 @@
+"""Engine directories and checkpoints with absurd or malicious contents fail at load with a clear
+error: never an out-of-memory crash, never code execution. Each case runs in a subprocess capped
+at 2 GiB of address space, so an attempted huge allocation fails the test instead of the machine."""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import struct
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from runtime import build_engine
+from tests.factories import make_checkpoint
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def engine_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hostile")
+    make_checkpoint(root / "hf", "llama")
+    build_engine(root / "hf", root / "engine", max_seq_len=64, max_input_len=32, tokens_per_block=4)
+    return root / "engine"
+
+
+def run_capped(code: str, limit_bytes: int = 3 << 30) -> subprocess.CompletedProcess:
+    """Run `code` in a fresh interpreter with RLIMIT_AS = limit_bytes."""
+    prelude = textwrap.dedent(f"""
+        import resource, sys
+        resource.setrlimit(resource.RLIMIT_AS, ({limit_bytes}, {limit_bytes}))
+        sys.path.insert(0, {str(REPO)!r})
+    """)
+    return subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=120, cwd=REPO)
+
+
+def copy_engine(src: Path, dst: Path, edit_build=None, edit_model=None) -> Path:
+    dst.mkdir()
+    (dst / "weights.safetensors").write_bytes((src / "weights.safetensors").read_bytes())
+    data = json.loads((src / "engine.json").read_text())
+    if edit_build:
+        data["build"].update(edit_build)
+    if edit_model:
+        data["model"].update(edit_model)
+    (dst / "engine.json").write_text(json.dumps(data))
+    return dst
+
+
+def expect_clean_error(code: str, *fragments: str) -> None:
+    result = run_capped(code)
+    assert result.returncode == 0, f"crashed or raised unexpectedly:\n{result.stdout}\n{result.stderr[-3000:]}"
+    for fragment in fragments:
+        assert fragment in result.stdout, result.stdout
+
+
+LOAD_AND_RUN = """
+    from runtime import Engine, GptSession, WorldConfig
+    try:
+        engine = Engine.from_dir({path!r})
+        cfg = engine.build_config
+        GptSession(GptSession.Config(cfg.max_batch_size, cfg.max_beam_width, cfg.max_seq_len),
+                   engine.model_config, WorldConfig(), engine)
+        print("LOADED")
+    except ValueError as e:
+        print("ERROR", e)
+"""
+
+
+@pytest.mark.parametrize("build, fragment", [
+    (dict(max_batch_size=10 ** 9), "num_blocks"),
+    (dict(max_seq_len=10 ** 10, max_input_len=10), "num_blocks"),
+    (dict(tokens_per_block=10 ** 9), "num_blocks"),
+    (dict(max_beam_width=10 ** 7), "num_blocks"),
+    (dict(max_batch_size=-3), "max_batch_size"),
+    (dict(max_num_tokens=0), "max_num_tokens"),
+    (dict(tokens_per_block=2.5), "tokens_per_block"),
+    (dict(dtype="float128"), "dtype"),
+], ids=["batch", "seq-len", "block", "beam", "negative", "zero", "float", "dtype"])
+def test_absurd_build_limits_fail_with_a_clear_error(engine_dir, tmp_path, build, fragment):
+    path = copy_engine(engine_dir, tmp_path / "e", edit_build=build)
+    expect_clean_error(LOAD_AND_RUN.format(path=str(path)), "ERROR", fragment)
+
+
+@pytest.mark.parametrize("model, fragment", [
+    (dict(vocab_size=10 ** 12), "embed_tokens"),
+    (dict(hidden_size=1 << 30), "embed_tokens"),
+    (dict(num_layers=10 ** 6), "layers.2"),
+    (dict(num_kv_heads=3), "num_key_value_heads"),
+    (dict(intermediate_size=-1), "intermediate_size"),
+], ids=["vocab", "hidden", "layers", "kv-heads", "negative"])
+def test_config_that_contradicts_the_weights_fails_at_load(engine_dir, tmp_path, model, fragment):
+    path = copy_engine(engine_dir, tmp_path / "e", edit_model=model)
+    expect_clean_error(LOAD_AND_RUN.format(path=str(path)), "ERROR", fragment)
+
+
+def test_safetensors_header_claiming_a_terabyte_tensor(engine_dir, tmp_path):
+    path = copy_engine(engine_dir, tmp_path / "e")
+    header = json.dumps({"embed_tokens": {"dtype": "F32", "shape": [1 << 20, 1 << 20],
+                                          "data_offsets": [0, 1 << 42]}}).encode()
+    (path / "weights.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 64)
+    expect_clean_error(LOAD_AND_RUN.format(path=str(path)), "ERROR")
+
+
+def test_pickle_in_place_of_safetensors_is_never_executed(engine_dir, tmp_path):
+    path = copy_engine(engine_dir, tmp_path / "e")
+    marker = tmp_path / "executed"
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    (path / "weights.safetensors").unlink()
+    (path / "pytorch_model.bin").write_bytes(pickle.dumps(Payload()))
+    expect_clean_error(LOAD_AND_RUN.format(path=str(path)), "ERROR")
+    (path / "weights.safetensors").write_bytes(pickle.dumps(Payload()))
+    expect_clean_error(LOAD_AND_RUN.format(path=str(path)), "ERROR")
+    assert not marker.exists()
+
+
+def test_a_sane_engine_loads_under_the_same_cap(engine_dir):
+    expect_clean_error(LOAD_AND_RUN.format(path=str(engine_dir)), "LOADED")
