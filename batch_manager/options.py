@@ -31,6 +31,17 @@ class SchedulerConfig:
 
 @dataclass
 class KvCacheConfig:
+    """KV pool and KV-cache features.
+
+    max_tokens / free_gpu_memory_fraction: the pool's size; with both, the smaller (kv_sizing).
+    max_attention_window w, sink_token_length s: a query at position q sees keys k <= q with
+    k > q - w or k < s; positions stay the original ones (no shift into the window). A model with
+    its own sliding window uses the smaller window. Blocks no later query can see are released,
+    so a sequence holds at most ceil(s / tpb) + ceil((w + n - 1) / tpb) + 1 blocks (n: the most
+    tokens one of its steps computes).
+    enable_block_reuse: full blocks of computed KV stay cached (keyed by their whole prefix) and
+    later requests sharing the prefix skip computing it; free cached blocks are evicted least
+    recently used, only when the pool needs them."""
     max_tokens: int | None = None
     max_attention_window: int | None = None
     sink_token_length: int | None = None
@@ -42,10 +53,10 @@ class KvCacheConfig:
 class TrtGptModelOptionalParams:
     kv_cache_config: KvCacheConfig = field(default_factory=KvCacheConfig)
     max_num_sequences: int | None = None   # None = max_batch_size
-    enable_trt_overlap: bool = False
+    enable_trt_overlap: bool = False       # two alternating micro-batches; the forward on its own thread
     device_ids: list[int] | None = None
     normalize_log_probs: bool = True
-    enable_chunked_context: bool = False
+    enable_chunked_context: bool = False   # contexts over the max_num_tokens budget run in chunks
     max_batch_size: int | None = None      # None = the engine's
     max_num_tokens: int | None = None      # None = the engine's
     max_beam_width: int | None = None

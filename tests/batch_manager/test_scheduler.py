@@ -319,23 +319,51 @@ NUM_BLOCKS, TOKENS_PER_BLOCK, MAX_NUM_REQUESTS = 6, 2, 4
 
 
 class CapacityMachine(RuleBasedStateMachine):
-    """Random arrivals, steps and stops against one capacity scheduler and a small pool."""
+    """Random arrivals, steps (whole or chunked contexts) and stops against one capacity scheduler
+    and a small pool, optionally with prefix reuse and a window. Block contents are simulated: a
+    token written into a shared or released block, or a reused prefix of other tokens, fails."""
     policy: SchedulerPolicy
+    reuse = False
+    window: int | None = None
+    sink = 0
+    num_blocks, tokens_per_block = NUM_BLOCKS, TOKENS_PER_BLOCK
 
     def __init__(self):
         super().__init__()
-        self.kv = KvCacheManager(NUM_BLOCKS, TOKENS_PER_BLOCK)
+        self.kv = KvCacheManager(self.num_blocks, self.tokens_per_block, enable_block_reuse=self.reuse,
+                                 attention_window=self.window, sink_token_length=self.sink)
         self.scheduler = make_capacity_scheduler(self.policy, self.kv, MAX_NUM_REQUESTS)
         self.active: list[LlmRequest] = []   # admission order
         self.next_id = 0
+        self.content: dict[int, list] = {}   # block -> simulated token of each slot
 
-    @rule(prompt_len=st.integers(1, 6), max_new_tokens=st.integers(1, 6))   # <= 12 tokens = the pool
-    def add_request(self, prompt_len, max_new_tokens):
-        self.active.append(make_request(self.next_id, prompt_len, max_new_tokens))
+    @rule(data=st.data())
+    def add_request(self, data):   # prompt + max_new_tokens <= the pool
+        half = self.num_blocks * self.tokens_per_block // 2
+        prompt = data.draw(st.lists(st.integers(0, 1), min_size=1, max_size=half))
+        max_new_tokens = data.draw(st.integers(1, half))
+        r = make_request(self.next_id, len(prompt), max_new_tokens)
+        r.prompt = list(prompt)
+        self.active.append(r)
         self.next_id += 1
 
-    @rule()
-    def step(self):
+    def _forward(self, r: LlmRequest, max_step_tokens: int) -> None:
+        """A (possibly chunked) model step: write the KV of the step's tokens, then as `forward`."""
+        n = min(r.num_tokens_to_compute, max_step_tokens)
+        table, start, tpb = self.kv.block_table(r.request_id), r.num_computed_tokens, self.tokens_per_block
+        for pos in range(start, start + n):
+            b = table[pos // tpb]
+            assert b >= 0 and self.kv.ref_count(b) == 1, "a write into a shared or released block"
+            self.content.setdefault(b, [None] * tpb)[pos % tpb] = r.token_slice(pos, pos + 1)[0]
+        if n < r.num_tokens_to_compute:
+            r.num_computed_tokens += n
+        else:
+            forward(r)
+        self.kv.store_computed_blocks(r.request_id, r.token_slice(self.kv.num_stored_tokens(r.request_id),
+                                                                  r.num_computed_tokens), r.num_computed_tokens)
+
+    @rule(max_step_tokens=st.sampled_from([1, 3, 100]))
+    def step(self, max_step_tokens):
         if not self.active:
             return
         running_before = {r.request_id for r in self.active if r.holds_blocks}
@@ -345,8 +373,7 @@ class CapacityMachine(RuleBasedStateMachine):
         assert len(out.fitting) <= MAX_NUM_REQUESTS
         if self.policy != SchedulerPolicy.MAX_UTILIZATION:
             assert out.paused == []
-            worst_case = sum(self.kv.blocks_for_tokens(r.max_num_tokens) for r in self.active if r.holds_blocks)
-            assert worst_case <= NUM_BLOCKS
+            self._check_promise()
         if self.policy == SchedulerPolicy.STATIC_BATCH and running_before:
             assert {r.request_id for r in out.fitting} == running_before
         for r in out.paused:
@@ -355,11 +382,30 @@ class CapacityMachine(RuleBasedStateMachine):
             assert r.generated == generated_before[r.request_id]
         for r in out.fitting:
             assert r.holds_blocks
-            assert self.kv.num_blocks_held(r.request_id) >= self.kv.blocks_for_tokens(r.num_tokens)
-            forward(r)
+            table = self.kv.block_table(r.request_id)
+            assert len(table) >= self.kv.blocks_for_tokens(r.num_tokens)
+            tpb = self.tokens_per_block
+            for j in range(r.num_computed_tokens // tpb):   # a reused prefix holds its tokens
+                if table[j] >= 0 and r.request_id not in running_before:
+                    assert self.content[table[j]] == r.token_slice(j * tpb, (j + 1) * tpb)
+            self._forward(r, max_step_tokens)
             if r.is_finished:
                 self.kv.free(r.request_id)
                 self.active.remove(r)
+
+    def _check_promise(self):
+        """GUARANTEED_NO_EVICT: what the running requests may still need is free (shared blocks
+        in reserve under a window), and none holds more than its worst case."""
+        running = [r for r in self.active if r.holds_blocks]
+        missing = 0
+        for r in running:
+            worst, held = self.scheduler._worst_case_blocks(r), self.kv.num_blocks_held(r.request_id)
+            assert held <= worst
+            missing += worst - held
+        reserve = self.kv.num_extra_refs if self.window is not None else 0
+        assert self.kv.num_free_blocks - missing >= reserve
+        if not self.reuse and self.window is None:
+            assert sum(self.kv.blocks_for_tokens(r.max_num_tokens) for r in running) <= self.num_blocks
 
     @rule(data=st.data())
     def stop(self, data):
@@ -376,7 +422,7 @@ class CapacityMachine(RuleBasedStateMachine):
         holders = {r.request_id for r in self.active if r.holds_blocks}
         assert {i for i in range(self.next_id) if self.kv.holds(i)} == holders
         for r in self.active:
-            assert self.kv.num_blocks_held(r.request_id) >= self.kv.blocks_for_tokens(r.num_computed_tokens)
+            assert len(self.kv.block_table(r.request_id)) >= self.kv.blocks_for_tokens(r.num_computed_tokens)
             if not r.holds_blocks:
                 assert r.num_computed_tokens == 0
             if self.policy != SchedulerPolicy.MAX_UTILIZATION:
@@ -387,8 +433,9 @@ STATEFUL_SETTINGS = settings(max_examples=100, stateful_step_count=40, deadline=
                              suppress_health_check=[HealthCheck.too_slow])
 
 
-def _machine_for(policy: SchedulerPolicy):
-    machine = type(f"CapacityMachine_{policy.name}", (CapacityMachine,), {"policy": policy})
+def _machine_for(policy: SchedulerPolicy, **features):
+    name = "".join(f"_{k}" for k, v in features.items() if v)
+    machine = type(f"CapacityMachine_{policy.name}{name}", (CapacityMachine,), {"policy": policy, **features})
     machine.TestCase.settings = STATEFUL_SETTINGS
     return machine.TestCase
 
@@ -396,3 +443,14 @@ def _machine_for(policy: SchedulerPolicy):
 TestMaxUtilizationMachine = _machine_for(SchedulerPolicy.MAX_UTILIZATION)
 TestGuaranteedNoEvictMachine = _machine_for(SchedulerPolicy.GUARANTEED_NO_EVICT)
 TestStaticBatchMachine = _machine_for(SchedulerPolicy.STATIC_BATCH)
+TestMaxUtilizationReuseMachine = _machine_for(SchedulerPolicy.MAX_UTILIZATION, reuse=True)
+TestGuaranteedNoEvictReuseMachine = _machine_for(SchedulerPolicy.GUARANTEED_NO_EVICT, reuse=True)
+TestStaticBatchReuseMachine = _machine_for(SchedulerPolicy.STATIC_BATCH, reuse=True)
+TestMaxUtilizationWindowMachine = _machine_for(SchedulerPolicy.MAX_UTILIZATION, reuse=True, window=3, sink=1)
+TestGuaranteedNoEvictWindowMachine = _machine_for(SchedulerPolicy.GUARANTEED_NO_EVICT, reuse=True, window=3, sink=1)
+TestGuaranteedNoEvictWindowOnlyMachine = _machine_for(SchedulerPolicy.GUARANTEED_NO_EVICT, window=2)
+# One-token blocks and a short window: shared blocks are released while still shared.
+TestGuaranteedNoEvictTightWindowMachine = _machine_for(SchedulerPolicy.GUARANTEED_NO_EVICT, reuse=True, window=2,
+                                                       sink=1, num_blocks=8, tokens_per_block=1)
+TestMaxUtilizationTightWindowMachine = _machine_for(SchedulerPolicy.MAX_UTILIZATION, reuse=True, window=2,
+                                                    sink=1, num_blocks=8, tokens_per_block=1)
