@@ -110,7 +110,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) decode_attention_parti
       for (int h = 0; h < group; ++h) {
         float dot = 0.0f;
         if (valid)
-          for (int d = key_lane; d < head_dim; d += THREADS_PER_KEY) dot += q_s[h * head_dim + d] * load_float(k_row + d);
+          for (int d = key_lane; d < head_dim; d += THREADS_PER_KEY)
+            dot += q_s[h * head_dim + d] * load_float(k_row + d);
         dot = group_reduce_sum(dot, THREADS_PER_KEY);
         if (valid && key_lane == 0) probs[h * tile_size + jj] = dot;
       }

@@ -189,7 +189,7 @@ T shuffle_from(T value, unsigned mask, int src_lane, int lane) {
   return out;
 }
 
-inline unsigned half_float_bits(float f) {
+inline unsigned float_bits(float f) {
   unsigned u;
   std::memcpy(&u, &f, 4);
   return u;
@@ -200,14 +200,15 @@ inline float half_bits_to_float(unsigned short h) {
   const int exp = (h >> 10) & 0x1f;
   const unsigned mant = h & 0x3ffu;
   if (exp == 0) return (sign ? -1.0f : 1.0f) * std::ldexp((float)mant, -24);
-  unsigned u = exp == 31 ? (sign | 0x7f800000u | (mant << 13)) : (sign | ((unsigned)(exp - 15 + 127) << 23) | (mant << 13));
+  const unsigned u = exp == 31 ? (sign | 0x7f800000u | (mant << 13))
+                               : (sign | ((unsigned)(exp - 15 + 127) << 23) | (mant << 13));
   float f;
   std::memcpy(&f, &u, 4);
   return f;
 }
 
 inline unsigned short float_to_half_bits(float f) {  // round to nearest even, like cvt.rn.f16.f32
-  const unsigned x = half_float_bits(f);
+  const unsigned x = float_bits(f);
   const unsigned sign = (x >> 16) & 0x8000u;
   unsigned mant = x & 0x7fffffu;
   const int exp = (x >> 23) & 0xff;

@@ -21,6 +21,7 @@ over blocks) is a large kernel of its own for a small share of step time.
 from __future__ import annotations
 
 import logging
+import operator
 
 import torch
 
@@ -115,16 +116,17 @@ class CudaKernels(TorchKernels):
     def decode_attention(self, q, k_cache, v_cache, block_tables, seq_lens, scale, window, sink=0):
         if self._use_reference(q):
             return super().decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, window, sink)
-        if window is not None and (not isinstance(window, int) or window <= 0):
+        if window is not None and (_as_int(window) is None or window <= 0):
             raise ValueError(f"window: must be None or a positive int, got {window!r}")
-        if not isinstance(sink, int) or sink < 0:
+        if _as_int(sink) is None or sink < 0:
             raise ValueError(f"sink: must be a non-negative int, got {sink!r}")
         if q.dtype != k_cache.dtype:
             raise ValueError(f"q: dtype {q.dtype} differs from the cache's {k_cache.dtype}")
         q = q.contiguous()
         out = torch.empty_like(q)
         self.launchers.decode_attention(out, q, k_cache, v_cache, block_tables.to(torch.int32).contiguous(),
-                                        seq_lens.to(torch.int32).contiguous(), scale, window or 0, sink)
+                                        seq_lens.to(torch.int32).contiguous(), scale, _as_int(window or 0),
+                                        _as_int(sink))
         return out
 
 
@@ -138,6 +140,16 @@ class _OnStreamDevice:
     def __call__(self, grid, block, args, shared_mem=0, stream=None):
         with import_cupy().cuda.Device(stream.device_id):
             self.kernel(grid, block, args, shared_mem=shared_mem, stream=stream)
+
+
+def _as_int(value) -> int | None:
+    """An integral value (Python or numpy int) as int; None for anything else (floats, bools)."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 def _rows_contiguous(t: torch.Tensor) -> torch.Tensor:

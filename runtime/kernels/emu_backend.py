@@ -36,7 +36,8 @@ CXX = os.environ.get("CXX", "g++")
 CXX_FLAGS = ("-std=c++20", "-O2", "-pthread", "-fPIC", "-shared", "-fno-strict-aliasing")
 # ThreadSanitizer build: catches shared-memory races such as a missing __syncthreads. The process
 # that loads such a library must start with libtsan preloaded (LD_PRELOAD=$(g++ -print-file-name=libtsan.so)).
-TSAN_CXX_FLAGS = ("-std=c++20", "-O1", "-g", "-pthread", "-fPIC", "-shared", "-fno-strict-aliasing", "-fsanitize=thread")
+TSAN_CXX_FLAGS = ("-std=c++20", "-O1", "-g", "-pthread", "-fPIC", "-shared", "-fno-strict-aliasing",
+                  "-fsanitize=thread")
 _CTYPES = {
     "pointer": ctypes.c_void_p, "int": ctypes.c_int32, "unsigned int": ctypes.c_uint32, "unsigned": ctypes.c_uint32,
     "long long": ctypes.c_int64, "unsigned long long": ctypes.c_uint64, "float": ctypes.c_float,

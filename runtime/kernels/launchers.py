@@ -157,7 +157,8 @@ class KvLaunchers:
                shared_mem=0, stream=self._stream(kv_pool.device))
 
     def decode_attention(self, out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, window: int, sink: int) -> None:
+                         block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, window: int,
+                         sink: int) -> None:
         """out, q [B, H, D]; caches [num_blocks, tpb, kvH, D]; block_tables int32 [B, W]; seq_lens
         int32 [B] (>= 1); window 0 = none. All contiguous."""
         dtype = k_cache.dtype

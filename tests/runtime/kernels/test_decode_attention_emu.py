@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -112,9 +113,17 @@ def test_empty_batch_launches_nothing(emu):
     assert out.shape == (0, 4, 16)
 
 
+def test_numpy_integers_are_accepted_for_window_and_sink(emu, reference):
+    q, clean, _, table, lens = paged_case([30], 4, 2, 16, 4, torch.float32)
+    expected = reference.decode_attention(q, *clean, table, lens, 0.25, 8, 2)
+    torch.testing.assert_close(emu.decode_attention(q, *clean, table, lens, 0.25, np.int64(8), np.int32(2)), expected)
+
+
 def test_rejects_bad_window_and_sink(emu):
     q, clean, _, table, lens = paged_case([5], 4, 2, 16, 4, torch.float32)
     with pytest.raises(ValueError, match="window"):
         emu.decode_attention(q, *clean, table, lens, 0.25, 0)
+    with pytest.raises(ValueError, match="window"):
+        emu.decode_attention(q, *clean, table, lens, 0.25, 4.0)
     with pytest.raises(ValueError, match="sink"):
         emu.decode_attention(q, *clean, table, lens, 0.25, 4, -1)
