@@ -1,6 +1,6 @@
 """The emu shim itself: barriers, shuffles, votes, atomics and poisoned dynamic shared memory
 behave like CUDA's; launches check argument types; ThreadSanitizer catches a missing
-__syncthreads (and finds none in the KV kernels)."""
+__syncthreads (and, with BATCH_MANAGER_TSAN=1, finds no race in the KV kernels)."""
 from __future__ import annotations
 
 import os
@@ -108,8 +108,8 @@ def test_signatures_are_parsed_from_every_source():
 
 
 TSAN_ENV_VAR = "BATCH_MANAGER_TSAN"
-tsan = pytest.mark.skipif(os.environ.get(TSAN_ENV_VAR) != "1",
-                          reason=f"ThreadSanitizer runs take ~30 s; set {TSAN_ENV_VAR}=1 to run them")
+slow_tsan = pytest.mark.skipif(os.environ.get(TSAN_ENV_VAR) != "1",
+                               reason=f"ThreadSanitizer over the KV kernels takes ~20 s; set {TSAN_ENV_VAR}=1")
 
 
 def _tsan_run(mode: str) -> subprocess.CompletedProcess:
@@ -120,17 +120,19 @@ def _tsan_run(mode: str) -> subprocess.CompletedProcess:
         pytest.skip("ThreadSanitizer runtime (libtsan) not installed")
     env = {**os.environ, "LD_PRELOAD": library, "TSAN_OPTIONS": "halt_on_error=1 exitcode=66",
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, "-m", "tests.runtime.kernels.tsan_probe", mode], cwd=REPO, env=env,
+    done = subprocess.run([sys.executable, "-m", "tests.runtime.kernels.tsan_probe", mode], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)
+    if "FATAL: ThreadSanitizer" in done.stderr:   # e.g. a kernel whose mmap layout TSan cannot handle
+        pytest.skip(f"ThreadSanitizer cannot run here: {done.stderr.strip().splitlines()[0]}")
+    return done
 
 
-@tsan
 def test_thread_sanitizer_catches_a_missing_syncthreads():
     racy = _tsan_run("racy")
     assert racy.returncode == 66 and "data race" in racy.stderr, racy.stderr[-2000:]
 
 
-@tsan
+@slow_tsan
 def test_the_barrier_and_the_kv_kernels_are_race_free_under_thread_sanitizer():
     done = _tsan_run("clean")
     assert done.returncode == 0, done.stderr[-3000:]
