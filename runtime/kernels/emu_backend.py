@@ -98,19 +98,20 @@ def build(code: str, flags: tuple[str, ...] = CXX_FLAGS, directory: Path | None 
     directory.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(suffix=".so", prefix=f".kernels-{digest}-", dir=directory)
     os.close(fd)
+    # The translation unit stays next to the library, so debuggers and sanitizer reports point at it;
+    # its content is fixed by the digest, so concurrent writers replace it with identical text.
     source_path = directory / f"kernels-{digest}.cpp"
     source_tmp = Path(tmp_name).with_suffix(".cpp")
     source_tmp.write_text(unit)
+    os.replace(source_tmp, source_path)
     try:
-        done = subprocess.run([CXX, *flags, "-x", "c++", str(source_tmp), "-o", tmp_name],
+        done = subprocess.run([CXX, *flags, "-x", "c++", str(source_path), "-o", tmp_name],
                               capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"emu kernels: {CXX} failed ({done.returncode}):\n{done.stderr[-4000:]}")
-        os.replace(source_tmp, source_path)   # kept next to the library for debugging
         os.replace(tmp_name, library)
     finally:
-        for leftover in (source_tmp, Path(tmp_name)):
-            leftover.unlink(missing_ok=True)
+        Path(tmp_name).unlink(missing_ok=True)
     logger.info("emu kernels: built %s", library)
     return library
 
