@@ -30,6 +30,7 @@ class BeamSearch:
         self.early_stopping = {1: True, 0: False}.get(early_stopping, "never")
         self.diversity_rate = diversity_rate
         self.max_new_tokens = max_new_tokens
+        self.num_candidates = 2 * beam_width
         self.bank: list[Hypothesis] = []          # best first, at most beam_width
         self.improvement_possible = True
         self.running_scores: list[float] = [0.0]  # cum log prob of each live beam
@@ -38,33 +39,15 @@ class BeamSearch:
     def _normalise(self, cum_log_prob: float, length: int) -> float:
         return cum_log_prob / (length ** self.length_penalty)
 
-    def candidates(self, log_probs: torch.Tensor) -> tuple[list[float], list[int], list[int]]:
-        """log_probs float32 [num_beams, V] -> the 2 * beam_width best (ranking score, parent, token),
-        best first; the ranking score is the cumulative log prob (less the diversity term)."""
-        num_beams, vocab = log_probs.shape
-        num_candidates = min(2 * self.beam_width, num_beams * vocab)
-        scores = log_probs + torch.tensor(self.running_scores, dtype=log_probs.dtype)[:, None]
-        if self.diversity_rate == 0:
-            values, flat = scores.reshape(-1).topk(num_candidates)
-            parents, tokens = (flat // vocab).tolist(), (flat % vocab).tolist()
-            return values.tolist(), parents, tokens
-        per_beam = min(num_candidates, vocab)
-        values, index = scores.topk(per_beam, dim=-1)  # [num_beams, per_beam], best first per beam
-        ranked = values - self.diversity_rate * torch.arange(per_beam, dtype=values.dtype)[None, :]
-        _, flat = ranked.reshape(-1).topk(num_candidates)
-        parents = (flat // per_beam).tolist()
-        tokens = index.reshape(-1)[flat].tolist()
-        return values.reshape(-1)[flat].tolist(), parents, tokens
-
-    def step(self, log_probs: torch.Tensor, histories: list[Hypothesis], hits_stop,
+    def step(self, candidates, step_log_probs: list[float], histories: list[Hypothesis], hits_stop,
              raw_logits: torch.Tensor | None = None) -> list[int]:
-        """One step over the live beams `histories` (log_probs row b continues histories[b]).
-        hits_stop(parent, token) -> True when that continuation ends its beam (end id, stop word);
-        raw_logits [num_beams, V]: the model's logits, kept per token when gathered.
-        Returns the parent of each new live beam (empty when the search is done); the new live
-        beams are left in self.live."""
-        cum_scores, parents, tokens = self.candidates(log_probs)
-        step_log_probs = log_probs[parents, tokens].tolist()
+        """One step over the live beams `histories`. candidates: the kernel's beam_candidates
+        (cumulative scores, parents, tokens), best first, for 2 * beam_width continuations;
+        step_log_probs: each candidate's own log prob. hits_stop(parent, token) -> True when that
+        continuation ends its beam (end id, stop word); raw_logits [num_beams, V]: the model's
+        logits, kept per token when gathered. Returns the parent of each new live beam (empty
+        when the search is done); the new live beams are left in self.live."""
+        cum_scores, parents, tokens = (c.tolist() for c in candidates)
         generated_len = len(histories[0].tokens) + 1
         at_max_length = generated_len >= self.max_new_tokens
         hits = [at_max_length or hits_stop(p, t) for p, t in zip(parents, tokens)]

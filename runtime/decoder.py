@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import torch
 
-from . import rng
 from .beam_search import BeamSearch, Hypothesis
 from .decoding_params import DecodingParams
 
@@ -171,13 +170,17 @@ class Decoder:
         device = logits.device
         chosen = [states[i] for i in picked]
         index = torch.tensor([rows.first_row[i] for i in picked], device=device)
-        draws = rng.uniforms([s.params.random_seed for s in chosen], [s.num_generated for s in chosen],
-                             [0] * len(chosen))
+        # uint64 seeds travel as their int64 bit pattern
+        seeds = [s.params.random_seed - (1 << 64) if s.params.random_seed >= 1 << 63 else s.params.random_seed
+                 for s in chosen]
+        draws = self.kernels.uniforms(torch.tensor(seeds, dtype=torch.int64, device=device),
+                                      torch.tensor([s.num_generated for s in chosen], dtype=torch.int64, device=device),
+                                      torch.zeros(len(chosen), dtype=torch.int64, device=device))
         tokens, log_probs = self.kernels.sample(
             logits[index],
             torch.tensor([s.params.top_k for s in chosen], dtype=torch.int64, device=device),
             torch.tensor([s.top_p for s in chosen], dtype=torch.float32, device=device),
-            torch.from_numpy(draws).to(device),
+            draws,
             torch.tensor([s.params.normalize_log_probs for s in chosen], device=device))
         self._accept(states, picked, tokens.tolist(), log_probs.tolist(), raw, rows)
 
@@ -206,9 +209,13 @@ class Decoder:
 
     def _beam_step(self, state: DecodeState, logits, raw, first_row: int) -> None:
         span = slice(first_row, first_row + state.num_rows)
-        log_probs = self.kernels.log_softmax(logits[span]).cpu()
+        search = state.search
+        log_probs = self.kernels.log_softmax(logits[span])
+        running = torch.tensor(search.running_scores, dtype=torch.float32, device=logits.device)
+        candidates = self.kernels.beam_candidates(log_probs, running, search.num_candidates, search.diversity_rate)
+        step_log_probs = log_probs[candidates[1], candidates[2]].tolist()
         histories = state.beams
-        parents = state.search.step(log_probs, histories,
+        parents = search.step(candidates, step_log_probs, histories,
                                     lambda parent, token: state.ends_beam(histories[parent].tokens, token) is not None,
                                     None if raw is None else raw[span])
         state.beams = state.search.live

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from .. import rng
+
 NEG_INF = float("-inf")
 
 
@@ -68,6 +70,31 @@ class TorchDecoderKernels:
         grams = tokens.unfold(0, n, 1)  # [L - n + 1, n]
         match = (grams[:, :-1] == tokens[-(n - 1):]).all(dim=1)
         return grams[match, -1].unique()
+
+    def uniforms(self, seeds: torch.Tensor, steps: torch.Tensor, beams: torch.Tensor) -> torch.Tensor:
+        """float32 [R] in [0, 1): the Philox draw of each (seed uint64 as int64 [R], step [R],
+        beam [R]) (runtime/rng.py); on the logits' device."""
+        draws = rng.uniforms([s & 0xFFFFFFFFFFFFFFFF for s in seeds.tolist()], steps.tolist(), beams.tolist())
+        return torch.from_numpy(draws).to(seeds.device)
+
+    def beam_candidates(self, log_probs: torch.Tensor, running_scores: torch.Tensor, num_candidates: int,
+                        diversity_rate: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One request's beam step: log_probs float32 [num_beams, V] (processed, log-softmaxed),
+        running_scores float32 [num_beams] -> the num_candidates best continuations, best first:
+        (cumulative scores float32 [C], parent beams int64 [C], tokens int64 [C]). With a diversity
+        rate d, the r-th best continuation of each beam ranks by score - d * r (its cumulative
+        score is unchanged)."""
+        num_beams, vocab = log_probs.shape
+        num_candidates = min(num_candidates, num_beams * vocab)
+        scores = log_probs + running_scores[:, None]
+        if diversity_rate == 0:
+            values, flat = scores.reshape(-1).topk(num_candidates)
+            return values, flat // vocab, flat % vocab
+        per_beam = min(num_candidates, vocab)
+        values, index = scores.topk(per_beam, dim=-1)  # [num_beams, per_beam], best first per beam
+        ranked = values - diversity_rate * torch.arange(per_beam, dtype=values.dtype, device=values.device)[None, :]
+        _, flat = ranked.reshape(-1).topk(num_candidates)
+        return values.reshape(-1)[flat], flat // per_beam, index.reshape(-1)[flat]
 
     def greedy(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (tokens int64 [R]: first maximum, log_probs float32 [R] over the whole vocabulary)."""
