@@ -252,3 +252,30 @@ def test_every_feature_together(tiny_engine, shared_prompts):
         assert got[i] == greedy(model, shared_prompts[i], NUM_NEW_TOKENS, 12, 4), f"request {i}"
     assert json.loads(client.stats[-1])["Reused KV cache blocks"] > 0
     assert_all_blocks_free(manager)
+
+
+def test_overlap_a_forward_failing_on_its_thread_fails_only_its_requests(tiny_engine, prompts, references):
+    engine_dir, _ = tiny_engine
+    client = Client([make_request(i, prompts[i]) for i in range(4)], [0, 0, 20, 20])
+    params = TrtGptModelOptionalParams(kv_cache_config=KvCacheConfig(max_tokens=400), enable_trt_overlap=True)
+    manager = GptManager(engine_dir, TrtGptModelType.InflightFusedBatching, 1, SchedulerPolicy.GUARANTEED_NO_EVICT,
+                         *client.callbacks(), optional_params=params)
+    executor, failed = manager._worker.executor, []
+    original = executor.forward
+
+    def forward(prepared):   # runs on the forward thread
+        if not failed and any(r.request_id == 0 and r.generated for r in prepared.requests):
+            failed.append([r.request_id for r in prepared.requests])
+            raise RuntimeError("injected fault")
+        return original(prepared)
+    executor.forward = forward
+    with manager:
+        client.wait()
+    assert failed and 0 in failed[0]
+    for i in range(4):
+        tensors, final, err = client.final(i)
+        if i in failed[0]:
+            assert tensors == {} and "injected fault" in err
+        else:
+            assert err == "" and tensors[tensor_names.OUTPUT_IDS][0, 0].tolist() == references[i]
+    assert_all_blocks_free(manager)
