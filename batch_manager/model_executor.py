@@ -102,9 +102,10 @@ class ModelExecutor:
                 continue
             r.num_computed_tokens += n
             r.context_chunk_size = None
-            self.kv.store_computed_blocks(
-                r.request_id, r.token_slice(self.kv.num_stored_tokens(r.request_id), r.num_computed_tokens),
-                r.num_computed_tokens)
+            if self.kv.enable_block_reuse:
+                self.kv.store_computed_blocks(
+                    r.request_id, r.token_slice(self.kv.num_stored_tokens(r.request_id), r.num_computed_tokens),
+                    r.num_computed_tokens)
             if r.num_computed_tokens == r.num_tokens:
                 rows.append(row)
         if not rows:
