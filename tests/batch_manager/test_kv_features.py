@@ -238,7 +238,8 @@ def test_overlap_stop_signal_for_a_request_in_flight(tiny_engine, prompts, refer
     assert_all_blocks_free(manager)
 
 
-def test_every_feature_together(tiny_engine, shared_prompts):
+@pytest.mark.parametrize("policy", [SchedulerPolicy.GUARANTEED_NO_EVICT, SchedulerPolicy.MAX_UTILIZATION])
+def test_every_feature_together(tiny_engine, shared_prompts, policy):
     engine_dir, model = tiny_engine
     ids = sorted(shared_prompts)
     client = Client([make_request(i, shared_prompts[i]) for i in ids], [2 * i for i in ids])
@@ -246,7 +247,7 @@ def test_every_feature_together(tiny_engine, shared_prompts):
         kv_cache_config=KvCacheConfig(max_tokens=200, enable_block_reuse=True, max_attention_window=12,
                                       sink_token_length=4),
         enable_chunked_context=True, max_num_tokens=16, enable_trt_overlap=True)
-    manager = run(engine_dir, client, params, policy=SchedulerPolicy.MAX_UTILIZATION)
+    manager = run(engine_dir, client, params, policy=policy)
     got = outputs(client, ids)
     for i in ids:
         assert got[i] == greedy(model, shared_prompts[i], NUM_NEW_TOKENS, 12, 4), f"request {i}"
