@@ -1,8 +1,10 @@
 """The `cuda` kernel backend: the raw CUDA sources of cuda_src/ compiled through CuPy's RawModule
 (NVRTC) and launched on torch's current stream with pointers to torch tensors.
 
-`CudaKernels` overrides the KV-cache ops (write_kv, copy_blocks, decode_attention); every op it
-does not override falls back to the torch reference (TorchKernels) on the same device tensors.
+`CudaKernels` overrides the KV-cache ops (write_kv, copy_blocks, decode_attention) and the decoding
+ops (uniforms, apply_penalties, ban_tokens, greedy, log_softmax, sample, beam_candidates); every op
+it does not override (the host-side helpers repeat_ngram_bans and top_k_top_p_mask) falls back to
+the torch reference (TorchKernels) on the same device tensors.
 The emu backend subclasses it and swaps only the module loader, the device and the stream, so
 both run the same launchers (launchers.py).
 
@@ -25,8 +27,9 @@ import operator
 
 import torch
 
+from .. import rng
 from . import sources
-from .launchers import DTYPE_CODES, KvLaunchers, LaunchConfig
+from .launchers import DTYPE_CODES, DecodingLaunchers, KvLaunchers, LaunchConfig
 from .torch_backend import TorchKernels
 
 logger = logging.getLogger(__name__)
@@ -68,6 +71,7 @@ class CudaKernels(TorchKernels):
         self.dtypes = tuple(dtypes)
         self._functions = self._compile_all()
         self.launchers = KvLaunchers(self._function, self.device_type, self._stream, self.config)
+        self.decoding = DecodingLaunchers(self._function, self.device_type, self._stream, self.config, self.dtypes[0])
 
     @staticmethod
     def default_config() -> LaunchConfig:
@@ -130,6 +134,85 @@ class CudaKernels(TorchKernels):
         return out
 
 
+    # ---- decoding ops: float32 logits (see cuda_src/sampling.cu for the algorithms) ------------------
+    def uniforms(self, seeds, steps, beams):
+        if self._use_reference(seeds):
+            return super().uniforms(seeds, steps, beams)
+        out = torch.empty(seeds.shape[0], dtype=torch.float32, device=seeds.device)
+        self.decoding.uniforms(out, _int64(seeds), _int64(steps), _int64(beams), rng.LANE_SAMPLE)
+        return out
+
+    def apply_penalties(self, logits, rows, token_ids, token_lengths, embedding_bias, temperature,
+                        repetition_penalty, presence_penalty, frequency_penalty, min_lengths, num_generated,
+                        end_ids) -> None:
+        if self._use_reference(logits):
+            return super().apply_penalties(logits, rows, token_ids, token_lengths, embedding_bias, temperature,
+                                           repetition_penalty, presence_penalty, frequency_penalty, min_lengths,
+                                           num_generated, end_ids)
+        _check_logits(logits)
+        target = _columns_contiguous(logits)
+        self.decoding.apply_penalties(
+            target, _int64(rows), _int64(token_ids), _int64(token_lengths),
+            None if embedding_bias is None else _float32(embedding_bias), _float32(temperature),
+            _float32(repetition_penalty), _float32(presence_penalty), _float32(frequency_penalty),
+            _int64(min_lengths), _int64(num_generated), _int64(end_ids))
+        if target is not logits:
+            logits.copy_(target)
+
+    def ban_tokens(self, logits, row_ids, token_ids) -> None:
+        if self._use_reference(logits):
+            return super().ban_tokens(logits, row_ids, token_ids)
+        _check_logits(logits)
+        target = _columns_contiguous(logits)
+        self.decoding.ban_tokens(target, _int64(row_ids), _int64(token_ids))
+        if target is not logits:
+            logits.copy_(target)
+
+    def greedy(self, logits):
+        if self._use_reference(logits):
+            return super().greedy(logits)
+        _check_logits(logits)
+        logits = _columns_contiguous(logits)
+        tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+        log_probs = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+        self.decoding.greedy(logits, tokens, log_probs)
+        return tokens, log_probs
+
+    def log_softmax(self, logits):
+        if self._use_reference(logits):
+            return super().log_softmax(logits)
+        _check_logits(logits)
+        rows = _columns_contiguous(logits)
+        out = torch.empty(rows.shape, dtype=torch.float32, device=rows.device)
+        self.decoding.log_softmax(rows, out)
+        return out
+
+    def sample(self, logits, top_k, top_p, uniforms, normalize_log_probs):
+        if self._use_reference(logits):
+            return super().sample(logits, top_k, top_p, uniforms, normalize_log_probs)
+        _check_logits(logits)
+        logits = _columns_contiguous(logits)
+        tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+        log_probs = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+        self.decoding.sample(logits, _int64(top_k), _float32(top_p), _float32(uniforms),
+                             normalize_log_probs.to(torch.bool).contiguous(), tokens, log_probs)
+        return tokens, log_probs
+
+    def beam_candidates(self, log_probs, running_scores, num_candidates, diversity_rate):
+        if self._use_reference(log_probs):
+            return super().beam_candidates(log_probs, running_scores, num_candidates, diversity_rate)
+        _check_logits(log_probs, "log_probs")
+        num_beams, vocab = log_probs.shape
+        num_candidates = min(int(num_candidates), num_beams * vocab)
+        device = log_probs.device
+        scores = torch.empty(num_candidates, dtype=torch.float32, device=device)
+        parents = torch.empty(num_candidates, dtype=torch.int64, device=device)
+        tokens = torch.empty(num_candidates, dtype=torch.int64, device=device)
+        self.decoding.beam_candidates(log_probs.contiguous(), _float32(running_scores), num_candidates,
+                                      float(diversity_rate), scores, parents, tokens)
+        return scores, parents, tokens
+
+
 class _OnStreamDevice:
     """A CuPy RawKernel launched with CuPy's current device set to the stream's device (CuPy picks
     the loaded module by its current device)."""
@@ -150,6 +233,25 @@ def _as_int(value) -> int | None:
         return operator.index(value)
     except TypeError:
         return None
+
+
+def _int64(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.int64).contiguous()
+
+
+def _float32(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.float32).contiguous()
+
+
+def _check_logits(logits: torch.Tensor, name: str = "logits") -> None:
+    if logits.dtype != torch.float32 or logits.dim() != 2:
+        raise ValueError(f"{name}: the decoding kernels take float32 [rows, vocab], got {logits.dtype} "
+                         f"{list(logits.shape)}")
+
+
+def _columns_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """[R, V] with unit column stride (any row stride); a copy only when the columns are strided."""
+    return t if t.stride(1) == 1 or t.shape[1] <= 1 else t.contiguous()
 
 
 def _rows_contiguous(t: torch.Tensor) -> torch.Tensor:

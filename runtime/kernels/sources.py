@@ -16,6 +16,10 @@ SHIM = "emu/shim.h"
 KERNEL_SOURCES = {
     "kv_cache.cu": ("write_kv", "copy_blocks"),
     "paged_attention.cu": ("decode_attention_partition", "decode_attention_merge"),
+    "philox.cu": ("philox_uniforms", "philox4x32_raw"),
+    "logits_processing.cu": ("apply_penalties", "ban_tokens"),
+    "sampling.cu": ("greedy_tokens", "log_softmax_rows", "sample_tokens"),
+    "beam_search.cu": ("beam_topk_per_beam", "beam_select"),
 }
 _INCLUDE_PRELUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]+"prelude\.cuh"[ \t]*$', re.M)
 _SIGNATURE = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?(\w+)\s*\(([^)]*)\)')
