@@ -1,0 +1,276 @@
+"""The decoding kernels on emu (cuda_src/philox.cu, logits_processing.cu, sampling.cu,
+beam_search.cu on CPU threads) equal the torch reference: Philox bit for bit (Random123's known
+answers included), penalties and bans exactly, greedy / log-softmax / sampled tokens exactly with
+log probs within 1e-5 (draws within float rounding of a CDF step excepted), beam candidates
+exactly; and a GptSession run yields the torch backend's tokens."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from runtime import rng
+
+NEG_INF = float("-inf")
+
+
+def random_logits(rows: int, vocab: int, seed: int, scale: float = 3.0) -> torch.Tensor:
+    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+# --- Philox -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("counter, key, expected", [
+    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+])
+def test_philox_block_function_matches_random123_known_answers(emu, counter, key, expected):
+    as_int32 = lambda words: torch.tensor(np.array([words], dtype=np.uint32).view(np.int32))  # noqa: E731
+    out = torch.empty(1, 4, dtype=torch.int32)
+    emu.decoding.philox_raw(out, as_int32(counter), as_int32(key))
+    assert tuple(int(x) for x in out.numpy().view(np.uint32)[0]) == expected
+
+
+def test_uniforms_are_bit_identical_to_the_reference_generator(emu, reference):
+    gen = np.random.default_rng(0)
+    seeds = [0, 1, 2 ** 32 - 1, 2 ** 32, 2 ** 63, 2 ** 64 - 1] + [int(s) for s in gen.integers(0, 2 ** 64, 90,
+                                                                                                    dtype=np.uint64)]
+    steps = [0, 1, 2 ** 32 + 5, 7, 0, 3] + gen.integers(0, 4096, 90).tolist()
+    beams = [0, 0, 3, 1, 2 ** 32 - 1, 0] + gen.integers(0, 8, 90).tolist()
+    as_int64 = torch.tensor(np.array(seeds, dtype=np.uint64).view(np.int64))
+    got = emu.uniforms(as_int64, torch.tensor(steps), torch.tensor(beams))
+    expected = rng.uniforms(seeds, steps, beams)
+    assert got.dtype == torch.float32 and np.array_equal(got.numpy().view(np.uint32), expected.view(np.uint32))
+    assert torch.equal(got, reference.uniforms(as_int64, torch.tensor(steps), torch.tensor(beams)))
+    # (seed 0, step 0, beam 0) is the all-zero known answer: x0 = 0x6627E8D5
+    assert got[0].item() == (0x6627E8D5 >> 8) * 2.0 ** -24
+
+
+def test_no_uniforms_for_no_rows(emu):
+    empty = torch.zeros(0, dtype=torch.int64)
+    assert emu.uniforms(empty, empty, empty).shape == (0,)
+
+
+# --- penalties and bans ---------------------------------------------------------------------------
+
+def penalty_case(num_rows: int, vocab: int, picked: list[int], max_len: int, seed: int, bias: bool):
+    gen = torch.Generator().manual_seed(seed)
+    n = len(picked)
+    logits = torch.randn(num_rows, vocab, generator=gen) * 4
+    logits[0, :3] = NEG_INF  # banned entries stay -inf
+    lengths = torch.randint(0, max_len + 1, (n,), generator=gen)
+    token_ids = torch.randint(0, vocab, (n, max_len), generator=gen)
+    token_ids[:, :max_len // 2] = torch.randint(0, min(4, vocab), (n, max_len // 2), generator=gen)  # repeats
+    args = dict(
+        rows=torch.tensor(picked), token_ids=token_ids, token_lengths=lengths,
+        embedding_bias=torch.randn(n, vocab, generator=gen) if bias else None,
+        temperature=torch.rand(n, generator=gen) * 1.5 + 0.3,
+        repetition_penalty=torch.rand(n, generator=gen) * 1.5 + 0.5,
+        presence_penalty=torch.randn(n, generator=gen), frequency_penalty=torch.randn(n, generator=gen) * 0.3,
+        min_lengths=torch.randint(0, 4, (n,), generator=gen), num_generated=torch.randint(0, 4, (n,), generator=gen),
+        end_ids=torch.randint(-1, vocab, (n,), generator=gen))
+    return logits, args
+
+
+@pytest.mark.parametrize("vocab, picked, max_len, bias", [
+    (1, [0], 3, False), (33, [2, 0], 7, True), (300, [1, 4, 3], 40, True), (1000, [0, 5], 1, False),
+    (77, [3], 0, True)])
+def test_penalties_equal_the_reference_exactly(emu, reference, vocab, picked, max_len, bias):
+    logits, args = penalty_case(6, vocab, picked, max_len, seed=vocab, bias=bias)
+    expected = logits.clone()
+    reference.apply_penalties(expected, **args)
+    emu.apply_penalties(logits, **args)
+    assert torch.equal(logits, expected)
+
+
+def test_penalties_on_strided_columns_are_written_back(emu, reference):
+    wide, args = penalty_case(4, 100, [1, 2], 9, seed=3, bias=True)
+    logits = wide[:, :50]  # rows 100 apart: used in place
+    args["embedding_bias"] = args["embedding_bias"][:, :50].contiguous()
+    args["token_ids"] = args["token_ids"] % 50
+    args["end_ids"] = args["end_ids"] % 50
+    expected = wide.clone()
+    reference.apply_penalties(expected[:, :50], **args)
+    emu.apply_penalties(logits, **args)
+    assert torch.equal(wide, expected)
+    columns = wide.t()[:30]  # [30, 4] with column stride 100: a contiguous copy, then copied back
+    expected = columns.clone()
+    small = dict(args, embedding_bias=None, token_ids=args["token_ids"] % 4, end_ids=args["end_ids"] % 4)
+    reference.apply_penalties(expected, **small)
+    emu.apply_penalties(columns, **small)
+    assert torch.equal(columns, expected)
+
+
+def test_ban_tokens_equal_the_reference(emu, reference):
+    logits = random_logits(5, 70, seed=1)
+    expected = logits.clone()
+    rows, tokens = torch.tensor([0, 4, 4, 2, 0, 4]), torch.tensor([69, 0, 33, 5, 69, 1])
+    reference.ban_tokens(expected, rows, tokens)
+    emu.ban_tokens(logits, rows, tokens)
+    assert torch.equal(logits, expected)
+    emu.ban_tokens(logits, torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64))
+    assert torch.equal(logits, expected)
+
+
+# --- greedy and log-softmax --------------------------------------------------------------------------
+
+def logits_cases():
+    ties = torch.tensor([[0.5, 2.0, 2.0, -1.0], [3.0, 0.0, 0.0, 3.0], [NEG_INF, -2.0, NEG_INF, -2.0]])
+    banned = random_logits(4, 515, seed=2)
+    banned[:, ::3] = NEG_INF
+    return {"ties": ties, "one_row": random_logits(1, 50, seed=3), "one_token": random_logits(3, 1, seed=4),
+            "vocab_1000": random_logits(3, 1000, seed=5), "banned": banned,
+            "rounded": random_logits(6, 129, seed=6).round()}
+
+
+@pytest.mark.parametrize("case", list(logits_cases()))
+def test_greedy_equals_the_reference(emu, reference, case):
+    logits = logits_cases()[case]
+    tokens, log_probs = emu.greedy(logits)
+    expected_tokens, expected_log_probs = reference.greedy(logits)
+    assert tokens.tolist() == expected_tokens.tolist()
+    assert not log_probs.isnan().any()
+    torch.testing.assert_close(log_probs, expected_log_probs, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("case", list(logits_cases()))
+def test_log_softmax_equals_the_reference(emu, reference, case):
+    logits = logits_cases()[case]
+    got = emu.log_softmax(logits)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, reference.log_softmax(logits), atol=1e-5, rtol=0)
+
+
+def test_greedy_and_log_softmax_of_no_rows(emu):
+    tokens, log_probs = emu.greedy(torch.zeros(0, 10))
+    assert tokens.shape == log_probs.shape == (0,)
+    assert emu.log_softmax(torch.zeros(0, 10)).shape == (0, 10)
+
+
+# --- sampling ----------------------------------------------------------------------------------------
+
+def ambiguous_rows(reference, logits, top_k, top_p, uniforms, tolerance=1e-5, cut_tolerance=1e-6) -> torch.Tensor:
+    """bool [R]: rows whose draw lies within float rounding of a CDF step, or whose top-p cut does."""
+    kept = reference.top_k_top_p_mask(logits, top_k, top_p)
+    weights = torch.exp(logits.double() - logits.double().max(-1, keepdim=True).values).masked_fill(~kept, 0.0)
+    cdf = weights.cumsum(-1) / weights.sum(-1, keepdim=True)
+    near = (cdf - uniforms.double()[:, None]).abs().min(-1).values < tolerance
+    for r in ((top_p > 0) & (top_p < 1)).nonzero()[:, 0].tolist():
+        pool = reference.top_k_top_p_mask(logits[r:r + 1], top_k[r:r + 1], torch.zeros(1))[0]
+        probs = torch.softmax(logits[r].double().masked_fill(~pool, NEG_INF), -1)
+        ordered = probs.sort(descending=True).values
+        exclusive = (ordered.cumsum(-1) - ordered)[1:]  # the first token is always kept
+        near[r] |= bool(((exclusive - float(top_p[r])).abs() < cut_tolerance).any())
+    return near
+
+
+def check_sample(emu, reference, logits, top_k, top_p, uniforms, normalize, min_checked=0.95) -> None:
+    tokens, log_probs = emu.sample(logits, top_k, top_p, uniforms, normalize)
+    dense = logits.contiguous()
+    expected_tokens, expected_log_probs = reference.sample(dense, top_k, top_p, uniforms, normalize)
+    assert tokens.dtype == torch.int64 and log_probs.dtype == torch.float32
+    assert not log_probs.isnan().any()
+    checked = ~ambiguous_rows(reference, dense, top_k, top_p, uniforms)
+    assert tokens[checked].tolist() == expected_tokens[checked].tolist()
+    torch.testing.assert_close(log_probs[checked], expected_log_probs[checked], atol=1e-5, rtol=0)
+    kept = reference.top_k_top_p_mask(dense, top_k, top_p)
+    assert bool(kept[torch.arange(len(tokens))[checked], tokens[checked]].all())
+    assert float(checked.double().mean()) >= min_checked
+
+
+def draws_of_one_row(row: torch.Tensor, top_k: int, top_p: float, num_draws: int, seed: int, normalize=True):
+    """One logits row (as a stride-0 expansion) with num_draws uniforms."""
+    u = torch.rand(num_draws, generator=torch.Generator().manual_seed(seed))
+    return (row[None].expand(num_draws, -1), torch.full((num_draws,), top_k), torch.full((num_draws,), top_p), u,
+            torch.full((num_draws,), normalize))
+
+
+@pytest.mark.parametrize("vocab, top_k, top_p", [
+    (300, 0, 0.0), (300, 20, 0.0), (300, 0, 0.7), (300, 50, 0.6), (1000, 200, 0.95), (77, 1, 0.0),
+    (77, 77, 0.0), (77, 500, 0.5), (515, 0, 1e-6), (515, 0, 1.0), (40, 7, 0.999)])
+def test_sampled_tokens_equal_the_reference_over_many_draws(emu, reference, vocab, top_k, top_p):
+    row = random_logits(1, vocab, seed=vocab + top_k, scale=2.0)[0]
+    check_sample(emu, reference, *draws_of_one_row(row, top_k, top_p, 150, seed=top_k, normalize=top_k % 2 == 0))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_mixed_rows_equal_the_reference(emu, reference, seed):
+    gen = torch.Generator().manual_seed(seed)
+    rows, vocab = 40, [64, 257, 700, 33][seed]
+    logits = torch.randn(rows, vocab, generator=gen) * torch.linspace(0.3, 6.0, rows)[:, None]
+    logits[::5] = logits[::5].round()  # ties
+    logits[1::6, ::4] = NEG_INF       # bans
+    top_k = torch.tensor([0, 1, 3, 40, 0, 0, 200, 5, 2, 1000])[torch.randint(0, 10, (rows,), generator=gen)]
+    top_p = torch.tensor([0.0, 0.0, 0.5, 0.9, 0.3, 0.999, 1.0, 1e-4])[torch.randint(0, 8, (rows,), generator=gen)]
+    normalize = torch.rand(rows, generator=gen) < 0.5
+    check_sample(emu, reference, logits, top_k, top_p, torch.rand(rows, generator=gen), normalize, min_checked=0.9)
+
+
+def test_ties_at_the_kth_place_keep_the_lowest_ids(emu, reference):
+    row = torch.tensor([1.0, 3.0, 2.0, 3.0, 3.0, 0.0, 3.0])
+    logits, top_k, top_p, u, normalize = draws_of_one_row(row, 2, 0.0, 64, seed=1)
+    tokens, log_probs = emu.sample(logits, top_k, top_p, u, normalize)
+    assert set(tokens.tolist()) == {1, 3}
+    assert tokens.tolist() == [1 if x < 0.5 else 3 for x in u.tolist()]
+    torch.testing.assert_close(log_probs, torch.full((64,), -0.6931472), atol=1e-6, rtol=0)
+    check_sample(emu, reference, logits, top_k, top_p, u, normalize)
+
+
+def test_ties_at_the_top_p_cut_keep_the_lowest_ids(emu, reference):
+    # Eight tied tokens of ~0.12 each: p = 0.3 keeps three of them, the three lowest ids.
+    row = torch.full((20,), -3.0)
+    row[[2, 5, 6, 9, 11, 15, 17, 19]] = 1.0
+    logits, top_k, top_p, u, normalize = draws_of_one_row(row, 0, 0.3, 90, seed=2)
+    tokens, _ = emu.sample(logits, top_k, top_p, u, normalize)
+    assert set(tokens.tolist()) == {2, 5, 6}
+    check_sample(emu, reference, logits, top_k, top_p, u, normalize)
+    # the same cut inside a top-k that itself splits a tie
+    logits, top_k, top_p, u, normalize = draws_of_one_row(row, 5, 0.5, 90, seed=3)
+    tokens, _ = emu.sample(logits, top_k, top_p, u, normalize)
+    assert set(tokens.tolist()) == {2, 5, 6}
+    check_sample(emu, reference, logits, top_k, top_p, u, normalize)
+
+
+def test_top_p_is_relative_to_the_top_k_mass(emu, reference):
+    row = torch.log(torch.tensor([0.4, 0.3, 0.2, 0.1]))
+    # top-k 2 keeps 0.4 / 0.3 (4/7, 3/7 of its mass): p = 0.5 keeps token 0 only; over the vocabulary it
+    # would keep 0 and 1.
+    logits, top_k, top_p, u, normalize = draws_of_one_row(row, 2, 0.5, 32, seed=4)
+    tokens, log_probs = emu.sample(logits, top_k, top_p, u, normalize)
+    assert tokens.tolist() == [0] * 32 and log_probs.abs().max() < 1e-6
+    _, full = emu.sample(logits, top_k, top_p, u, torch.zeros(32, dtype=torch.bool))
+    torch.testing.assert_close(full, torch.full((32,), float(row[0])), atol=1e-6, rtol=0)
+
+
+def test_top_k_beyond_the_finite_tokens_never_draws_a_banned_one(emu, reference):
+    row = random_logits(1, 50, seed=5)[0]
+    row[5:] = NEG_INF
+    for top_k, top_p in ((10, 0.0), (50, 0.0), (10, 0.99), (0, 0.0)):
+        logits, k, p, u, normalize = draws_of_one_row(row, top_k, top_p, 60, seed=top_k)
+        tokens, log_probs = emu.sample(logits, k, p, u, normalize)
+        assert (tokens < 5).all() and torch.isfinite(log_probs).all()
+        check_sample(emu, reference, logits, k, p, u, normalize)
+
+
+def test_extreme_uniforms_and_a_single_token(emu, reference):
+    """u = 0 draws the first kept token, u = 1 - 2^-24 the last one: no float rounding in play."""
+    row = random_logits(1, 90, seed=6)[0]
+    u = torch.tensor([0.0, 1.0 - 2.0 ** -24, 0.5])
+    for top_k, top_p in ((0, 0.0), (3, 0.0), (0, 0.4)):
+        args = (row[None].expand(3, -1), torch.full((3,), top_k), torch.full((3,), top_p), u,
+                torch.ones(3, dtype=torch.bool))
+        tokens, log_probs = emu.sample(*args)
+        expected_tokens, expected_log_probs = reference.sample(args[0].contiguous(), *args[1:])
+        assert tokens.tolist() == expected_tokens.tolist()
+        torch.testing.assert_close(log_probs, expected_log_probs, atol=1e-5, rtol=0)
+    tokens, log_probs = emu.sample(torch.tensor([[1.5]]), torch.tensor([0]), torch.tensor([0.5]), torch.tensor([0.9]),
+                                   torch.tensor([True]))
+    assert tokens.tolist() == [0] and log_probs.tolist() == [0.0]
+
+
+def test_no_rows_to_sample(emu):
+    empty = torch.zeros(0)
+    tokens, log_probs = emu.sample(torch.zeros(0, 8), empty.long(), empty, empty, empty.bool())
+    assert tokens.shape == log_probs.shape == (0,)
