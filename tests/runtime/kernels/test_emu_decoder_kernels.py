@@ -274,3 +274,110 @@ def test_no_rows_to_sample(emu):
     empty = torch.zeros(0)
     tokens, log_probs = emu.sample(torch.zeros(0, 8), empty.long(), empty, empty, empty.bool())
     assert tokens.shape == log_probs.shape == (0,)
+
+
+# --- beam candidates -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("num_beams, vocab, num_candidates", [(1, 50, 2), (3, 300, 6), (4, 3, 8), (2, 5, 40),
+                                                              (4, 129, 8)])
+@pytest.mark.parametrize("diversity_rate", [0.0, 0.7])
+def test_beam_candidates_equal_the_reference_exactly(emu, reference, num_beams, vocab, num_candidates, diversity_rate):
+    gen = torch.Generator().manual_seed(num_beams * vocab)
+    log_probs = torch.log_softmax(torch.randn(num_beams, vocab, generator=gen) * 2, -1)
+    running = -torch.rand(num_beams, generator=gen) * 5
+    got = emu.beam_candidates(log_probs, running, num_candidates, diversity_rate)
+    expected = reference.beam_candidates(log_probs, running, num_candidates, diversity_rate)
+    assert got[0].dtype == torch.float32 and got[1].dtype == got[2].dtype == torch.int64
+    for ours, theirs in zip(got, expected):
+        assert torch.equal(ours, theirs)
+
+
+def stable_beam_candidates(log_probs, running, num_candidates, diversity_rate):
+    """The documented order by a stable sort: score desc, ties by the lower token id within a beam;
+    rank score - d * r desc, ties by the lower (beam, r)."""
+    num_beams, vocab = log_probs.shape
+    per_beam = min(num_candidates, vocab)
+    scores = log_probs + running[:, None]
+    order = scores.argsort(dim=-1, descending=True, stable=True)[:, :per_beam]
+    values = scores.gather(1, order)
+    ranked = values - diversity_rate * torch.arange(per_beam, dtype=torch.float32)[None, :]
+    flat = ranked.reshape(-1).argsort(descending=True, stable=True)[:num_candidates]
+    return values.reshape(-1)[flat], flat // per_beam, order.reshape(-1)[flat]
+
+
+@pytest.mark.parametrize("diversity_rate", [0.0, 0.5])
+def test_beam_candidate_ties_go_to_the_lower_beam_and_token(emu, diversity_rate):
+    log_probs = torch.tensor([[-1.0, -2.0, -1.0, -3.0, -2.0], [-2.0, -1.0, -1.0, -2.0, NEG_INF],
+                              [-1.5, -1.0, -2.5, -1.0, -1.0]])
+    running = torch.tensor([-1.0, -1.0, -1.0])
+    got = emu.beam_candidates(log_probs, running, 6, diversity_rate)
+    for ours, theirs in zip(got, stable_beam_candidates(log_probs, running, 6, diversity_rate)):
+        assert torch.equal(ours, theirs)
+    if diversity_rate == 0.0:
+        assert got[1].tolist() == [0, 0, 1, 1, 2, 2] and got[2].tolist() == [0, 2, 1, 2, 1, 3]
+
+
+def test_beam_candidates_rank_banned_tokens_last(emu, reference):
+    log_probs = torch.log_softmax(random_logits(2, 40, seed=8), -1)
+    log_probs[:, 3:] = NEG_INF
+    running = torch.tensor([-0.5, -0.7])
+    got = emu.beam_candidates(log_probs, running, 4, 0.0)
+    expected = reference.beam_candidates(log_probs, running, 4, 0.0)
+    for ours, theirs in zip(got, expected):
+        assert torch.equal(ours, theirs)
+    scores, _, tokens = emu.beam_candidates(log_probs, running, 8, 0.0)
+    assert torch.isfinite(scores[:6]).all() and (tokens[:6] < 3).all() and torch.isinf(scores[6:]).all()
+
+
+# --- end to end ------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def sessions(tmp_path_factory, emu):
+    from runtime import Engine, GptSession, WorldConfig
+    from tests.factories import make_checkpoint
+    path = tmp_path_factory.mktemp("llama_decoding")
+    make_checkpoint(path, "llama", seed=3)
+    engine = Engine.from_dir(path, tokens_per_block=4)
+    config = GptSession.Config(max_batch_size=4, max_beam_width=3, max_sequence_length=32)
+    return {name: GptSession(config, engine.model_config, WorldConfig(), engine, kernels=kernels)
+            for name, kernels in (("torch", "torch"), ("emu", emu))}
+
+
+def generate_both(sessions, prompts, sampling, end_id=-1, max_new=8, **inputs):
+    from runtime import GenerationInput, GenerationOutput
+    outputs = {}
+    for name, session in sessions.items():
+        inp = GenerationInput(end_id=end_id, pad_id=0, ids=torch.tensor([t for p in prompts for t in p]),
+                              lengths=torch.tensor([len(p) for p in prompts]), packed=True, max_new_tokens=max_new,
+                              **inputs)
+        outputs[name] = GenerationOutput()
+        session.generate(outputs[name], inp, sampling)
+    return outputs["emu"], outputs["torch"]
+
+
+PROMPTS = [[5, 17, 99, 3], [42, 7], [100, 101, 102, 8, 9, 60], [77]]
+
+
+def test_gpt_session_seeded_sampling_with_mixed_settings_equals_torch(sessions):
+    from runtime import SamplingConfig
+    sampling = SamplingConfig(top_k=[5, 0, 1000, 20], top_p=[0.0, 0.8, 0.0, 0.7], temperature=[0.8, 1.0, 1.3, 1.0],
+                              repetition_penalty=[1.0, 1.3, 1.0, 1.1], presence_penalty=[0.0, 0.0, 0.4, 0.0],
+                              frequency_penalty=[0.0, 0.0, 0.2, 0.0], top_p_decay=[1.0, 1.0, 1.0, 0.9],
+                              min_length=[0, 0, 3, 0], no_repeat_ngram_size=[0, 2, 0, 0],
+                              random_seed=[1, 2 ** 64 - 5, 3, 4])
+    bias = torch.zeros(128)
+    bias[[10, 20, 30]] = 1.5
+    emu_out, torch_out = generate_both(sessions, PROMPTS, sampling, end_id=2, embedding_bias=bias)
+    assert torch.equal(emu_out.ids, torch_out.ids) and torch.equal(emu_out.lengths, torch_out.lengths)
+    torch.testing.assert_close(emu_out.log_probs, torch_out.log_probs, atol=1e-4, rtol=0)
+    torch.testing.assert_close(emu_out.cum_log_probs, torch_out.cum_log_probs, atol=1e-4, rtol=0)
+
+
+def test_gpt_session_greedy_and_beam_search_equal_torch(sessions):
+    from runtime import SamplingConfig
+    emu_out, torch_out = generate_both(sessions, PROMPTS[:2], SamplingConfig(top_k=1, repetition_penalty=1.2))
+    assert torch.equal(emu_out.ids, torch_out.ids)
+    sampling = SamplingConfig(beam_width=3, beam_search_diversity_rate=[0.0, 0.6], length_penalty=1.0)
+    emu_out, torch_out = generate_both(sessions, PROMPTS[1:3], sampling, end_id=2)
+    assert torch.equal(emu_out.ids, torch_out.ids) and torch.equal(emu_out.lengths, torch_out.lengths)
+    torch.testing.assert_close(emu_out.cum_log_probs, torch_out.cum_log_probs, atol=1e-4, rtol=0)
