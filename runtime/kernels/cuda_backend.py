@@ -14,6 +14,11 @@ on-disk kernel cache: CUPY_CACHE_DIR (default ~/.cupy/kernel_cache), keyed by th
 string (prelude inlined, defines included), the options and the NVRTC version, so a warm start
 only loads modules.
 
+NOTE: stop criteria (end id, stop words, max length) have no kernel: the sampled tokens go to the
+host for the responses anyway, and runtime/decoder.py checks them there. The decoding modules do
+not depend on the storage dtype (float32 logits); they are built per dtype like every module and
+launched from the first compiled one.
+
 NOTE: context attention over cached blocks (chunked context, reused prefixes) stays on torch
 (TorchKernels.context_attention: gather + scaled_dot_product_attention with a bottom-right
 causal / window mask). It runs once per context chunk rather than once per token, torch's fused

@@ -287,7 +287,8 @@ class DecodingLaunchers:
             assert embedding_bias.shape == (n, vocab) and embedding_bias.is_contiguous()
         if n == 0 or vocab == 0:
             return
-        counts = torch.empty(n, vocab, dtype=torch.int32, device=logits.device)  # NOTE: freed on return (stream-ordered)
+        # NOTE: n x vocab int32 of histogram workspace, freed on return (torch's allocator is stream-ordered)
+        counts = torch.empty(n, vocab, dtype=torch.int32, device=logits.device)
         kernel = self._kernel("apply_penalties")
         kernel((n,), (decoding_block(vocab, self.config),),
                (c_ptr(logits), c_ptr(counts), c_ptr(rows), c_ptr(token_ids), c_ptr(token_lengths),
