@@ -2,8 +2,14 @@
 beam_search.cu on CPU threads) equal the torch reference: Philox bit for bit (Random123's known
 answers included), penalties and bans exactly, greedy / log-softmax / sampled tokens exactly with
 log probs within 1e-5 (draws within float rounding of a CDF step excepted), beam candidates
-exactly; and a GptSession run yields the torch backend's tokens."""
+exactly; a GptSession run yields the torch backend's tokens; with BATCH_MANAGER_TSAN=1,
+ThreadSanitizer finds no race in them."""
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,6 +18,7 @@ import torch
 from runtime import rng
 
 NEG_INF = float("-inf")
+REPO = Path(__file__).resolve().parents[3]
 
 
 def random_logits(rows: int, vocab: int, seed: int, scale: float = 3.0) -> torch.Tensor:
@@ -381,3 +388,20 @@ def test_gpt_session_greedy_and_beam_search_equal_torch(sessions):
     emu_out, torch_out = generate_both(sessions, PROMPTS[1:3], sampling, end_id=2)
     assert torch.equal(emu_out.ids, torch_out.ids) and torch.equal(emu_out.lengths, torch_out.lengths)
     torch.testing.assert_close(emu_out.cum_log_probs, torch_out.cum_log_probs, atol=1e-4, rtol=0)
+
+
+# --- races --------------------------------------------------------------------------------------------------
+
+@pytest.mark.skipif(os.environ.get("BATCH_MANAGER_TSAN") != "1",
+                    reason="ThreadSanitizer over the decoding kernels takes ~45 s; set BATCH_MANAGER_TSAN=1")
+def test_the_decoding_kernels_are_race_free_under_thread_sanitizer():
+    library = subprocess.run(["g++", "-print-file-name=libtsan.so"], capture_output=True, text=True).stdout.strip()
+    if not library or not os.path.isabs(library) or not os.path.exists(library):
+        pytest.skip("ThreadSanitizer runtime (libtsan) not installed")
+    env = {**os.environ, "LD_PRELOAD": library, "TSAN_OPTIONS": "halt_on_error=1 exitcode=66",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "tests.runtime.kernels.tsan_decoding_probe"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    if "FATAL: ThreadSanitizer" in done.stderr:
+        pytest.skip(f"ThreadSanitizer cannot run here: {done.stderr.strip().splitlines()[0]}")
+    assert done.returncode == 0, done.stderr[-3000:]
