@@ -82,7 +82,8 @@ __device__ __forceinline__ u64 block_sum_u64(u64 v, u64* scratch) {
 }
 
 // The first index i in [0, n) with value(0) + ... + value(i) > target, to every thread; n if the
-// total is <= target. value(i) >= 0. Every thread calls (block-uniform arguments).
+// total is <= target. value(i) >= 0. Every thread calls (block-uniform arguments). `warp_sums` may
+// be reused right away; `result` (shared) only after a barrier, so consecutive calls take distinct ones.
 template <class Value>
 __device__ int first_crossing(int n, Value value, u64 target, u64* warp_sums, int* result) {
   const int lane = threadIdx.x % BM_WARP_SIZE, warp = threadIdx.x / BM_WARP_SIZE;
@@ -109,9 +110,7 @@ __device__ int first_crossing(int n, Value value, u64 target, u64* warp_sums, in
     }
   }
   __syncthreads();
-  const int found = *result;
-  __syncthreads();  // *result may be rewritten by the next call
-  return found;
+  return *result;
 }
 
 struct Selection {
@@ -186,7 +185,8 @@ __device__ Selection radix_select(const float* x, int vocab, float row_max, bool
     count_above = s->bcast[1];
     mass_above = s->bcast[2];
     count_equal = s->bcast[3];
-    __syncthreads();  // bcast is rewritten by the next pass
+    // NOTE: no barrier here: bcast and the histograms are next written after the next pass's first
+    // barrier, which every thread reaches only after these reads.
   }
   Selection out = {prefix, count_above, mass_above, count_equal};
   return out;
@@ -273,7 +273,7 @@ extern "C" __global__ void sample_tokens(long long* __restrict__ tokens, float* 
   __shared__ RadixShared radix;
   __shared__ u64 sums[MAX_WARPS];
   __shared__ float scratch[MAX_WARPS];
-  __shared__ int found;
+  __shared__ int found[2];
   const int row = blockIdx.x;
   const float* x = logits + row * row_stride;
 
@@ -317,13 +317,13 @@ extern "C" __global__ void sample_tokens(long long* __restrict__ tokens, float* 
   int last_id = vocab - 1;  // the last kept token with key == last_key
   if (take < count_equal) {
     last_id = first_crossing(vocab, [&](int v) { return (u64)(order_key(x[v]) == last_key); }, take - 1, sums,
-                             &found);
+                             &found[0]);
   }
   const auto kept_weight = [&](int v) -> u64 {
     const unsigned int key = order_key(x[v]);
     return (key > last_key || (key == last_key && v <= last_id)) ? fixed_weight(x[v], row_max) : 0;
   };
-  int token = first_crossing(vocab, kept_weight, scaled_floor(uniforms[row], kept_mass), sums, &found);
+  int token = first_crossing(vocab, kept_weight, scaled_floor(uniforms[row], kept_mass), sums, &found[1]);
   if (threadIdx.x == 0) {
     token = min(token, vocab - 1);  // unreachable: the target is below the kept mass
     tokens[row] = token;
