@@ -17,6 +17,7 @@
 //     first per beam).
 //   beam_select: grid (1), block (any multiple of 32, <= 1024), no dynamic shared memory. Reads the
 //     stage-1 candidates -> scores float32, parents int64, tokens int64 [num_candidates], best first.
+//   Launch bounds (1024, 1) keep every block size up to 1024 launchable.
 //   dtypes: float32 whatever DTYPE says (the define is ignored).
 #include "prelude.cuh"
 
@@ -62,9 +63,9 @@ __device__ __forceinline__ void block_argmax(float& value, int& index, float* va
   __syncthreads();
 }
 
-extern "C" __global__ void beam_topk_per_beam(float* __restrict__ cand_scores, int* __restrict__ cand_tokens,
-                                              const float* __restrict__ log_probs,
-                                              const float* __restrict__ running_scores, int vocab, int per_beam) {
+extern "C" __global__ void __launch_bounds__(1024, 1) beam_topk_per_beam(
+    float* __restrict__ cand_scores, int* __restrict__ cand_tokens, const float* __restrict__ log_probs,
+    const float* __restrict__ running_scores, int vocab, int per_beam) {
   __shared__ float values_s[MAX_WARPS];
   __shared__ int indices_s[MAX_WARPS];
   const int beam = blockIdx.x;
@@ -92,10 +93,10 @@ extern "C" __global__ void beam_topk_per_beam(float* __restrict__ cand_scores, i
   }
 }
 
-extern "C" __global__ void beam_select(float* __restrict__ scores, long long* __restrict__ parents,
-                                       long long* __restrict__ tokens, const float* __restrict__ cand_scores,
-                                       const int* __restrict__ cand_tokens, int num_beams, int per_beam,
-                                       int num_candidates, float diversity_rate) {
+extern "C" __global__ void __launch_bounds__(1024, 1) beam_select(
+    float* __restrict__ scores, long long* __restrict__ parents, long long* __restrict__ tokens,
+    const float* __restrict__ cand_scores, const int* __restrict__ cand_tokens, int num_beams, int per_beam,
+    int num_candidates, float diversity_rate) {
   __shared__ float values_s[MAX_WARPS];
   __shared__ int indices_s[MAX_WARPS];
   const int total = num_beams * per_beam;

@@ -9,7 +9,8 @@
 // count = occurrences of the token in token_ids[i, :token_lengths[i]] (prompt + generated).
 //
 // Launch contract
-//   apply_penalties: grid (n), block (any multiple of 32, <= 1024), no dynamic shared memory.
+//   apply_penalties: grid (n), block (any multiple of 32, <= 1024; launch bounds (1024, 1)), no dynamic
+//     shared memory.
 //     One CTA per selected row: logits float32 rows `rows[i]` (int64 [n], distinct) of a
 //     [num_rows, row_stride] matrix (unit column stride, vocab columns used); counts int32 [n, vocab]
 //     is workspace (overwritten: the row's token histogram); token_ids int64 [n, max_len];
@@ -31,7 +32,7 @@ __device__ __forceinline__ float mul_rn(float a, float b) {
 #endif
 }
 
-extern "C" __global__ void apply_penalties(
+extern "C" __global__ void __launch_bounds__(1024, 1) apply_penalties(
     float* __restrict__ logits, int* __restrict__ counts, const long long* __restrict__ rows,
     const long long* __restrict__ token_ids, const long long* __restrict__ token_lengths,
     const float* __restrict__ embedding_bias, const float* __restrict__ temperature,

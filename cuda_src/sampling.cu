@@ -20,8 +20,9 @@
 //      warp whose segment holds the crossing rescans it with warp shuffles).
 //   5. Log prob: x - max - log(kept mass) (normalised) or x - logsumexp(row).
 //
-// Launch contract (all three): grid (num_rows), block (any multiple of 32, <= 1024), no dynamic
-// shared memory. logits float32 [num_rows, row_stride] (unit column stride, vocab columns used).
+// Launch contract (all three): grid (num_rows), block (any multiple of 32, <= 1024; launch bounds
+// (1024, 1) keep every such block launchable), no dynamic shared memory.
+// logits float32 [num_rows, row_stride] (unit column stride, vocab columns used).
 //   greedy_tokens:  -> tokens int64 [num_rows], log_probs float32 [num_rows].
 //   log_softmax_rows: -> out float32 [num_rows, vocab] (contiguous).
 //   sample_tokens:  top_k int64, top_p float32, uniforms float32 in [0, 1), normalize uint8 (bool)
@@ -205,8 +206,9 @@ __device__ __forceinline__ bool better(float value, int index, float other_value
 }
 
 // ---- kernels ------------------------------------------------------------------------------------
-extern "C" __global__ void greedy_tokens(long long* __restrict__ tokens, float* __restrict__ log_probs,
-                                         const float* __restrict__ logits, int vocab, long long row_stride) {
+extern "C" __global__ void __launch_bounds__(1024, 1) greedy_tokens(
+    long long* __restrict__ tokens, float* __restrict__ log_probs, const float* __restrict__ logits, int vocab,
+    long long row_stride) {
   __shared__ float best_s[MAX_WARPS];
   __shared__ int index_s[MAX_WARPS];
   __shared__ float scratch[MAX_WARPS];
@@ -251,8 +253,8 @@ extern "C" __global__ void greedy_tokens(long long* __restrict__ tokens, float* 
   }
 }
 
-extern "C" __global__ void log_softmax_rows(float* __restrict__ out, const float* __restrict__ logits, int vocab,
-                                            long long row_stride) {
+extern "C" __global__ void __launch_bounds__(1024, 1) log_softmax_rows(
+    float* __restrict__ out, const float* __restrict__ logits, int vocab, long long row_stride) {
   __shared__ float scratch[MAX_WARPS];
   const float* x = logits + blockIdx.x * row_stride;
   float* y = out + (long long)blockIdx.x * vocab;
@@ -265,11 +267,10 @@ extern "C" __global__ void log_softmax_rows(float* __restrict__ out, const float
   for (int v = threadIdx.x; v < vocab; v += blockDim.x) y[v] = (x[v] - row_max) - log_sum;
 }
 
-extern "C" __global__ void sample_tokens(long long* __restrict__ tokens, float* __restrict__ log_probs,
-                                         const float* __restrict__ logits, const long long* __restrict__ top_k,
-                                         const float* __restrict__ top_p, const float* __restrict__ uniforms,
-                                         const unsigned char* __restrict__ normalize, int vocab,
-                                         long long row_stride) {
+extern "C" __global__ void __launch_bounds__(1024, 1) sample_tokens(
+    long long* __restrict__ tokens, float* __restrict__ log_probs, const float* __restrict__ logits,
+    const long long* __restrict__ top_k, const float* __restrict__ top_p, const float* __restrict__ uniforms,
+    const unsigned char* __restrict__ normalize, int vocab, long long row_stride) {
   __shared__ RadixShared radix;
   __shared__ u64 sums[MAX_WARPS];
   __shared__ float scratch[MAX_WARPS];

@@ -31,7 +31,7 @@ class LaunchConfig:
     max_partitions: int = 64         # ... so long tables use at most this many CTAs per KV head
     tile_size: int = 512             # keys per shared-memory tile inside a CTA (shrunk to fit)
     copy_threads: int = 256          # block size of the copy kernels and the merge
-    decoding_threads: int = 256      # largest block of the per-row decoding kernels (see decoding_block)
+    decoding_threads: int = 1024     # largest block of the per-row decoding kernels (see decoding_block)
 
     def __post_init__(self):
         if self.attention_threads % 32 or not 32 <= self.attention_threads <= 1024:
