@@ -215,6 +215,27 @@ def test_mixed_rows_equal_the_reference(emu, reference, seed):
     check_sample(emu, reference, logits, top_k, top_p, torch.rand(rows, generator=gen), normalize, min_checked=0.9)
 
 
+@pytest.mark.parametrize("vocab", [2000, 3000])
+def test_blocks_of_several_warps_equal_the_reference(emu, reference, vocab):
+    """4 and 6 warps per row (decoding_block): cross-warp reductions, radix digits and scan segments."""
+    from runtime.kernels.launchers import decoding_block
+    assert decoding_block(vocab, emu.config) == 32 * -(-vocab // 512)
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(12, vocab, generator=gen) * 3
+    logits[::4] = logits[::4].round()
+    top_k = torch.tensor([0, 1, 50, 0, 400, 0] * 2)
+    top_p = torch.tensor([0.0, 0.0, 0.8, 0.6, 0.0, 1e-3] * 2)
+    u, normalize = torch.rand(12, generator=gen), torch.rand(12, generator=gen) < 0.5
+    check_sample(emu, reference, logits, top_k, top_p, u, normalize, min_checked=0.9)
+    tokens, log_probs = emu.greedy(logits)
+    assert tokens.tolist() == reference.greedy(logits)[0].tolist()
+    torch.testing.assert_close(emu.log_softmax(logits), reference.log_softmax(logits), atol=1e-5, rtol=0)
+    log_probs = torch.log_softmax(logits[1:4], -1)  # rows without ties (torch's topk orders ties arbitrarily)
+    for ours, theirs in zip(emu.beam_candidates(log_probs, torch.tensor([-1.0, -2.0, -3.0]), 6, 0.3),
+                            reference.beam_candidates(log_probs, torch.tensor([-1.0, -2.0, -3.0]), 6, 0.3)):
+        assert torch.equal(ours, theirs)
+
+
 def test_ties_at_the_kth_place_keep_the_lowest_ids(emu, reference):
     row = torch.tensor([1.0, 3.0, 2.0, 3.0, 3.0, 0.0, 3.0])
     logits, top_k, top_p, u, normalize = draws_of_one_row(row, 2, 0.0, 64, seed=1)
