@@ -43,11 +43,12 @@ def fork_beams(kv: KvCacheManager, request_id: int, num_old_beams: int, parents:
         kv.free(holder)
 
 
-def prepare_beam_writes(kv: KvCacheManager, request_id: int, num_beams: int, position: int) -> list[tuple[int, int]]:
+def prepare_beam_writes(kv: KvCacheManager, request_id: int, num_beams: int, position: int,
+                        copies: list[tuple[int, int]]) -> None:
     """Every beam is about to write the token at `position`: give each a private block there
-    (a fresh one at a block boundary). Returns the (src, dst) block copies the runtime must make.
-    Raises RuntimeError when the pool runs out (the capacity scheduler reserves max_beam_blocks)."""
-    copies = []
+    (a fresh one at a block boundary), appending to `copies` the (src, dst) block copies the
+    runtime must make. Raises RuntimeError when the pool runs out; the copies made so far are in
+    `copies` already, and a retry completes the rest."""
     index = position // kv.tokens_per_block
     for b in range(num_beams):
         holder = beam_holder(request_id, b)
@@ -57,7 +58,6 @@ def prepare_beam_writes(kv: KvCacheManager, request_id: int, num_beams: int, pos
                 copies.append(pair)
         elif not kv.allocate(holder, position + 1):
             raise RuntimeError(f"KV cache: no free block for beam {b} of request {request_id}")
-    return copies
 
 
 def free_beams(kv: KvCacheManager, request_id: int, num_beams: int) -> None:

@@ -91,6 +91,8 @@ class LlmRequest:
     beam_tokens: list[list[int]] = field(default_factory=list)
     beam_log_probs: list[list[float]] = field(default_factory=list)
     beam_cum_log_probs: list[float] = field(default_factory=list)
+    num_live_beams: int = 1       # KV holders of the request: beam b > 0 is (request_id, b)
+    pending_block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) before its next forward
     context_logits: Any = None             # float32 [prompt_len, V] when requested
     generation_logits: list[Any] = field(default_factory=list)  # float32 [V] per generated token
 

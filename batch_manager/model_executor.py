@@ -13,6 +13,7 @@ from runtime import ModelRunner
 
 from .kv_cache_manager import KvCacheManager
 from .llm_request import LlmRequest
+from .beam_blocks import beam_holder, fork_beams
 from .request_decoder import RequestDecoder
 
 logger = logging.getLogger(__name__)
@@ -21,7 +22,9 @@ logger = logging.getLogger(__name__)
 @dataclass
 class PreparedStep:
     requests: list[LlmRequest]
-    num_step_tokens: list[int]                  # tokens each request computes in this step
+    num_step_tokens: list[int]                  # tokens each request (each of its live beams) computes
+    num_rows: list[int]                         # sequences (logits rows) of each request: its live beams
+    block_copies: list[tuple[int, int]]         # (src, dst) KV blocks to copy before the forward
     inputs: dict[str, torch.Tensor]             # ModelRunner.forward inputs
     context_logits_rows: dict[LlmRequest, int]  # request -> first row of its prompt in context_logits
 
@@ -63,17 +66,28 @@ class ModelExecutor:
         lengths, past, tables, flags = [], [], [], []
         context_logits_rows: dict[LlmRequest, int] = {}
         num_flagged_tokens = 0
+        num_step_tokens, num_rows, block_copies = [], [], []
         for r in requests:
             n = r.context_chunk_size or r.num_tokens_to_compute
-            new_tokens = r.token_slice(r.num_computed_tokens, r.num_computed_tokens + n)
-            token_ids.extend(new_tokens)
-            lengths.append(n)
-            past.append(r.num_computed_tokens)
-            tables.append(self.kv.block_table(r.request_id))
+            num_step_tokens.append(n)
+            num_rows.append(r.num_live_beams)
+            block_copies += r.pending_block_copies
+            if r.num_live_beams == 1:
+                token_ids.extend(r.token_slice(r.num_computed_tokens, r.num_computed_tokens + n))
+                lengths.append(n)
+                past.append(r.num_computed_tokens)
+                tables.append(self.kv.block_table(r.request_id))
+            else:  # one sequence per live beam, each over its own (partly shared) block table
+                for b, beam in enumerate(self.decoder.state(r).beams):
+                    sequence = r.prompt + beam.tokens
+                    token_ids.extend(sequence[r.num_computed_tokens:r.num_computed_tokens + n])
+                    lengths.append(n)
+                    past.append(r.num_computed_tokens)
+                    tables.append(self.kv.block_table(beam_holder(r.request_id, b)))
             # Context logits are gathered when the whole prompt is computed in one step (such a
             # request is never chunked and reuses no prefix).
             wants = r.return_context_logits and r.context_logits is None and r.num_computed_tokens == 0
-            flags.append(wants)
+            flags += [wants] * r.num_live_beams
             if wants:
                 context_logits_rows[r] = num_flagged_tokens
                 num_flagged_tokens += n
@@ -86,18 +100,24 @@ class ModelExecutor:
                   "block_tables": block_tables}
         if context_logits_rows:
             inputs["return_context_logits"] = torch.tensor(flags, dtype=torch.bool)
-        return PreparedStep(list(requests), lengths, inputs, context_logits_rows)
+        return PreparedStep(list(requests), num_step_tokens, num_rows, block_copies, inputs, context_logits_rows)
 
     def forward(self, prepared: PreparedStep) -> dict[str, torch.Tensor]:
         """The runtime forward alone: touches no manager state (overlap runs it on another thread)."""
+        if prepared.block_copies:
+            self.runner.copy_blocks([src for src, _ in prepared.block_copies],
+                                    [dst for _, dst in prepared.block_copies])
         return self.runner.forward(prepared.inputs)
 
     def update(self, prepared: PreparedStep, outputs: dict[str, torch.Tensor]) -> None:
         """Advance each request by the tokens it computed, register newly full blocks for reuse,
         and decode a token for the requests that computed everything they have. Requests that
         finished meanwhile (stopped while their forward ran) are skipped."""
-        rows = []
-        for row, (r, n) in enumerate(zip(prepared.requests, prepared.num_step_tokens)):
+        rows, decoded, first_row = [], [], 0
+        for r, n, num_rows in zip(prepared.requests, prepared.num_step_tokens, prepared.num_rows):
+            span = range(first_row, first_row + num_rows)
+            first_row += num_rows
+            r.pending_block_copies.clear()
             if r.is_finished:
                 continue
             r.num_computed_tokens += n
@@ -107,14 +127,19 @@ class ModelExecutor:
                     r.request_id, r.token_slice(self.kv.num_stored_tokens(r.request_id), r.num_computed_tokens),
                     r.num_computed_tokens)
             if r.num_computed_tokens == r.num_tokens:
-                rows.append(row)
+                rows += span
+                decoded.append(r)
         if not rows:
             return
         logits = outputs["logits"]  # float32 [S, V]
-        if len(rows) < len(prepared.requests):
+        if len(rows) < logits.shape[0]:
             logits = logits[rows]
-        self._decode([prepared.requests[i] for i in rows], logits, outputs.get("context_logits"),
-                     prepared.context_logits_rows)
+        self._decode(decoded, logits, outputs.get("context_logits"), prepared.context_logits_rows)
+        for r in decoded:
+            if r.beam_width > 1 and not r.is_finished:
+                state = self.decoder.state(r)
+                fork_beams(self.kv, r.request_id, r.num_live_beams, state.parents)
+                r.num_live_beams = state.num_rows
 
     # -- decoding -----------------------------------------------------------------------------------
 

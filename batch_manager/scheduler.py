@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .beam_blocks import beam_holder, free_beams, max_beam_blocks, prepare_beam_writes
 from .kv_cache_manager import KvCacheManager
 from .llm_request import LlmRequest, RequestState
 from .options import SchedulerPolicy
@@ -67,6 +68,8 @@ class CapacityScheduler:
         return True
 
     def _worst_case_blocks(self, r: LlmRequest) -> int:
+        if r.beam_width > 1:
+            return max_beam_blocks(self.kv, r.beam_width, r.max_num_tokens)
         return self.kv.max_blocks_held(r.prompt_len, r.max_num_tokens)
 
     def _admission_cost(self, r: LlmRequest) -> int:
@@ -87,14 +90,33 @@ class CapacityScheduler:
         r.num_computed_tokens = self.kv.acquire_cached_prefix(r.request_id, _reusable_tokens(r))
 
     def _grow(self, r: LlmRequest) -> bool:
-        """Release what the window hides, then cover every token of `r`'s next step."""
-        self.kv.release_invisible_blocks(r.request_id, r.num_computed_tokens)
-        return self.kv.allocate(r.request_id, r.num_tokens)
+        """Release what the window hides, then cover every token of `r`'s next step (for every
+        live beam, with a private copy of the block each beam writes)."""
+        if r.num_live_beams == 1:
+            self.kv.release_invisible_blocks(r.request_id, r.num_computed_tokens)
+            return self.kv.allocate(r.request_id, r.num_tokens)
+        for b in range(r.num_live_beams):
+            holder = beam_holder(r.request_id, b)
+            self.kv.release_invisible_blocks(holder, r.num_computed_tokens)
+            if not self.kv.allocate(holder, r.num_tokens):
+                return False
+        try:
+            prepare_beam_writes(self.kv, r.request_id, r.num_live_beams, r.num_computed_tokens, r.pending_block_copies)
+        except RuntimeError:
+            return False
+        return True
+
+
+def free_request_blocks(kv: KvCacheManager, r: LlmRequest) -> None:
+    """Drop every block table of `r` (one per live beam) and its pending copies."""
+    free_beams(kv, r.request_id, r.num_live_beams)
+    r.pending_block_copies.clear()
 
 
 def _reusable_tokens(r: LlmRequest) -> list[int]:
-    """Tokens whose cached KV `r` may reuse: none when it wants the logits of its whole prompt."""
-    return [] if r.return_context_logits else r.token_slice(0, r.num_tokens)
+    """Tokens whose cached KV `r` may reuse: none when it wants the logits of its whole prompt, or
+    when it resumes several beams (each recomputes its own sequence)."""
+    return [] if r.return_context_logits or r.num_live_beams > 1 else r.token_slice(0, r.num_tokens)
 
 
 class GuaranteedNoEvictScheduler(CapacityScheduler):
@@ -137,7 +159,7 @@ class MaxUtilizationScheduler(CapacityScheduler):
             r = running.pop(0)
             while not self._grow(r):
                 victim = running.pop() if running else r
-                self.kv.free(victim.request_id)
+                free_request_blocks(self.kv, victim)
                 victim.pause()
                 num_holding -= 1
                 out.paused.append(victim)
@@ -151,7 +173,8 @@ class MaxUtilizationScheduler(CapacityScheduler):
             if r.state != RequestState.WAITING:
                 continue
             prefix = self.kv.find_cached_prefix(_reusable_tokens(r))
-            cost = self.kv.blocks_for_tokens(r.num_tokens) - len(prefix) + sum(1 for b in prefix if self.kv.is_free(b))
+            cost = (r.num_live_beams * self.kv.blocks_for_tokens(r.num_tokens) - len(prefix)
+                    + sum(1 for b in prefix if self.kv.is_free(b)))
             if num_holding >= self.max_num_requests or cost > self.kv.num_free_blocks:
                 break
             self._start(r)
@@ -208,20 +231,25 @@ class MicroBatchScheduler:
         limit = self.max_batch_size if max_batch_size is None else min(max_batch_size, self.max_batch_size)
         batch = MicroBatch()
         num_tokens = 0
+        num_sequences = 0  # a beam-search request runs one sequence per live beam
         for r in fitting:
-            if r.state == RequestState.GENERATION and batch.num_requests < limit \
-                    and num_tokens + 1 <= self.max_num_tokens:
+            k = r.num_live_beams
+            if r.state == RequestState.GENERATION and num_sequences + k <= limit \
+                    and num_tokens + k <= self.max_num_tokens:
                 batch.generation_requests.append(r)
-                num_tokens += 1
+                num_tokens += k
+                num_sequences += k
         for r in fitting:
-            if r.state != RequestState.CONTEXT or batch.num_requests >= limit:
+            k = r.num_live_beams
+            if r.state != RequestState.CONTEXT or num_sequences + k > limit:
                 continue
             n, budget = r.num_tokens_to_compute, self.max_num_tokens - num_tokens
             r.context_chunk_size = None
-            if n > budget and self.enable_chunked_context and budget > 0 and not r.return_context_logits:
+            if n > budget and self.enable_chunked_context and budget > 0 and not r.return_context_logits and k == 1:
                 r.context_chunk_size = n = budget
-            if n <= budget or batch.num_requests == 0:
+            if n * k <= budget or batch.num_requests == 0:
                 batch.context_requests.append(r)
-                batch.num_context_tokens += n
-                num_tokens += n
+                batch.num_context_tokens += n * k
+                num_tokens += n * k
+                num_sequences += k
         return batch

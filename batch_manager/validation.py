@@ -211,6 +211,8 @@ def to_llm_request(request: InferenceRequest, limits: AdmissionLimits, arrival_i
         raise RequestError(f"{tn.RETURN_GENERATION_LOGITS}: true, but the engine was not built with "
                            "gather_generation_logits")
     need_blocks = -(-(len(prompt) + max_new_tokens) // limits.tokens_per_block)
+    if beam_width > 1:  # each beam's own table plus one copy-on-write block (beam_blocks.max_beam_blocks)
+        need_blocks = beam_width * (need_blocks + 1)
     if need_blocks > limits.max_num_blocks:
         raise RequestError(f"{tn.MAX_NEW_TOKENS}: prompt {len(prompt)} + {max_new_tokens} new tokens need "
                            f"{need_blocks} KV blocks; the whole pool has {limits.max_num_blocks}")

@@ -17,7 +17,7 @@ from .llm_request import FinishReason, LlmRequest
 from .model_executor import ModelExecutor, PreparedStep
 from .options import TrtGptModelType
 from .responses import response_tensors
-from .scheduler import CapacityScheduler, MicroBatch, MicroBatchScheduler
+from .scheduler import CapacityScheduler, MicroBatch, MicroBatchScheduler, free_request_blocks
 from .stats import IterationStats, stats_json
 from .validation import AdmissionLimits, RequestError, to_llm_request
 
@@ -246,7 +246,8 @@ class Worker:
 
     def _complete(self, r: LlmRequest) -> None:
         """Send the final response and release everything the request holds."""
-        self.kv.free(r.request_id)
+        free_request_blocks(self.kv, r)
+        self.executor.decoder.release(r)
         del self._active[r.request_id]
         if r.finish_reason == FinishReason.ERROR:
             self._send(r.request_id, [], True, r.error or "error")

@@ -3,6 +3,7 @@ position, the batching type or the policy; the same tokens as GptSession for the
 word lists, embedding bias, log probs and the batched logits post-processor."""
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -163,3 +164,78 @@ def test_bad_decoding_inputs_get_one_error_naming_the_tensor(tiny_engine, prompt
     run_to_completion(tiny_engine[0], client)
     _, _, err = client.final(1)
     assert message in err
+
+
+# --- beam search ----------------------------------------------------------------------------------
+
+def session_beams(engine_dir, prompt, beam_width, max_new_tokens, end_id=-1, **sampling):
+    engine = Engine.from_dir(engine_dir)
+    session = GptSession(GptSession.Config(max_batch_size=1, max_beam_width=4, max_sequence_length=96),
+                         engine.model_config, WorldConfig(), engine)
+    out = GenerationOutput()
+    session.generate(out, GenerationInput(end_id, 0, torch.tensor([prompt], dtype=torch.int32),
+                                          torch.tensor([len(prompt)]), max_new_tokens=max_new_tokens),
+                     SamplingConfig(beam_width=beam_width, **sampling))
+    beams = [out.ids[0, b, len(prompt):out.lengths[0, b]].tolist() for b in range(beam_width)]
+    return beams, out.cum_log_probs[0].tolist()
+
+
+def run_with_beams(engine_dir, client: Client, model_type=TrtGptModelType.InflightFusedBatching,
+                   policy=SchedulerPolicy.GUARANTEED_NO_EVICT, params=None) -> GptManager:
+    manager = GptManager(engine_dir, model_type, 4, policy, *client.callbacks(), optional_params=params or small_pool())
+    with manager:
+        client.wait()
+    return manager
+
+
+def beam_outputs(tensors, prompt_len):
+    lengths = tensors[tensor_names.SEQUENCE_LENGTH][0].tolist()
+    ids = tensors[tensor_names.OUTPUT_IDS][0]
+    return [ids[b, prompt_len:lengths[b]].tolist() for b in range(len(lengths))]
+
+
+@pytest.mark.parametrize("model_type, policy, max_tokens", [
+    (TrtGptModelType.InflightFusedBatching, SchedulerPolicy.GUARANTEED_NO_EVICT, 400),
+    (TrtGptModelType.InflightFusedBatching, SchedulerPolicy.MAX_UTILIZATION, 200),
+    (TrtGptModelType.InflightBatching, SchedulerPolicy.GUARANTEED_NO_EVICT, 400),
+    (TrtGptModelType.V1, SchedulerPolicy.GUARANTEED_NO_EVICT, 400)])
+def test_beam_search_through_the_manager_equals_gpt_session(tiny_engine, prompts, model_type, policy, max_tokens):
+    """Requests of beam widths 1-4 mixed with sampled ones in one manager; a small pool under
+    MAX_UTILIZATION pauses beam requests (their beams are recomputed on resume)."""
+    engine_dir = tiny_engine[0]
+    widths = {10: 2, 11: 3, 12: 4, 13: 1, 14: 4}
+    rng = random.Random(int(model_type) + 10 * int(policy))
+    requests = [make_request(i, prompts[i], max_new_tokens=10, beam_width=torch.tensor([k], dtype=torch.int32),
+                             return_log_probs=torch.tensor([True]), len_penalty=torch.tensor([1.0]))
+                for i, k in widths.items()]
+    requests += [make_request(i, prompts[i], **mixed_settings(rng)) for i in range(6)]
+    rng.shuffle(requests)
+    client = Client(requests, sorted(rng.randrange(0, 10) for _ in requests))
+    params = small_pool(max_tokens)
+    manager = run_with_beams(engine_dir, client, model_type, policy, params)
+    for i, k in widths.items():
+        tensors, _, err = client.final(i)
+        assert err == ""
+        expected, cum = session_beams(engine_dir, prompts[i], k, 10, length_penalty=1.0)
+        assert beam_outputs(tensors, len(prompts[i])) == expected, f"request {i}"
+        torch.testing.assert_close(tensors[tensor_names.CUM_LOG_PROBS][0], torch.tensor(cum), atol=1e-4, rtol=0)
+    kv = manager._worker.kv
+    assert kv.num_free_blocks == kv.num_blocks
+    kv.check_invariants()
+    if policy == SchedulerPolicy.MAX_UTILIZATION:
+        assert sum(json.loads(s)["Paused Requests"] for s in client.stats) > 0, "the pool should force pauses"
+
+
+def test_streaming_beams_carry_the_current_beams_each_step(tiny_engine, prompts):
+    engine_dir = tiny_engine[0]
+    client = Client([make_request(1, prompts[4], max_new_tokens=6, streaming=True,
+                                  beam_width=torch.tensor([3], dtype=torch.int32))])
+    run_with_beams(engine_dir, client)
+    responses = client.responses[1]
+    assert len(responses) >= 2 and responses[-1][1]
+    for step, (tensors, _, err) in enumerate(responses[:-1]):
+        assert err == ""
+        beams = beam_outputs(tensors, 0)
+        assert len(beams) == 3 and all(len(b) == step + 1 for b in beams)
+    expected, _ = session_beams(engine_dir, prompts[4], 3, 6)
+    assert beam_outputs(responses[-1][0], 0) == expected
