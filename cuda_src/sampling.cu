@@ -26,8 +26,10 @@
 //   greedy_tokens:  -> tokens int64 [num_rows], log_probs float32 [num_rows].
 //   log_softmax_rows: -> out float32 [num_rows, vocab] (contiguous).
 //   sample_tokens:  top_k int64, top_p float32, uniforms float32 in [0, 1), normalize uint8 (bool)
-//                   [num_rows] -> tokens int64, log_probs float32 [num_rows]. A row whose every
-//                   logit is -inf (or NaN) yields token 0 with log prob NaN.
+//                   [num_rows] -> tokens int64, log_probs float32 [num_rows]. Uniforms are read
+//                   at the generator's 2^-24 resolution (Philox draws are exact multiples). A row
+//                   whose every logit is -inf (or NaN) yields token 0 with log prob NaN; other rows
+//                   must be NaN-free.
 //   dtypes: logits float32 whatever DTYPE says (the define is ignored).
 #include "prelude.cuh"
 
