@@ -41,7 +41,7 @@
 
 typedef unsigned long long u64;
 
-// ---- helpers ----------------------------------------------------------------------------------
+// ---- building blocks ----------------------------------------------------------------------------
 __device__ __forceinline__ float clean_zero(float x) { return x == 0.0f ? 0.0f : x; }  // -0 ties +0
 
 // uint32 key whose unsigned order is the float order (for non-NaN values).

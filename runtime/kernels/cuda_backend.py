@@ -3,7 +3,7 @@
 
 `CudaKernels` overrides the KV-cache ops (write_kv, copy_blocks, decode_attention) and the decoding
 ops (uniforms, apply_penalties, ban_tokens, greedy, log_softmax, sample, beam_candidates); every op
-it does not override (the host-side helpers repeat_ngram_bans and top_k_top_p_mask) falls back to
+it does not override (the host-side operations repeat_ngram_bans and top_k_top_p_mask) falls back to
 the torch reference (TorchKernels) on the same device tensors.
 The emu backend subclasses it and swaps only the module loader, the device and the stream, so
 both run the same launchers (launchers.py).
