@@ -172,7 +172,12 @@ class GptSession:
         tpb = engine.build_config.tokens_per_block
         self.blocks_per_sequence = -(-config.max_sequence_length // tpb)
         num_blocks = config.max_batch_size * config.max_beam_width * self.blocks_per_sequence
-        self.runner = ModelRunner(engine, num_blocks, kernels=kernels, device=device)
+        # kv_cache_config: any object with max_attention_window / sink_token_length (e.g. the
+        # manager's KvCacheConfig); results follow the window, memory is not released early.
+        kv = config.kv_cache_config
+        self.runner = ModelRunner(engine, num_blocks, kernels=kernels, device=device,
+                                  max_attention_window=getattr(kv, "max_attention_window", None),
+                                  sink_token_length=getattr(kv, "sink_token_length", None))
         self.decoder = Decoder(self.runner.kernels)
 
     def generate(self, output: GenerationOutput, inputs: GenerationInput, sampling: SamplingConfig) -> None:

@@ -132,3 +132,28 @@ def test_bad_window_settings_are_refused(models, name, value):
     path, _ = models["llama"]
     with pytest.raises(ValueError, match=name):
         ModelRunner(Engine.from_dir(path, tokens_per_block=4), 4, **{name: value})
+
+
+def test_gpt_session_generates_under_the_configured_window(models):
+    """GptSession.Config.kv_cache_config's window and sinks: greedy tokens equal transformers'
+    greedy continuation under the window/sink mask, step by step."""
+    from types import SimpleNamespace
+
+    from runtime import GenerationInput, GenerationOutput, GptSession, SamplingConfig, WorldConfig
+
+    path, model = models["llama"]
+    engine = Engine.from_dir(path, tokens_per_block=4)
+    kv = SimpleNamespace(max_attention_window=6, sink_token_length=2)
+    session = GptSession(GptSession.Config(1, 1, 64, kv_cache_config=kv), engine.model_config, WorldConfig(), engine)
+    prompt = random_tokens(9, seed=11)
+    out = GenerationOutput()
+    session.generate(out, GenerationInput(-1, 0, torch.tensor([prompt], dtype=torch.int32), torch.tensor([9]),
+                                          max_new_tokens=10), SamplingConfig())
+    tokens = list(prompt)
+    for _ in range(10):
+        tokens.append(int(masked_reference(model, tokens, window=6, sink=2)[-1].argmax()))
+    assert out.ids[0, 0, :19].tolist() == tokens
+    unwindowed = list(prompt)
+    for _ in range(10):
+        unwindowed.append(int(masked_reference(model, unwindowed, window=1000, sink=0)[-1].argmax()))
+    assert unwindowed != tokens, "the window should change this continuation"
