@@ -20,6 +20,7 @@ import torch
 from .. import rng
 
 NEG_INF = float("-inf")
+_TOP_P_CANDIDATES = (1024, 16384)  # top-p rows draw among this many most probable tokens when they hold p
 
 
 def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
@@ -145,8 +146,8 @@ class TorchDecoderKernels:
 
         NOTE: the result equals `_sample_masked` (the definition) row for row; the fast paths only
         avoid whole-vocabulary passes: a top-k row draws among its k candidates (exact unless
-        the k-th value is tied, then it takes the masked path), a top-p row among the 1024 most
-        probable tokens when they hold at least p of the mass."""
+        the k-th value is tied, then it takes the masked path), a top-p row among the 1024 (else
+        16384) most probable tokens when they hold at least p of the mass."""
         tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
         log_probs = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
         vocab = logits.shape[1]
@@ -163,14 +164,20 @@ class TorchDecoderKernels:
             self._fast_rows(k_rows, exact, sub, values, index, valid, top_p[k_rows], None, uniforms,
                             normalize_log_probs, tokens, log_probs, slow)
         p_rows = is_top_p.nonzero()[:, 0]
-        if p_rows.numel():
+        for num_candidates in _TOP_P_CANDIDATES:  # a partial top-k is far cheaper than a full sort
+            if not p_rows.numel():
+                break
             sub = logits[p_rows]
             lse = torch.logsumexp(sub, dim=-1)
-            values, index = sub.topk(min(vocab, 1024), dim=-1)
+            values, index = sub.topk(min(vocab, num_candidates), dim=-1)
             p = top_p[p_rows]
             enough = torch.exp(values - lse[:, None]).sum(-1) >= p
-            self._fast_rows(p_rows, enough, sub, values, index, torch.ones_like(values, dtype=torch.bool), p, lse,
-                            uniforms, normalize_log_probs, tokens, log_probs, slow)
+            enough &= (sub >= values[:, -1:]).sum(-1) == values.shape[1]  # no tie across the cut
+            self._fast_rows(p_rows[enough], torch.ones(int(enough.sum()), dtype=torch.bool, device=sub.device),
+                            sub[enough], values[enough], index[enough], torch.ones_like(values[enough], dtype=torch.bool),
+                            p[enough], lse[enough], uniforms, normalize_log_probs, tokens, log_probs, slow)
+            p_rows = p_rows[~enough]
+        slow[p_rows] = True
         rest = slow.nonzero()[:, 0]
         if rest.numel():
             t, lp = self._sample_masked(logits[rest], top_k[rest], top_p[rest], uniforms[rest],
