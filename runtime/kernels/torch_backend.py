@@ -53,8 +53,10 @@ class TorchKernels(TorchDecoderKernels):
         tpb = cache.shape[1]
         num_blocks = -(-num_tokens // tpb)
         # Released blocks (negative ids) hold only invisible keys: read block 0 in their place.
-        blocks = cache[block_tables[:, :num_blocks].long().clamp(min=0)]  # [B, nb, tpb, kvH, D]
-        return blocks.flatten(1, 2)[:, :num_tokens]
+        # NOTE: index_select over flat block ids copies about twice as fast as advanced indexing.
+        ids = block_tables[:, :num_blocks].long().clamp(min=0).flatten()
+        blocks = cache.index_select(0, ids)  # [B * nb, tpb, kvH, D]
+        return blocks.view(block_tables.shape[0], num_blocks * tpb, *cache.shape[2:])[:, :num_tokens]
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
@@ -63,21 +65,16 @@ class TorchKernels(TorchDecoderKernels):
 
         seq_lens int [B] counts the cached tokens including the query's own (already written).
         """
-        batch, num_heads, head_dim = q.shape
-        num_kv_heads = k_cache.shape[2]
         dtype = _compute_dtype(q)
         max_len = int(seq_lens.max())
-        k = self.gather_kv(k_cache, block_tables, max_len).to(dtype)  # [B, L, kvH, D]
-        v = self.gather_kv(v_cache, block_tables, max_len).to(dtype)
-        qg = q.to(dtype).view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        scores = torch.matmul(qg, k.permute(0, 2, 3, 1)) * scale  # [B, kvH, g, L]
+        # [B, kvH, L, D] views of the gathered keys and values (SDPA takes the strides as they are)
+        k = self.gather_kv(k_cache, block_tables, max_len).to(dtype).transpose(1, 2)
+        v = self.gather_kv(v_cache, block_tables, max_len).to(dtype).transpose(1, 2)
         key_pos = torch.arange(max_len, device=q.device)
-        lens = seq_lens.to(q.device).long()
-        visible = _visible(lens - 1, key_pos, window, sink)
-        scores.masked_fill_(~visible[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        out = torch.matmul(probs, v.transpose(1, 2))  # [B, kvH, g, D]
-        return out.reshape(batch, num_heads, head_dim).to(q.dtype)
+        visible = _visible(seq_lens.to(q.device).long() - 1, key_pos, window, sink)  # [B, L]
+        out = F.scaled_dot_product_attention(q.to(dtype)[:, :, None, :], k, v, attn_mask=visible[:, None, None, :],
+                                             scale=scale, enable_gqa=True)  # [B, H, 1, D]
+        return out[:, :, 0].to(q.dtype)
 
     def context_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_table: torch.Tensor, past_len: int, scale: float,
