@@ -239,3 +239,21 @@ def test_streaming_beams_carry_the_current_beams_each_step(tiny_engine, prompts)
         assert len(beams) == 3 and all(len(b) == step + 1 for b in beams)
     expected, _ = session_beams(engine_dir, prompts[4], 3, 6)
     assert beam_outputs(responses[-1][0], 0) == expected
+
+
+def test_normalize_log_probs_renormalises_over_the_top_k_set(tiny_engine, prompts):
+    """normalize_log_probs (the manager option): log probs of the sampled tokens under the top-k
+    renormalised distribution; off: over the whole vocabulary. Same seed, same tokens."""
+    settings = dict(runtime_top_k=torch.tensor([5], dtype=torch.int32), random_seed=torch.tensor([7]),
+                    return_log_probs=torch.tensor([True]))
+    results = {}
+    for normalize in (True, False):
+        client = Client([make_request(1, prompts[6], **settings)])
+        params = small_pool()
+        params.normalize_log_probs = normalize
+        run_to_completion(tiny_engine[0], client, params=params)
+        tensors, _, _ = client.final(1)
+        results[normalize] = (output_tokens(client, 1, len(prompts[6])), tensors[tensor_names.OUTPUT_LOG_PROBS][0, 0])
+    assert results[True][0] == results[False][0]
+    assert bool((results[True][1] > results[False][1]).all())
+    assert bool((results[True][1] <= 0).all())
