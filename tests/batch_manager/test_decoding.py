@@ -18,9 +18,12 @@ SEEDED = dict(temperature=torch.tensor([0.9]), runtime_top_k=torch.tensor([20], 
               runtime_top_p=torch.tensor([0.9]), random_seed=torch.tensor([4242], dtype=torch.int64))
 
 
-def mixed_settings(rng: random.Random) -> dict:
-    """A random mix of decoding settings for the other requests of a batch."""
-    choice = rng.randrange(6)
+def mixed_settings(rng: random.Random, beams: bool = False) -> dict:
+    """A random mix of decoding settings for the other requests of a batch (beam search too
+    when the manager allows a beam width of 4)."""
+    choice = rng.randrange(7 if beams else 6)
+    if choice == 6:
+        return dict(beam_width=torch.tensor([rng.randrange(2, 5)], dtype=torch.int32))
     if choice == 0:
         return {}
     if choice == 1:
@@ -67,10 +70,10 @@ def test_seeded_request_is_the_same_alone_and_in_a_mixed_batch_of_32(tiny_engine
             requests.append(make_request(100, prompts[3], **SEEDED))
         else:
             requests.append(make_request(i, prompts[i % len(prompts)], max_new_tokens=rng.randrange(2, 16),
-                                         **mixed_settings(rng)))
+                                         **mixed_settings(rng, beams=True)))
         arrivals.append(rng.randrange(0, 20))
     client = Client(requests, sorted(arrivals))
-    manager = run_to_completion(tiny_engine[0], client, model_type, policy, small_pool(200))
+    manager = run_with_beams(tiny_engine[0], client, model_type, policy, small_pool(400))
     assert output_tokens(client, 100, len(prompts[3])) == seeded_alone
     kv = manager._worker.kv
     assert kv.num_free_blocks == kv.num_blocks
