@@ -44,6 +44,8 @@ def _event_body(request_id: int, event: ResponseEvent, tokenizer, all_ids: list[
         body["text"] = tokenizer.decode(all_ids, skip_special_tokens=True)[len(previous_text):]
     if event.log_probs is not None:
         body["log_probs"], body["cum_log_prob"] = event.log_probs, event.cum_log_prob
+    if event.beams is not None:
+        body["beams"] = event.beams
     return body
 
 

@@ -22,11 +22,12 @@ VALIDATION_ERROR_PREFIX = "Cannot process new request"  # GptManager's admission
 
 @dataclass(frozen=True)
 class ResponseEvent:
-    output_ids: list[int]           # streaming: this response's new tokens; else every generated token
+    output_ids: list[int]           # beam 0. Streaming: this response's new tokens; else every generated token
     is_final: bool
     error: str = ""
     log_probs: list[float] | None = None   # per token of output_ids, when return_log_probs
     cum_log_prob: float | None = None
+    beams: list[list[int]] | None = None   # every beam's output_ids, when beam_width > 1
 
     @property
     def is_bad_request(self) -> bool:
@@ -118,12 +119,14 @@ class ManagerBridge:
             self._deliver(handler, ResponseEvent([], is_final, err_msg))
             return
         output = {t.name: t.tensor for t in tensors}
+        lengths = output[tn.SEQUENCE_LENGTH][0].tolist()                       # [beam]
+        beams = [row[:n] for row, n in zip(output[tn.OUTPUT_IDS][0].tolist(), lengths)]  # [beam][T]
         log_probs = cum_log_prob = None
         if handler.return_log_probs:
-            log_probs = output[tn.OUTPUT_LOG_PROBS][0, 0].tolist()
+            log_probs = output[tn.OUTPUT_LOG_PROBS][0, 0].tolist()[:lengths[0]]
             cum_log_prob = float(output[tn.CUM_LOG_PROBS][0, 0])
-        self._deliver(handler, ResponseEvent(output[tn.OUTPUT_IDS][0, 0].tolist(), is_final, "", log_probs,
-                                             cum_log_prob))
+        self._deliver(handler, ResponseEvent(beams[0], is_final, "", log_probs, cum_log_prob,
+                                             beams if len(beams) > 1 else None))
 
     def _poll_stop_signals(self) -> set[int]:
         with self._lock:

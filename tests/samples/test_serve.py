@@ -89,6 +89,16 @@ def test_concurrent_requests(server, tiny_model_dirs):
     assert server.bridge.manager.get_num_active_requests() == 0
 
 
+def test_sampling_options_reach_the_request(server):
+    """Seeded top-k sampling with log probs: the same seed gives the same tokens."""
+    body = {"input_ids": PROMPTS[4], "max_new_tokens": 6, "top_k": 5, "temperature": 0.8, "seed": 3,
+            "return_log_probs": True}
+    (status_a, a), (status_b, b) = run(post, server.url, body), run(post, server.url, body)
+    assert status_a == status_b == 200, (a, b)
+    assert a["output_ids"] == b["output_ids"] and len(a["log_probs"]) == 6
+    assert a["cum_log_prob"] == pytest.approx(sum(a["log_probs"]), abs=1e-4) and a["cum_log_prob"] < 0
+
+
 @pytest.mark.parametrize("body, status, names", [
     ("{not json", 400, "JSON"),
     ({"input_ids": [5, 6], "colour": 1}, 400, "colour"),
