@@ -56,7 +56,9 @@ def _beam_response_tensors(r: LlmRequest, exclude_input_in_output: bool) -> list
     first — beams reorder between steps, so "new tokens only" has no meaning for them. Streamed
     responses hold the generated tokens; a final non-streaming one prompt + generated unless
     exclude_input_in_output. Rows are padded with pad_id to the longest beam."""
-    beams = r.beam_tokens or [list(r.generated)]
+    # Before its first decoding step (stopped or failed at once) a request has no beams yet:
+    # every beam is then the prompt alone, so the beam dimension is still beam_width.
+    beams = r.beam_tokens or [list(r.generated)] * r.beam_width
     prefix = [] if (r.is_streaming or exclude_input_in_output) else r.prompt
     rows = [prefix + tokens for tokens in beams]
     width = max(len(row) for row in rows)

@@ -201,6 +201,7 @@ def to_llm_request(request: InferenceRequest, limits: AdmissionLimits, arrival_i
     if end_id is not None and end_id != -1:
         _check_range(tn.END_ID, end_id, 0, limits.vocab_size, high_inclusive=False)
     pad_id = _scalar(tensors, tn.PAD_ID, "int", 0)
+    _check_range(tn.PAD_ID, pad_id, -(1 << 31), (1 << 31) - 1)   # written into int32 output_ids
     sampling = _sampling(tensors, limits.vocab_size)
     embedding_bias = _embedding_bias(tensors, limits.vocab_size)
     flags = {name: _scalar(tensors, name, "bool", False)

@@ -66,7 +66,9 @@ class Worker:
         self._forward_pool = ThreadPoolExecutor(1, thread_name_prefix="GptManagerForward") \
             if config.enable_trt_overlap else None
         self._in_flight: _InFlight | None = None
-        # A test hook: called with the micro-batch's requests before each forward; may raise.
+        # Fault-injection test hook (tests, samples.chaos_soak): fault_injector(group) is called on
+        # the worker thread with each request group of a step before the group is prepared; what
+        # it raises fails exactly that group's requests, as a failing model step would.
         self.fault_injector: Callable[[list[LlmRequest]], None] | None = None
 
     @property
@@ -242,17 +244,35 @@ class Worker:
             if r.is_finished:
                 self._complete(r)
             elif r.is_streaming and len(r.generated) > r.num_sent_tokens:
-                self._send(r.request_id, response_tensors(r, self.config.exclude_input_in_output), False, "")
+                tensors = self._response_tensors(r)
+                if tensors is None:
+                    self._complete(r)
+                else:
+                    self._send(r.request_id, tensors, False, "")
 
     def _complete(self, r: LlmRequest) -> None:
         """Send the final response and release everything the request holds."""
         free_request_blocks(self.kv, r)
         self.executor.decoder.release(r)
         del self._active[r.request_id]
-        if r.finish_reason == FinishReason.ERROR:
+        tensors = None if r.finish_reason == FinishReason.ERROR else self._response_tensors(r)
+        if tensors is None:
             self._send(r.request_id, [], True, r.error or "error")
         else:
-            self._send(r.request_id, response_tensors(r, self.config.exclude_input_in_output), True, "")
+            self._send(r.request_id, tensors, True, "")
+
+    def _response_tensors(self, r: LlmRequest) -> list | None:
+        """The response's tensors; None (and `r` failed) when they cannot be built: one bad
+        request must not take the worker down."""
+        try:
+            return response_tensors(r, self.config.exclude_input_in_output)
+        except Exception as e:  # noqa: BLE001
+            logger.exception("building the response of request %s failed", r.request_id)
+            if r.is_finished:
+                r.finish_reason, r.error = FinishReason.ERROR, f"failed to build the response: {e!r}"
+            else:
+                r.finish(FinishReason.ERROR, f"failed to build the response: {e!r}")
+            return None
 
     def _fail_all(self, message: str) -> None:
         if self._in_flight is not None:   # let its forward end before the blocks are freed
