@@ -241,6 +241,8 @@ class Worker:
 
     def _send_responses(self, batch: MicroBatch) -> None:
         for r in batch.context_requests + batch.generation_requests:
+            if self._active.get(r.request_id) is not r:   # completed already (failed while prepared)
+                continue
             if r.is_finished:
                 self._complete(r)
             elif r.is_streaming and len(r.generated) > r.num_sent_tokens:

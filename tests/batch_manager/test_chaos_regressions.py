@@ -68,3 +68,33 @@ def test_a_response_that_cannot_be_built_fails_only_its_request(tiny_engine, pro
     assert streamed == references[2][len(prompts[2]):]
     assert manager.get_num_active_requests() == 0
     assert manager._worker.kv.num_free_blocks == manager._worker.kv.num_blocks
+
+
+def test_overlap_a_group_failing_while_prepared_is_completed_once(tiny_engine, prompts, references):
+    """Was: with overlap and InflightBatching (a context and a generation group per step), a
+    group failing while prepared was completed at once and again when its micro-batch's
+    responses went out: a KeyError killed the worker (or, with the id reused meanwhile, the
+    new request would have been dropped)."""
+    engine_dir, _ = tiny_engine
+    client = Client([make_request(i, prompts[i]) for i in range(8)], [0, 0, 0, 0, 6, 6, 6, 6])
+    params = small_pool(400)
+    params.enable_trt_overlap = True
+    manager = GptManager(engine_dir, TrtGptModelType.InflightBatching, 1, SchedulerPolicy.GUARANTEED_NO_EVICT,
+                         *client.callbacks(), optional_params=params)
+    failed = []
+
+    def inject(group):
+        if not failed and any(r.request_id >= 4 for r in group) and not group[0].generated:
+            failed.extend(r.request_id for r in group)
+            raise RuntimeError("injected fault")
+    manager._worker.fault_injector = inject
+    with manager:
+        client.wait()
+    assert failed
+    for i in range(8):
+        tensors, _, err = client.final(i)
+        if i in failed:
+            assert tensors == {} and "injected fault" in err
+        else:
+            assert err == "" and tensors[tensor_names.OUTPUT_IDS][0, 0].tolist() == references[i]
+    assert manager._worker.kv.num_free_blocks == manager._worker.kv.num_blocks
