@@ -121,5 +121,14 @@ def test_decode_attention_bandwidth(cuda_kernels):
     torch.cuda.synchronize()
     seconds = (time.perf_counter() - start) / iters
     gigabytes = 2 * k_cache.numel() * k_cache.element_size() / 1e9
-    print(f"\ndecode attention: {seconds * 1e6:.0f} us, {gigabytes / seconds:.0f} GB/s of KV "
-          f"({torch.cuda.get_device_name()})")
+    achieved = gigabytes / seconds
+    print(f"\ndecode attention: {seconds * 1e6:.0f} us, {achieved:.0f} GB/s of KV "
+          f"({torch.cuda.get_device_name()}; {achieved / peak_memory_bandwidth_gbs():.0%} of its memory bandwidth)")
+
+
+def peak_memory_bandwidth_gbs() -> float:
+    """The device's theoretical DRAM bandwidth: 2 (DDR) x memory clock x bus width."""
+    import cupy
+
+    props = cupy.cuda.runtime.getDeviceProperties(torch.cuda.current_device())
+    return 2 * props["memoryClockRate"] * 1e3 * props["memoryBusWidth"] / 8 / 1e9
