@@ -7,11 +7,12 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
+from batch_manager.beam_blocks import beam_holder, fork_beams
 from batch_manager.kv_cache_manager import KvCacheManager
 from batch_manager.llm_request import FinishReason, LlmRequest, RequestState
 from batch_manager.options import SchedulerPolicy
 from batch_manager.scheduler import (GuaranteedNoEvictScheduler, MaxUtilizationScheduler, MicroBatchScheduler,
-                                     StaticBatchScheduler, make_capacity_scheduler)
+                                     StaticBatchScheduler, free_request_blocks, make_capacity_scheduler)
 
 GENERATED_TOKEN = 7
 
@@ -320,10 +321,12 @@ NUM_BLOCKS, TOKENS_PER_BLOCK, MAX_NUM_REQUESTS = 6, 2, 4
 
 class CapacityMachine(RuleBasedStateMachine):
     """Random arrivals, steps (whole or chunked contexts) and stops against one capacity scheduler
-    and a small pool, optionally with prefix reuse and a window. Block contents are simulated: a
+    and a small pool, optionally with prefix reuse, a window, or beam search (beams forked at
+    random after each step, copy-on-write before each write). Block contents are simulated: a
     token written into a shared or released block, or a reused prefix of other tokens, fails."""
     policy: SchedulerPolicy
     reuse = False
+    max_beam_width = 1
     window: int | None = None
     sink = 0
     num_blocks, tokens_per_block = NUM_BLOCKS, TOKENS_PER_BLOCK
@@ -336,6 +339,7 @@ class CapacityMachine(RuleBasedStateMachine):
         self.active: list[LlmRequest] = []   # admission order
         self.next_id = 0
         self.content: dict[int, list] = {}   # block -> simulated token of each slot
+        self.tokens_seen: dict[int, list[int]] = {}   # request id -> its tokens at the last check
 
     @rule(data=st.data())
     def add_request(self, data):   # prompt + max_new_tokens <= the pool
@@ -344,26 +348,45 @@ class CapacityMachine(RuleBasedStateMachine):
         max_new_tokens = data.draw(st.integers(1, half))
         r = make_request(self.next_id, len(prompt), max_new_tokens)
         r.prompt = list(prompt)
+        if self.max_beam_width > 1:
+            r.beam_width = data.draw(st.integers(1, self.max_beam_width))
+            # As admission refuses a request that cannot fit the pool alone.
+            while r.beam_width > 1 and self.scheduler._worst_case_blocks(r) > self.num_blocks:
+                r.max_new_tokens -= 1
+                if r.max_new_tokens == 0:
+                    r.prompt, r.max_new_tokens = r.prompt[:1], 1
         self.active.append(r)
         self.next_id += 1
 
-    def _forward(self, r: LlmRequest, max_step_tokens: int) -> None:
-        """A (possibly chunked) model step: write the KV of the step's tokens, then as `forward`."""
-        n = min(r.num_tokens_to_compute, max_step_tokens)
-        table, start, tpb = self.kv.block_table(r.request_id), r.num_computed_tokens, self.tokens_per_block
-        for pos in range(start, start + n):
-            b = table[pos // tpb]
-            assert b >= 0 and self.kv.ref_count(b) == 1, "a write into a shared or released block"
-            self.content.setdefault(b, [None] * tpb)[pos % tpb] = r.token_slice(pos, pos + 1)[0]
+    def _forward(self, r: LlmRequest, max_step_tokens: int, data) -> None:
+        """A (possibly chunked) model step: make the block copies the scheduler asked for, write
+        the KV of the step's tokens into every live beam's table, then as `forward`; a beam
+        request then forks its beams at random (beam b continues old beam parents[b])."""
+        n = r.num_tokens_to_compute if r.num_live_beams > 1 else min(r.num_tokens_to_compute, max_step_tokens)
+        for src, dst in r.pending_block_copies:
+            self.content[dst] = list(self.content.get(src, [None] * self.tokens_per_block))
+        r.pending_block_copies.clear()
+        start, tpb = r.num_computed_tokens, self.tokens_per_block
+        for beam in range(r.num_live_beams):
+            table = self.kv.block_table(beam_holder(r.request_id, beam))
+            for pos in range(start, start + n):
+                b = table[pos // tpb]
+                assert b >= 0 and self.kv.ref_count(b) == 1, "a write into a shared or released block"
+                self.content.setdefault(b, [None] * tpb)[pos % tpb] = r.token_slice(pos, pos + 1)[0]
         if n < r.num_tokens_to_compute:
             r.num_computed_tokens += n
         else:
             forward(r)
+            if r.beam_width > 1 and not r.is_finished:
+                parents = data.draw(st.lists(st.integers(0, r.num_live_beams - 1), min_size=r.beam_width,
+                                             max_size=r.beam_width))
+                fork_beams(self.kv, r.request_id, r.num_live_beams, parents)
+                r.num_live_beams = r.beam_width
         self.kv.store_computed_blocks(r.request_id, r.token_slice(self.kv.num_stored_tokens(r.request_id),
                                                                   r.num_computed_tokens), r.num_computed_tokens)
 
-    @rule(max_step_tokens=st.sampled_from([1, 3, 100]))
-    def step(self, max_step_tokens):
+    @rule(max_step_tokens=st.sampled_from([1, 3, 100]), data=st.data())
+    def step(self, max_step_tokens, data):
         if not self.active:
             return
         running_before = {r.request_id for r in self.active if r.holds_blocks}
@@ -388,9 +411,9 @@ class CapacityMachine(RuleBasedStateMachine):
             for j in range(r.num_computed_tokens // tpb):   # a reused prefix holds its tokens
                 if table[j] >= 0 and r.request_id not in running_before:
                     assert self.content[table[j]] == r.token_slice(j * tpb, (j + 1) * tpb)
-            self._forward(r, max_step_tokens)
+            self._forward(r, max_step_tokens, data)
             if r.is_finished:
-                self.kv.free(r.request_id)
+                free_request_blocks(self.kv, r)
                 self.active.remove(r)
 
     def _check_promise(self):
@@ -399,7 +422,7 @@ class CapacityMachine(RuleBasedStateMachine):
         running = [r for r in self.active if r.holds_blocks]
         missing = 0
         for r in running:
-            worst, held = self.scheduler._worst_case_blocks(r), self.kv.num_blocks_held(r.request_id)
+            worst, held = self.scheduler._worst_case_blocks(r), len(self._blocks_of(r))
             assert held <= worst
             missing += worst - held
         reserve = self.kv.num_extra_refs if self.window is not None else 0
@@ -413,14 +436,35 @@ class CapacityMachine(RuleBasedStateMachine):
             return
         r = data.draw(st.sampled_from(self.active))
         r.finish(FinishReason.STOPPED)
-        self.kv.free(r.request_id)
+        free_request_blocks(self.kv, r)
         self.active.remove(r)
+
+    def _blocks_of(self, r: LlmRequest) -> set[int]:
+        """Distinct blocks held by any beam of `r`."""
+        return {b for beam in range(r.num_live_beams) for b in self.kv.block_table(beam_holder(r.request_id, beam))
+                if b >= 0}
 
     @invariant()
     def blocks_are_consistent(self):
         self.kv.check_invariants()
         holders = {r.request_id for r in self.active if r.holds_blocks}
         assert {i for i in range(self.next_id) if self.kv.holds(i)} == holders
+        assert all(c >= 0 for c in self.kv._ref_counts)
+        assert self.kv.num_free_blocks + self.kv.num_used_blocks == self.kv.num_blocks
+        owners: dict[int, set[int]] = {}
+        for r in self.active:
+            assert not any(self.kv.holds((r.request_id, b)) for b in range(r.num_live_beams, self.max_beam_width + 1))
+            if not r.holds_blocks:
+                assert not any(self.kv.holds(beam_holder(r.request_id, b)) for b in range(self.max_beam_width))
+            for b in self._blocks_of(r):
+                owners.setdefault(b, set()).add(r.request_id)
+        for b, request_ids in owners.items():   # shared between requests only through the prefix cache
+            assert len(request_ids) == 1 or self.kv._block_to_hash[b] is not None, f"block {b} owned twice"
+        for r in self.active:   # tokens only ever grow, whatever pauses and resumes happened
+            tokens = r.token_slice(0, r.num_tokens)
+            seen = self.tokens_seen.get(r.request_id, [])
+            assert tokens[:len(seen)] == seen, "a request lost tokens"
+            self.tokens_seen[r.request_id] = tokens
         for r in self.active:
             assert len(self.kv.block_table(r.request_id)) >= self.kv.blocks_for_tokens(r.num_computed_tokens)
             if not r.holds_blocks:
@@ -454,3 +498,11 @@ TestGuaranteedNoEvictTightWindowMachine = _machine_for(SchedulerPolicy.GUARANTEE
                                                        sink=1, num_blocks=8, tokens_per_block=1)
 TestMaxUtilizationTightWindowMachine = _machine_for(SchedulerPolicy.MAX_UTILIZATION, reuse=True, window=2,
                                                     sink=1, num_blocks=8, tokens_per_block=1)
+# Beam search: beams forked at random after each step over shared tables, copy-on-write.
+TestMaxUtilizationBeamMachine = _machine_for(SchedulerPolicy.MAX_UTILIZATION, max_beam_width=3, num_blocks=12)
+TestGuaranteedNoEvictBeamMachine = _machine_for(SchedulerPolicy.GUARANTEED_NO_EVICT, max_beam_width=3, num_blocks=12)
+TestStaticBatchBeamMachine = _machine_for(SchedulerPolicy.STATIC_BATCH, max_beam_width=3, num_blocks=12)
+TestMaxUtilizationBeamReuseMachine = _machine_for(SchedulerPolicy.MAX_UTILIZATION, reuse=True, max_beam_width=3,
+                                                  num_blocks=12)
+TestGuaranteedNoEvictBeamReuseMachine = _machine_for(SchedulerPolicy.GUARANTEED_NO_EVICT, reuse=True,
+                                                     max_beam_width=3, num_blocks=12)
