@@ -1,0 +1,279 @@
+"""`python -m samples.chaos_soak [--requests N] [--producers P] [--seed S] [--json OUT]`: a chaos
+soak of GptManager.
+
+Rounds of construct / serve / shut down, one per (batching type x capacity policy), with block
+reuse, chunked context and overlap switched on and off between rounds, over a KV pool small
+enough to force pauses; then three identical rounds for the memory check (RSS must not grow
+across them, as the legacy binding's own test did). In each round, producer threads submit
+random requests (greedy, seeded sampling, beam search of width 2-4, streaming or not, about 5 %
+bad requests of every kind of API.md's validation list, duplicates of active ids, ids reused
+after their final response); user callbacks raise at random; model steps raise at random
+through the worker's `fault_injector` test hook; stop signals name active and unknown ids.
+
+Checked continuously (from the stats callback, between iterations): the KV block invariants
+and the stats' block counts. Checked at the end of each round: every submission got exactly one
+final response (an error naming the field for a bad one, the request_id for a duplicate), every
+KV block is free with reference count 0, the thread count is back to its start value, shutdown
+(called with requests in flight) returned within 2 s of the last step, and a sample of the
+greedy requests that were neither stopped nor failed equal a solo GptSession run.
+
+The model is a tiny random-weight LLaMA (vocab 128, hidden 64, 2 layers, 4 heads, 2 KV heads)
+written through samples.default_model, so that 10,000 requests run in minutes on 2 CPU cores.
+Exit status 1 when an invariant broke. The short mode (the default, a few hundred requests)
+runs in the test suite; the long mode is `--requests 10000`.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import os
+import random
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from batch_manager import (GptManager, KvCacheConfig, SchedulerPolicy, TrtGptModelOptionalParams, TrtGptModelType)
+from runtime import Engine, GenerationInput, GenerationOutput, GptSession, SamplingConfig, WorldConfig, build_engine
+
+from .chaos_requests import MAX_BEAM_WIDTH, make_bad, make_valid
+from .chaos_tracker import ChaosClient
+from .default_model import write_random_llama
+
+MODEL = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             intermediate_size=96, max_position_embeddings=256)
+MODEL_NAME = "tiny random-weight LLaMA (vocab 128, hidden 64, 2 layers, 4 heads / 2 KV heads, fp32)"
+BUILD = dict(tokens_per_block=4, max_batch_size=8, max_input_len=48, max_seq_len=96, max_num_tokens=128)
+POOL_TOKENS = 192            # 48 blocks of 4 tokens: a handful of requests at once, so pauses happen
+BAD_RATE = 0.05
+SHUTDOWN_BOUND_S = 2.0
+# RSS may rise a little between identical rounds (allocator caches, torch's thread pools, log
+# records): growth from the first to the third memory round above this is reported as a leak.
+RSS_TOLERANCE_MIB = 16.0
+GREEDY_CHECKS_PER_ROUND = 8
+DRAIN_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class RoundConfig:
+    model_type: str
+    policy: str
+    enable_block_reuse: bool
+    enable_chunked_context: bool
+    enable_trt_overlap: bool
+
+
+def round_configs() -> list[RoundConfig]:
+    """Every batching type x capacity policy; reuse, chunking and overlap alternate on and off."""
+    configs = []
+    for i, (model_type, policy) in enumerate((m, p) for m in TrtGptModelType for p in SchedulerPolicy):
+        configs.append(RoundConfig(model_type.name, policy.name, enable_block_reuse=i % 2 == 0,
+                                   enable_chunked_context=i % 3 != 1, enable_trt_overlap=i % 4 in (0, 3)))
+    return configs
+
+
+MEMORY_CONFIG = RoundConfig("InflightFusedBatching", "MAX_UTILIZATION", True, True, True)
+
+
+def make_engine(directory: str) -> str:
+    """The soak's model: random weights widened to N(0, 0.2) so greedy argmaxes are clear (a
+    batched and a solo run then pick the same tokens), built into an engine directory."""
+    hf = write_random_llama(os.path.join(directory, "hf"), seed=0, **MODEL)
+    path = os.path.join(hf, "model.safetensors")
+    tensors = {k: (v * 10 if v.dim() >= 2 else v) for k, v in load_file(path).items()}
+    save_file(tensors, path, metadata={"format": "pt"})
+    engine_dir = os.path.join(directory, "engine")
+    build_engine(hf, engine_dir, **BUILD)
+    return engine_dir
+
+
+def rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / (1 << 20)
+
+
+def _produce(client: ChaosClient, seed: int, num_requests: int) -> None:
+    rng = random.Random(seed)
+    for _ in range(num_requests):
+        request_id = client.take_id(rng)
+        make = make_bad if rng.random() < BAD_RATE else make_valid
+        client.submit(*make(rng, request_id))
+        if rng.random() < 0.3:
+            time.sleep(rng.expovariate(1000.0))   # bursts and gaps of ~1 ms
+
+
+def run_round(engine_dir: str, config: RoundConfig, num_requests: int, num_producers: int, seed: int,
+              session: GptSession) -> dict:
+    threads_before = threading.active_count()
+    params = TrtGptModelOptionalParams(
+        kv_cache_config=KvCacheConfig(max_tokens=POOL_TOKENS, enable_block_reuse=config.enable_block_reuse),
+        enable_chunked_context=config.enable_chunked_context, enable_trt_overlap=config.enable_trt_overlap,
+        max_num_tokens=64 if config.enable_chunked_context else None)
+    client = ChaosClient(seed)
+    start = time.monotonic()
+    manager = GptManager(engine_dir, TrtGptModelType[config.model_type], MAX_BEAM_WIDTH,
+                         SchedulerPolicy[config.policy], client.get, client.send, client.poll_stop,
+                         client.report_stats, params)
+    worker = manager._worker
+    client.kv = worker.kv
+    worker.fault_injector = client.fault_injector
+    shares = [num_requests // num_producers + (i < num_requests % num_producers) for i in range(num_producers)]
+    producers = [threading.Thread(target=_produce, args=(client, seed * 1000 + i, n), name=f"producer-{i}")
+                 for i, n in enumerate(shares)]
+    for t in producers:
+        t.start()
+    for t in producers:
+        t.join()
+    deadline = time.monotonic() + DRAIN_TIMEOUT_S
+    while client.num_queued and time.monotonic() < deadline and worker._thread.is_alive():   # every request fetched ...
+        time.sleep(0.001)
+    worker_died = not worker._thread.is_alive()
+    num_in_flight = client.num_outstanding
+    shutdown_start = time.monotonic()
+    manager.shutdown()                                          # ... and shut down with them in flight
+    shutdown_end = time.monotonic()
+    kv = worker.kv
+    leaked = kv.num_blocks - kv.num_free_blocks
+    nonzero_refs = sum(1 for b in range(kv.num_blocks) if kv.ref_count(b) != 0)
+    try:
+        kv.check_invariants()
+        kv_ok = True
+    except AssertionError:
+        kv_ok = False
+    del manager, worker
+    gc.collect()
+    threads_after = threading.active_count()
+    mismatches, checked = check_greedy_sample(client, session, random.Random(seed))
+    counts = client.counts
+    return dict(
+        config=asdict(config), requests=num_requests, submitted=counts["submitted"], served=counts["served"],
+        greedy=counts["greedy"], sampled=counts["sampled"], beam=counts["beam"], bad=counts["bad"],
+        duplicates=counts["duplicate"], bad_fields=dict(client.bad_fields),
+        stopped=counts["stopped"], expected_errors=counts["expected_errors"], faulted=counts["faulted"],
+        unexpected_errors=counts["unexpected"], worker_died=worker_died,
+        unanswered=client.num_outstanding + client.num_queued,
+        unexpected_messages=list(client.unexpected), paused=client.num_paused, leaked_blocks=leaked,
+        nonzero_ref_counts=nonzero_refs, kv_invariants_ok=kv_ok, threads_before=threads_before,
+        threads_after=threads_after, in_flight_at_shutdown=num_in_flight,
+        shutdown_s=round(shutdown_end - shutdown_start, 4),
+        shutdown_after_last_step_s=round(shutdown_end - client.last_activity_s, 4),
+        greedy_checked=checked, greedy_mismatches=mismatches, rss_mib=round(rss_mib(), 1),
+        wall_s=round(time.monotonic() - start, 2))
+
+
+def check_greedy_sample(client: ChaosClient, session: GptSession, rng: random.Random) -> tuple[list[int], int]:
+    """Greedy requests neither stopped nor failed: a sample must equal a solo GptSession run."""
+    done = client.greedy_done
+    sample = rng.sample(done, min(GREEDY_CHECKS_PER_ROUND, len(done)))
+    mismatches = []
+    for sub, tokens in sample:
+        p = sub.prompt
+        out = GenerationOutput()
+        session.generate(out, GenerationInput(sub.end_id, 0, torch.tensor([p], dtype=torch.int32),
+                                              torch.tensor([len(p)], dtype=torch.int32),
+                                              max_new_tokens=sub.max_new_tokens), SamplingConfig(beam_width=1))
+        if out.ids[0, 0, :int(out.lengths[0, 0])].tolist() != tokens:
+            mismatches.append(sub.request_id)
+    return mismatches, len(sample)
+
+
+def violations(round_report: dict) -> list[str]:
+    r, found = round_report, []
+    for key in ("unexpected_errors", "unanswered", "leaked_blocks", "nonzero_ref_counts"):
+        if r[key]:
+            found.append(f"{key}: {r[key]}")
+    if r["worker_died"]:
+        found.append("the worker thread died before shutdown")
+    if not r["kv_invariants_ok"]:
+        found.append("KV invariants broken at the end")
+    if r["threads_after"] != r["threads_before"]:
+        found.append(f"threads: {r['threads_before']} before, {r['threads_after']} after")
+    if r["shutdown_after_last_step_s"] > SHUTDOWN_BOUND_S:
+        found.append(f"shutdown returned {r['shutdown_after_last_step_s']} s after the last step")
+    if r["greedy_mismatches"]:
+        found.append(f"greedy requests differ from their solo run: {r['greedy_mismatches']}")
+    return found
+
+
+def run_soak(num_requests: int = 300, num_producers: int = 4, seed: int = 0, workdir: str | None = None) -> dict:
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory(dir=workdir) as tmp:
+        engine_dir = make_engine(tmp)
+        engine = Engine.from_dir(engine_dir)
+        session = GptSession(GptSession.Config(max_batch_size=1, max_beam_width=1,
+                                               max_sequence_length=BUILD["max_seq_len"]),
+                             engine.model_config, WorldConfig(), engine)
+        configs = round_configs() + [MEMORY_CONFIG] * 3
+        per_round = max(1, num_requests // len(configs))
+        rounds = []
+        for i, config in enumerate(configs):
+            n = per_round + (num_requests - per_round * len(configs) if i == len(configs) - 1 else 0)
+            memory_round = i >= len(configs) - 3
+            # The memory rounds repeat one workload exactly: same seed, same size.
+            round_seed = seed * 100 + (len(configs) - 3 if memory_round else i)
+            rounds.append(run_round(engine_dir, config, per_round if memory_round else n, num_producers,
+                                    round_seed, session))
+        memory = [r["rss_mib"] for r in rounds[-3:]]
+    found = [f"round {i} ({r['config']['model_type']}, {r['config']['policy']}): {v}"
+             for i, r in enumerate(rounds) for v in violations(r)]
+    growth = round(memory[-1] - memory[0], 1)
+    if growth > RSS_TOLERANCE_MIB:
+        found.append(f"RSS grew {growth} MiB across three identical rounds (tolerance {RSS_TOLERANCE_MIB})")
+    total = {key: sum(r[key] for r in rounds) for key in (
+        "requests", "submitted", "greedy", "sampled", "beam", "bad", "duplicates", "served", "stopped",
+        "expected_errors", "faulted", "unexpected_errors",
+        "unanswered", "leaked_blocks", "nonzero_ref_counts", "paused", "greedy_checked")}
+    return dict(model=MODEL_NAME, num_rounds=len(rounds), producers=num_producers, seed=seed, totals=total,
+                greedy_mismatches=sum(len(r["greedy_mismatches"]) for r in rounds),
+                bad_fields=dict(sum((Counter(r["bad_fields"]) for r in rounds), Counter())),
+                memory_rounds_rss_mib=memory, memory_growth_mib=growth, rss_tolerance_mib=RSS_TOLERANCE_MIB,
+                slowest_shutdown_s=max(r["shutdown_s"] for r in rounds),
+                slowest_shutdown_after_last_step_s=max(r["shutdown_after_last_step_s"] for r in rounds),
+                wall_s=round(time.monotonic() - start, 1), violations=found, rounds=rounds)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m samples.chaos_soak", description=__doc__.split("\n\n")[0])
+    p.add_argument("--requests", type=int, default=300, help="requests over all rounds (long mode: 10000)")
+    p.add_argument("--producers", type=int, default=4, help="producer threads per round")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="write the full report here")
+    args = p.parse_args(argv)
+    # The manager logs every contained fault with its traceback: thousands of expected ones.
+    logging.basicConfig(level=os.environ.get("CHAOS_SOAK_LOG_LEVEL", "CRITICAL"))
+    report = run_soak(args.requests, args.producers, args.seed)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    t = report["totals"]
+    print(f"model: {report['model']}")
+    print(f"rounds: {report['num_rounds']}, producers: {report['producers']}, seed: {report['seed']}")
+    print(f"requests submitted: {t['submitted']} ({t['greedy']} greedy, {t['sampled']} sampled, {t['beam']} beam, "
+          f"{t['bad']} bad, {t['duplicates']} duplicates of active ids), served: {t['served']} "
+          f"({t['stopped']} stopped), expected errors: {t['expected_errors']} ({t['faulted']} injected step "
+          f"faults), unexpected errors: {t['unexpected_errors']}, unanswered: {t['unanswered']}")
+    print(f"bad requests by field: {report['bad_fields']}")
+    print(f"pauses: {t['paused']}, blocks leaked: {t['leaked_blocks']}, non-zero reference counts: "
+          f"{t['nonzero_ref_counts']}, greedy checked: {t['greedy_checked']}, "
+          f"mismatches: {report['greedy_mismatches']}")
+    print(f"memory rounds RSS (MiB): {report['memory_rounds_rss_mib']}, growth {report['memory_growth_mib']} MiB "
+          f"(tolerance {report['rss_tolerance_mib']})")
+    print(f"slowest shutdown: {report['slowest_shutdown_s']} s (drain included), "
+          f"{report['slowest_shutdown_after_last_step_s']} s after the last step; wall {report['wall_s']} s")
+    for v in report["violations"]:
+        print(f"VIOLATION {v}")
+    for r in report["rounds"]:
+        for m in r["unexpected_messages"]:
+            print(f"  unexpected: {m}")
+    return 1 if report["violations"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

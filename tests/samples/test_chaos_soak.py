@@ -1,0 +1,71 @@
+"""The chaos soak's short mode (samples.chaos_soak): a few hundred requests over every batching
+type and capacity policy, with faults, bad input and stops; every invariant must hold."""
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+
+from batch_manager.validation import AdmissionLimits, RequestError, to_llm_request
+from samples.chaos_requests import BAD_KINDS, MAX_BEAM_WIDTH, make_bad
+from samples.chaos_soak import BUILD, MODEL, POOL_TOKENS, RSS_TOLERANCE_MIB, SHUTDOWN_BOUND_S, main, run_soak
+
+LIMITS = AdmissionLimits(vocab_size=MODEL["vocab_size"], max_input_len=BUILD["max_input_len"],
+                         max_seq_len=BUILD["max_seq_len"], max_beam_width=MAX_BEAM_WIDTH,
+                         max_num_blocks=POOL_TOKENS // BUILD["tokens_per_block"],
+                         tokens_per_block=BUILD["tokens_per_block"], gather_context_logits=False,
+                         gather_generation_logits=False)
+
+
+def test_short_soak_keeps_every_invariant(tmp_path):
+    threads = threading.active_count()
+    report = run_soak(num_requests=360, num_producers=4, seed=0, workdir=str(tmp_path))
+    assert report["violations"] == [], report["violations"]
+    t = report["totals"]
+    assert t["unexpected_errors"] == 0 and t["unanswered"] == 0
+    assert t["leaked_blocks"] == 0 and t["nonzero_ref_counts"] == 0
+    # Each valid submission answered once without error, each bad one with one error.
+    assert t["served"] + t["expected_errors"] == t["submitted"]
+    assert t["served"] > 250 and t["bad"] > 0 and t["beam"] > 0 and t["sampled"] > 0
+    assert t["paused"] > 0, "the small pool should force pauses"
+    assert t["greedy_checked"] > 20 and report["greedy_mismatches"] == 0
+    assert report["memory_growth_mib"] <= RSS_TOLERANCE_MIB
+    assert report["slowest_shutdown_after_last_step_s"] < SHUTDOWN_BOUND_S
+    assert len(report["rounds"]) == 12
+    configs = [r["config"] for r in report["rounds"]]
+    for feature in ("enable_block_reuse", "enable_chunked_context", "enable_trt_overlap"):
+        assert {c[feature] for c in configs} == {True, False}
+    assert all(r["threads_after"] == r["threads_before"] for r in report["rounds"])
+    assert threading.active_count() == threads
+
+
+def test_bad_kinds_cover_the_validation_list():
+    fields = {name for name, _ in BAD_KINDS}
+    assert {"input_ids", "request_output_len", "no_such_tensor", "beam_width", "temperature", "runtime_top_p",
+            "runtime_top_k", "repetition_penalty", "stop_words_list", "bad_words_list", "end_id", "pad_id",
+            "random_seed", "embedding_bias", "request_id"} <= fields
+
+
+@pytest.mark.parametrize("index", range(len(BAD_KINDS)))
+def test_each_bad_kind_is_refused_at_admission_naming_its_field(index):
+    """Checked before any kernel: out-of-vocab ids and word-list entries never reach the model."""
+    field, _ = BAD_KINDS[index]
+    rng = random.Random(index)
+    while True:   # make_bad picks the kind at random: draw until it is this one
+        request, sub = make_bad(rng, 7)
+        if sub.bad_field == field:
+            break
+    if field == "request_id":
+        assert request.request_id < 0   # refused by the worker before validation (test_gpt_manager)
+        return
+    with pytest.raises(RequestError, match=field):
+        to_llm_request(request, LIMITS, 0)
+
+
+def test_cli_writes_the_report(tmp_path, capsys):
+    out = tmp_path / "report.json"
+    assert main(["--requests", "24", "--producers", "2", "--json", str(out)]) == 0
+    assert out.exists()
+    printed = capsys.readouterr().out
+    assert "tiny random-weight LLaMA" in printed and "unexpected errors: 0" in printed
