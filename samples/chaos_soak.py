@@ -57,7 +57,7 @@ SHUTDOWN_BOUND_S = 2.0
 # RSS may rise a little between identical rounds (allocator caches, torch's thread pools, log
 # records): growth from the first to the third memory round above this is reported as a leak.
 RSS_TOLERANCE_MIB = 16.0
-GREEDY_CHECKS_PER_ROUND = 8
+GREEDY_CHECKS_PER_ROUND = 8   # at least; one per 40 requests of the round beyond that
 DRAIN_TIMEOUT_S = 120.0
 
 
@@ -171,7 +171,7 @@ def run_round(engine_dir: str, config: RoundConfig, num_requests: int, num_produ
 def check_greedy_sample(client: ChaosClient, session: GptSession, rng: random.Random) -> tuple[list[int], int]:
     """Greedy requests neither stopped nor failed: a sample must equal a solo GptSession run."""
     done = client.greedy_done
-    sample = rng.sample(done, min(GREEDY_CHECKS_PER_ROUND, len(done)))
+    sample = rng.sample(done, min(max(GREEDY_CHECKS_PER_ROUND, client.num_fetched // 40), len(done)))
     mismatches = []
     for sub, tokens in sample:
         p = sub.prompt

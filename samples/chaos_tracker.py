@@ -15,7 +15,7 @@ from .chaos_requests import UNKNOWN_ID_BASE, Submission, make_duplicate
 
 CALLBACK_FAULT_RATE = 0.02   # each callback call raises with this probability
 STEP_FAULT_RATE = 0.003      # each step (micro-batch group) raises with this probability
-DUPLICATE_RATE = 0.01        # per fetched request: also hand out a duplicate of an active id
+DUPLICATE_RATE = 0.03        # per fetched request: also hand out a duplicate of an active id
 STOP_RATE = 0.01             # per stop poll: stop one active request and one unknown id
 KEEP_UNEXPECTED = 20
 
