@@ -8,7 +8,8 @@ across them, as the legacy binding's own test did). In each round, producer thre
 random requests (greedy, seeded sampling, beam search of width 2-4, streaming or not, about 5 %
 bad requests of every kind of API.md's validation list, duplicates of active ids, ids reused
 after their final response); user callbacks raise at random; model steps raise at random
-through the worker's `fault_injector` test hook; stop signals name active and unknown ids.
+through the worker's `fault_injector` test hook (while prepared) and a wrapper of the
+executor's forward (on the forward thread under overlap); stop signals name active and unknown ids.
 
 Checked continuously (from the stats callback, between iterations): the KV block invariants
 and the stats' block counts. Checked at the end of each round: every submission got exactly one
@@ -124,6 +125,7 @@ def run_round(engine_dir: str, config: RoundConfig, num_requests: int, num_produ
     worker = manager._worker
     client.kv = worker.kv
     worker.fault_injector = client.fault_injector
+    worker.executor.forward = client.faulty_forward(worker.executor.forward)
     shares = [num_requests // num_producers + (i < num_requests % num_producers) for i in range(num_producers)]
     producers = [threading.Thread(target=_produce, args=(client, seed * 1000 + i, n), name=f"producer-{i}")
                  for i, n in enumerate(shares)]

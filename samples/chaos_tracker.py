@@ -142,7 +142,7 @@ class ChaosClient:
             raise InjectedFault("stats callback fault")
 
     def fault_injector(self, group) -> None:
-        """The worker's test hook: a step of `group` raises before its forward."""
+        """The worker's test hook: a step of `group` raises while it is being prepared."""
         self.last_activity_s = time.monotonic()
         if self.rng.random() < STEP_FAULT_RATE:
             with self.lock:
@@ -151,6 +151,22 @@ class ChaosClient:
                     if sub is not None:
                         sub.is_faulted = True
             raise InjectedFault("injected step fault")
+
+    def faulty_forward(self, forward):
+        """Wraps the executor's forward (the forward thread's side under overlap): a forward
+        raises at random after its inputs were prepared."""
+        rng = random.Random(self.rng.random())
+
+        def run(prepared):
+            if rng.random() < STEP_FAULT_RATE:
+                with self.lock:
+                    for r in prepared.requests:
+                        sub = self.active.get(r.request_id)
+                        if sub is not None:
+                            sub.is_faulted = True
+                raise InjectedFault("injected forward fault")
+            return forward(prepared)
+        return run
 
     # -- checking responses -------------------------------------------------------------------------
 
