@@ -51,7 +51,9 @@ from .default_model import write_random_llama
 MODEL = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              intermediate_size=96, max_position_embeddings=256)
 MODEL_NAME = "tiny random-weight LLaMA (vocab 128, hidden 64, 2 layers, 4 heads / 2 KV heads, fp32)"
-BUILD = dict(tokens_per_block=4, max_batch_size=8, max_input_len=48, max_seq_len=96, max_num_tokens=128)
+# gather_generation_logits: the solo reference runs report their logits (near-tie diagnosis).
+BUILD = dict(tokens_per_block=4, max_batch_size=8, max_input_len=48, max_seq_len=96, max_num_tokens=128,
+             gather_generation_logits=True)
 POOL_TOKENS = 192            # 48 blocks of 4 tokens: a handful of requests at once, so pauses happen
 BAD_RATE = 0.05
 SHUTDOWN_BOUND_S = 2.0
@@ -181,8 +183,14 @@ def check_greedy_sample(client: ChaosClient, session: GptSession, rng: random.Ra
         session.generate(out, GenerationInput(sub.end_id, 0, torch.tensor([p], dtype=torch.int32),
                                               torch.tensor([len(p)], dtype=torch.int32),
                                               max_new_tokens=sub.max_new_tokens), SamplingConfig(beam_width=1))
-        if out.ids[0, 0, :int(out.lengths[0, 0])].tolist() != tokens:
-            mismatches.append(sub.request_id)
+        expected = out.ids[0, 0, :int(out.lengths[0, 0])].tolist()
+        if expected != tokens:
+            d = next((i for i, (a, b) in enumerate(zip(expected, tokens)) if a != b), min(len(expected), len(tokens)))
+            logits = out.generation_logits[0, 0, d - len(p)] if d - len(p) < sub.max_new_tokens else None
+            top2 = logits.topk(2).values.tolist() if logits is not None else [0.0, 0.0]
+            mismatches.append(dict(request_id=sub.request_id, kind=sub.kind, prompt=p, end_id=sub.end_id,
+                                   max_new_tokens=sub.max_new_tokens, expected=expected, got=tokens,
+                                   first_difference=d, solo_top2_logit_margin=top2[0] - top2[1]))
     return mismatches, len(sample)
 
 
@@ -200,7 +208,7 @@ def violations(round_report: dict) -> list[str]:
     if r["shutdown_after_last_step_s"] > SHUTDOWN_BOUND_S:
         found.append(f"shutdown returned {r['shutdown_after_last_step_s']} s after the last step")
     if r["greedy_mismatches"]:
-        found.append(f"greedy requests differ from their solo run: {r['greedy_mismatches']}")
+        found.append(f"greedy requests differ from their solo run: {r['greedy_mismatches']}"[:2000])
     return found
 
 
