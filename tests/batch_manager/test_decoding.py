@@ -260,3 +260,27 @@ def test_normalize_log_probs_renormalises_over_the_top_k_set(tiny_engine, prompt
     assert results[True][0] == results[False][0]
     assert bool((results[True][1] > results[False][1]).all())
     assert bool((results[True][1] <= 0).all())
+
+
+def test_beam_generation_logits_and_log_probs_follow_each_beam(tiny_engine, prompts):
+    """Gathered generation logits and log probs of a beam request: per beam, in beam order, equal
+    to GptSession's for the same request."""
+    engine_dir = tiny_engine[0]
+    p = prompts[8]
+    client = Client([make_request(1, p, max_new_tokens=5, beam_width=torch.tensor([2], dtype=torch.int32),
+                                  return_generation_logits=torch.tensor([True]),
+                                  return_log_probs=torch.tensor([True]))])
+    run_with_beams(engine_dir, client)
+    tensors, _, err = client.final(1)
+    assert err == ""
+    engine = Engine.from_dir(engine_dir)
+    session = GptSession(GptSession.Config(max_batch_size=1, max_beam_width=2, max_sequence_length=96),
+                         engine.model_config, WorldConfig(), engine)
+    out = GenerationOutput()
+    session.generate(out, GenerationInput(-1, 0, torch.tensor([p], dtype=torch.int32), torch.tensor([len(p)]),
+                                          max_new_tokens=5), SamplingConfig(beam_width=2))
+    logits = tensors[tensor_names.GENERATION_LOGITS]
+    assert logits.shape == (1, 2, 5, 128)
+    torch.testing.assert_close(logits[0], out.generation_logits[0], atol=1e-4, rtol=0)
+    torch.testing.assert_close(tensors[tensor_names.OUTPUT_LOG_PROBS][0], out.log_probs[0], atol=1e-4, rtol=0)
+    assert not torch.equal(logits[0, 0], logits[0, 1]), "the beams diverge, so must their logits"
