@@ -64,6 +64,15 @@ class Transformer:
         self.inv_freq = (rope_inv_freq(config.rope, config.head_dim).to(device)
                          if config.position_embedding == "rope" else None)
         self.lm_head = self.w.get("lm_head", self.w["embed_tokens"])
+        # NOTE: on CPU, x @ W^T with W^T stored contiguous runs 10-25 % faster than F.linear(x, W)
+        # at 34-64 rows (measured on the default model's shapes), so the matmul weights are kept
+        # transposed there: [in, out]. GPUs take either layout at the same speed.
+        self.transposed = device.type == "cpu"
+        if self.transposed:
+            suffixes = (".qkv.weight", ".out.weight", ".mlp_in.weight", ".mlp_out.weight")
+            for name in [n for n in self.w if n.endswith(suffixes)]:
+                self.w[name] = self.w[name].t().contiguous()
+            self.lm_head = self.lm_head.t().contiguous()
 
     def _norm(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
         weight = self.w[prefix + ".weight"]
@@ -89,9 +98,9 @@ class Transformer:
         for layer in range(cfg.num_layers):
             p = f"layers.{layer}."
             h = self._norm(x, p + "input_norm")
-            qkv = F.linear(h, w[p + "qkv.weight"], w.get(p + "qkv.bias"))
+            qkv = self._linear(h, p + "qkv")
             attn = self._attention(qkv, cos, sin, step, kv_pool[layer, 0], kv_pool[layer, 1], kernels)
-            x = x + F.linear(attn, w[p + "out.weight"], w.get(p + "out.bias"))
+            x = x + self._linear(attn, p + "out")
             h = self._norm(x, p + "post_norm")
             x = x + self._mlp(h, p)
         logits = self._logits(x[step.last_token_index])
@@ -101,17 +110,24 @@ class Transformer:
         return logits, context_logits
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(self._norm(x, "final_norm"), self.lm_head).float()
+        h = self._norm(x, "final_norm")
+        return (torch.mm(h, self.lm_head) if self.transposed else F.linear(h, self.lm_head)).float()
+
+    def _linear(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
+        """x [T, in] -> [T, out] through the weight (and bias) stored under `prefix`."""
+        weight, bias = self.w[prefix + ".weight"], self.w.get(prefix + ".bias")
+        if not self.transposed:
+            return F.linear(x, weight, bias)
+        return torch.mm(x, weight) if bias is None else torch.addmm(bias, x, weight)
 
     def _mlp(self, h: torch.Tensor, p: str) -> torch.Tensor:
-        w = self.w
-        up = F.linear(h, w[p + "mlp_in.weight"], w.get(p + "mlp_in.bias"))
+        up = self._linear(h, p + "mlp_in")
         if self.config.mlp_type == "gated":
             gate, up = up.chunk(2, dim=-1)
             up = self.act(gate) * up
         else:
             up = self.act(up)
-        return F.linear(up, w[p + "mlp_out.weight"], w.get(p + "mlp_out.bias"))
+        return self._linear(up, p + "mlp_out")
 
     def _attention(self, qkv: torch.Tensor, cos, sin, step: StepLayout, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, kernels) -> torch.Tensor:
