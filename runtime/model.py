@@ -72,7 +72,8 @@ class Transformer:
             suffixes = (".qkv.weight", ".out.weight", ".mlp_in.weight", ".mlp_out.weight")
             for name in [n for n in self.w if n.endswith(suffixes)]:
                 self.w[name] = self.w[name].t().contiguous()
-            self.lm_head = self.lm_head.t().contiguous()
+            # Tied embeddings keep their [V, H] table for the lookup and get this [H, V] copy too.
+            self.lm_head = self.w["lm_head"] = self.lm_head.t().contiguous()
 
     def _norm(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
         weight = self.w[prefix + ".weight"]
