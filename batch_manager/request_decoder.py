@@ -5,6 +5,7 @@ calls it with the step's last-token logits; a request's state survives pauses an
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import weakref
 from typing import Callable
@@ -23,16 +24,10 @@ _FINISH_REASONS = {"end_id": FinishReason.END_ID, "stop_words": FinishReason.STO
 
 
 def decoding_params(r: LlmRequest, normalize_log_probs: bool) -> DecodingParams:
-    s = r.sampling
-    return DecodingParams(
-        beam_width=r.beam_width, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-        top_p_decay=s.top_p_decay, top_p_min=s.top_p_min, top_p_reset_id=s.top_p_reset_id,
-        min_length=s.min_length, repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
-        frequency_penalty=s.frequency_penalty, no_repeat_ngram_size=s.no_repeat_ngram_size,
-        length_penalty=s.length_penalty, early_stopping=s.early_stopping, diversity_rate=s.diversity_rate,
-        random_seed=s.random_seed, end_id=-1 if r.end_id is None else r.end_id,
-        normalize_log_probs=normalize_log_probs, bad_words=s.bad_words, stop_words=s.stop_words,
-        embedding_bias=r.embedding_bias)
+    # SamplingParams mirrors DecodingParams field for field (the manager's pure copy of it).
+    return DecodingParams(**dataclasses.asdict(r.sampling), beam_width=r.beam_width,
+                          end_id=-1 if r.end_id is None else r.end_id, normalize_log_probs=normalize_log_probs,
+                          embedding_bias=r.embedding_bias)
 
 
 class RequestDecoder:

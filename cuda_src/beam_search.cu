@@ -24,13 +24,6 @@
 #define MAX_WARPS 32
 #define NO_INDEX 0x7fffffff
 
-__device__ __forceinline__ float mul_rn(float a, float b) {
-#ifdef BM_EMU
-  return a * b;
-#else
-  return __fmul_rn(a, b);
-#endif
-}
 
 __device__ __forceinline__ bool better(float value, int index, float other_value, int other_index) {
   return value > other_value || (value == other_value && index < other_index);

@@ -23,14 +23,6 @@
 //   dtypes: logits float32 whatever DTYPE says (the define is ignored).
 #include "prelude.cuh"
 
-// a * b and a - b rounded on their own (NVRTC would contract `x - f * c` into one FMA).
-__device__ __forceinline__ float mul_rn(float a, float b) {
-#ifdef BM_EMU
-  return a * b;
-#else
-  return __fmul_rn(a, b);
-#endif
-}
 
 extern "C" __global__ void __launch_bounds__(1024, 1) apply_penalties(
     float* __restrict__ logits, int* __restrict__ counts, const long long* __restrict__ rows,

@@ -131,4 +131,14 @@ __device__ __forceinline__ float block_reduce_max(float v, float* scratch) {
   T* name = reinterpret_cast<T*>(name##_bytes)
 #endif
 
+// a * b rounded on its own: NVRTC would otherwise contract `x - f * c` into one FMA, which rounds
+// differently from the torch reference.
+__device__ __forceinline__ float mul_rn(float a, float b) {
+#ifdef BM_EMU
+  return a * b;
+#else
+  return __fmul_rn(a, b);
+#endif
+}
+
 #endif  // BM_PRELUDE_CUH

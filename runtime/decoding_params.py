@@ -40,6 +40,19 @@ import torch
 WordList = tuple[tuple[int, ...], ...]
 
 
+def to_word_list(words, width: int | None = None) -> torch.Tensor:
+    """Words (lists of token ids) -> int32 [2, L] in the format above; L is at least `width`
+    (to stack several lists), else the longer of the two rows."""
+    tokens = [t for w in words for t in w]
+    offsets, end = [], 0
+    for w in words:
+        end += len(w)
+        offsets.append(end)
+    width = max(len(tokens), len(offsets), width or 0)
+    return torch.tensor([tokens + [-1] * (width - len(tokens)), offsets + [-1] * (width - len(offsets))],
+                        dtype=torch.int32)
+
+
 def parse_word_list(value, name: str, vocab_size: int) -> WordList:
     """A [2, L] / [1, 2, L] word list (tensor or nested lists) -> tuple of words."""
     if value is None:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from batch_manager import InferenceRequest, tensor_names as tn
+from runtime.decoding_params import to_word_list
 
 # The soak's engine limits (chaos_soak.BUILD): prompts and outputs stay well inside them, and a
 # beam request fits the KV pool (width * (blocks + 1) <= pool), so only the bad requests fail.
@@ -47,12 +48,8 @@ def _i32(*values) -> torch.Tensor:
 
 
 def word_list(words: list[list[int]]) -> torch.Tensor:
-    """TensorRT-LLM's [1, 2, L] format: tokens, then cumulative end offsets, padded with -1."""
-    tokens = [t for w in words for t in w]
-    offsets = [sum(len(w) for w in words[:i + 1]) for i in range(len(words))]
-    width = max(len(tokens), len(offsets))
-    return torch.tensor([[tokens + [-1] * (width - len(tokens)), offsets + [-1] * (width - len(offsets))]],
-                        dtype=torch.int32)
+    """TensorRT-LLM's [1, 2, L] request format."""
+    return to_word_list(words)[None]
 
 
 def _base(request_id: int, prompt: list[int], max_new_tokens: int, streaming: bool) -> InferenceRequest:

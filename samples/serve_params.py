@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from batch_manager import InferenceRequest, tensor_names as tn
+from runtime.decoding_params import to_word_list
 
 # body field -> (wire tensor name, kind, torch dtype)
 SCALAR_FIELDS = {
@@ -72,19 +73,12 @@ def word_list(field: str, words, tokenizer) -> torch.Tensor:
     tokens, row 1 the inclusive prefix sums of the word lengths, padded with -1 (the legacy format)."""
     if not isinstance(words, list) or not words:
         raise ValueError(f"{field}: expected a non-empty list of words (token-id lists or strings), got {words!r:.80}")
-    flat, offsets = [], []
+    ids = []
     for i, word in enumerate(words):
-        ids = _token_ids(f"{field}[{i}]", word, tokenizer)
-        if not ids:
+        ids.append(_token_ids(f"{field}[{i}]", word, tokenizer))
+        if not ids[-1]:
             raise ValueError(f"{field}[{i}]: empty word")
-        flat.extend(ids)
-        offsets.append(len(flat))
-    width = len(flat) if len(offsets) < len(flat) else len(offsets) + 1
-    out = torch.full((1, 2, width), -1, dtype=torch.int32)
-    out[0, 0] = 0
-    out[0, 0, :len(flat)] = torch.tensor(flat, dtype=torch.int32)
-    out[0, 1, :len(offsets)] = torch.tensor(offsets, dtype=torch.int32)
-    return out
+    return to_word_list(ids)[None]
 
 
 def _scalar(field: str, kind: str, dtype: torch.dtype, value) -> torch.Tensor:

@@ -11,6 +11,7 @@ import torch
 
 from batch_manager import (GptManager, SchedulerPolicy, TrtGptModelOptionalParams, TrtGptModelType, tensor_names)
 from runtime import Engine, GenerationInput, GenerationOutput, GptSession, SamplingConfig, WorldConfig
+from runtime.decoding_params import to_word_list
 from tests.batch_manager.conftest import NUM_NEW_TOKENS, Client, make_request
 from tests.batch_manager.test_gpt_manager import run_to_completion, small_pool
 
@@ -92,11 +93,8 @@ def test_sampling_through_the_manager_equals_gpt_session(tiny_engine, prompts, s
 
 
 def word_list(words: list[list[int]]) -> torch.Tensor:
-    tokens = [t for w in words for t in w]
-    offsets = [sum(len(w) for w in words[:i + 1]) for i in range(len(words))]
-    width = max(len(tokens), len(offsets))
-    return torch.tensor([[tokens + [-1] * (width - len(tokens)), offsets + [-1] * (width - len(offsets))]],
-                        dtype=torch.int32)
+    """TensorRT-LLM's [1, 2, L] request format."""
+    return to_word_list(words)[None]
 
 
 def test_stop_words_bad_words_and_embedding_bias(tiny_engine, prompts, references):

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from runtime import Engine, GenerationInput, GenerationOutput, GptSession, SamplingConfig, WorldConfig
+from runtime.decoding_params import parse_word_list, to_word_list
 from tests.factories import make_checkpoint
 
 MAX_NEW = 12
@@ -144,13 +145,7 @@ def test_diversity_rate_changes_the_beams_but_not_the_log_prob_meaning(session):
 # --- stop words, log probs ------------------------------------------------------------------------
 
 def word_list(words):
-    tokens = [t for w in words for t in w]
-    offsets, end = [], 0
-    for w in words:
-        end += len(w)
-        offsets.append(end)
-    width = max(len(tokens), len(offsets), 4)
-    return torch.tensor([tokens + [-1] * (width - len(tokens)), offsets + [-1] * (width - len(offsets))])
+    return to_word_list(words, width=4)  # one width: per-sequence lists are stacked
 
 
 def test_stop_words_across_tokens_several_words_and_the_first_token(session, llama):
@@ -218,3 +213,11 @@ def test_malformed_word_lists_are_refused(session):
         generate(session, PROMPTS[:1], SamplingConfig(), stop_words_list=torch.tensor([[1, 2], [3, -1]]))
     with pytest.raises(ValueError, match="bad_words_list.*token id 500"):
         generate(session, PROMPTS[:1], SamplingConfig(), bad_words_list=torch.tensor([[500], [1]]))
+
+
+def test_word_list_format_round_trips():
+    words = ((5, 6), (7,), (1, 2, 3))
+    encoded = to_word_list(words)
+    assert encoded.tolist() == [[5, 6, 7, 1, 2, 3], [2, 3, 6, -1, -1, -1]]
+    assert parse_word_list(encoded, "w", 128) == words
+    assert parse_word_list(to_word_list(words, width=9)[None], "w", 128) == words
