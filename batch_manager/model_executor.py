@@ -38,12 +38,8 @@ class ModelExecutor:
 
     def memory_usage(self) -> tuple[int, int, int]:
         """Bytes of runtime memory (weights + KV pool) on the CPU, the GPU, and pinned."""
-        tensors = [*self.runner.model.w.values(), self.runner.kv_pool]
-        seen, cpu, gpu = set(), 0, 0
-        for t in tensors:
-            if t.data_ptr() in seen:
-                continue
-            seen.add(t.data_ptr())
+        cpu, gpu = 0, 0
+        for t in [*self.runner.model.weight_tensors(), self.runner.kv_pool]:
             if t.device.type == "cpu":
                 cpu += t.numel() * t.element_size()
             else:

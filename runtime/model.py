@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import ModelConfig
+from .linear import Linear
 from .rope import apply_rope, rope_cos_sin, rope_inv_freq
 from .weights import Weights
 
@@ -46,10 +47,12 @@ class StepLayout:
 
 class Transformer:
     def __init__(self, config: ModelConfig, weights: Weights, device: torch.device,
-                 attention_window: int | None = None, sink_token_length: int = 0):
+                 attention_window: int | None = None, sink_token_length: int = 0,
+                 linear_impl: str | None = None):
         """attention_window: the window every layer uses (None = full causal attention); the
         caller folds the model's own sliding window in. sink_token_length: keys at positions
-        below it stay visible outside the window (only with a window)."""
+        below it stay visible outside the window (only with a window). linear_impl: forces a CPU
+        matmul kernel (one of runtime.linear.CPU_IMPLS; default: the fastest available)."""
         self.config = config
         self.attention_window = attention_window
         self.sink_token_length = sink_token_length if attention_window is not None else 0
@@ -63,17 +66,25 @@ class Transformer:
         self.act = act
         self.inv_freq = (rope_inv_freq(config.rope, config.head_dim).to(device)
                          if config.position_embedding == "rope" else None)
-        self.lm_head = self.w.get("lm_head", self.w["embed_tokens"])
-        # NOTE: on CPU, x @ W^T with W^T stored contiguous runs 10-25 % faster than F.linear(x, W)
-        # at 34-64 rows (measured on the default model's shapes), so the matmul weights are kept
-        # transposed there: [in, out]. GPUs take either layout at the same speed.
-        self.transposed = device.type == "cpu"
-        if self.transposed:
-            suffixes = (".qkv.weight", ".out.weight", ".mlp_in.weight", ".mlp_out.weight")
-            for name in [n for n in self.w if n.endswith(suffixes)]:
-                self.w[name] = self.w[name].t().contiguous()
-            # Tied embeddings keep their [V, H] table for the lookup and get this [H, V] copy too.
-            self.lm_head = self.w["lm_head"] = self.lm_head.t().contiguous()
+        self.linears = {}
+        for name in [n for n in self.w if n.endswith((".qkv.weight", ".out.weight", ".mlp_in.weight",
+                                                       ".mlp_out.weight"))]:
+            prefix = name[:-len(".weight")]
+            self.linears[prefix] = Linear(self.w[name], self.w.get(prefix + ".bias"), device, linear_impl)
+            self.w[name] = self.linears[prefix].weight
+        # Tied embeddings keep their [V, H] table for the lookup; the head gets its own prepared
+        # copy where the CPU kernel reorders it.
+        self.lm_head = Linear(self.w.get("lm_head", self.w["embed_tokens"]), None, device, linear_impl)
+        if "lm_head" in self.w or self.lm_head.weight is not self.w["embed_tokens"]:
+            self.w["lm_head"] = self.lm_head.weight
+
+    def weight_tensors(self) -> list[torch.Tensor]:
+        """Every weight tensor the model holds, each once (tied and aliased ones counted once)."""
+        unique = {}
+        for t in self.w.values():
+            # oneDNN-reordered weights are opaque (no data pointer) and never aliased.
+            unique.setdefault(id(t) if t.is_mkldnn else t.data_ptr(), t)
+        return list(unique.values())
 
     def _norm(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
         weight = self.w[prefix + ".weight"]
@@ -111,15 +122,11 @@ class Transformer:
         return logits, context_logits
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        h = self._norm(x, "final_norm")
-        return (torch.mm(h, self.lm_head) if self.transposed else F.linear(h, self.lm_head)).float()
+        return self.lm_head(self._norm(x, "final_norm")).float().contiguous()
 
     def _linear(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
         """x [T, in] -> [T, out] through the weight (and bias) stored under `prefix`."""
-        weight, bias = self.w[prefix + ".weight"], self.w.get(prefix + ".bias")
-        if not self.transposed:
-            return F.linear(x, weight, bias)
-        return torch.mm(x, weight) if bias is None else torch.addmm(bias, x, weight)
+        return self.linears[prefix](x)
 
     def _mlp(self, h: torch.Tensor, p: str) -> torch.Tensor:
         up = self._linear(h, p + "mlp_in")
@@ -135,12 +142,14 @@ class Transformer:
         """qkv [T, q + 2 kv] -> attention output [T, q]."""
         cfg = self.config
         num_tokens = qkv.shape[0]
-        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = q.view(num_tokens, cfg.num_heads, cfg.head_dim)
-        k = k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-        v = v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        num_qk_heads = cfg.num_heads + cfg.num_kv_heads
+        # Queries and keys rotate together: one rope pass instead of two (per-op overhead is a
+        # visible share of a small generation step on CPU).
+        qk = qkv[:, :cfg.q_size + cfg.kv_size].view(num_tokens, num_qk_heads, cfg.head_dim)
         if cos is not None:
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            qk = apply_rope(qk, cos, sin)
+        q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+        v = qkv[:, cfg.q_size + cfg.kv_size:].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
         kernels.write_kv(k_cache, v_cache, k, v, step.slot_mapping)
         out = torch.empty_like(q)
         window, sink = self.attention_window, self.sink_token_length

@@ -57,7 +57,10 @@ def available_memory_bytes(device: torch.device) -> int:
 
 class ModelRunner:
     def __init__(self, engine: Engine, num_blocks: int, kernels=None, device: str | torch.device | None = None,
-                 max_attention_window: int | None = None, sink_token_length: int | None = None):
+                 max_attention_window: int | None = None, sink_token_length: int | None = None,
+                 linear_impl: str | None = None):
+        """linear_impl: the CPU matmul kernel (one of runtime.linear.CPU_IMPLS; default: the
+        fastest this torch build has); ignored on GPUs."""
         cfg = engine.model_config
         if not isinstance(num_blocks, int) or num_blocks <= 0:
             raise ValueError(f"num_blocks: must be a positive integer, got {num_blocks!r}")
@@ -79,7 +82,8 @@ class ModelRunner:
             raise ValueError(f"num_blocks: a KV pool of {num_blocks} blocks of {self.tokens_per_block} tokens needs "
                              f"{pool_bytes / 2**30:.1f} GiB; only {available / 2**30:.1f} GiB are available on "
                              f"{self.device}")
-        self.model = Transformer(cfg, engine.weights, self.device, self.attention_window, self.sink_token_length)
+        self.model = Transformer(cfg, engine.weights, self.device, self.attention_window, self.sink_token_length,
+                                 linear_impl)
         # [num_layers, K/V, num_blocks, tokens_per_block, num_kv_heads, head_dim]
         self.kv_pool = torch.zeros(cfg.num_layers, 2, num_blocks, self.tokens_per_block, cfg.num_kv_heads,
                                    cfg.head_dim, dtype=engine.dtype, device=self.device)

@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from runtime import (Engine, GenerationInput, GenerationOutput, GptSession, ModelRunner, SamplingConfig,
                      WorldConfig)
+from runtime.linear import CPU_IMPLS, onednn_available
 from tests.factories import make_checkpoint, step_inputs
 
 ARCHS = ("gpt2", "llama", "mistral", "qwen2")
@@ -67,10 +68,15 @@ def hf_greedy(checkpoints, prompts):
 
 # --- ModelRunner.forward ------------------------------------------------------------------------
 
+LINEAR_IMPLS = [impl for impl in CPU_IMPLS if impl != "onednn" or onednn_available(torch.float32)]
+
+
+@pytest.mark.parametrize("linear_impl", LINEAR_IMPLS)
 @pytest.mark.parametrize("arch", ARCHS)
-def test_packed_mixed_step_matches_transformers(checkpoints, arch):
+def test_packed_mixed_step_matches_transformers(checkpoints, arch, linear_impl):
     path, model = checkpoints[arch]
-    runner = ModelRunner(Engine.from_dir(path, tokens_per_block=4), num_blocks=64)
+    runner = ModelRunner(Engine.from_dir(path, tokens_per_block=4), num_blocks=64, linear_impl=linear_impl)
+    assert all(linear.impl == linear_impl for linear in [*runner.model.linears.values(), runner.model.lm_head])
     fresh = [random_tokens(n, seed=n) for n in (3, 11, 20)]
     cached = [random_tokens(n, seed=50 + n) for n in (8, 17)]  # last token is the generation input
     chunked = random_tokens(14, seed=7)                         # 6 cached, 8 new in the mixed step

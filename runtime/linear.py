@@ -1,0 +1,78 @@
+"""Matmul weights prepared once for their device: `Linear(weight, bias)(x) = x @ weight^T + bias`.
+
+On CUDA this is F.linear. On CPU the kernel choice matters at the row counts of serving (tens of
+rows per generation step), where BLAS sgemm is far from its large-matrix peak. Measured on the
+default model's shapes (2 AVX2 cores, fp32, GFLOP/s at 34 / 64 rows; machine peak ~187):
+
+  lm_head 512 -> 32000:  x @ W^T stored [in, out] 69 / 99,  W @ x^T 80 / 119,  oneDNN 115 / 137
+  mlp_in  512 -> 3072:   x @ W^T stored [in, out] 99 / 104, W @ x^T 113 / 156, oneDNN 125 / 143
+
+so CPU float32 weights are reordered once for oneDNN (`torch.ops.mkldnn._reorder_linear_weight`,
+the path torch.compile's CPU backend takes for frozen linears) when this torch build has it and
+it agrees with F.linear on a probe; otherwise they stay [out, in] and are applied as W @ x^T
+(BLAS with a transposed operand, no copy), whose [out, rows] result is returned as a transposed
+view: consumers take strided inputs.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+CPU_IMPLS = ("onednn", "w_xt")
+
+
+@functools.lru_cache(maxsize=None)
+def onednn_available(dtype: torch.dtype) -> bool:
+    """Whether oneDNN's prepacked linear exists in this build and matches F.linear (probed once)."""
+    if dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        gen = torch.Generator().manual_seed(0)
+        weight, bias = torch.randn(24, 40, generator=gen), torch.randn(24, generator=gen)
+        x = torch.randn(5, 40, generator=gen)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        y = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        return bool(torch.allclose(y, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5))
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+
+
+def default_cpu_impl(dtype: torch.dtype) -> str:
+    return "onednn" if onednn_available(dtype) else "w_xt"
+
+
+class Linear:
+    """One weight [out, in] (and optional bias [out]) ready for `device`; `impl` forces a CPU kernel."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, device: torch.device,
+                 impl: str | None = None):
+        self.out_features, self.in_features = weight.shape
+        self.bias = bias
+        if device.type != "cpu":
+            self.impl = "linear"
+        else:
+            self.impl = impl or default_cpu_impl(weight.dtype)
+            if self.impl not in CPU_IMPLS:
+                raise ValueError(f"impl: expected one of {CPU_IMPLS}, got {self.impl!r}")
+            if self.impl == "onednn" and not onednn_available(weight.dtype):
+                raise ValueError(f"impl: oneDNN linear is not available for {weight.dtype} in this torch build")
+        # NOTE: oneDNN's reordered weight replaces the original (same byte count); nothing else
+        # may read it as an [out, in] matrix.
+        self.weight = (torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
+                       if self.impl == "onednn" else weight)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, in] -> [rows, out] (on CPU's w_xt path a transposed view of [out, rows])."""
+        if self.impl == "onednn":
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        if self.impl == "linear":
+            return F.linear(x, self.weight, self.bias)
+        y = torch.mm(self.weight, x.t())
+        if self.bias is not None:
+            y += self.bias[:, None]
+        return y.t()
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.weight] + ([self.bias] if self.bias is not None else [])
