@@ -1,0 +1,96 @@
+"""The torch backend's decode attention: rows grouped by length, gathers into per-thread workspaces."""
+from __future__ import annotations
+
+import itertools
+import threading
+
+import pytest
+import torch
+
+from runtime.kernels import torch_backend
+from runtime.kernels.torch_backend import GROUP_COST_BLOCK_ROWS, TorchKernels, length_groups
+
+
+def padded_cost(groups: list[list[int]], blocks: list[int]) -> int:
+    return sum(len(g) * max(blocks[r] for r in g) + GROUP_COST_BLOCK_ROWS for g in groups)
+
+
+def test_length_groups_cover_every_row_once_sorted_by_blocks():
+    lens = [5, 70, 300, 130, 200, 384, 64, 65, 1, 257]
+    groups = length_groups(lens, 64)
+    assert sorted(itertools.chain(*groups)) == list(range(len(lens)))
+    blocks = [-(-n // 64) for n in lens]
+    flat = [blocks[r] for g in groups for r in g]
+    assert flat == sorted(flat)
+
+
+def test_length_groups_single_group_for_equal_block_counts():
+    assert length_groups([65, 100, 128], 64) == [[0, 1, 2]]
+
+
+def test_length_groups_is_optimal_over_contiguous_splits():
+    """Brute force over every split of the sorted distinct block counts."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(30):
+        lens = torch.randint(1, 600, (int(torch.randint(2, 40, (1,), generator=gen)),), generator=gen).tolist()
+        blocks = [-(-n // 64) for n in lens]
+        counts = sorted(set(blocks))
+        best = min(
+            padded_cost([[r for r in range(len(lens)) if lo <= blocks[r] <= hi]
+                         for lo, hi in zip([counts[0]] + [counts[c] for c in cuts],
+                                           [counts[c - 1] for c in cuts] + [counts[-1]])], blocks)
+            for k in range(len(counts))
+            for cuts in itertools.combinations(range(1, len(counts)), k))
+        assert padded_cost(length_groups(lens, 64), blocks) == best
+
+
+def test_length_groups_split_a_batch_with_a_long_outlier():
+    # 20 one-block rows and one 10-block row: padding all to 10 costs 210 block-rows.
+    lens = [10] * 20 + [640]
+    groups = length_groups(lens, 64)
+    assert groups == [list(range(20)), [20]]
+
+
+def _cache(num_blocks: int, tpb: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    k = torch.randn(num_blocks, tpb, 2, 8, generator=gen)
+    v = torch.randn(num_blocks, tpb, 2, 8, generator=gen)
+    return k, v
+
+
+@pytest.mark.parametrize("window,sink", [(None, 0), (7, 0), (9, 3)])
+def test_grouped_decode_attention_equals_per_row_dense_attention(monkeypatch, window, sink):
+    tpb, lens = 4, [3, 17, 9, 1, 30, 16, 5]
+    k_cache, v_cache = _cache(64, tpb, seed=1)
+    gen = torch.Generator().manual_seed(2)
+    tables = torch.randperm(64, generator=gen)[:len(lens) * 8].view(len(lens), 8).int()
+    q = torch.randn(len(lens), 4, 8, generator=gen)
+    kernels = TorchKernels()
+    expected = torch.stack([
+        kernels.dense_attention(q[i:i + 1], kernels.gather_kv(k_cache, tables[i:i + 1], n)[0],
+                                kernels.gather_kv(v_cache, tables[i:i + 1], n)[0], n - 1, 0.3, window, sink)[0]
+        for i, n in enumerate(lens)])
+    seq_lens = torch.tensor(lens)
+    for group_cost in (0, 10_000):  # as many groups as block counts, then one padded call
+        monkeypatch.setattr(torch_backend, "GROUP_COST_BLOCK_ROWS", group_cost)
+        num_groups = len(length_groups(lens, tpb))
+        assert num_groups == (len({-(-n // tpb) for n in lens}) if group_cost == 0 else 1)
+        got = kernels.decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.3, window, sink)
+        torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
+
+
+def test_gathers_reuse_a_per_thread_workspace():
+    k_cache, _ = _cache(16, 4, seed=3)
+    kernels = TorchKernels()
+    table = torch.arange(16, dtype=torch.int32).view(2, 8)
+    first = kernels.gather_kv(k_cache, table, 30, workspace_slot=0)
+    torch.testing.assert_close(first, kernels.gather_kv(k_cache, table, 30))
+    smaller = kernels.gather_kv(k_cache, table[:1], 12, workspace_slot=0)
+    assert smaller.data_ptr() == first.data_ptr()  # no new allocation for a smaller gather
+    other = {}
+    thread = threading.Thread(target=lambda: other.update(
+        t=kernels.gather_kv(k_cache, table, 30, workspace_slot=0)))
+    thread.start()
+    thread.join()
+    assert other["t"].data_ptr() != first.data_ptr()
+    torch.testing.assert_close(other["t"], kernels.gather_kv(k_cache, table, 30))
