@@ -59,7 +59,7 @@ class Worker:
         self._iteration = 0
         self._static_batch_size = 0
         self._stop_requested = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="GptManagerWorker")
+        self._thread = threading.current_thread()  # run() is called on the thread that built this
         self.memory_usage = executor.memory_usage()
         # Overlap: forwards run on this one thread while the worker does the host work of the other
         # micro-batch (torch releases the GIL inside its kernels).
@@ -75,8 +75,9 @@ class Worker:
     def num_active_requests(self) -> int:
         return len(self._active)
 
-    def start(self) -> None:
-        self._thread.start()
+    def run(self) -> None:
+        """The worker loop; returns after shutdown or the terminate request id."""
+        self._run()
 
     def shutdown(self) -> None:
         self._stop_requested.set()

@@ -373,3 +373,31 @@ def test_an_unreferenced_manager_is_shut_down_when_collected(tiny_engine):
     gc.collect()
     thread.join(2)
     assert not thread.is_alive()
+
+
+def test_the_model_is_built_and_run_on_the_worker_thread(tiny_engine, monkeypatch):
+    """The caller's thread runs no torch work of ours (an OpenMP pool left on it slows CPU steps)."""
+    import runtime.model as model_module
+    engine_dir, _ = tiny_engine
+    threads = []
+    original = model_module.Transformer.__init__
+
+    def recording_init(self, *args, **kwargs):
+        threads.append(threading.current_thread())
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(model_module.Transformer, "__init__", recording_init)
+    with GptManager(engine_dir, TrtGptModelType.InflightFusedBatching, 1, SchedulerPolicy.GUARANTEED_NO_EVICT,
+                    *Client([]).callbacks()) as manager:
+        assert threads == [manager._worker._thread]
+        assert threads[0] is not threading.current_thread() and threads[0].name == "GptManagerWorker"
+
+
+def test_a_failure_while_building_is_raised_by_the_constructor(tiny_engine):
+    engine_dir, _ = tiny_engine
+    params = TrtGptModelOptionalParams(kv_cache_config=KvCacheConfig(max_tokens=-5))
+    before = threading.active_count()
+    with pytest.raises(ValueError, match="KvCacheConfig.max_tokens: must be a positive integer, got -5"):
+        GptManager(engine_dir, TrtGptModelType.InflightFusedBatching, 1, SchedulerPolicy.GUARANTEED_NO_EVICT,
+                   *Client([]).callbacks(), params)
+    assert wait_until(lambda: threading.active_count() == before)  # the building thread is gone
