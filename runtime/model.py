@@ -64,6 +64,11 @@ class Transformer:
         if act is None:
             raise ValueError(f"activation: unsupported {config.activation!r}; supported: {sorted(_ACTIVATIONS)}")
         self.act = act
+        # NOTE: on CPU the MLP runs over row chunks of a long step: a [1024, 2 * intermediate]
+        # activation stays cache-friendly and is reused by the allocator, where a whole 6400-token
+        # step's (tens of MB) is a fresh page-faulted mmap per layer. Measured 3.08 -> 2.47 s per
+        # 6400-token context step on the default model (512 and 2048 rows: 2.56 and 2.61 s).
+        self.mlp_chunk_rows = 1024 if device.type == "cpu" else None
         self.inv_freq = (rope_inv_freq(config.rope, config.head_dim).to(device)
                          if config.position_embedding == "rope" else None)
         self.linears = {}
@@ -129,6 +134,15 @@ class Transformer:
         return self.linears[prefix](x)
 
     def _mlp(self, h: torch.Tensor, p: str) -> torch.Tensor:
+        rows = self.mlp_chunk_rows
+        if rows is None or h.shape[0] <= rows:
+            return self._mlp_rows(h, p)
+        out = torch.empty_like(h)
+        for start in range(0, h.shape[0], rows):
+            out[start:start + rows] = self._mlp_rows(h[start:start + rows], p)
+        return out
+
+    def _mlp_rows(self, h: torch.Tensor, p: str) -> torch.Tensor:
         up = self._linear(h, p + "mlp_in")
         if self.config.mlp_type == "gated":
             gate, up = up.chunk(2, dim=-1)

@@ -328,3 +328,13 @@ def test_half_precision_close_to_fp32(checkpoints, arch, dtype_name, dtype, max_
     assert err.max() > 0  # the engine really ran in reduced precision
     agree = (logits.argmax(-1) == ref.argmax(-1)).float().mean()
     assert agree >= 0.9, agree.item()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])  # gated and plain MLP
+def test_mlp_in_row_chunks_matches_transformers(checkpoints, arch):
+    path, model = checkpoints[arch]
+    runner = ModelRunner(Engine.from_dir(path, tokens_per_block=4), num_blocks=16)
+    assert runner.model.mlp_chunk_rows == 1024  # the CPU default
+    runner.model.mlp_chunk_rows = 3  # a 13-token prompt: 5 chunks, the last one short
+    tokens = random_tokens(13, seed=21)
+    torch.testing.assert_close(run_prompt(runner, tokens, [0, 1, 2, 3]), hf_logits(model, tokens), atol=ATOL, rtol=0)
