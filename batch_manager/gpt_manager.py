@@ -73,11 +73,22 @@ class GptManager:
             except BaseException as e:  # noqa: BLE001 - raised again by the constructor
                 ready.set_exception(e)
                 return
+            built.append(worker)
             ready.set_result(worker)
-            worker.run()
+            if not abandoned.is_set():
+                worker.run()
 
+        abandoned, built = threading.Event(), []
         threading.Thread(target=build_and_run, name="GptManagerWorker").start()
-        self._worker = ready.result()
+        try:
+            self._worker = ready.result()
+        except BaseException:
+            # The build failed, or the caller was interrupted (Ctrl-C) while it ran: a worker
+            # built after all must not keep the process alive.
+            abandoned.set()
+            for worker in built:
+                worker.shutdown()
+            raise
         _live_workers.add(self._worker)
 
     def shutdown(self) -> None:

@@ -401,3 +401,22 @@ def test_a_failure_while_building_is_raised_by_the_constructor(tiny_engine):
         GptManager(engine_dir, TrtGptModelType.InflightFusedBatching, 1, SchedulerPolicy.GUARANTEED_NO_EVICT,
                    *Client([]).callbacks(), params)
     assert wait_until(lambda: threading.active_count() == before)  # the building thread is gone
+
+
+def test_an_interrupted_constructor_leaves_no_worker_running(tiny_engine, monkeypatch):
+    """Ctrl-C while the worker thread builds the model: the worker, once built, stops."""
+    import concurrent.futures
+    engine_dir, _ = tiny_engine
+    before = threading.active_count()
+    real_result = concurrent.futures.Future.result
+
+    def interrupted(self, timeout=None):
+        real_result(self, timeout)  # let the build finish, then interrupt the waiting caller
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(concurrent.futures.Future, "result", interrupted, raising=True)
+    with pytest.raises(KeyboardInterrupt):
+        GptManager(engine_dir, TrtGptModelType.InflightFusedBatching, 1, SchedulerPolicy.GUARANTEED_NO_EVICT,
+                   *Client([]).callbacks())
+    monkeypatch.undo()
+    assert wait_until(lambda: threading.active_count() == before)
