@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import threading
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -73,6 +74,23 @@ def length_groups(seq_lens: list[int], tokens_per_block: int) -> list[list[int]]
     return [[r for r in order if low <= blocks[r] <= high] for low, high in reversed(bounds)]
 
 
+def _block_ids(block_tables: torch.Tensor, num_tokens: int, tokens_per_block: int) -> torch.Tensor:
+    """int64 [B * nb]: the blocks holding each row's first num_tokens tokens, row-major.
+    Released blocks (negative ids) hold only invisible keys: block 0 is read in their place."""
+    num_blocks = -(-num_tokens // tokens_per_block)
+    return block_tables[:, :num_blocks].long().clamp(min=0).flatten()
+
+
+@dataclass
+class _DecodeGroup:
+    """Rows of a decode call attended together, padded to their longest sequence."""
+    rows: torch.Tensor | None  # int64 [n]: their rows in the batch (None: all rows, in order)
+    block_ids: torch.Tensor    # int64 [n * nb]: the blocks to gather
+    num_rows: int
+    num_tokens: int            # keys gathered per row
+    mask: torch.Tensor         # bool [n, 1, 1, num_tokens]: the keys each row's query sees
+
+
 class TorchKernels(TorchDecoderKernels):
     name = "torch"
 
@@ -94,18 +112,23 @@ class TorchKernels(TorchDecoderKernels):
 
         With `workspace_slot` the result lives in this thread's reusable buffer of that slot and
         is only valid until the next gather into the same slot."""
-        tpb = cache.shape[1]
-        num_blocks = -(-num_tokens // tpb)
-        # Released blocks (negative ids) hold only invisible keys: read block 0 in their place.
+        return self._gather(cache, _block_ids(block_tables, num_tokens, cache.shape[1]), block_tables.shape[0],
+                            num_tokens, workspace_slot)
+
+    def _gather(self, cache: torch.Tensor, block_ids: torch.Tensor, num_rows: int, num_tokens: int,
+                workspace_slot: int | None) -> torch.Tensor:
         # NOTE: index_select over flat block ids copies about twice as fast as advanced indexing.
-        ids = block_tables[:, :num_blocks].long().clamp(min=0).flatten()
         if workspace_slot is None:
-            blocks = cache.index_select(0, ids)  # [B * nb, tpb, kvH, D]
+            blocks = cache.index_select(0, block_ids)  # [B * nb, tpb, kvH, D]
         else:
-            shape = (ids.numel(), *cache.shape[1:])
+            shape = (block_ids.numel(), *cache.shape[1:])
             out = self._workspace(workspace_slot, math.prod(shape), cache.dtype, cache.device).view(shape)
-            blocks = torch.index_select(cache, 0, ids, out=out)
-        return blocks.view(block_tables.shape[0], num_blocks * tpb, *cache.shape[2:])[:, :num_tokens]
+            blocks = torch.index_select(cache, 0, block_ids, out=out)
+        return blocks.view(num_rows, -1, *cache.shape[2:])[:, :num_tokens]
+
+    def _thread_state(self) -> dict:
+        """State private to the calling thread: gather buffers and the last decode plan."""
+        return self.__dict__.setdefault("_thread_states", threading.local()).__dict__
 
     def _workspace(self, slot: int, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A flat buffer of at least `numel` elements, owned by the calling thread, grown on demand.
@@ -113,8 +136,8 @@ class TorchKernels(TorchDecoderKernels):
         NOTE: the gathered keys and values of a decode step are several MB per layer; allocated
         afresh each layer they come from mmap under glibc's default malloc and page-fault on every
         write, which made decode attention 2-3x slower at batch 34 with 300-token sequences."""
-        buffers = self.__dict__.setdefault("_thread_workspaces", threading.local()).__dict__
-        key = (slot, dtype, device)
+        buffers = self._thread_state()
+        key = ("workspace", slot, dtype, device)
         buffer = buffers.get(key)
         if buffer is None or buffer.numel() < numel:
             buffer = buffers[key] = torch.empty(max(numel, 2 * (0 if buffer is None else buffer.numel())),
@@ -128,29 +151,49 @@ class TorchKernels(TorchDecoderKernels):
 
         seq_lens int [B] counts the cached tokens including the query's own (already written).
         """
-        groups = length_groups(seq_lens.tolist(), k_cache.shape[1])
-        if len(groups) == 1:
-            return self._decode_rows(q, k_cache, v_cache, block_tables, seq_lens, scale, window, sink)
+        plan = self._decode_plan(block_tables, seq_lens, k_cache.shape[1], window, sink, q.device)
+        if len(plan) == 1:
+            return self._decode_rows(q, k_cache, v_cache, plan[0], scale)
         out = torch.empty_like(q)
-        for rows in groups:
-            index = torch.tensor(rows, device=q.device)
-            out[index] = self._decode_rows(q[index], k_cache, v_cache, block_tables[index], seq_lens[index],
-                                           scale, window, sink)
+        for group in plan:
+            out[group.rows] = self._decode_rows(q[group.rows], k_cache, v_cache, group, scale)
         return out
 
-    def _decode_rows(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                     window: int | None, sink: int) -> torch.Tensor:
-        """decode_attention over rows padded to their longest sequence."""
+    def _decode_plan(self, block_tables: torch.Tensor, seq_lens: torch.Tensor, tokens_per_block: int,
+                     window: int | None, sink: int, device: torch.device) -> list[_DecodeGroup]:
+        """The row groups, block ids and masks of a decode call. Every layer of a step asks for the
+        same plan, so the thread's last one is reused while its inputs are equal."""
+        lens = seq_lens.tolist()
+        key = (lens, tokens_per_block, window, sink, device)
+        state = self._thread_state()
+        memo = state.get("decode_plan")
+        if (memo is not None and memo[0] == key and memo[1].shape == block_tables.shape
+                and torch.equal(memo[1], block_tables)):
+            return memo[2]
+        groups = length_groups(lens, tokens_per_block)
+        if len(groups) == 1:  # one padded call over the rows as they come
+            groups = [list(range(len(lens)))]
+        plan = []
+        for rows in groups:
+            index = None if len(groups) == 1 else torch.tensor(rows, device=device)
+            tables = block_tables if index is None else block_tables[index]
+            num_tokens = max(lens[r] for r in rows)
+            query_pos = torch.tensor([lens[r] - 1 for r in rows], device=device)
+            visible = _visible(query_pos, torch.arange(num_tokens, device=device), window, sink)  # [n, L]
+            plan.append(_DecodeGroup(index, _block_ids(tables, num_tokens, tokens_per_block), len(rows),
+                                     num_tokens, visible[:, None, None, :]))
+        state["decode_plan"] = (key, block_tables.clone(), plan)
+        return plan
+
+    def _decode_rows(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: _DecodeGroup,
+                     scale: float) -> torch.Tensor:
+        """decode_attention over one group's rows, padded to their longest sequence."""
         dtype = _compute_dtype(q)
-        max_len = int(seq_lens.max())
-        # [B, kvH, L, D] views of the gathered keys and values (SDPA takes the strides as they are)
-        k = self.gather_kv(k_cache, block_tables, max_len, workspace_slot=0).to(dtype).transpose(1, 2)
-        v = self.gather_kv(v_cache, block_tables, max_len, workspace_slot=1).to(dtype).transpose(1, 2)
-        key_pos = torch.arange(max_len, device=q.device)
-        visible = _visible(seq_lens.to(q.device).long() - 1, key_pos, window, sink)  # [B, L]
-        out = F.scaled_dot_product_attention(q.to(dtype)[:, :, None, :], k, v, attn_mask=visible[:, None, None, :],
-                                             scale=scale, enable_gqa=True)  # [B, H, 1, D]
+        # [n, kvH, L, D] views of the gathered keys and values (SDPA takes the strides as they are)
+        k = self._gather(k_cache, group.block_ids, group.num_rows, group.num_tokens, 0).to(dtype).transpose(1, 2)
+        v = self._gather(v_cache, group.block_ids, group.num_rows, group.num_tokens, 1).to(dtype).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q.to(dtype)[:, :, None, :], k, v, attn_mask=group.mask, scale=scale,
+                                             enable_gqa=True)  # [n, H, 1, D]
         return out[:, :, 0].to(q.dtype)
 
     def context_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

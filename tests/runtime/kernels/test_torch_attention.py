@@ -65,18 +65,20 @@ def test_grouped_decode_attention_equals_per_row_dense_attention(monkeypatch, wi
     gen = torch.Generator().manual_seed(2)
     tables = torch.randperm(64, generator=gen)[:len(lens) * 8].view(len(lens), 8).int()
     q = torch.randn(len(lens), 4, 8, generator=gen)
-    kernels = TorchKernels()
+    reference = TorchKernels()
     expected = torch.stack([
-        kernels.dense_attention(q[i:i + 1], kernels.gather_kv(k_cache, tables[i:i + 1], n)[0],
-                                kernels.gather_kv(v_cache, tables[i:i + 1], n)[0], n - 1, 0.3, window, sink)[0]
+        reference.dense_attention(q[i:i + 1], reference.gather_kv(k_cache, tables[i:i + 1], n)[0],
+                                  reference.gather_kv(v_cache, tables[i:i + 1], n)[0], n - 1, 0.3, window, sink)[0]
         for i, n in enumerate(lens)])
     seq_lens = torch.tensor(lens)
     for group_cost in (0, 10_000):  # as many groups as block counts, then one padded call
         monkeypatch.setattr(torch_backend, "GROUP_COST_BLOCK_ROWS", group_cost)
         num_groups = len(length_groups(lens, tpb))
         assert num_groups == (len({-(-n // tpb) for n in lens}) if group_cost == 0 else 1)
-        got = kernels.decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.3, window, sink)
-        torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
+        kernels = TorchKernels()  # its own plan cache: each setting computes its plan
+        for _ in range(2):  # the second call (the next layer of a step) reuses the plan
+            got = kernels.decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.3, window, sink)
+            torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
 
 
 def test_gathers_reuse_a_per_thread_workspace():
@@ -94,3 +96,17 @@ def test_gathers_reuse_a_per_thread_workspace():
     thread.join()
     assert other["t"].data_ptr() != first.data_ptr()
     torch.testing.assert_close(other["t"], kernels.gather_kv(k_cache, table, 30))
+
+
+def test_a_changed_block_table_or_length_gets_a_new_plan():
+    tpb, lens = 4, [6, 3]
+    k_cache, v_cache = _cache(16, tpb, seed=4)
+    q = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(5))
+    kernels, reference = TorchKernels(), TorchKernels()
+    tables = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    kernels.decode_attention(q, k_cache, v_cache, tables, torch.tensor(lens), 0.3, None)
+    tables[0, 1] = 7  # changed in place, as a caller reusing its tensor would
+    for seq_lens in (torch.tensor(lens), torch.tensor([7, 3])):
+        torch.testing.assert_close(kernels.decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.3, None),
+                                   reference.decode_attention(q, k_cache, v_cache, tables.clone(), seq_lens.clone(),
+                                                              0.3, None))
