@@ -48,7 +48,6 @@ class Linear:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, device: torch.device,
                  impl: str | None = None):
-        self.out_features, self.in_features = weight.shape
         self.bias = bias
         if device.type != "cpu":
             self.impl = "linear"
@@ -73,6 +72,3 @@ class Linear:
         if self.bias is not None:
             y += self.bias[:, None]
         return y.t()
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [self.weight] + ([self.bias] if self.bias is not None else [])

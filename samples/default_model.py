@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from safetensors.torch import save_file
@@ -63,21 +63,11 @@ def default_model_dir(cache_dir: str | None = None) -> str:
         tmp = directory + f".tmp{os.getpid()}"
         # NOTE: on a helper thread that then exits, taking its OpenMP thread pool with it: a
         # pool left on this thread would slow the GptManager worker's CPU steps (see GptManager).
-        failure: list[BaseException] = []
-        writer = threading.Thread(target=lambda: _capture(failure, write_random_llama, tmp))
-        writer.start()
-        writer.join()
-        if failure:
-            raise failure[0]
+        with ThreadPoolExecutor(1) as writer:  # its thread is joined on leaving the block
+            writer.submit(write_random_llama, tmp).result()
         try:
             os.replace(tmp, directory)
         except OSError:  # another process finished first
             shutil.rmtree(tmp, ignore_errors=True)
     return directory
 
-
-def _capture(failure: list[BaseException], fn, *args) -> None:
-    try:
-        fn(*args)
-    except BaseException as e:  # noqa: BLE001 - raised again by the caller
-        failure.append(e)

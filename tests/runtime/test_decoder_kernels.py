@@ -13,6 +13,14 @@ from runtime.kernels import TorchKernels
 
 KERNELS = TorchKernels()
 
+# Random123's published Philox4x32-10 known answers: (counter, key, output).
+PHILOX_KNOWN_ANSWERS = [
+    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+]
+
 
 def random_logits(rows: int, vocab: int, seed: int, scale: float = 5.0) -> torch.Tensor:
     return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * scale
@@ -20,12 +28,7 @@ def random_logits(rows: int, vocab: int, seed: int, scale: float = 5.0) -> torch
 
 # --- the generator ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("counter, key, expected", [
-    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
-    ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
-    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
-     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
-])
+@pytest.mark.parametrize("counter, key, expected", PHILOX_KNOWN_ANSWERS)
 def test_philox_matches_random123_known_answers(counter, key, expected):
     out = rng.philox4x32(np.array([counter], dtype=np.uint32), np.array([key], dtype=np.uint32))
     assert tuple(int(x) for x in out[0]) == expected

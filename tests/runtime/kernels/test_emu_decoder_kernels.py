@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from runtime import rng
+from tests.runtime.test_decoder_kernels import PHILOX_KNOWN_ANSWERS
 
 NEG_INF = float("-inf")
 REPO = Path(__file__).resolve().parents[3]
@@ -27,12 +28,7 @@ def random_logits(rows: int, vocab: int, seed: int, scale: float = 3.0) -> torch
 
 # --- Philox -------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("counter, key, expected", [
-    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
-    ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
-    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
-     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
-])
+@pytest.mark.parametrize("counter, key, expected", PHILOX_KNOWN_ANSWERS)
 def test_philox_block_function_matches_random123_known_answers(emu, counter, key, expected):
     as_int32 = lambda words: torch.tensor(np.array([words], dtype=np.uint32).view(np.int32))  # noqa: E731
     out = torch.empty(1, 4, dtype=torch.int32)
