@@ -14,6 +14,7 @@ import torch
 
 from runtime import Engine, ModelRunner
 
+from .callbacks import UserCallbacks
 from .kv_cache_manager import KvCacheManager
 from .kv_sizing import num_kv_blocks
 from .model_executor import ModelExecutor
@@ -102,6 +103,17 @@ class GptManager:
     def get_num_active_requests(self) -> int:
         return self._worker.num_active_requests
 
+    @property
+    def is_running(self) -> bool:
+        """False after shutdown, termination, or a fatal internal error (see `fatal_error`)."""
+        return self._worker.is_running
+
+    @property
+    def fatal_error(self) -> str | None:
+        """The message of the internal error that stopped the worker's loop, else None. Requests
+        arriving after it are answered with this error."""
+        return self._worker.fatal_error
+
     def __enter__(self) -> "GptManager":
         return self
 
@@ -155,8 +167,9 @@ def _build_worker(engine_dir, model_type: TrtGptModelType, max_beam_width: int, 
                           limits=limits, enable_trt_overlap=enable_trt_overlap)
     micro_batch = MicroBatchScheduler(max_batch_size, max_num_tokens, enable_chunked_context)
     executor = ModelExecutor(runner, kv, bool(params.normalize_log_probs), params.logits_post_processor_batched)
-    return Worker(config, kv, capacity, micro_batch, executor, get_inference_requests_cb, send_response_cb,
-                  poll_stop_signal_cb, return_batch_manager_stats_cb)
+    callbacks = UserCallbacks(get_inference_requests_cb, send_response_cb, poll_stop_signal_cb,
+                              return_batch_manager_stats_cb)
+    return Worker(config, kv, capacity, micro_batch, executor, callbacks)
 
 
 def _check_kv_cache_config(kv: KvCacheConfig) -> None:

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
+from .callbacks import UserCallbacks
+from .inference_request import InferenceRequest
 from .kv_cache_manager import KvCacheManager
 from .llm_request import FinishReason, LlmRequest
 from .model_executor import ModelExecutor, PreparedStep
@@ -26,6 +29,7 @@ logger = logging.getLogger(__name__)
 # Idle poll interval: bounds the latency an idle manager adds to a new request (~0.5 ms) while
 # keeping an idle worker near 0 % CPU.
 IDLE_SLEEP_S = 0.0005
+_TERMINATED = "terminated: the terminate request id was received"
 
 
 @dataclass(frozen=True)
@@ -48,13 +52,13 @@ class _InFlight:
 
 class Worker:
     def __init__(self, config: WorkerConfig, kv: KvCacheManager, capacity: CapacityScheduler,
-                 micro_batch: MicroBatchScheduler, executor: ModelExecutor, get_requests: Callable,
-                 send_response: Callable, poll_stop_signals: Callable | None, report_stats: Callable | None):
+                 micro_batch: MicroBatchScheduler, executor: ModelExecutor, callbacks: UserCallbacks):
         self.config = config
         self.kv, self.capacity, self.micro_batch, self.executor = kv, capacity, micro_batch, executor
-        self._get_requests, self._send_response = get_requests, send_response
-        self._poll_stop_signals, self._report_stats = poll_stop_signals, report_stats
-        self._active: dict[int, LlmRequest] = {}  # admission order
+        self.callbacks = callbacks
+        self._active: dict[int, LlmRequest] = {}  # admission order; at most max_num_sequences
+        self._queued: deque[InferenceRequest] = deque()  # fetched beyond max_num_sequences, unchecked
+        self.fatal_error: str | None = None  # set when the loop died of an internal error
         self._num_admitted = 0
         self._iteration = 0
         self._static_batch_size = 0
@@ -73,11 +77,26 @@ class Worker:
 
     @property
     def num_active_requests(self) -> int:
-        return len(self._active)
+        """Admitted requests plus those fetched and queued for admission."""
+        return len(self._active) + len(self._queued)
+
+    @property
+    def is_running(self) -> bool:
+        return self.fatal_error is None and self._thread.is_alive() and not self._stop_requested.is_set()
 
     def run(self) -> None:
-        """The worker loop; returns after shutdown or the terminate request id."""
-        self._run()
+        """The worker loop; returns after shutdown or the terminate request id. Should the loop die
+        of an internal error, everything it held fails and later requests get an error response."""
+        try:
+            self._run()
+        except BaseException as e:  # an internal bug: fail what is in flight rather than hang the users
+            logger.exception("GptManager worker crashed")
+            self.fatal_error = f"internal error in the batch manager worker: {e!r}"
+            self._fail_all(f"{self.fatal_error} (see the log)")
+            self._serve_failed()
+        finally:
+            if self._forward_pool is not None:
+                self._forward_pool.shutdown(wait=True)
 
     def shutdown(self) -> None:
         self._stop_requested.set()
@@ -90,51 +109,69 @@ class Worker:
     # -- the loop ---------------------------------------------------------------------------------
 
     def _run(self) -> None:
-        try:
-            while not (self._stop_requested.is_set() and not self._active):
-                fetched = 0
-                if not self._stop_requested.is_set():
-                    fetched, terminate = self._fetch_new_requests()
-                    if terminate:
-                        self._fail_all("terminated: the terminate request id was received")
-                        return
-                self._apply_stop_signals()
-                if not self._active:
-                    if not fetched:
-                        self._stop_requested.wait(IDLE_SLEEP_S)
-                    continue
-                if self._forward_pool is None:
-                    batch, num_paused = self._schedule()
-                    self._run_step(batch)
-                    self._iteration += 1
-                    self._send_responses(batch)
+        while not (self._stop_requested.is_set() and not self._active and not self._queued):
+            fetched = 0
+            if not self._stop_requested.is_set():
+                fetched, terminate = self._fetch_new_requests()
+                if terminate:
+                    self._fail_all(_TERMINATED)
+                    return
+            self._admit_queued()
+            self._apply_stop_signals()
+            if not self._active:
+                if not fetched:
+                    self._stop_requested.wait(IDLE_SLEEP_S)
+                continue
+            if self._forward_pool is None:
+                batch, num_paused = self._schedule()
+                self._run_step(batch)
+                self._iteration += 1
+                self._send_responses(batch)
+            else:
+                batch, num_paused = self._overlapped_step()
+            self._send_stats(batch, num_paused)
+
+    def _serve_failed(self) -> None:
+        """After a crash: keep polling, and answer every new request with the fatal error."""
+        while not self._stop_requested.is_set():
+            items = self.callbacks.get_requests(self.config.max_num_sequences)
+            for item in items:
+                if isinstance(item, InferenceRequest):
+                    self._send(item.request_id, [], True, f"{self.fatal_error} (see the log)")
                 else:
-                    batch, num_paused = self._overlapped_step()
-                self._send_stats(batch, num_paused)
-        except BaseException:  # an internal bug: fail what is in flight rather than hang the users
-            logger.exception("GptManager worker crashed")
-            self._fail_all("internal error in the batch manager worker (see the log)")
-        finally:
-            if self._forward_pool is not None:
-                self._forward_pool.shutdown(wait=True)
+                    logger.warning("get_inference_requests_cb returned a %s, not an InferenceRequest; dropped",
+                                   type(item).__name__)
+            if not items:
+                self._stop_requested.wait(IDLE_SLEEP_S)
 
     def _fetch_new_requests(self) -> tuple[int, bool]:
-        capacity = max(self.config.max_num_sequences - len(self._active), 0)
-        try:
-            requests = list(self._call("get_inference_requests_cb", self._get_requests, capacity) or ())
-        except TypeError:
-            logger.error("get_inference_requests_cb returned a non-iterable; ignored")
-            requests = []
-        for i, request in enumerate(requests):
-            if self.config.terminate_req_id is not None and request.request_id == self.config.terminate_req_id:
-                for later in requests[i + 1:]:
-                    self._send(later.request_id, [], True, "terminated: the terminate request id was received")
-                return len(requests), True
-            self._admit(request)
-        return len(requests), False
+        """Queue what the callback hands over, up to the terminate id. -> (items, terminate?)"""
+        capacity = max(self.config.max_num_sequences - self.num_active_requests, 0)
+        items = self.callbacks.get_requests(capacity)
+        for i, item in enumerate(items):
+            if not isinstance(item, InferenceRequest):
+                logger.warning("get_inference_requests_cb returned a %s, not an InferenceRequest; dropped",
+                               type(item).__name__)
+            elif self._is_terminate(item):
+                for later in items[i + 1:]:
+                    if isinstance(later, InferenceRequest):
+                        self._send(later.request_id, [], True, _TERMINATED)
+                return len(items), True
+            else:
+                self._queued.append(item)
+        return len(items), False
 
-    def _admit(self, request) -> None:
-        request_id = getattr(request, "request_id", None)
+    def _is_terminate(self, request: InferenceRequest) -> bool:
+        terminate_id = self.config.terminate_req_id
+        return terminate_id is not None and type(request.request_id) is int and request.request_id == terminate_id
+
+    def _admit_queued(self) -> None:
+        """Admit queued requests in arrival order while fewer than max_num_sequences are active."""
+        while self._queued and len(self._active) < self.config.max_num_sequences:
+            self._admit(self._queued.popleft())
+
+    def _admit(self, request: InferenceRequest) -> None:
+        request_id = request.request_id
         try:
             if not isinstance(request_id, int) or isinstance(request_id, bool) or not 0 <= request_id < 1 << 64:
                 raise RequestError(f"request_id: expected an integer in [0, 2**64), got {request_id!r}")
@@ -148,15 +185,8 @@ class Worker:
         self._active[request_id] = llm_request
 
     def _apply_stop_signals(self) -> None:
-        if self._poll_stop_signals is None:
-            return
-        try:
-            stop_ids = list(self._call("poll_stop_signal_cb", self._poll_stop_signals) or ())
-        except TypeError:
-            logger.error("poll_stop_signal_cb returned a non-iterable; ignored")
-            return
-        for request_id in stop_ids:
-            r = self._active.get(request_id) if isinstance(request_id, int) else None
+        for request_id in self.callbacks.poll_stop_signals():
+            r = self._active.get(request_id) if type(request_id) is int else None
             if r is not None and not r.is_finished:
                 r.finish(FinishReason.STOPPED)
                 if not self._is_in_flight(r):   # else completed once its forward is done
@@ -278,16 +308,25 @@ class Worker:
             return None
 
     def _fail_all(self, message: str) -> None:
+        """Fail every active and queued request. Also runs after a crash, over state that may be
+        inconsistent: each request is answered even when releasing its resources fails."""
         if self._in_flight is not None:   # let its forward end before the blocks are freed
             self._in_flight.future.exception()
             self._in_flight = None
         for r in list(self._active.values()):
-            if not r.is_finished:
-                r.finish(FinishReason.ERROR, message)
-            self._complete(r)
+            try:
+                if not r.is_finished:
+                    r.finish(FinishReason.ERROR, message)
+                self._complete(r)
+            except Exception:  # noqa: BLE001
+                logger.exception("releasing request %s failed", r.request_id)
+                self._active.pop(r.request_id, None)
+                self._send(r.request_id, [], True, message)
+        while self._queued:
+            self._send(self._queued.popleft().request_id, [], True, message)
 
     def _send_stats(self, batch: MicroBatch, num_paused: int) -> None:
-        if self._report_stats is None or not self._active:
+        if not self.callbacks.has_stats or not self._active:
             return
         cpu, gpu, pinned = self.memory_usage
         is_v1 = self.config.model_type == TrtGptModelType.V1
@@ -304,18 +343,8 @@ class Worker:
             num_generation_tokens=len(batch.generation_requests), num_paused=num_paused,
             num_empty_generation_slots=max(0, self._static_batch_size - batch.num_requests) if is_v1 else 0,
             micro_batch_id=self._iteration % 2 if self._forward_pool is not None else 0)
-        self._call("return_batch_manager_stats_cb", self._report_stats, stats_json(stats, is_v1))
-
-    # -- callbacks --------------------------------------------------------------------------------
+        self.callbacks.report_stats(stats_json(stats, is_v1))
 
     def _send(self, request_id, tensors, is_final: bool, err_msg: str) -> None:
-        self._call("send_response_cb", self._send_response, request_id, tensors, is_final, err_msg)
-
-    @staticmethod
-    def _call(name: str, fn: Callable, *args):
-        try:
-            return fn(*args)
-        except Exception:  # noqa: BLE001 - a user callback never kills the worker
-            logger.exception("user callback %s raised", name)
-            return None
+        self.callbacks.send_response(request_id, tensors, is_final, err_msg)
 
