@@ -5,10 +5,12 @@ from .inference_request import InferenceRequest, NamedTensor
 from .llm_request import LlmRequest, RequestState
 from .options import (CapacitySchedulerPolicy, KvCacheConfig, SchedulerConfig, SchedulerPolicy,
                       TrtGptModelOptionalParams, TrtGptModelType)
-from .scheduler import (CapacityScheduler, GuaranteedNoEvictScheduler, MaxUtilizationScheduler,
-                        MicroBatchScheduler, StaticBatchScheduler)
+from .capacity_scheduler import (CapacityScheduler, GuaranteedNoEvictScheduler, MaxUtilizationScheduler,
+                                 StaticBatchScheduler)
+from .micro_batch_scheduler import MicroBatchScheduler
+from .scheduler import Scheduler
 
 __all__ = ["tensor_names", "GptManager", "InferenceRequest", "NamedTensor", "LlmRequest", "RequestState",
            "CapacitySchedulerPolicy", "KvCacheConfig", "SchedulerConfig", "SchedulerPolicy",
            "TrtGptModelOptionalParams", "TrtGptModelType", "CapacityScheduler", "GuaranteedNoEvictScheduler",
-           "MaxUtilizationScheduler", "MicroBatchScheduler", "StaticBatchScheduler"]
+           "MaxUtilizationScheduler", "MicroBatchScheduler", "StaticBatchScheduler", "Scheduler"]

@@ -19,7 +19,9 @@ from .kv_cache_manager import KvCacheManager
 from .kv_sizing import num_kv_blocks
 from .model_executor import ModelExecutor
 from .options import KvCacheConfig, SchedulerConfig, SchedulerPolicy, TrtGptModelOptionalParams, TrtGptModelType
-from .scheduler import MicroBatchScheduler, make_capacity_scheduler
+from .capacity_scheduler import make_capacity_scheduler
+from .micro_batch_scheduler import MicroBatchScheduler
+from .scheduler import Scheduler
 from .validation import AdmissionLimits
 from .worker import Worker, WorkerConfig
 
@@ -164,12 +166,14 @@ def _build_worker(engine_dir, model_type: TrtGptModelType, max_beam_width: int, 
         gather_generation_logits=build.gather_generation_logits)
     config = WorkerConfig(model_type=model_type, max_num_sequences=max_num_sequences,
                           terminate_req_id=terminate_req_id, exclude_input_in_output=exclude_input_in_output,
-                          limits=limits, enable_trt_overlap=enable_trt_overlap)
-    micro_batch = MicroBatchScheduler(max_batch_size, max_num_tokens, enable_chunked_context)
-    executor = ModelExecutor(runner, kv, bool(params.normalize_log_probs), params.logits_post_processor_batched)
+                          limits=limits, enable_trt_overlap=enable_trt_overlap,
+                          normalize_log_probs=bool(params.normalize_log_probs))
+    scheduler = Scheduler(kv, capacity, MicroBatchScheduler(max_batch_size, max_num_tokens, enable_chunked_context),
+                          separate_context_forward=model_type != TrtGptModelType.InflightFusedBatching)
+    executor = ModelExecutor(runner, params.logits_post_processor_batched)
     callbacks = UserCallbacks(get_inference_requests_cb, send_response_cb, poll_stop_signal_cb,
                               return_batch_manager_stats_cb)
-    return Worker(config, kv, capacity, micro_batch, executor, callbacks)
+    return Worker(config, scheduler, executor, callbacks)
 
 
 def _check_kv_cache_config(kv: KvCacheConfig) -> None:

@@ -1,4 +1,6 @@
-"""LlmRequest: the manager's per-request state (plain Python, no tensors of its own).
+"""LlmRequest: the manager's per-request state (plain Python, no tensors of its own). The
+scheduler owns it: only `Scheduler` (and its capacity and micro-batch stages) changes it; the
+model executor sees a request only through the frozen `ScheduledRequest` of a step.
 
 Each request has a token list (prompt + generated) and a count of tokens whose KV is in the
 cache (`num_computed_tokens`). A step computes the tokens between the two; when they meet, the
@@ -35,45 +37,20 @@ class FinishReason(enum.Enum):
     ERROR = "error"
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """Per-request decoding settings, validated Python values (the decoder's input; the semantics
-    are documented in runtime/decoding_params.py)."""
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 0.0
-    top_p_decay: float = 1.0
-    top_p_min: float = 1e-6
-    top_p_reset_id: int = -1
-    min_length: int = 0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    random_seed: int = 0          # unsigned 64-bit
-    length_penalty: float = 0.0
-    early_stopping: int = 1
-    diversity_rate: float = 0.0
-    no_repeat_ngram_size: int = 0
-    bad_words: tuple[tuple[int, ...], ...] = ()
-    stop_words: tuple[tuple[int, ...], ...] = ()
-
-
 @dataclass(eq=False)
 class LlmRequest:
     request_id: int
     prompt: list[int]
     max_new_tokens: int
-    end_id: int | None = None
     pad_id: int = 0
     beam_width: int = 1
     is_streaming: bool = False
-    sampling: SamplingParams = field(default_factory=SamplingParams)
+    decoding: Any = None   # runtime.decoding_params.DecodingParams, validated on admission
     return_log_probs: bool = False
     return_context_logits: bool = False
     return_generation_logits: bool = False
     logits_post_processor: Callable | None = None
     use_batched_post_processor: bool = False  # the manager's batched logits post-processor applies
-    embedding_bias: Any = None     # float32 [V] tensor, added to the logits, or None
     arrival_index: int = 0  # admission order, for FIFO scheduling and pause priority
 
     state: RequestState = RequestState.WAITING
@@ -87,14 +64,21 @@ class LlmRequest:
     error: str | None = None
     log_probs: list[float] = field(default_factory=list)
     cum_log_prob: float = 0.0     # includes the end token's log prob, which has no log_probs entry
-    # Beam search (beam_width > 1): the current beams, best first; `generated` mirrors beam 0.
+    has_decoder_state: bool = False  # the executor opened its decoder state (released when it ends)
+    # Beam search (beam_width > 1): the output beams, best first; `generated` mirrors live beam 0,
+    # `live_beam_tokens` holds every live beam's tokens (the inputs of its next step).
     beam_tokens: list[list[int]] = field(default_factory=list)
+    live_beam_tokens: list[list[int]] = field(default_factory=list)
     beam_log_probs: list[list[float]] = field(default_factory=list)
     beam_cum_log_probs: list[float] = field(default_factory=list)
     num_live_beams: int = 1       # KV holders of the request: beam b > 0 is (request_id, b)
     pending_block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) before its next forward
     context_logits: Any = None             # float32 [prompt_len, V] when requested
     generation_logits: list[Any] = field(default_factory=list)  # float32 [V] per generated token
+
+    @property
+    def end_id(self) -> int | None:
+        return None if self.decoding is None else self.decoding.end_id
 
     @property
     def prompt_len(self) -> int:
@@ -120,6 +104,12 @@ class LlmRequest:
     @property
     def holds_blocks(self) -> bool:
         return self.state in (RequestState.CONTEXT, RequestState.GENERATION)
+
+    def beam_token_slice(self, beam: int, start: int, stop: int) -> list[int]:
+        """Tokens [start, stop) of live beam `beam` (prompt + that beam's generated tokens)."""
+        if self.num_live_beams == 1:
+            return self.token_slice(start, stop)
+        return (self.prompt + self.live_beam_tokens[beam])[start:stop]
 
     def token_slice(self, start: int, stop: int) -> list[int]:
         n = len(self.prompt)

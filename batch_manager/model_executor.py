@@ -1,40 +1,31 @@
-"""The only module of the manager that touches the runtime: builds each step's tensor dict from
-the scheduled requests (`prepare`), runs the forward (`forward`, safe on another thread), then
-advances the requests, registers their full blocks for reuse and decodes (`update`)."""
+"""The model executor: `execute(ScheduledStep) -> StepResult`, the only module of the manager that
+touches the runtime. Pure in the scheduler's sense: it reads the frozen step and writes nothing
+but its own stores (the decoder states, keyed by request id), so it may run on another thread
+(overlap) while the scheduler works on the other micro-batch.
+"""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import Callable
 
-import torch
-
 from runtime import ModelRunner
+from runtime.step_inputs import SequenceStep, pack_step
 
-from .kv_cache_manager import KvCacheManager
-from .llm_request import LlmRequest
-from .beam_blocks import beam_holder, fork_beams
 from .request_decoder import RequestDecoder
+from .step import RequestResult, ScheduledRequest, ScheduledStep, StepResult
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class PreparedStep:
-    requests: list[LlmRequest]
-    num_step_tokens: list[int]                  # tokens each request (each of its live beams) computes
-    num_rows: list[int]                         # sequences (logits rows) of each request: its live beams
-    block_copies: list[tuple[int, int]]         # (src, dst) KV blocks to copy before the forward
-    inputs: dict[str, torch.Tensor]             # ModelRunner.forward inputs
-    context_logits_rows: dict[LlmRequest, int]  # request -> first row of its prompt in context_logits
-
-
 class ModelExecutor:
-    def __init__(self, runner: ModelRunner, kv_cache_manager: KvCacheManager, normalize_log_probs: bool = True,
-                 batched_post_processor: Callable | None = None):
+    def __init__(self, runner: ModelRunner, batched_post_processor: Callable | None = None):
         self.runner = runner
-        self.kv = kv_cache_manager
-        self.decoder = RequestDecoder(runner.kernels, normalize_log_probs, batched_post_processor)
+        self.decoder = RequestDecoder(runner.kernels, batched_post_processor)
+        # Fault-injection test hook (tests, samples.chaos_soak): fault_injector(group) is called
+        # with each forward group (a tuple of ScheduledRequests) before its forward; what it raises
+        # fails exactly that group's requests, as a failing model step would.
+        self.fault_injector: Callable[[tuple[ScheduledRequest, ...]], None] | None = None
 
     def memory_usage(self) -> tuple[int, int, int]:
         """Bytes of runtime memory (weights + KV pool) on the CPU, the GPU, and pinned."""
@@ -46,104 +37,53 @@ class ModelExecutor:
                 gpu += t.numel() * t.element_size()
         return cpu, gpu, 0
 
-    def step(self, requests: list[LlmRequest]) -> None:
-        """One packed forward over `requests`, then one new token for each that computed all its
-        tokens. Raises on a runtime failure; the requests are then left unchanged."""
-        if requests:
-            prepared = self.prepare(requests)
-            self.update(prepared, self.forward(prepared))
+    def execute(self, step: ScheduledStep) -> StepResult:
+        """Every forward group of the step, then a decoder step for the requests that computed
+        all their tokens. A group that fails (forward, block copy, fault) fails only its requests."""
+        self.decoder.release(step.released_request_ids)
+        for r in step.requests:
+            if r.new is not None:
+                self.decoder.open(r.request_id, r.new)
+        results: list[RequestResult] = []
+        for group in step.forward_groups:
+            try:
+                if self.fault_injector is not None:
+                    self.fault_injector(group)
+                results += self._run_group(group)
+            except Exception as e:  # noqa: BLE001 - a failed step fails its requests, never the worker
+                logger.error("model step failed for requests %s", [r.request_id for r in group], exc_info=e)
+                results += [RequestResult(r.request_id, error=f"Encountered an error in the model step: {e!r}")
+                            for r in group]
+        return StepResult(tuple(results))
 
-    # -- input building ---------------------------------------------------------------------------
-
-    def prepare(self, requests: list[LlmRequest]) -> PreparedStep:
-        """The step's tensor dict. Each request computes its next chunk (context_chunk_size) or
-        all its uncomputed tokens. Reads the requests; changes nothing."""
-        token_ids: list[int] = []
-        lengths, past, tables, flags = [], [], [], []
-        context_logits_rows: dict[LlmRequest, int] = {}
-        num_flagged_tokens = 0
-        num_step_tokens, num_rows, block_copies = [], [], []
-        for r in requests:
-            n = r.context_chunk_size or r.num_tokens_to_compute
-            num_step_tokens.append(n)
-            num_rows.append(r.num_live_beams)
-            block_copies += r.pending_block_copies
-            if r.num_live_beams == 1:
-                token_ids.extend(r.token_slice(r.num_computed_tokens, r.num_computed_tokens + n))
-                lengths.append(n)
-                past.append(r.num_computed_tokens)
-                tables.append(self.kv.block_table(r.request_id))
-            else:  # one sequence per live beam, each over its own (partly shared) block table
-                for b, beam in enumerate(self.decoder.state(r).beams):
-                    sequence = r.prompt + beam.tokens
-                    token_ids.extend(sequence[r.num_computed_tokens:r.num_computed_tokens + n])
-                    lengths.append(n)
-                    past.append(r.num_computed_tokens)
-                    tables.append(self.kv.block_table(beam_holder(r.request_id, b)))
-            # Context logits are gathered when the whole prompt is computed in one step (such a
-            # request is never chunked and reuses no prefix).
-            wants = r.return_context_logits and r.context_logits is None and r.num_computed_tokens == 0
-            flags += [wants] * r.num_live_beams
-            if wants:
-                context_logits_rows[r] = num_flagged_tokens
-                num_flagged_tokens += n
-        width = max(len(t) for t in tables)
-        # Released blocks (window) stay negative: the runtime never reads them.
-        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-        inputs = {"input_ids": torch.tensor(token_ids, dtype=torch.int32),
-                  "input_lengths": torch.tensor(lengths, dtype=torch.int32),
-                  "past_lengths": torch.tensor(past, dtype=torch.int32),
-                  "block_tables": block_tables}
-        if context_logits_rows:
-            inputs["return_context_logits"] = torch.tensor(flags, dtype=torch.bool)
-        return PreparedStep(list(requests), num_step_tokens, num_rows, block_copies, inputs, context_logits_rows)
-
-    def forward(self, prepared: PreparedStep) -> dict[str, torch.Tensor]:
-        """The runtime forward alone: touches no manager state (overlap runs it on another thread)."""
-        if prepared.block_copies:
-            self.runner.copy_blocks([src for src, _ in prepared.block_copies],
-                                    [dst for _, dst in prepared.block_copies])
-        return self.runner.forward(prepared.inputs)
-
-    def update(self, prepared: PreparedStep, outputs: dict[str, torch.Tensor]) -> None:
-        """Advance each request by the tokens it computed, register newly full blocks for reuse,
-        and decode a token for the requests that computed everything they have. Requests that
-        finished meanwhile (stopped while their forward ran) are skipped."""
+    def _run_group(self, group: tuple[ScheduledRequest, ...]) -> list[RequestResult]:
+        copies = [pair for r in group for pair in r.block_copies]
+        if copies:
+            self.runner.copy_blocks([src for src, _ in copies], [dst for _, dst in copies])
+        outputs = self.runner.forward(pack_step([
+            SequenceStep(tokens, r.past_length, table, r.return_context_logits)
+            for r in group for tokens, table in zip(r.token_ids, r.block_tables)]))
         rows, decoded, first_row = [], [], 0
-        for r, n, num_rows in zip(prepared.requests, prepared.num_step_tokens, prepared.num_rows):
-            span = range(first_row, first_row + num_rows)
-            first_row += num_rows
-            r.pending_block_copies.clear()
-            if r.is_finished:
-                continue
-            r.num_computed_tokens += n
-            r.context_chunk_size = None
-            if self.kv.enable_block_reuse:
-                self.kv.store_computed_blocks(
-                    r.request_id, r.token_slice(self.kv.num_stored_tokens(r.request_id), r.num_computed_tokens),
-                    r.num_computed_tokens)
-            if r.num_computed_tokens == r.num_tokens:
-                rows += span
+        context_logits, first_token = {}, 0
+        for r in group:
+            if r.is_last_chunk:
+                rows += range(first_row, first_row + r.num_beams)
                 decoded.append(r)
-        if not rows:
-            return
-        logits = outputs["logits"]  # float32 [S, V]
-        if len(rows) < logits.shape[0]:
-            logits = logits[rows]
-        self._decode(decoded, logits, outputs.get("context_logits"), prepared.context_logits_rows)
-        for r in decoded:
-            if r.beam_width > 1 and not r.is_finished:
-                state = self.decoder.state(r)
-                fork_beams(self.kv, r.request_id, r.num_live_beams, state.parents)
-                r.num_live_beams = state.num_rows
+            first_row += r.num_beams
+            if r.return_context_logits:   # flagged sequences' logits, packed in order
+                context_logits[r.request_id] = outputs["context_logits"][first_token:first_token + r.num_step_tokens]
+                first_token += r.num_step_tokens * r.num_beams
+        by_id = {}
+        if decoded:
+            logits = outputs["logits"]  # float32 [S, V]
+            if len(rows) < logits.shape[0]:
+                logits = logits[rows]
+            by_id = self.decoder.decode(decoded, logits)
+        results = []
+        for r in group:
+            result = by_id.get(r.request_id, RequestResult(r.request_id))
+            if r.request_id in context_logits:
+                result = replace(result, context_logits=context_logits[r.request_id].cpu())
+            results.append(result)
+        return results
 
-    # -- decoding -----------------------------------------------------------------------------------
-
-    def _decode(self, requests: list[LlmRequest], logits: torch.Tensor, context_logits: torch.Tensor | None,
-                context_logits_rows: dict[LlmRequest, int]) -> None:
-        """logits float32 [rows, V] (each request's live beams): one decoder step for each request."""
-        for r in requests:
-            if r in context_logits_rows:
-                start = context_logits_rows[r]
-                r.context_logits = context_logits[start:start + r.prompt_len].cpu()
-        self.decoder.decode(requests, logits)

@@ -1,137 +1,124 @@
-"""Decoding for the manager: each active request's runtime DecodeState, the logits
-post-processors (per request and batched), one decoder step over the requests of a step, and the
-results recorded on the requests (tokens, log probs, beams, finish reasons). The model executor
-calls it with the step's last-token logits; a request's state survives pauses and goes with it.
+"""The executor's decoder store: request id -> runtime DecodeState (its decoding history, beam
+bank and decayed top-p), opened by a step's `NewRequest` and freed by its released ids (or when
+the decoder finishes the request). `decode` runs the logits post-processors and one decoder step
+and returns each request's `RequestResult`; it writes nothing outside this store.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
-import weakref
 from typing import Callable
 
 import torch
 
 from runtime.decoder import Decoder, DecodeState
-from runtime.decoding_params import DecodingParams
 
-from .llm_request import FinishReason, LlmRequest, RequestState
+from .step import BeamOutputs, NewRequest, RequestResult, ScheduledRequest
 
 logger = logging.getLogger(__name__)
 
-_FINISH_REASONS = {"end_id": FinishReason.END_ID, "stop_words": FinishReason.STOP_WORDS,
-                   "length": FinishReason.LENGTH}
 
-
-def decoding_params(r: LlmRequest, normalize_log_probs: bool) -> DecodingParams:
-    # SamplingParams mirrors DecodingParams field for field (the manager's pure copy of it).
-    return DecodingParams(**dataclasses.asdict(r.sampling), beam_width=r.beam_width,
-                          end_id=-1 if r.end_id is None else r.end_id, normalize_log_probs=normalize_log_probs,
-                          embedding_bias=r.embedding_bias)
+@dataclasses.dataclass
+class _Entry:
+    state: DecodeState
+    post_processor: Callable | None
+    use_batched_post_processor: bool
 
 
 class RequestDecoder:
-    def __init__(self, kernels, normalize_log_probs: bool = True,
-                 batched_post_processor: Callable | None = None):
+    def __init__(self, kernels, batched_post_processor: Callable | None = None):
         self.decoder = Decoder(kernels)
-        self.normalize_log_probs = normalize_log_probs
         self.batched_post_processor = batched_post_processor
-        # LlmRequest -> DecodeState; entries go with their request (explicit release or collection).
-        self._states: weakref.WeakKeyDictionary[LlmRequest, DecodeState] = weakref.WeakKeyDictionary()
+        self._entries: dict[int, _Entry] = {}
 
-    def state(self, r: LlmRequest) -> DecodeState:
-        state = self._states.get(r)
-        if state is None:
-            state = DecodeState(decoding_params(r, self.normalize_log_probs), r.prompt, r.max_new_tokens,
-                                r.return_generation_logits)
-            self._states[r] = state
-        return state
+    def __len__(self) -> int:
+        return len(self._entries)
 
-    def num_rows(self, r: LlmRequest) -> int:
-        """Logits rows the request contributes to its next step (its live beams)."""
-        return self.state(r).num_rows
+    def open(self, request_id: int, new: NewRequest) -> None:
+        state = DecodeState(new.decoding_params, list(new.prompt), new.max_new_tokens, new.return_generation_logits)
+        self._entries[request_id] = _Entry(state, new.logits_post_processor, new.use_batched_post_processor)
 
-    def release(self, r: LlmRequest) -> None:
-        self._states.pop(r, None)
+    def release(self, request_ids) -> None:
+        for request_id in request_ids:
+            self._entries.pop(request_id, None)
 
-    def decode(self, requests: list[LlmRequest], logits: torch.Tensor) -> None:
-        """logits float32 [sum of num_rows, V], the requests' rows in order: one step for each."""
-        states = [self.state(r) for r in requests]
+    def decode(self, requests: list[ScheduledRequest], logits: torch.Tensor) -> dict[int, RequestResult]:
+        """logits float32 [sum of live beams, V], the requests' rows in order: one step for each."""
+        entries = [self._entries[r.request_id] for r in requests]
         spans, start = [], 0
-        for s in states:
-            spans.append((start, start + s.num_rows))
-            start += s.num_rows
+        for e in entries:
+            spans.append((start, start + e.state.num_rows))
+            start += e.state.num_rows
         assert start == logits.shape[0], "one logits row per live beam"
         with torch.inference_mode():  # the runtime's outputs are inference tensors
-            failures = self._post_process(requests, states, logits, spans)
-        keep = [i for i, r in enumerate(requests) if r not in failures]
-        for r, message in failures.items():
-            r.finish(FinishReason.ERROR, message)
-            self.release(r)
-        if not keep:
-            return
-        if len(keep) < len(requests):
-            logits = logits[[row for i in keep for row in range(*spans[i])]]
-        self.decoder.step([states[i] for i in keep], logits)
-        for i in keep:
-            self._record(requests[i], states[i])
+            failures = self._post_process(requests, entries, logits, spans)
+        results = {r.request_id: RequestResult(r.request_id, error=failures[r.request_id])
+                   for r in requests if r.request_id in failures}
+        keep = [i for i, r in enumerate(requests) if r.request_id not in failures]
+        if keep:
+            if len(keep) < len(requests):
+                logits = logits[[row for i in keep for row in range(*spans[i])]]
+            num_before = [len(entries[i].state.beams[0].tokens) for i in keep]
+            self.decoder.step([entries[i].state for i in keep], logits)
+            for i, n in zip(keep, num_before):
+                results[requests[i].request_id] = _result(requests[i].request_id, entries[i].state, n)
+        self.release(r.request_id for r in requests if r.request_id in failures or
+                     self._entries[r.request_id].state.is_finished)
+        return results
 
-    def _post_process(self, requests, states, logits: torch.Tensor, spans) -> dict[LlmRequest, str]:
+    def _post_process(self, requests, entries: list[_Entry], logits: torch.Tensor, spans) -> dict[int, str]:
         """Per-request post-processors, fn(request_id, logits [beams, V], token_ids [per beam],
         stream, client_id), then the batched one over every request that asked for it; both may
-        modify the logits in place or return new ones. -> the requests whose processor raised."""
-        failures: dict[LlmRequest, str] = {}
+        modify the logits in place or return new ones. -> request id -> error, for those that raised."""
+        failures: dict[int, str] = {}
 
-        def token_ids(r: LlmRequest, s: DecodeState) -> list[list[int]]:
-            return [r.prompt + h.tokens for h in s.beams]
+        def token_ids(e: _Entry) -> list[list[int]]:
+            return [e.state.prompt + h.tokens for h in e.state.beams]
 
-        for r, s, (lo, hi) in zip(requests, states, spans):
-            if r.logits_post_processor is None:
+        for r, e, (lo, hi) in zip(requests, entries, spans):
+            if e.post_processor is None:
                 continue
             view = logits[lo:hi]
             try:
-                result = r.logits_post_processor(r.request_id, view, token_ids(r, s), None, None)
-                if isinstance(result, torch.Tensor) and result is not view:
-                    view.copy_(result.reshape(view.shape))
-            except Exception as e:  # noqa: BLE001 - user code fails only its own request
+                _write_back(view, e.post_processor(r.request_id, view, token_ids(e), None, None))
+            except Exception as exc:  # noqa: BLE001 - user code fails only its own request
                 logger.exception("logits post-processor of request %s raised", r.request_id)
-                failures[r] = f"logits post-processor raised: {e!r}"
-        batched = [i for i, r in enumerate(requests) if r.use_batched_post_processor and r not in failures]
+                failures[r.request_id] = f"logits post-processor raised: {exc!r}"
+        batched = [i for i, (r, e) in enumerate(zip(requests, entries))
+                   if e.use_batched_post_processor and r.request_id not in failures]
         if batched and self.batched_post_processor is not None:
             views = [logits[spans[i][0]:spans[i][1]] for i in batched]
             try:
-                results = self.batched_post_processor([requests[i].request_id for i in batched], views,
-                                                      [token_ids(requests[i], states[i]) for i in batched],
+                outputs = self.batched_post_processor([requests[i].request_id for i in batched], views,
+                                                      [token_ids(entries[i]) for i in batched],
                                                       None, [None] * len(batched))
-                for view, result in zip(views, results or []):
-                    if isinstance(result, torch.Tensor) and result is not view:
-                        view.copy_(result.reshape(view.shape))
-            except Exception as e:  # noqa: BLE001 - fails the requests it was called for
+                for view, output in zip(views, outputs or []):
+                    _write_back(view, output)
+            except Exception as exc:  # noqa: BLE001 - fails the requests it was called for
                 logger.exception("batched logits post-processor raised")
                 for i in batched:
-                    failures[requests[i]] = f"batched logits post-processor raised: {e!r}"
+                    failures[requests[i].request_id] = f"batched logits post-processor raised: {exc!r}"
         return failures
 
-    def _record(self, r: LlmRequest, s: DecodeState) -> None:
-        if s.search is None:
-            h = s.beams[0]
-            r.cum_log_prob = h.cum_log_prob
-            if len(h.tokens) > len(r.generated):  # a new token (none when the end id ended it)
-                r.generated.append(h.tokens[-1])
-                r.log_probs.append(h.log_probs[-1])
-                if h.logits is not None:
-                    r.generation_logits.append(h.logits[-1].cpu())
-        else:
-            beams = s.outputs()
-            r.beam_tokens = [h.tokens for h in beams]
-            r.beam_log_probs = [h.log_probs for h in beams]
-            r.beam_cum_log_probs = [h.cum_log_prob for h in beams]
-            r.generation_logits = [[row.cpu() for row in h.logits] for h in beams] if beams[0].logits is not None \
-                else []
-            # KV accounting follows the live beams (all of one length); the final answer is beam 0.
-            r.generated = list((beams if s.is_finished else s.beams)[0].tokens)
-        if s.is_finished:
-            r.finish(_FINISH_REASONS[s.finish_reason])
-            self.release(r)
-        elif r.state == RequestState.CONTEXT:
-            r.set_state(RequestState.GENERATION)
+
+def _write_back(view: torch.Tensor, output) -> None:
+    if isinstance(output, torch.Tensor) and output is not view:
+        view.copy_(output.reshape(view.shape))
+
+
+def _result(request_id: int, s: DecodeState, num_before: int) -> RequestResult:
+    """What the step did to one request: width 1 its new tokens; beam search its beams."""
+    if s.search is None:
+        h = s.beams[0]
+        logits = () if h.logits is None else tuple(row.cpu() for row in h.logits[num_before:])
+        return RequestResult(request_id, new_tokens=tuple(h.tokens[num_before:]),
+                             new_log_probs=tuple(h.log_probs[num_before:]), new_generation_logits=logits,
+                             cum_log_prob=h.cum_log_prob, finish_reason=s.finish_reason)
+    outputs = s.outputs()
+    live = () if s.is_finished else tuple(tuple(h.tokens) for h in s.beams)
+    beams = BeamOutputs(
+        parents=tuple(s.parents), live_tokens=live, tokens=tuple(tuple(h.tokens) for h in outputs),
+        log_probs=tuple(tuple(h.log_probs) for h in outputs), cum_log_probs=tuple(h.cum_log_prob for h in outputs),
+        generation_logits=tuple(tuple(row.cpu() for row in h.logits) for h in outputs)
+        if outputs[0].logits is not None else ())
+    return RequestResult(request_id, beams=beams, finish_reason=s.finish_reason)

@@ -1,255 +1,166 @@
-"""Two-stage scheduling, as the seed's PyTorch flow: capacity, then micro-batch (ints only).
+"""The scheduler: the sole owner of the active requests' states and of the KV cache manager.
 
 Each request has computed tokens and a target (its token list); each step hands out a token
-budget. The capacity stage decides who may hold KV blocks this iteration (admitting, allocating
-and, under MAX_UTILIZATION, pausing); the micro-batch stage picks who runs this step under
-max_batch_size and max_num_tokens. Subclass either stage to change a policy.
+budget. `schedule()` runs the capacity stage (who holds KV blocks: admit, grow, pause), then the
+micro-batch stage (who runs this step, chunking contexts) and returns a frozen `ScheduledStep`;
+`update(step, result)` applies what the model executor returned. Plain Python on ints and lists.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-from .beam_blocks import beam_holder, free_beams, max_beam_blocks, prepare_beam_writes
+from .beam_blocks import beam_holder, fork_beams
+from .capacity_scheduler import CapacityScheduler, free_request_blocks
 from .kv_cache_manager import KvCacheManager
-from .llm_request import LlmRequest, RequestState
-from .options import SchedulerPolicy
+from .llm_request import FinishReason, LlmRequest, RequestState
+from .micro_batch_scheduler import MicroBatchScheduler
+from .step import NewRequest, RequestResult, ScheduledRequest, ScheduledStep, StepResult
+
+_FINISH_REASONS = {"end_id": FinishReason.END_ID, "stop_words": FinishReason.STOP_WORDS,
+                   "length": FinishReason.LENGTH}
 
 
-@dataclass
-class CapacityOutput:
-    fitting: list[LlmRequest] = field(default_factory=list)  # hold blocks for their next step
-    paused: list[LlmRequest] = field(default_factory=list)   # lost their blocks this iteration
-
-
-class CapacityScheduler:
-    """Base: GUARANTEED_NO_EVICT. A request is admitted (FIFO, never skipping the head of the
-    queue) only if the worst case of every admitted request fits: the most blocks it can hold
-    at once (prompt + max_new_tokens, or less under an attention window).
-
-    The promise with shared blocks: S = free - sum over running requests of (worst - held) never
-    goes negative. A prefix block another request holds costs its new holder nothing, and only
-    a window release of a still-shared block lowers S (by one per extra reference), so with a
-    window the shared blocks are kept in reserve (`kv.num_extra_refs`) and reuse earns no credit.
-
-    Requests in `in_flight` (their forward is running: overlap) hold their blocks untouched.
-    """
-
-    def __init__(self, kv_cache_manager: KvCacheManager, max_num_requests: int):
-        self.kv = kv_cache_manager
-        self.max_num_requests = max_num_requests
-        self._num_starts = 0
-
-    def schedule(self, requests: list[LlmRequest], in_flight: frozenset[LlmRequest] = frozenset()) -> CapacityOutput:
-        """`requests`: active (unfinished) requests in admission order."""
-        running = [r for r in requests if r.holds_blocks]
-        out = CapacityOutput(fitting=[r for r in running if r not in in_flight])
-        num_holding = len(running)
-        if self.can_admit(running):
-            available = self.kv.num_free_blocks - sum(
-                max(0, self._worst_case_blocks(r) - self.kv.num_blocks_held(r.request_id)) for r in running)
-            if self.kv.attention_window is not None:
-                available -= self.kv.num_extra_refs
-            for r in requests:
-                if r.state != RequestState.WAITING:
-                    continue
-                cost = self._admission_cost(r)
-                if num_holding >= self.max_num_requests or cost > available:
-                    break
-                available -= cost
-                num_holding += 1
-                self._start(r)
-                out.fitting.append(r)
-        for r in out.fitting:
-            ok = self._grow(r)
-            assert ok, f"request {r.request_id}: reserved KV blocks were not available"
-        return out
-
-    def can_admit(self, running: list[LlmRequest]) -> bool:
-        return True
-
-    def _worst_case_blocks(self, r: LlmRequest) -> int:
-        if r.beam_width > 1:
-            return max_beam_blocks(self.kv, r.beam_width, r.max_num_tokens)
-        return self.kv.max_blocks_held(r.prompt_len, r.max_num_tokens)
-
-    def _admission_cost(self, r: LlmRequest) -> int:
-        """Free blocks admitting `r` takes out of the promise: its worst case, less the cached
-        prefix blocks it will share (plus the cached ones it takes off the free list)."""
-        worst = self._worst_case_blocks(r)
-        if self.kv.attention_window is not None:
-            return worst
-        prefix = self.kv.find_cached_prefix(_reusable_tokens(r))
-        return worst - len(prefix) + sum(1 for b in prefix if self.kv.is_free(b))
-
-    def _start(self, r: LlmRequest) -> None:
-        """Admit `r`: it starts holding blocks, beginning with its cached prefix."""
-        r.set_state(RequestState.CONTEXT)
-        r.start_index = self._num_starts
-        self._num_starts += 1
-        assert r.num_computed_tokens == 0
-        r.num_computed_tokens = self.kv.acquire_cached_prefix(r.request_id, _reusable_tokens(r))
-
-    def _grow(self, r: LlmRequest) -> bool:
-        """Release what the window hides, then cover every token of `r`'s next step (for every
-        live beam, with a private copy of the block each beam writes)."""
-        if r.num_live_beams == 1:
-            self.kv.release_invisible_blocks(r.request_id, r.num_computed_tokens)
-            return self.kv.allocate(r.request_id, r.num_tokens)
-        for b in range(r.num_live_beams):
-            holder = beam_holder(r.request_id, b)
-            self.kv.release_invisible_blocks(holder, r.num_computed_tokens)
-            if not self.kv.allocate(holder, r.num_tokens):
-                return False
-        try:
-            prepare_beam_writes(self.kv, r.request_id, r.num_live_beams, r.num_computed_tokens, r.pending_block_copies)
-        except RuntimeError:
-            return False
-        return True
-
-
-def free_request_blocks(kv: KvCacheManager, r: LlmRequest) -> None:
-    """Drop every block table of `r` (one per live beam) and its pending copies."""
-    free_beams(kv, r.request_id, r.num_live_beams)
-    r.pending_block_copies.clear()
-
-
-def _reusable_tokens(r: LlmRequest) -> list[int]:
-    """Tokens whose cached KV `r` may reuse: none when it wants the logits of its whole prompt, or
-    when it resumes several beams (each recomputes its own sequence)."""
-    return [] if r.return_context_logits or r.num_live_beams > 1 else r.token_slice(0, r.num_tokens)
-
-
-class GuaranteedNoEvictScheduler(CapacityScheduler):
-    pass
-
-
-class StaticBatchScheduler(CapacityScheduler):
-    """GUARANTEED_NO_EVICT that admits new requests only once the previous batch has finished;
-    with `max_num_tokens`, a batch's prompts also fit one context step (V1's lockstep batches)."""
-
-    def __init__(self, kv_cache_manager: KvCacheManager, max_num_requests: int, max_num_tokens: int | None = None):
-        super().__init__(kv_cache_manager, max_num_requests)
-        self.max_num_tokens = max_num_tokens
-
-    def can_admit(self, running: list[LlmRequest]) -> bool:
-        return not running
-
-    def schedule(self, requests: list[LlmRequest], in_flight: frozenset[LlmRequest] = frozenset()) -> CapacityOutput:
-        if self.max_num_tokens is None or any(r.holds_blocks for r in requests):
-            return super().schedule(requests, in_flight)
-        budget, admissible = self.max_num_tokens, []
-        for r in requests:
-            if admissible and r.num_tokens > budget:
-                break
-            budget -= r.num_tokens
-            admissible.append(r)
-        return super().schedule(admissible, in_flight)
-
-
-class MaxUtilizationScheduler(CapacityScheduler):
-    """Admit what fits now. When a running request needs a block and none is free, pause the most
-    recently started request (free its blocks; it resumes later by recomputing its tokens, or
-    by reusing them when block reuse is on)."""
-
-    def schedule(self, requests: list[LlmRequest], in_flight: frozenset[LlmRequest] = frozenset()) -> CapacityOutput:
-        running = sorted((r for r in requests if r.holds_blocks and r not in in_flight), key=lambda r: r.start_index)
-        out = CapacityOutput()
-        num_holding = sum(1 for r in requests if r.holds_blocks)
-        while running:
-            r = running.pop(0)
-            while not self._grow(r):
-                victim = running.pop() if running else r
-                free_request_blocks(self.kv, victim)
-                victim.pause()
-                num_holding -= 1
-                out.paused.append(victim)
-                if victim is r:
-                    break
-            if r.holds_blocks:
-                out.fitting.append(r)
-        if out.paused:  # memory is short: admit nothing new this iteration
-            return out
-        for r in requests:
-            if r.state != RequestState.WAITING:
-                continue
-            prefix = self.kv.find_cached_prefix(_reusable_tokens(r))
-            cost = (r.num_live_beams * self.kv.blocks_for_tokens(r.num_tokens) - len(prefix)
-                    + sum(1 for b in prefix if self.kv.is_free(b)))
-            if num_holding >= self.max_num_requests or cost > self.kv.num_free_blocks:
-                break
-            self._start(r)
-            num_holding += 1
-            ok = self._grow(r)
-            assert ok, f"request {r.request_id}: blocks counted free were not"
-            out.fitting.append(r)
-        return out
-
-
-def make_capacity_scheduler(policy: SchedulerPolicy, kv_cache_manager: KvCacheManager, max_num_requests: int,
-                            static_max_num_tokens: int | None = None) -> CapacityScheduler:
-    if policy == SchedulerPolicy.MAX_UTILIZATION:
-        return MaxUtilizationScheduler(kv_cache_manager, max_num_requests)
-    if policy == SchedulerPolicy.STATIC_BATCH:
-        return StaticBatchScheduler(kv_cache_manager, max_num_requests, static_max_num_tokens)
-    if policy == SchedulerPolicy.GUARANTEED_NO_EVICT:
-        return GuaranteedNoEvictScheduler(kv_cache_manager, max_num_requests)
-    raise ValueError(f"scheduler policy: unknown {policy!r}")
-
-
-@dataclass
-class MicroBatch:
-    context_requests: list[LlmRequest] = field(default_factory=list)
-    generation_requests: list[LlmRequest] = field(default_factory=list)
-    # Context tokens this step computes (chunks; never a reused prefix). Counted when scheduled:
-    # the requests' own counts move on with the step.
-    num_context_tokens: int = 0
+class Scheduler:
+    def __init__(self, kv_cache_manager: KvCacheManager, capacity: CapacityScheduler,
+                 micro_batch: MicroBatchScheduler, separate_context_forward: bool = False):
+        self.kv, self.capacity, self.micro_batch = kv_cache_manager, capacity, micro_batch
+        self.separate_context_forward = separate_context_forward
+        self._requests: dict[int, LlmRequest] = {}   # admission order
+        self._released_ids: list[int] = []          # ended with a decoder state: freed by the next step
+        self._num_steps = 0
 
     @property
-    def requests(self) -> list[LlmRequest]:
-        return self.context_requests + self.generation_requests
+    def num_active(self) -> int:
+        return len(self._requests)
 
-    @property
-    def num_requests(self) -> int:
-        return len(self.context_requests) + len(self.generation_requests)
+    def __contains__(self, request_id: int) -> bool:
+        return request_id in self._requests
 
+    def get(self, request_id: int) -> LlmRequest | None:
+        """The request, for reading (responses, stats); only the scheduler changes it."""
+        return self._requests.get(request_id)
 
-class MicroBatchScheduler:
-    """Generation requests first (one token each), then context requests in order, under
-    max_batch_size sequences and max_num_tokens tokens. Without chunking, a context longer than
-    the whole token budget runs alone rather than never. With `enable_chunked_context`, the
-    context that does not fit gets the rest of the budget as a chunk (its other tokens follow in
-    later steps, next to the generation tokens of the running requests), so every step stays
-    within max_num_tokens. A request that wants its context logits is never chunked."""
+    def add(self, r: LlmRequest) -> None:
+        assert r.request_id not in self._requests, f"request {r.request_id} is active already"
+        self._requests[r.request_id] = r
 
-    def __init__(self, max_batch_size: int, max_num_tokens: int, enable_chunked_context: bool = False):
-        self.max_batch_size = max_batch_size
-        self.max_num_tokens = max_num_tokens
-        self.enable_chunked_context = enable_chunked_context
+    def stop(self, request_id: int) -> None:
+        """End a request with what it has; its blocks go in `pop_finished`."""
+        r = self._requests.get(request_id)
+        if r is not None and not r.is_finished:
+            r.finish(FinishReason.STOPPED)
 
-    def schedule(self, fitting: list[LlmRequest], max_batch_size: int | None = None) -> MicroBatch:
-        """`max_batch_size` lowers the limit for this step (overlap: half the requests each)."""
-        limit = self.max_batch_size if max_batch_size is None else min(max_batch_size, self.max_batch_size)
-        batch = MicroBatch()
-        num_tokens = 0
-        num_sequences = 0  # a beam-search request runs one sequence per live beam
-        for r in fitting:
-            k = r.num_live_beams
-            if r.state == RequestState.GENERATION and num_sequences + k <= limit \
-                    and num_tokens + k <= self.max_num_tokens:
-                batch.generation_requests.append(r)
-                num_tokens += k
-                num_sequences += k
-        for r in fitting:
-            k = r.num_live_beams
-            if r.state != RequestState.CONTEXT or num_sequences + k > limit:
+    def fail(self, request_id: int, message: str) -> None:
+        """End a request with an error (also one that finished but could not be answered)."""
+        r = self._requests[request_id]
+        if r.is_finished:
+            r.finish_reason, r.error = FinishReason.ERROR, message
+        else:
+            r.finish(FinishReason.ERROR, message)
+
+    def fail_all(self, message: str) -> None:
+        for request_id in list(self._requests):
+            self.fail(request_id, message)
+
+    def abandon_all(self) -> list[int]:
+        """Forget every request without releasing its blocks (after an internal error left the
+        bookkeeping in doubt). -> their ids."""
+        request_ids = list(self._requests)
+        self._requests.clear()
+        return request_ids
+
+    def pop_finished(self, in_flight_ids: frozenset[int] = frozenset()) -> list[LlmRequest]:
+        """Release every finished request (blocks, then its id) except those whose forward is
+        still running; they are returned for their final responses."""
+        done = [r for r in self._requests.values() if r.is_finished and r.request_id not in in_flight_ids]
+        for r in done:
+            free_request_blocks(self.kv, r)
+            del self._requests[r.request_id]
+            if r.has_decoder_state:
+                self._released_ids.append(r.request_id)
+        return done
+
+    # -- one step -----------------------------------------------------------------------------------
+
+    def schedule(self, in_flight_ids: frozenset[int] = frozenset(),
+                 max_batch_size: int | None = None) -> tuple[ScheduledStep, int]:
+        """-> (the step, requests paused to make room). Requests in `in_flight_ids` (their
+        forward runs: overlap) keep their blocks and are not scheduled; `max_batch_size` lowers
+        the micro-batch limit for this step."""
+        requests = list(self._requests.values())
+        in_flight = frozenset(r for r in requests if r.request_id in in_flight_ids)
+        capacity = self.capacity.schedule(requests, in_flight)
+        batch = self.micro_batch.schedule(capacity.fitting, max_batch_size)
+        step = ScheduledStep(
+            iteration=self._num_steps,
+            context_requests=tuple(self._scheduled(r) for r in batch.context_requests),
+            generation_requests=tuple(self._scheduled(r) for r in batch.generation_requests),
+            separate_context_forward=self.separate_context_forward,
+            released_request_ids=tuple(self._released_ids))
+        self._released_ids = []
+        self._num_steps += 1
+        return step, len(capacity.paused)
+
+    def _scheduled(self, r: LlmRequest) -> ScheduledRequest:
+        past = r.num_computed_tokens
+        n = r.context_chunk_size or r.num_tokens_to_compute
+        r.context_chunk_size = None
+        beams = range(r.num_live_beams)
+        copies, r.pending_block_copies = tuple(r.pending_block_copies), []
+        new = None
+        if not r.has_decoder_state:
+            r.has_decoder_state = True
+            new = NewRequest(r.decoding, tuple(r.prompt), r.max_new_tokens, r.return_generation_logits,
+                             r.logits_post_processor, r.use_batched_post_processor)
+        return ScheduledRequest(
+            request_id=r.request_id,
+            token_ids=tuple(tuple(r.beam_token_slice(b, past, past + n)) for b in beams),
+            past_length=past,
+            block_tables=tuple(tuple(self.kv.block_table(beam_holder(r.request_id, b))) for b in beams),
+            is_last_chunk=past + n == r.num_tokens, block_copies=copies,
+            # Whole-prompt logits: such a request is never chunked and reuses no prefix.
+            return_context_logits=r.return_context_logits and r.context_logits is None and past == 0,
+            new=new)
+
+    def update(self, step: ScheduledStep, result: StepResult) -> None:
+        """Advance each scheduled request by the tokens it computed, register its newly full
+        blocks for reuse, and record what was decoded. Requests that finished while their
+        forward ran (stopped) are left as they are."""
+        by_id = {res.request_id: res for res in result.results}
+        for scheduled in step.requests:
+            r = self._requests.get(scheduled.request_id)
+            if r is None or r.is_finished:
                 continue
-            n, budget = r.num_tokens_to_compute, self.max_num_tokens - num_tokens
-            r.context_chunk_size = None
-            if n > budget and self.enable_chunked_context and budget > 0 and not r.return_context_logits and k == 1:
-                r.context_chunk_size = n = budget
-            if n * k <= budget or batch.num_requests == 0:
-                batch.context_requests.append(r)
-                batch.num_context_tokens += n * k
-                num_tokens += n * k
-                num_sequences += k
-        return batch
+            res = by_id[scheduled.request_id]
+            if res.error is not None:
+                r.finish(FinishReason.ERROR, res.error)
+                continue
+            r.num_computed_tokens += scheduled.num_step_tokens
+            if self.kv.enable_block_reuse:
+                self.kv.store_computed_blocks(
+                    r.request_id, r.token_slice(self.kv.num_stored_tokens(r.request_id), r.num_computed_tokens),
+                    r.num_computed_tokens)
+            if scheduled.is_last_chunk:
+                self._record(r, res)
+
+    def _record(self, r: LlmRequest, res: RequestResult) -> None:
+        if res.context_logits is not None:
+            r.context_logits = res.context_logits
+        if res.beams is None:
+            r.generated += res.new_tokens
+            r.log_probs += res.new_log_probs
+            r.generation_logits += res.new_generation_logits
+            r.cum_log_prob = res.cum_log_prob
+        else:
+            beams = res.beams
+            r.beam_tokens = [list(t) for t in beams.tokens]
+            r.beam_log_probs = [list(lp) for lp in beams.log_probs]
+            r.beam_cum_log_probs = list(beams.cum_log_probs)
+            r.generation_logits = [list(rows) for rows in beams.generation_logits]
+            if res.finish_reason is None:   # KV tables follow the live beams (all of one length)
+                fork_beams(self.kv, r.request_id, r.num_live_beams, list(beams.parents))
+                r.num_live_beams = len(beams.live_tokens)
+                r.live_beam_tokens = [list(t) for t in beams.live_tokens]
+            r.generated = list((beams.tokens if res.finish_reason else beams.live_tokens)[0])
+        if res.finish_reason is not None:
+            r.finish(_FINISH_REASONS[res.finish_reason])
+        elif r.state == RequestState.CONTEXT:
+            r.set_state(RequestState.GENERATION)

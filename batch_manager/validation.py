@@ -8,11 +8,11 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.decoding_params import parse_word_list
+from runtime.decoding_params import DecodingParams, parse_word_list
 
 from . import tensor_names as tn
 from .inference_request import InferenceRequest
-from .llm_request import LlmRequest, SamplingParams
+from .llm_request import LlmRequest
 
 logger = logging.getLogger(__name__)
 
@@ -122,8 +122,17 @@ def _word_list(tensors: dict, name: str, vocab_size: int) -> tuple[tuple[int, ..
         raise RequestError(str(e)) from None
 
 
-def _sampling(tensors: dict, vocab_size: int) -> SamplingParams:
-    p = SamplingParams(
+# DecodingParams field -> the request tensor that sets it, for error messages.
+_TENSOR_NAMES = {"top_k": tn.RUNTIME_TOP_K, "top_p": tn.RUNTIME_TOP_P, "top_p_reset_id": tn.TOP_P_RESET_IDS,
+                 "length_penalty": tn.LENGTH_PENALTY, "diversity_rate": tn.BEAM_SEARCH_DIVERSITY_RATE,
+                 "no_repeat_ngram_size": tn.NO_REPEAT_NGRAM_SIZE}
+
+
+def _decoding_params(tensors: dict, limits: AdmissionLimits, normalize_log_probs: bool) -> DecodingParams:
+    """The request's decoding settings, checked by the one validator (DecodingParams.validate)."""
+    end_id = _scalar(tensors, tn.END_ID, "int", None)
+    params = DecodingParams(
+        beam_width=_scalar(tensors, tn.BEAM_WIDTH, "int", 1),
         temperature=_scalar(tensors, tn.TEMPERATURE, "float", 1.0),
         top_k=_scalar(tensors, tn.RUNTIME_TOP_K, "int", 0),
         top_p=_scalar(tensors, tn.RUNTIME_TOP_P, "float", 0.0),
@@ -139,22 +148,16 @@ def _sampling(tensors: dict, vocab_size: int) -> SamplingParams:
         early_stopping=_scalar(tensors, tn.EARLY_STOPPING, "int", 1),
         diversity_rate=_scalar(tensors, tn.BEAM_SEARCH_DIVERSITY_RATE, "float", 0.0),
         no_repeat_ngram_size=_scalar(tensors, tn.NO_REPEAT_NGRAM_SIZE, "int", 0),
-        bad_words=_word_list(tensors, tn.BAD_WORDS_LIST, vocab_size),
-        stop_words=_word_list(tensors, tn.STOP_WORDS_LIST, vocab_size))
-    _check_range(tn.TEMPERATURE, p.temperature, 0.0, 1e4)
-    _check_range(tn.RUNTIME_TOP_K, p.top_k, 0, 1 << 20)
-    _check_range(tn.RUNTIME_TOP_P, p.top_p, 0.0, 1.0)
-    _check_range(tn.TOP_P_DECAY, p.top_p_decay, 0.0, 1.0, low_inclusive=False)
-    _check_range(tn.TOP_P_MIN, p.top_p_min, 0.0, 1.0, low_inclusive=False)
-    _check_range(tn.TOP_P_RESET_IDS, p.top_p_reset_id, -1, vocab_size, high_inclusive=False)
-    _check_range(tn.MIN_LENGTH, p.min_length, 0, 1 << 30)
-    _check_range(tn.REPETITION_PENALTY, p.repetition_penalty, 0.0, 1e4, low_inclusive=False)
-    _check_range(tn.PRESENCE_PENALTY, p.presence_penalty, -1e4, 1e4)
-    _check_range(tn.FREQUENCY_PENALTY, p.frequency_penalty, -1e4, 1e4)
-    _check_range(tn.LENGTH_PENALTY, p.length_penalty, -1e4, 1e4)
-    _check_range(tn.BEAM_SEARCH_DIVERSITY_RATE, p.diversity_rate, 0.0, 1e4)
-    _check_range(tn.NO_REPEAT_NGRAM_SIZE, p.no_repeat_ngram_size, 0, 1 << 20)
-    return p
+        end_id=None if end_id == -1 else end_id,   # -1: no end id, as unset
+        normalize_log_probs=normalize_log_probs,
+        bad_words=_word_list(tensors, tn.BAD_WORDS_LIST, limits.vocab_size),
+        stop_words=_word_list(tensors, tn.STOP_WORDS_LIST, limits.vocab_size),
+        embedding_bias=_embedding_bias(tensors, limits.vocab_size))
+    try:
+        params.validate(limits.vocab_size, limits.max_beam_width, names=_TENSOR_NAMES)
+    except ValueError as e:
+        raise RequestError(str(e)) from None
+    return params
 
 
 def _embedding_bias(tensors: dict, vocab_size: int):
@@ -175,7 +178,8 @@ def _embedding_bias(tensors: dict, vocab_size: int):
     return t
 
 
-def to_llm_request(request: InferenceRequest, limits: AdmissionLimits, arrival_index: int) -> LlmRequest:
+def to_llm_request(request: InferenceRequest, limits: AdmissionLimits, arrival_index: int,
+                   normalize_log_probs: bool = True) -> LlmRequest:
     tensors = request.input_tensors
     unknown = set(tensors) - tn.INPUT_NAMES
     if unknown:
@@ -195,15 +199,10 @@ def to_llm_request(request: InferenceRequest, limits: AdmissionLimits, arrival_i
                        request.request_id, len(prompt), tn.MAX_NEW_TOKENS, max_new_tokens, limits.max_seq_len,
                        clamped)
         max_new_tokens = clamped
-    beam_width = _scalar(tensors, tn.BEAM_WIDTH, "int", 1)
-    _check_range(tn.BEAM_WIDTH, beam_width, 1, limits.max_beam_width)
-    end_id = _scalar(tensors, tn.END_ID, "int", None)
-    if end_id is not None and end_id != -1:
-        _check_range(tn.END_ID, end_id, 0, limits.vocab_size, high_inclusive=False)
     pad_id = _scalar(tensors, tn.PAD_ID, "int", 0)
     _check_range(tn.PAD_ID, pad_id, -(1 << 31), (1 << 31) - 1)   # written into int32 output_ids
-    sampling = _sampling(tensors, limits.vocab_size)
-    embedding_bias = _embedding_bias(tensors, limits.vocab_size)
+    decoding = _decoding_params(tensors, limits, normalize_log_probs)
+    beam_width = decoding.beam_width
     flags = {name: _scalar(tensors, name, "bool", False)
              for name in (tn.RETURN_LOG_PROBS, tn.RETURN_CONTEXT_LOGITS, tn.RETURN_GENERATION_LOGITS)}
     if flags[tn.RETURN_CONTEXT_LOGITS] and not limits.gather_context_logits:
@@ -219,10 +218,9 @@ def to_llm_request(request: InferenceRequest, limits: AdmissionLimits, arrival_i
                            f"{need_blocks} KV blocks; the whole pool has {limits.max_num_blocks}")
     return LlmRequest(
         request_id=request.request_id, prompt=prompt, max_new_tokens=max_new_tokens,
-        end_id=None if end_id == -1 else end_id, pad_id=pad_id, beam_width=beam_width,
-        is_streaming=bool(request.is_streaming), sampling=sampling,
+        pad_id=pad_id, beam_width=beam_width, is_streaming=bool(request.is_streaming), decoding=decoding,
         return_log_probs=flags[tn.RETURN_LOG_PROBS], return_context_logits=flags[tn.RETURN_CONTEXT_LOGITS],
         return_generation_logits=flags[tn.RETURN_GENERATION_LOGITS],
         logits_post_processor=request.logits_post_processor,
         use_batched_post_processor=bool(getattr(request, "use_batched_logits_post_processor", False)),
-        embedding_bias=embedding_bias, arrival_index=arrival_index)
+        arrival_index=arrival_index)

@@ -1,8 +1,7 @@
-"""The worker loop: owns the active requests and runs one iteration after another on its thread.
-
-Iteration order (API.md): fetch + validate + admit, stop signals, schedule (capacity, then
-micro-batch), run the step, send responses, report stats. User callbacks run here; their
-exceptions are logged and contained. A failed step fails only that step's requests.
+"""The worker loop: one iteration after another on its thread, in API.md's order: fetch, admit,
+stop signals, schedule, execute, update, respond, report stats. It owns the queue of fetched
+requests and the response bookkeeping; the scheduler owns request states and KV blocks, the
+executor the runtime. User code is called only through `UserCallbacks`.
 """
 from __future__ import annotations
 
@@ -11,17 +10,16 @@ import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable
 
 from .callbacks import UserCallbacks
 from .inference_request import InferenceRequest
-from .kv_cache_manager import KvCacheManager
 from .llm_request import FinishReason, LlmRequest
-from .model_executor import ModelExecutor, PreparedStep
+from .model_executor import ModelExecutor
 from .options import TrtGptModelType
 from .responses import response_tensors
-from .scheduler import CapacityScheduler, MicroBatch, MicroBatchScheduler, free_request_blocks
+from .scheduler import Scheduler
 from .stats import IterationStats, stats_json
+from .step import ScheduledStep, StepResult
 from .validation import AdmissionLimits, RequestError, to_llm_request
 
 logger = logging.getLogger(__name__)
@@ -40,45 +38,41 @@ class WorkerConfig:
     exclude_input_in_output: bool
     limits: AdmissionLimits
     enable_trt_overlap: bool = False
+    normalize_log_probs: bool = True
 
 
-@dataclass
+@dataclass(frozen=True)
 class _InFlight:
-    """A micro-batch whose forward runs on the forward thread (overlap)."""
-    batch: MicroBatch
-    groups: list[tuple[list[LlmRequest], PreparedStep]]
-    future: Future   # -> list[dict of outputs | Exception], one per group
+    """A step whose execution runs on the forward thread (overlap)."""
+    step: ScheduledStep
+    future: Future   # -> StepResult
+
+    @property
+    def request_ids(self) -> frozenset[int]:
+        return frozenset(r.request_id for r in self.step.requests)
 
 
 class Worker:
-    def __init__(self, config: WorkerConfig, kv: KvCacheManager, capacity: CapacityScheduler,
-                 micro_batch: MicroBatchScheduler, executor: ModelExecutor, callbacks: UserCallbacks):
-        self.config = config
-        self.kv, self.capacity, self.micro_batch, self.executor = kv, capacity, micro_batch, executor
-        self.callbacks = callbacks
-        self._active: dict[int, LlmRequest] = {}  # admission order; at most max_num_sequences
+    def __init__(self, config: WorkerConfig, scheduler: Scheduler, executor: ModelExecutor,
+                 callbacks: UserCallbacks):
+        self.config, self.scheduler, self.executor, self.callbacks = config, scheduler, executor, callbacks
         self._queued: deque[InferenceRequest] = deque()  # fetched beyond max_num_sequences, unchecked
         self.fatal_error: str | None = None  # set when the loop died of an internal error
         self._num_admitted = 0
-        self._iteration = 0
         self._static_batch_size = 0
         self._stop_requested = threading.Event()
         self._thread = threading.current_thread()  # run() is called on the thread that built this
         self.memory_usage = executor.memory_usage()
-        # Overlap: forwards run on this one thread while the worker does the host work of the other
-        # micro-batch (torch releases the GIL inside its kernels).
+        # Overlap: a step executes on this one thread while the worker schedules, updates and
+        # answers the other micro-batch (torch releases the GIL inside its kernels).
         self._forward_pool = ThreadPoolExecutor(1, thread_name_prefix="GptManagerForward") \
             if config.enable_trt_overlap else None
         self._in_flight: _InFlight | None = None
-        # Fault-injection test hook (tests, samples.chaos_soak): fault_injector(group) is called on
-        # the worker thread with each request group of a step before the group is prepared; what
-        # it raises fails exactly that group's requests, as a failing model step would.
-        self.fault_injector: Callable[[list[LlmRequest]], None] | None = None
 
     @property
     def num_active_requests(self) -> int:
         """Admitted requests plus those fetched and queued for admission."""
-        return len(self._active) + len(self._queued)
+        return self.scheduler.num_active + len(self._queued)
 
     @property
     def is_running(self) -> bool:
@@ -109,27 +103,40 @@ class Worker:
     # -- the loop ---------------------------------------------------------------------------------
 
     def _run(self) -> None:
-        while not (self._stop_requested.is_set() and not self._active and not self._queued):
-            fetched = 0
-            if not self._stop_requested.is_set():
-                fetched, terminate = self._fetch_new_requests()
-                if terminate:
-                    self._fail_all(_TERMINATED)
-                    return
+        while not (self._stop_requested.is_set() and not self.num_active_requests):
+            num_fetched, terminate = self._fetch_new_requests()
+            if terminate:
+                self._fail_all(_TERMINATED)
+                return
             self._admit_queued()
             self._apply_stop_signals()
-            if not self._active:
-                if not fetched:
+            self._send_final_responses()
+            if not self.scheduler.num_active:
+                if not num_fetched:
                     self._stop_requested.wait(IDLE_SLEEP_S)
                 continue
             if self._forward_pool is None:
-                batch, num_paused = self._schedule()
-                self._run_step(batch)
-                self._iteration += 1
-                self._send_responses(batch)
+                step, num_paused = self.scheduler.schedule()
+                self.scheduler.update(step, self.executor.execute(step))
+                self._send_responses(step)
             else:
-                batch, num_paused = self._overlapped_step()
-            self._send_stats(batch, num_paused)
+                step, num_paused = self._overlapped_step()
+            self._send_stats(step, num_paused)
+
+    def _overlapped_step(self) -> tuple[ScheduledStep, int]:
+        """Schedule this micro-batch while the other one executes; start it, then apply and
+        answer the other one while this one runs."""
+        in_flight_ids = self._in_flight.request_ids if self._in_flight is not None else frozenset()
+        # Half the active requests per micro-batch, so that the two alternate.
+        step, num_paused = self.scheduler.schedule(in_flight_ids, max(1, -(-self.scheduler.num_active // 2)))
+        previous, self._in_flight = self._in_flight, None
+        previous_result = previous.future.result() if previous is not None else None
+        if step.requests:
+            self._in_flight = _InFlight(step, self._forward_pool.submit(self.executor.execute, step))
+        if previous is not None:
+            self.scheduler.update(previous.step, previous_result)
+            self._send_responses(previous.step)
+        return step, num_paused
 
     def _serve_failed(self) -> None:
         """After a crash: keep polling, and answer every new request with the fatal error."""
@@ -139,19 +146,20 @@ class Worker:
                 if isinstance(item, InferenceRequest):
                     self._send(item.request_id, [], True, f"{self.fatal_error} (see the log)")
                 else:
-                    logger.warning("get_inference_requests_cb returned a %s, not an InferenceRequest; dropped",
-                                   type(item).__name__)
+                    _log_dropped(item)
             if not items:
                 self._stop_requested.wait(IDLE_SLEEP_S)
 
+    # -- admission and stop signals -----------------------------------------------------------------
+
     def _fetch_new_requests(self) -> tuple[int, bool]:
         """Queue what the callback hands over, up to the terminate id. -> (items, terminate?)"""
-        capacity = max(self.config.max_num_sequences - self.num_active_requests, 0)
-        items = self.callbacks.get_requests(capacity)
+        if self._stop_requested.is_set():
+            return 0, False
+        items = self.callbacks.get_requests(max(self.config.max_num_sequences - self.num_active_requests, 0))
         for i, item in enumerate(items):
             if not isinstance(item, InferenceRequest):
-                logger.warning("get_inference_requests_cb returned a %s, not an InferenceRequest; dropped",
-                               type(item).__name__)
+                _log_dropped(item)
             elif self._is_terminate(item):
                 for later in items[i + 1:]:
                     if isinstance(later, InferenceRequest):
@@ -167,132 +175,47 @@ class Worker:
 
     def _admit_queued(self) -> None:
         """Admit queued requests in arrival order while fewer than max_num_sequences are active."""
-        while self._queued and len(self._active) < self.config.max_num_sequences:
-            self._admit(self._queued.popleft())
-
-    def _admit(self, request: InferenceRequest) -> None:
-        request_id = request.request_id
-        try:
-            if not isinstance(request_id, int) or isinstance(request_id, bool) or not 0 <= request_id < 1 << 64:
-                raise RequestError(f"request_id: expected an integer in [0, 2**64), got {request_id!r}")
-            if request_id in self._active:
-                raise RequestError(f"request_id: {request_id} already exists among the active requests")
-            llm_request = to_llm_request(request, self.config.limits, self._num_admitted)
-        except Exception as e:  # noqa: BLE001 - any bad input becomes that request's error
-            self._send(request_id, [], True, f"Cannot process new request: {e}")
-            return
-        self._num_admitted += 1
-        self._active[request_id] = llm_request
+        while self._queued and self.scheduler.num_active < self.config.max_num_sequences:
+            request = self._queued.popleft()
+            request_id = request.request_id
+            try:
+                if type(request_id) is not int or not 0 <= request_id < 1 << 64:
+                    raise RequestError(f"request_id: expected an integer in [0, 2**64), got {request_id!r}")
+                if request_id in self.scheduler:
+                    raise RequestError(f"request_id: {request_id} already exists among the active requests")
+                llm_request = to_llm_request(request, self.config.limits, self._num_admitted,
+                                             self.config.normalize_log_probs)
+            except Exception as e:  # noqa: BLE001 - any bad input becomes that request's error
+                self._send(request_id, [], True, f"Cannot process new request: {e}")
+                continue
+            self._num_admitted += 1
+            self.scheduler.add(llm_request)
 
     def _apply_stop_signals(self) -> None:
         for request_id in self.callbacks.poll_stop_signals():
-            r = self._active.get(request_id) if type(request_id) is int else None
-            if r is not None and not r.is_finished:
-                r.finish(FinishReason.STOPPED)
-                if not self._is_in_flight(r):   # else completed once its forward is done
-                    self._complete(r)
+            if type(request_id) is int:
+                self.scheduler.stop(request_id)
 
-    def _is_in_flight(self, r: LlmRequest) -> bool:
-        return self._in_flight is not None and any(r in group for group, _ in self._in_flight.groups)
+    # -- responses and stats ------------------------------------------------------------------------
 
-    def _schedule(self, in_flight: frozenset[LlmRequest] = frozenset(),
-                  max_batch_size: int | None = None) -> tuple[MicroBatch, int]:
-        capacity = self.capacity.schedule(list(self._active.values()), in_flight)
-        return self.micro_batch.schedule(capacity.fitting, max_batch_size), len(capacity.paused)
-
-    # -- the step: prepare, forward, update -------------------------------------------------------
-
-    def _run_step(self, batch: MicroBatch) -> None:
-        groups = self._prepare_groups(batch)
-        self._update_groups(groups, self._forward_groups(groups))
-
-    def _overlapped_step(self) -> tuple[MicroBatch, int]:
-        """Schedule and prepare this micro-batch while the other one's forward runs; then start
-        this forward and, while it runs, decode the other one and send its responses."""
-        in_flight = frozenset(r for group, _ in self._in_flight.groups for r in group) \
-            if self._in_flight is not None else frozenset()
-        # Half the active requests per micro-batch, so that the two alternate.
-        batch, num_paused = self._schedule(in_flight, max(1, -(-len(self._active) // 2)))
-        groups = self._prepare_groups(batch)
-        previous, self._in_flight = self._in_flight, None
-        previous_results = previous.future.result() if previous is not None else None
-        if groups:
-            self._in_flight = _InFlight(batch, groups, self._forward_pool.submit(self._forward_groups, groups))
-        self._iteration += 1
-        for r in batch.requests:   # failed while preparing
-            if r.is_finished:
-                self._complete(r)
-        if previous is not None:
-            self._update_groups(previous.groups, previous_results)
-            self._send_responses(previous.batch)
-        return batch, num_paused
-
-    def _prepare_groups(self, batch: MicroBatch) -> list[tuple[list[LlmRequest], PreparedStep]]:
-        if self.config.model_type == TrtGptModelType.InflightFusedBatching:
-            groups = [batch.generation_requests + batch.context_requests]
-        else:
-            groups = [batch.context_requests, batch.generation_requests]
-        prepared = []
-        for group in groups:
-            if not group:
-                continue
-            try:
-                if self.fault_injector is not None:
-                    self.fault_injector(group)
-                prepared.append((group, self.executor.prepare(group)))
-            except Exception as e:  # noqa: BLE001
-                self._fail_group(group, e)
-        return prepared
-
-    def _forward_groups(self, groups: list[tuple[list[LlmRequest], PreparedStep]]) -> list:
-        """Runs on the forward thread under overlap: touches no manager state."""
-        results = []
-        for _, prepared in groups:
-            try:
-                results.append(self.executor.forward(prepared))
-            except Exception as e:  # noqa: BLE001
-                results.append(e)
-        return results
-
-    def _update_groups(self, groups: list[tuple[list[LlmRequest], PreparedStep]], results: list) -> None:
-        for (group, prepared), result in zip(groups, results):
-            try:
-                if isinstance(result, Exception):
-                    raise result
-                self.executor.update(prepared, result)
-            except Exception as e:  # noqa: BLE001
-                self._fail_group(group, e)
-
-    @staticmethod
-    def _fail_group(group: list[LlmRequest], e: Exception) -> None:
-        logger.error("model step failed for requests %s", [r.request_id for r in group], exc_info=e)
-        for r in group:
-            if not r.is_finished:
-                r.finish(FinishReason.ERROR, f"Encountered an error in the model step: {e!r}")
-
-    def _send_responses(self, batch: MicroBatch) -> None:
-        for r in batch.context_requests + batch.generation_requests:
-            if self._active.get(r.request_id) is not r:   # completed already (failed while prepared)
-                continue
-            if r.is_finished:
-                self._complete(r)
-            elif r.is_streaming and len(r.generated) > r.num_sent_tokens:
+    def _send_responses(self, step: ScheduledStep) -> None:
+        """Streamed tokens of the step's unfinished requests, then every final response."""
+        for scheduled in step.requests:
+            r = self.scheduler.get(scheduled.request_id)
+            if r is not None and r.is_streaming and not r.is_finished and len(r.generated) > r.num_sent_tokens:
                 tensors = self._response_tensors(r)
-                if tensors is None:
-                    self._complete(r)
-                else:
+                if tensors is not None:
                     self._send(r.request_id, tensors, False, "")
+        self._send_final_responses()
 
-    def _complete(self, r: LlmRequest) -> None:
-        """Send the final response and release everything the request holds."""
-        free_request_blocks(self.kv, r)
-        self.executor.decoder.release(r)
-        del self._active[r.request_id]
-        tensors = None if r.finish_reason == FinishReason.ERROR else self._response_tensors(r)
-        if tensors is None:
-            self._send(r.request_id, [], True, r.error or "error")
-        else:
-            self._send(r.request_id, tensors, True, "")
+    def _send_final_responses(self) -> None:
+        in_flight_ids = self._in_flight.request_ids if self._in_flight is not None else frozenset()
+        for r in self.scheduler.pop_finished(in_flight_ids):
+            tensors = None if r.finish_reason == FinishReason.ERROR else self._response_tensors(r)
+            if tensors is None:
+                self._send(r.request_id, [], True, r.error or "error")
+            else:
+                self._send(r.request_id, tensors, True, "")
 
     def _response_tensors(self, r: LlmRequest) -> list | None:
         """The response's tensors; None (and `r` failed) when they cannot be built: one bad
@@ -301,10 +224,10 @@ class Worker:
             return response_tensors(r, self.config.exclude_input_in_output)
         except Exception as e:  # noqa: BLE001
             logger.exception("building the response of request %s failed", r.request_id)
-            if r.is_finished:
-                r.finish_reason, r.error = FinishReason.ERROR, f"failed to build the response: {e!r}"
+            if r.request_id in self.scheduler:
+                self.scheduler.fail(r.request_id, f"failed to build the response: {e!r}")
             else:
-                r.finish(FinishReason.ERROR, f"failed to build the response: {e!r}")
+                r.error = f"failed to build the response: {e!r}"
             return None
 
     def _fail_all(self, message: str) -> None:
@@ -313,38 +236,41 @@ class Worker:
         if self._in_flight is not None:   # let its forward end before the blocks are freed
             self._in_flight.future.exception()
             self._in_flight = None
-        for r in list(self._active.values()):
-            try:
-                if not r.is_finished:
-                    r.finish(FinishReason.ERROR, message)
-                self._complete(r)
-            except Exception:  # noqa: BLE001
-                logger.exception("releasing request %s failed", r.request_id)
-                self._active.pop(r.request_id, None)
-                self._send(r.request_id, [], True, message)
+        try:
+            self.scheduler.fail_all(message)
+            self._send_final_responses()
+        except Exception:  # noqa: BLE001
+            logger.exception("releasing the active requests failed")
+        for request_id in self.scheduler.abandon_all():   # whatever could not be released
+            self._send(request_id, [], True, message)
         while self._queued:
             self._send(self._queued.popleft().request_id, [], True, message)
 
-    def _send_stats(self, batch: MicroBatch, num_paused: int) -> None:
-        if not self.callbacks.has_stats or not self._active:
+    def _send_stats(self, step: ScheduledStep, num_paused: int) -> None:
+        if not self.callbacks.has_stats or not self.scheduler.num_active:
             return
-        cpu, gpu, pinned = self.memory_usage
+        kv, cpu, gpu, pinned = self.scheduler.kv, *self.memory_usage
         is_v1 = self.config.model_type == TrtGptModelType.V1
-        if is_v1 and batch.context_requests:  # a new static batch: its slots stay until all finish
-            self._static_batch_size = batch.num_requests
+        num_scheduled = len(step.requests)
+        if is_v1 and step.context_requests:  # a new static batch: its slots stay until all finish
+            self._static_batch_size = num_scheduled
         stats = IterationStats(
-            iteration=self._iteration, num_active=len(self._active),
+            iteration=step.iteration + 1, num_active=self.scheduler.num_active,
             max_num_requests=self.config.max_num_sequences, cpu_memory_bytes=cpu, gpu_memory_bytes=gpu,
-            pinned_memory_bytes=pinned, max_blocks=self.kv.num_blocks, free_blocks=self.kv.num_free_blocks,
-            used_blocks=self.kv.num_used_blocks, tokens_per_block=self.kv.tokens_per_block,
-            allocated_total_blocks=self.kv.num_allocated_total, allocated_new_blocks=self.kv.num_allocated_new,
-            reused_blocks=self.kv.num_reused, num_scheduled=batch.num_requests, num_context=len(batch.context_requests),
-            num_generation=len(batch.generation_requests), num_context_tokens=batch.num_context_tokens,
-            num_generation_tokens=len(batch.generation_requests), num_paused=num_paused,
-            num_empty_generation_slots=max(0, self._static_batch_size - batch.num_requests) if is_v1 else 0,
-            micro_batch_id=self._iteration % 2 if self._forward_pool is not None else 0)
+            pinned_memory_bytes=pinned, max_blocks=kv.num_blocks, free_blocks=kv.num_free_blocks,
+            used_blocks=kv.num_used_blocks, tokens_per_block=kv.tokens_per_block,
+            allocated_total_blocks=kv.num_allocated_total, allocated_new_blocks=kv.num_allocated_new,
+            reused_blocks=kv.num_reused, num_scheduled=num_scheduled, num_context=len(step.context_requests),
+            num_generation=len(step.generation_requests),
+            num_context_tokens=sum(r.num_step_tokens * r.num_beams for r in step.context_requests),
+            num_generation_tokens=len(step.generation_requests), num_paused=num_paused,
+            num_empty_generation_slots=max(0, self._static_batch_size - num_scheduled) if is_v1 else 0,
+            micro_batch_id=(step.iteration + 1) % 2 if self._forward_pool is not None else 0)
         self.callbacks.report_stats(stats_json(stats, is_v1))
 
     def _send(self, request_id, tensors, is_final: bool, err_msg: str) -> None:
         self.callbacks.send_response(request_id, tensors, is_final, err_msg)
 
+
+def _log_dropped(item) -> None:
+    logger.warning("get_inference_requests_cb returned a %s, not an InferenceRequest; dropped", type(item).__name__)

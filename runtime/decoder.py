@@ -144,7 +144,7 @@ class Decoder:
             column([p.frequency_penalty for p in params], torch.float32),
             column([p.min_length for p in params], torch.int64),
             column([rows.state_of_row[r].num_generated for r in picked], torch.int64),
-            column([p.end_id for p in params], torch.int64))
+            column([-1 if p.end_id is None else p.end_id for p in params], torch.int64))
 
     def _apply_bans(self, logits: torch.Tensor, rows: _Rows) -> None:
         ban_rows, ban_tokens = [], []

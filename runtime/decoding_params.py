@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Mapping
 
 import torch
 
@@ -103,7 +104,7 @@ class DecodingParams:
     early_stopping: int = 1
     diversity_rate: float = 0.0
     random_seed: int = 0
-    end_id: int = -1               # -1: never stop on a token
+    end_id: int | None = None      # None: never stop on a token
     normalize_log_probs: bool = True
     bad_words: WordList = ()
     stop_words: WordList = ()
@@ -123,38 +124,44 @@ class DecodingParams:
         """True when the bias/temperature/penalty kernel changes this request's logits."""
         return (self.embedding_bias is not None or self.temperature not in (0.0, 1.0)
                 or self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0 or (self.min_length > 0 and self.end_id >= 0))
+                or self.frequency_penalty != 0.0 or (self.min_length > 0 and self.end_id is not None))
 
-    def validate(self, vocab_size: int, max_beam_width: int) -> None:
-        """Raise ValueError naming the field and the value of the first bad setting."""
-        def check(name: str, ok: bool, what: str):
-            if not ok:
-                raise ValueError(f"{name}: {what}, got {getattr(self, name)!r}")
+    def validate(self, vocab_size: int, max_beam_width: int, names: Mapping[str, str] | None = None) -> None:
+        """The one validator of decoding settings (GptManager's request tensors, GptSession's and
+        the Executor's SamplingConfig all convert into DecodingParams, then call this). Raises
+        ValueError "<name>: <value> ..." for the first bad field; `names` maps a field to the name
+        the caller's user knows (a tensor name, say)."""
+        def fail(name: str, what: str):
+            raise ValueError(f"{(names or {}).get(name, name)}: {getattr(self, name)!r} {what}")
 
-        def finite(name: str) -> bool:
+        bounds = dict(_BOUNDS, beam_width=(1, max_beam_width), top_p_reset_id=(-1, vocab_size - 1))
+        for name, (low, high, *open_ends) in bounds.items():
             value = getattr(self, name)
-            return isinstance(value, (int, float)) and math.isfinite(value)
-
-        check("beam_width", 1 <= self.beam_width <= max_beam_width, f"must be in [1, {max_beam_width}]")
-        check("temperature", finite("temperature") and self.temperature >= 0, "must be finite and >= 0")
-        check("top_k", 0 <= self.top_k, "must be >= 0")
-        check("top_p", finite("top_p") and 0 <= self.top_p <= 1, "must be in [0, 1]")
-        check("top_p_decay", finite("top_p_decay") and 0 < self.top_p_decay <= 1, "must be in (0, 1]")
-        check("top_p_min", finite("top_p_min") and 0 < self.top_p_min <= 1, "must be in (0, 1]")
-        check("top_p_reset_id", -1 <= self.top_p_reset_id < vocab_size, f"must be -1 or in [0, {vocab_size})")
-        check("min_length", self.min_length >= 0, "must be >= 0")
-        check("repetition_penalty", finite("repetition_penalty") and self.repetition_penalty > 0,
-              "must be finite and > 0")
-        check("presence_penalty", finite("presence_penalty"), "must be finite")
-        check("frequency_penalty", finite("frequency_penalty"), "must be finite")
-        check("no_repeat_ngram_size", self.no_repeat_ngram_size >= 0, "must be >= 0")
-        check("length_penalty", finite("length_penalty"), "must be finite")
-        check("diversity_rate", finite("diversity_rate") and self.diversity_rate >= 0, "must be finite and >= 0")
-        check("random_seed", 0 <= self.random_seed < 2 ** 64, "must be in [0, 2^64)")
-        check("end_id", -1 <= self.end_id < vocab_size, f"must be -1 or in [0, {vocab_size})")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                fail(name, "must be a finite number")
+            if name in _INTEGER_FIELDS and not isinstance(value, int):
+                fail(name, "must be an integer")
+            low_open, high_open = (open_ends + [False, False])[:2]
+            if value < low or value > high or (low_open and value == low) or (high_open and value == high):
+                fail(name, f"outside {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}")
+        if self.end_id is not None and not (isinstance(self.end_id, int) and 0 <= self.end_id < vocab_size):
+            fail("end_id", f"outside [0, {vocab_size}) (None: no end id)")
         if self.embedding_bias is not None:
             bias = self.embedding_bias
+            name = (names or {}).get("embedding_bias", "embedding_bias")
             if bias.shape != (vocab_size,) or not bias.dtype.is_floating_point:
-                raise ValueError(f"embedding_bias: expected float [{vocab_size}], got {bias.dtype} {list(bias.shape)}")
+                raise ValueError(f"{name}: expected float [{vocab_size}], got {bias.dtype} {list(bias.shape)}")
             if not bool(torch.isfinite(bias).all()):
-                raise ValueError("embedding_bias: must be finite (NaN or inf found)")
+                raise ValueError(f"{name}: must be finite (NaN or inf found)")
+
+
+# field -> (low, high[, low open[, high open]]): the ranges of every numeric setting.
+_BOUNDS = {
+    "temperature": (0.0, 1e4), "top_k": (0, 1 << 20), "top_p": (0.0, 1.0), "top_p_decay": (0.0, 1.0, True),
+    "top_p_min": (0.0, 1.0, True), "min_length": (0, 1 << 30), "repetition_penalty": (0.0, 1e4, True),
+    "presence_penalty": (-1e4, 1e4), "frequency_penalty": (-1e4, 1e4), "no_repeat_ngram_size": (0, 1 << 20),
+    "length_penalty": (-1e4, 1e4), "early_stopping": (-(1 << 31), (1 << 31) - 1), "diversity_rate": (0.0, 1e4),
+    "random_seed": (0, (1 << 64) - 1),
+}
+_INTEGER_FIELDS = {"beam_width", "top_k", "top_p_reset_id", "min_length", "no_repeat_ngram_size",
+                   "early_stopping", "random_seed"}

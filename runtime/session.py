@@ -57,6 +57,10 @@ def _per_sequence(name: str, value, batch_size: int, default):
     return list(value)
 
 
+# DecodingParams field -> SamplingConfig field, for error messages.
+_SAMPLING_CONFIG_NAMES = {"top_p_reset_id": "top_p_reset_ids", "diversity_rate": "beam_search_diversity_rate"}
+
+
 @dataclass
 class SamplingConfig:
     """Per-sequence decoding settings: each field None (default), one value, or one per sequence."""
@@ -94,10 +98,10 @@ class SamplingConfig:
         result = []
         for i in range(batch_size):
             values = {param: column[i] for param, column in columns.items()}
-            params = DecodingParams(beam_width=self.beam_width, end_id=end_id,
+            params = DecodingParams(beam_width=self.beam_width, end_id=None if end_id == -1 else end_id,
                                     normalize_log_probs=normalize_log_probs, **values)
             try:
-                params.validate(vocab_size, max_beam_width=self.beam_width)
+                params.validate(vocab_size, max_beam_width=self.beam_width, names=_SAMPLING_CONFIG_NAMES)
             except ValueError as e:
                 raise ValueError(f"SamplingConfig.{e}") from None
             result.append(params)

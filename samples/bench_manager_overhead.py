@@ -38,6 +38,8 @@ class Timed:
 
     def median_ms(self) -> float:
         # The run is dominated by identical generation iterations; the median skips the context step.
+        if not self.times_s:
+            raise RuntimeError(f"{getattr(self.fn, '__name__', self.fn)} was never called: nothing to time")
         return statistics.median(self.times_s) * 1e3
 
 
@@ -94,12 +96,12 @@ def measure(engine_dir: str, num_active: int, iterations: int, free_forward: boo
     if free_forward:
         runner.forward = FreeForward(runner.model_config.vocab_size)
     forward = runner.forward = Timed(runner.forward)
-    step = executor.step = Timed(executor.step)
+    execute = executor.execute = Timed(executor.execute)   # the worker calls it once per iteration
     if not done.wait(600):
         raise RuntimeError(f"{num_active} requests did not all reach generation")
     manager.shutdown()
     iteration_ms = statistics.median(iteration_times) * 1e3
-    forward_ms, step_ms = forward.median_ms(), step.median_ms()
+    forward_ms, step_ms = forward.median_ms(), execute.median_ms()
     return {"num_active": num_active, "iteration_ms": iteration_ms, "forward_ms": forward_ms,
             "decoder_ms": step_ms - forward_ms, "outside_ms": iteration_ms - step_ms}
 

@@ -124,10 +124,9 @@ def run_round(engine_dir: str, config: RoundConfig, num_requests: int, num_produ
     manager = GptManager(engine_dir, TrtGptModelType[config.model_type], MAX_BEAM_WIDTH,
                          SchedulerPolicy[config.policy], client.get, client.send, client.poll_stop,
                          client.report_stats, params)
-    worker = manager._worker
-    client.kv = worker.kv
-    worker.fault_injector = client.fault_injector
-    worker.executor.forward = client.faulty_forward(worker.executor.forward)
+    worker = manager._worker   # test hooks: the block manager (checked) and the executor's fault hook
+    client.kv = worker.scheduler.kv
+    worker.executor.fault_injector = client.fault_injector
     shares = [num_requests // num_producers + (i < num_requests % num_producers) for i in range(num_producers)]
     producers = [threading.Thread(target=_produce, args=(client, seed * 1000 + i, n), name=f"producer-{i}")
                  for i, n in enumerate(shares)]
@@ -136,14 +135,14 @@ def run_round(engine_dir: str, config: RoundConfig, num_requests: int, num_produ
     for t in producers:
         t.join()
     deadline = time.monotonic() + DRAIN_TIMEOUT_S
-    while client.num_queued and time.monotonic() < deadline and worker._thread.is_alive():   # every request fetched ...
+    while client.num_queued and time.monotonic() < deadline and manager.is_running:   # every request fetched ...
         time.sleep(0.001)
-    worker_died = not worker._thread.is_alive()
+    worker_died = not manager.is_running
     num_in_flight = client.num_outstanding
     shutdown_start = time.monotonic()
     manager.shutdown()                                          # ... and shut down with them in flight
     shutdown_end = time.monotonic()
-    kv = worker.kv
+    kv = worker.scheduler.kv
     leaked = kv.num_blocks - kv.num_free_blocks
     nonzero_refs = sum(1 for b in range(kv.num_blocks) if kv.ref_count(b) != 0)
     try:

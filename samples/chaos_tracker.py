@@ -27,6 +27,7 @@ class InjectedFault(RuntimeError):
 class ChaosClient:
     def __init__(self, seed: int, kv=None):
         self.rng = random.Random(seed)   # used on the worker thread only
+        self.fault_rng = random.Random(seed + 1)   # the fault hook's (the forward thread under overlap)
         self.kv = kv                     # the manager's KvCacheManager, checked from the stats callback
         self.lock = threading.Lock()
         self.queue: deque[tuple[InferenceRequest, Submission]] = deque()
@@ -142,31 +143,16 @@ class ChaosClient:
             raise InjectedFault("stats callback fault")
 
     def fault_injector(self, group) -> None:
-        """The worker's test hook: a step of `group` raises while it is being prepared."""
+        """The executor's test hook, called before each forward group (on the forward thread under
+        overlap): the group's step raises at random, as a failing step or forward would."""
         self.last_activity_s = time.monotonic()
-        if self.rng.random() < STEP_FAULT_RATE:
+        if self.fault_rng.random() < 2 * STEP_FAULT_RATE:
             with self.lock:
                 for r in group:
                     sub = self.active.get(r.request_id)
                     if sub is not None:
                         sub.is_faulted = True
             raise InjectedFault("injected step fault")
-
-    def faulty_forward(self, forward):
-        """Wraps the executor's forward (the forward thread's side under overlap): a forward
-        raises at random after its inputs were prepared."""
-        rng = random.Random(self.rng.random())
-
-        def run(prepared):
-            if rng.random() < STEP_FAULT_RATE:
-                with self.lock:
-                    for r in prepared.requests:
-                        sub = self.active.get(r.request_id)
-                        if sub is not None:
-                            sub.is_faulted = True
-                raise InjectedFault("injected forward fault")
-            return forward(prepared)
-        return run
 
     # -- checking responses -------------------------------------------------------------------------
 

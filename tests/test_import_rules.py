@@ -16,6 +16,8 @@ PACKAGES = ("batch_manager", "runtime", "cuda_src", "samples")
 RUNTIME_USERS = {"batch_manager.model_executor", "batch_manager.kv_sizing", "batch_manager.gpt_manager",
                  "batch_manager.validation", "batch_manager.request_decoder"}
 PURE_MODULES = {"batch_manager.kv_cache_manager", "batch_manager.beam_blocks", "batch_manager.scheduler", "batch_manager.llm_request",
+                "batch_manager.capacity_scheduler", "batch_manager.micro_batch_scheduler", "batch_manager.step",
+                "batch_manager.callbacks",
                 "batch_manager.stats", "batch_manager.options", "batch_manager.tensor_names"}
 HEAVY = ("torch", "numpy", "runtime")
 

@@ -11,7 +11,7 @@ import torch
 
 from batch_manager import (GptManager, KvCacheConfig, SchedulerConfig, SchedulerPolicy, TrtGptModelOptionalParams,
                            TrtGptModelType, tensor_names)
-from tests.batch_manager.conftest import NUM_NEW_TOKENS, Client, make_request, wait_until
+from tests.batch_manager.conftest import NUM_NEW_TOKENS, Client, make_request, wait_until, inject_faults, kv_of
 
 
 def small_pool(max_tokens: int = 160) -> TrtGptModelOptionalParams:
@@ -43,7 +43,7 @@ def test_batching_never_changes_results(tiny_engine, prompts, references, model_
         assert err == ""
         assert tensors[tensor_names.OUTPUT_IDS][0, 0].tolist() == references[i], f"request {i}"
         assert tensors[tensor_names.SEQUENCE_LENGTH].tolist() == [[len(references[i])]]
-    kv = manager._worker.kv
+    kv = kv_of(manager)
     assert kv.num_free_blocks == kv.num_blocks
     kv.check_invariants()
     stats = [json.loads(s) for s in client.stats]
@@ -127,7 +127,7 @@ def test_stop_signal_mid_stream_returns_what_was_generated(tiny_engine, prompts,
     tokens = [t for tensors, _, _ in chunks for t in tensors[tensor_names.OUTPUT_IDS][0, 0].tolist()]
     assert 3 <= len(tokens) < 80
     assert tokens[:NUM_NEW_TOKENS] == references[0][len(prompts[0]):][:len(tokens)]
-    assert manager._worker.kv.num_free_blocks == manager._worker.kv.num_blocks
+    assert kv_of(manager).num_free_blocks == kv_of(manager).num_blocks
 
 
 def test_bad_requests_get_one_error_and_do_not_disturb_others(tiny_engine, prompts, references):
@@ -203,18 +203,18 @@ def test_step_failure_fails_only_that_steps_requests(tiny_engine, prompts, refer
                          *client.callbacks())
     failed = []
 
-    def inject(group):
-        if not failed and group[0].request_id == 0 and group[0].generated:
+    def inject(group):   # request 0 in a generation step
+        if not failed and group[0].request_id == 0 and group[0].new is None:
             failed.append(True)
             raise RuntimeError("injected fault")
-    manager._worker.fault_injector = inject
+    inject_faults(manager, inject)
     with manager:
         client.wait()
     tensors, final, err = client.final(0)
     assert tensors == {} and "injected fault" in err
     for i in (1, 2):
         assert client.final(i)[0][tensor_names.OUTPUT_IDS][0, 0].tolist() == references[i]
-    assert manager._worker.kv.num_free_blocks == manager._worker.kv.num_blocks
+    assert kv_of(manager).num_free_blocks == kv_of(manager).num_blocks
 
 
 def test_shutdown_drains_requests_in_flight(tiny_engine, prompts, references):
@@ -305,7 +305,7 @@ def test_terminate_request_id_ends_the_loop(tiny_engine, prompts):
         assert final and "terminated" in err
     assert 10000 not in client.responses
     manager.shutdown()
-    assert manager._worker.kv.num_free_blocks == manager._worker.kv.num_blocks
+    assert kv_of(manager).num_free_blocks == kv_of(manager).num_blocks
 
 
 def test_logits_post_processor_forces_a_token(tiny_engine, prompts):
@@ -356,7 +356,7 @@ def test_chunking_and_overlap_are_ignored_with_a_warning_for_static_batching(tin
     params = TrtGptModelOptionalParams(enable_chunked_context=True, enable_trt_overlap=True)
     with GptManager(engine_dir, TrtGptModelType.V1, 1, SchedulerPolicy.GUARANTEED_NO_EVICT,
                     *Client([]).callbacks(), params) as manager:
-        assert not manager._worker.micro_batch.enable_chunked_context
+        assert not manager._worker.scheduler.micro_batch.enable_chunked_context
         assert manager._worker._forward_pool is None
     assert any("no effect with TrtGptModelType.V1" in rec.message for rec in caplog.records)
 

@@ -6,13 +6,15 @@ from __future__ import annotations
 import json
 import random
 
+import threading
+
 import pytest
 import torch
 
 from batch_manager import (GptManager, KvCacheConfig, SchedulerPolicy, TrtGptModelOptionalParams, TrtGptModelType,
                            tensor_names)
 from batch_manager.kv_cache_manager import max_blocks_held
-from tests.batch_manager.conftest import NUM_NEW_TOKENS, Client, make_request
+from tests.batch_manager.conftest import NUM_NEW_TOKENS, Client, make_request, inject_faults, kv_of
 
 SYSTEM_PROMPT = [(7 * i + 3) % 120 + 3 for i in range(24)]   # 6 blocks of 4 tokens
 
@@ -68,7 +70,7 @@ def outputs(client: Client, ids) -> dict[int, list[int]]:
 
 
 def assert_all_blocks_free(manager: GptManager) -> None:
-    kv = manager._worker.kv
+    kv = kv_of(manager)
     kv.check_invariants()
     assert kv.num_free_blocks == kv.num_blocks
 
@@ -95,7 +97,7 @@ def test_reuse_of_a_shared_system_prompt_keeps_outputs_and_skips_context(tiny_en
             last["Allocated new KV cache blocks"] + last["Reused KV cache blocks"]
         if reuse:
             assert last["Reused KV cache blocks"] >= 6 * 8      # most requests reuse the 6 system blocks
-            assert manager._worker.kv.num_cached_free_blocks > 0
+            assert kv_of(manager).num_cached_free_blocks > 0
         else:
             assert last["Reused KV cache blocks"] == 0
     assert computed[True] <= computed[False] - 6 * 4 * 8
@@ -110,15 +112,15 @@ def test_a_prefix_shared_with_a_request_still_running(tiny_engine, shared_prompt
     sharing = []
     with GptManager(engine_dir, TrtGptModelType.InflightFusedBatching, 1, SchedulerPolicy.GUARANTEED_NO_EVICT,
                     *client.callbacks(), optional_params=params) as manager:
-        kv = manager._worker.kv
-        original = manager._worker.capacity.schedule
+        kv = kv_of(manager)
+        original = manager._worker.scheduler.capacity.schedule
 
         def schedule(*args):
             out = original(*args)
             if kv.holds(0) and kv.holds(1):
                 sharing.append([kv.ref_count(b) for b in kv.block_table(1)[:6]])
             return out
-        manager._worker.capacity.schedule = schedule
+        manager._worker.scheduler.capacity.schedule = schedule
         client.wait()
     assert sharing and sharing[0] == [2] * 6            # both hold the 6 system-prompt blocks
     assert outputs(client, [0, 1]) == {0: long_reference, 1: shared_references[1]}
@@ -261,15 +263,14 @@ def test_overlap_a_forward_failing_on_its_thread_fails_only_its_requests(tiny_en
     params = TrtGptModelOptionalParams(kv_cache_config=KvCacheConfig(max_tokens=400), enable_trt_overlap=True)
     manager = GptManager(engine_dir, TrtGptModelType.InflightFusedBatching, 1, SchedulerPolicy.GUARANTEED_NO_EVICT,
                          *client.callbacks(), optional_params=params)
-    executor, failed = manager._worker.executor, []
-    original = executor.forward
+    failed = []
 
-    def forward(prepared):   # runs on the forward thread
-        if not failed and any(r.request_id == 0 and r.generated for r in prepared.requests):
-            failed.append([r.request_id for r in prepared.requests])
+    def forward(group):   # runs on the forward thread, before the group's forward
+        assert threading.current_thread().name.startswith("GptManagerForward")
+        if not failed and any(r.request_id == 0 and r.new is None for r in group):
+            failed.append([r.request_id for r in group])
             raise RuntimeError("injected fault")
-        return original(prepared)
-    executor.forward = forward
+    inject_faults(manager, forward)
     with manager:
         client.wait()
     assert failed and 0 in failed[0]

@@ -9,7 +9,7 @@ import pytest
 
 from batch_manager import (GptManager, InferenceRequest, SchedulerPolicy, TrtGptModelOptionalParams,
                            TrtGptModelType, tensor_names)
-from batch_manager.worker import Worker
+from batch_manager.scheduler import Scheduler
 from tests.batch_manager.conftest import Client, make_request, wait_until
 
 
@@ -116,7 +116,7 @@ def test_a_crashed_worker_fails_its_requests_and_answers_later_ones(tiny_engine,
     def crash(self, *args, **kwargs):
         raise RuntimeError("scheduler bug")
 
-    monkeypatch.setattr(Worker, "_schedule", crash)
+    monkeypatch.setattr(Scheduler, "schedule", crash)
     manager = manager_for(engine_dir, client)
     try:
         assert wait_until(lambda: 0 in client.responses)

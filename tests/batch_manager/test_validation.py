@@ -238,7 +238,7 @@ def test_defaults_of_an_accepted_request(limits):
     assert llm_request.end_id is None
     assert llm_request.beam_width == 1
     assert llm_request.is_streaming is False
-    assert llm_request.sampling.temperature == 1.0
+    assert llm_request.decoding.temperature == 1.0
     assert (llm_request.return_log_probs, llm_request.return_context_logits,
             llm_request.return_generation_logits) == (False, False, False)
 

@@ -168,7 +168,7 @@ def _assert_freed_soon(server, max_iterations: int) -> None:
     while server.bridge.manager.get_num_active_requests() and time.monotonic() < deadline:
         time.sleep(0.01)
     assert server.bridge.manager.get_num_active_requests() == 0
-    kv = server.bridge.manager._worker.kv  # internal: the block pool is whole again
+    kv = server.bridge.manager._worker.scheduler.kv  # internal: the block pool is whole again
     assert kv.num_free_blocks == kv.num_blocks
     assert server.bridge.num_waiting_handlers() == 0
     # Stopped long before its 80 tokens (one iteration per token, each >= 20 ms here).

@@ -1,0 +1,192 @@
+"""The capacity stage of scheduling (ints only): who may hold KV blocks this iteration, by policy
+(admitting, allocating and, under MAX_UTILIZATION, pausing). Called by `Scheduler`; subclass a
+policy to change it."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .beam_blocks import beam_holder, free_beams, max_beam_blocks, prepare_beam_writes
+from .kv_cache_manager import KvCacheManager
+from .llm_request import LlmRequest, RequestState
+from .options import SchedulerPolicy
+
+
+@dataclass
+class CapacityOutput:
+    fitting: list[LlmRequest] = field(default_factory=list)  # hold blocks for their next step
+    paused: list[LlmRequest] = field(default_factory=list)   # lost their blocks this iteration
+
+
+class CapacityScheduler:
+    """Base: GUARANTEED_NO_EVICT. A request is admitted (FIFO, never skipping the head of the
+    queue) only if the worst case of every admitted request fits: the most blocks it can hold
+    at once (prompt + max_new_tokens, or less under an attention window).
+
+    The promise with shared blocks: S = free - sum over running requests of (worst - held) never
+    goes negative. A prefix block another request holds costs its new holder nothing, and only
+    a window release of a still-shared block lowers S (by one per extra reference), so with a
+    window the shared blocks are kept in reserve (`kv.num_extra_refs`) and reuse earns no credit.
+
+    Requests in `in_flight` (their forward is running: overlap) hold their blocks untouched.
+    """
+
+    def __init__(self, kv_cache_manager: KvCacheManager, max_num_requests: int):
+        self.kv = kv_cache_manager
+        self.max_num_requests = max_num_requests
+        self._num_starts = 0
+
+    def schedule(self, requests: list[LlmRequest], in_flight: frozenset[LlmRequest] = frozenset()) -> CapacityOutput:
+        """`requests`: active (unfinished) requests in admission order."""
+        running = [r for r in requests if r.holds_blocks]
+        out = CapacityOutput(fitting=[r for r in running if r not in in_flight])
+        num_holding = len(running)
+        if self.can_admit(running):
+            available = self.kv.num_free_blocks - sum(
+                max(0, self._worst_case_blocks(r) - self.kv.num_blocks_held(r.request_id)) for r in running)
+            if self.kv.attention_window is not None:
+                available -= self.kv.num_extra_refs
+            for r in requests:
+                if r.state != RequestState.WAITING:
+                    continue
+                cost = self._admission_cost(r)
+                if num_holding >= self.max_num_requests or cost > available:
+                    break
+                available -= cost
+                num_holding += 1
+                self._start(r)
+                out.fitting.append(r)
+        for r in out.fitting:
+            ok = self._grow(r)
+            assert ok, f"request {r.request_id}: reserved KV blocks were not available"
+        return out
+
+    def can_admit(self, running: list[LlmRequest]) -> bool:
+        return True
+
+    def _worst_case_blocks(self, r: LlmRequest) -> int:
+        if r.beam_width > 1:
+            return max_beam_blocks(self.kv, r.beam_width, r.max_num_tokens)
+        return self.kv.max_blocks_held(r.prompt_len, r.max_num_tokens)
+
+    def _admission_cost(self, r: LlmRequest) -> int:
+        """Free blocks admitting `r` takes out of the promise: its worst case, less the cached
+        prefix blocks it will share (plus the cached ones it takes off the free list)."""
+        worst = self._worst_case_blocks(r)
+        if self.kv.attention_window is not None:
+            return worst
+        prefix = self.kv.find_cached_prefix(_reusable_tokens(r))
+        return worst - len(prefix) + sum(1 for b in prefix if self.kv.is_free(b))
+
+    def _start(self, r: LlmRequest) -> None:
+        """Admit `r`: it starts holding blocks, beginning with its cached prefix."""
+        r.set_state(RequestState.CONTEXT)
+        r.start_index = self._num_starts
+        self._num_starts += 1
+        assert r.num_computed_tokens == 0
+        r.num_computed_tokens = self.kv.acquire_cached_prefix(r.request_id, _reusable_tokens(r))
+
+    def _grow(self, r: LlmRequest) -> bool:
+        """Release what the window hides, then cover every token of `r`'s next step (for every
+        live beam, with a private copy of the block each beam writes)."""
+        if r.num_live_beams == 1:
+            self.kv.release_invisible_blocks(r.request_id, r.num_computed_tokens)
+            return self.kv.allocate(r.request_id, r.num_tokens)
+        for b in range(r.num_live_beams):
+            holder = beam_holder(r.request_id, b)
+            self.kv.release_invisible_blocks(holder, r.num_computed_tokens)
+            if not self.kv.allocate(holder, r.num_tokens):
+                return False
+        try:
+            prepare_beam_writes(self.kv, r.request_id, r.num_live_beams, r.num_computed_tokens, r.pending_block_copies)
+        except RuntimeError:
+            return False
+        return True
+
+
+def free_request_blocks(kv: KvCacheManager, r: LlmRequest) -> None:
+    """Drop every block table of `r` (one per live beam) and its pending copies."""
+    free_beams(kv, r.request_id, r.num_live_beams)
+    r.pending_block_copies.clear()
+
+
+def _reusable_tokens(r: LlmRequest) -> list[int]:
+    """Tokens whose cached KV `r` may reuse: none when it wants the logits of its whole prompt, or
+    when it resumes several beams (each recomputes its own sequence)."""
+    return [] if r.return_context_logits or r.num_live_beams > 1 else r.token_slice(0, r.num_tokens)
+
+
+class GuaranteedNoEvictScheduler(CapacityScheduler):
+    pass
+
+
+class StaticBatchScheduler(CapacityScheduler):
+    """GUARANTEED_NO_EVICT that admits new requests only once the previous batch has finished;
+    with `max_num_tokens`, a batch's prompts also fit one context step (V1's lockstep batches)."""
+
+    def __init__(self, kv_cache_manager: KvCacheManager, max_num_requests: int, max_num_tokens: int | None = None):
+        super().__init__(kv_cache_manager, max_num_requests)
+        self.max_num_tokens = max_num_tokens
+
+    def can_admit(self, running: list[LlmRequest]) -> bool:
+        return not running
+
+    def schedule(self, requests: list[LlmRequest], in_flight: frozenset[LlmRequest] = frozenset()) -> CapacityOutput:
+        if self.max_num_tokens is None or any(r.holds_blocks for r in requests):
+            return super().schedule(requests, in_flight)
+        budget, admissible = self.max_num_tokens, []
+        for r in requests:
+            if admissible and r.num_tokens > budget:
+                break
+            budget -= r.num_tokens
+            admissible.append(r)
+        return super().schedule(admissible, in_flight)
+
+
+class MaxUtilizationScheduler(CapacityScheduler):
+    """Admit what fits now. When a running request needs a block and none is free, pause the most
+    recently started request (free its blocks; it resumes later by recomputing its tokens, or
+    by reusing them when block reuse is on)."""
+
+    def schedule(self, requests: list[LlmRequest], in_flight: frozenset[LlmRequest] = frozenset()) -> CapacityOutput:
+        running = sorted((r for r in requests if r.holds_blocks and r not in in_flight), key=lambda r: r.start_index)
+        out = CapacityOutput()
+        num_holding = sum(1 for r in requests if r.holds_blocks)
+        while running:
+            r = running.pop(0)
+            while not self._grow(r):
+                victim = running.pop() if running else r
+                free_request_blocks(self.kv, victim)
+                victim.pause()
+                num_holding -= 1
+                out.paused.append(victim)
+                if victim is r:
+                    break
+            if r.holds_blocks:
+                out.fitting.append(r)
+        if out.paused:  # memory is short: admit nothing new this iteration
+            return out
+        for r in requests:
+            if r.state != RequestState.WAITING:
+                continue
+            prefix = self.kv.find_cached_prefix(_reusable_tokens(r))
+            cost = (r.num_live_beams * self.kv.blocks_for_tokens(r.num_tokens) - len(prefix)
+                    + sum(1 for b in prefix if self.kv.is_free(b)))
+            if num_holding >= self.max_num_requests or cost > self.kv.num_free_blocks:
+                break
+            self._start(r)
+            num_holding += 1
+            ok = self._grow(r)
+            assert ok, f"request {r.request_id}: blocks counted free were not"
+            out.fitting.append(r)
+        return out
+
+
+def make_capacity_scheduler(policy: SchedulerPolicy, kv_cache_manager: KvCacheManager, max_num_requests: int,
+                            static_max_num_tokens: int | None = None) -> CapacityScheduler:
+    if policy == SchedulerPolicy.MAX_UTILIZATION:
+        return MaxUtilizationScheduler(kv_cache_manager, max_num_requests)
+    if policy == SchedulerPolicy.STATIC_BATCH:
+        return StaticBatchScheduler(kv_cache_manager, max_num_requests, static_max_num_tokens)
+    if policy == SchedulerPolicy.GUARANTEED_NO_EVICT:
+        return GuaranteedNoEvictScheduler(kv_cache_manager, max_num_requests)
+    raise ValueError(f"scheduler policy: unknown {policy!r}")

@@ -1,0 +1,66 @@
+"""The micro-batch stage of scheduling (ints only): who runs this step under max_batch_size and
+max_num_tokens, with context chunking. Called by `Scheduler` after the capacity stage."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .llm_request import LlmRequest, RequestState
+
+
+@dataclass
+class MicroBatch:
+    context_requests: list[LlmRequest] = field(default_factory=list)
+    generation_requests: list[LlmRequest] = field(default_factory=list)
+    # Context tokens this step computes (chunks; never a reused prefix). Counted when scheduled:
+    # the requests' own counts move on with the step.
+    num_context_tokens: int = 0
+
+    @property
+    def requests(self) -> list[LlmRequest]:
+        return self.context_requests + self.generation_requests
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.context_requests) + len(self.generation_requests)
+
+
+class MicroBatchScheduler:
+    """Generation requests first (one token each), then context requests in order, under
+    max_batch_size sequences and max_num_tokens tokens. Without chunking, a context longer than
+    the whole token budget runs alone rather than never. With `enable_chunked_context`, the
+    context that does not fit gets the rest of the budget as a chunk (its other tokens follow in
+    later steps, next to the generation tokens of the running requests), so every step stays
+    within max_num_tokens. A request that wants its context logits is never chunked."""
+
+    def __init__(self, max_batch_size: int, max_num_tokens: int, enable_chunked_context: bool = False):
+        self.max_batch_size = max_batch_size
+        self.max_num_tokens = max_num_tokens
+        self.enable_chunked_context = enable_chunked_context
+
+    def schedule(self, fitting: list[LlmRequest], max_batch_size: int | None = None) -> MicroBatch:
+        """`max_batch_size` lowers the limit for this step (overlap: half the requests each)."""
+        limit = self.max_batch_size if max_batch_size is None else min(max_batch_size, self.max_batch_size)
+        batch = MicroBatch()
+        num_tokens = 0
+        num_sequences = 0  # a beam-search request runs one sequence per live beam
+        for r in fitting:
+            k = r.num_live_beams
+            if r.state == RequestState.GENERATION and num_sequences + k <= limit \
+                    and num_tokens + k <= self.max_num_tokens:
+                batch.generation_requests.append(r)
+                num_tokens += k
+                num_sequences += k
+        for r in fitting:
+            k = r.num_live_beams
+            if r.state != RequestState.CONTEXT or num_sequences + k > limit:
+                continue
+            n, budget = r.num_tokens_to_compute, self.max_num_tokens - num_tokens
+            r.context_chunk_size = None
+            if n > budget and self.enable_chunked_context and budget > 0 and not r.return_context_logits and k == 1:
+                r.context_chunk_size = n = budget
+            if n * k <= budget or batch.num_requests == 0:
+                batch.context_requests.append(r)
+                batch.num_context_tokens += n * k
+                num_tokens += n * k
+                num_sequences += k
+        return batch

@@ -1,0 +1,91 @@
+"""The data seam of one step: what the scheduler hands the model executor (`ScheduledStep`) and
+what comes back (`StepResult`). Both are made fresh each step, frozen, and hold ids, ints, lists
+and the decoded values; the executor changes nothing of the scheduler's state, and the
+scheduler applies a result in `Scheduler.update`."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+@dataclass(frozen=True)
+class NewRequest:
+    """What the executor's per-request stores (decoder state) open from, on a request's first step."""
+    decoding_params: Any                 # runtime.decoding_params.DecodingParams (validated)
+    prompt: tuple[int, ...]
+    max_new_tokens: int
+    return_generation_logits: bool = False
+    logits_post_processor: Callable | None = None
+    use_batched_post_processor: bool = False
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    request_id: int
+    token_ids: tuple[tuple[int, ...], ...]     # per live beam: the step's new tokens (a context chunk,
+                                               # one generation token, or one token + D draft tokens)
+    past_length: int                           # tokens already in the KV cache (every beam alike)
+    block_tables: tuple[tuple[int, ...], ...]  # per live beam: KV block ids in token order
+    is_last_chunk: bool                        # computes every token it has: a token is decoded after it
+    block_copies: tuple[tuple[int, int], ...] = ()   # (src, dst) KV blocks to copy before its forward
+    return_context_logits: bool = False        # the whole prompt runs in this step; its logits are wanted
+    new: NewRequest | None = None              # set on the request's first step only
+
+    @property
+    def num_beams(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_step_tokens(self) -> int:
+        """New tokens of each beam."""
+        return len(self.token_ids[0])
+
+
+@dataclass(frozen=True)
+class ScheduledStep:
+    iteration: int
+    context_requests: tuple[ScheduledRequest, ...]
+    generation_requests: tuple[ScheduledRequest, ...]
+    separate_context_forward: bool = False           # InflightBatching: context and generation apart
+    released_request_ids: tuple[int, ...] = ()       # ended since the last step: free their stores first
+
+    @property
+    def requests(self) -> tuple[ScheduledRequest, ...]:
+        return self.generation_requests + self.context_requests
+
+    @property
+    def forward_groups(self) -> list[tuple[ScheduledRequest, ...]]:
+        """The requests of each forward pass, in order; a failure fails exactly one group."""
+        groups = [self.context_requests, self.generation_requests] if self.separate_context_forward \
+            else [self.generation_requests + self.context_requests]
+        return [g for g in groups if g]
+
+
+@dataclass(frozen=True)
+class BeamOutputs:
+    """A beam-search request after its step."""
+    parents: tuple[int, ...]                     # per live beam: the previous beam it continues
+    live_tokens: tuple[tuple[int, ...], ...]     # per live beam: every generated token (next inputs)
+    tokens: tuple[tuple[int, ...], ...]          # the output beams, best first (final once finished)
+    log_probs: tuple[tuple[float, ...], ...]
+    cum_log_probs: tuple[float, ...]
+    generation_logits: tuple = ()                # per output beam: float32 [V] rows, when gathered
+
+
+@dataclass(frozen=True)
+class RequestResult:
+    """One scheduled request's outcome; a request that ran a non-final context chunk decodes nothing."""
+    request_id: int
+    error: str | None = None               # the step failed for this request
+    new_tokens: tuple[int, ...] = ()       # beam width 1: tokens appended (none when the end id ended it)
+    new_log_probs: tuple[float, ...] = ()
+    new_generation_logits: tuple = ()      # float32 [V] per new token, when gathered
+    cum_log_prob: float = 0.0              # includes an end token's log prob
+    beams: BeamOutputs | None = None       # beam search
+    context_logits: Any = None             # float32 [prompt_len, V] when requested
+    finish_reason: str | None = None       # "end_id" | "stop_words" | "length" when it finished
+
+
+@dataclass(frozen=True)
+class StepResult:
+    results: tuple[RequestResult, ...]
