@@ -13,8 +13,8 @@ from typing import Callable
 import torch
 
 from runtime import Engine, ModelRunner
+from runtime.kv_cache_manager import KvCacheManager
 
-from .kv_cache_manager import KvCacheManager
 from .kv_sizing import num_kv_blocks
 from .model_executor import ModelExecutor
 from .options import KvCacheConfig, SchedulerConfig, SchedulerPolicy, TrtGptModelOptionalParams, TrtGptModelType

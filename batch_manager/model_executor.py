@@ -10,10 +10,10 @@ from typing import Callable
 import torch
 
 from runtime import ModelRunner
+from runtime.beam_blocks import beam_holder, fork_beams
+from runtime.kv_cache_manager import KvCacheManager
 
-from .kv_cache_manager import KvCacheManager
 from .llm_request import LlmRequest
-from .beam_blocks import beam_holder, fork_beams
 from .request_decoder import RequestDecoder
 
 logger = logging.getLogger(__name__)

@@ -12,7 +12,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
-from .kv_cache_manager import KvCacheManager
+from runtime.kv_cache_manager import KvCacheManager
+
 from .llm_request import FinishReason, LlmRequest
 from .model_executor import ModelExecutor, PreparedStep
 from .options import TrtGptModelType
