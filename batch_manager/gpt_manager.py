@@ -13,14 +13,14 @@ from typing import Callable
 import torch
 
 from runtime import Engine, ModelRunner
+from runtime.kv_cache_manager import KvCacheManager
 
 from .callbacks import UserCallbacks
-from .kv_cache_manager import KvCacheManager
+from .capacity_scheduler import make_capacity_scheduler
 from .kv_sizing import num_kv_blocks
+from .micro_batch_scheduler import MicroBatchScheduler
 from .model_executor import ModelExecutor
 from .options import KvCacheConfig, SchedulerConfig, SchedulerPolicy, TrtGptModelOptionalParams, TrtGptModelType
-from .capacity_scheduler import make_capacity_scheduler
-from .micro_batch_scheduler import MicroBatchScheduler
 from .scheduler import Scheduler
 from .validation import AdmissionLimits
 from .worker import Worker, WorkerConfig

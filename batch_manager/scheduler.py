@@ -7,9 +7,10 @@ micro-batch stage (who runs this step, chunking contexts) and returns a frozen `
 """
 from __future__ import annotations
 
-from .beam_blocks import beam_holder, fork_beams
+from runtime.beam_blocks import beam_holder, fork_beams
+from runtime.kv_cache_manager import KvCacheManager
+
 from .capacity_scheduler import CapacityScheduler, free_request_blocks
-from .kv_cache_manager import KvCacheManager
 from .llm_request import FinishReason, LlmRequest, RequestState
 from .micro_batch_scheduler import MicroBatchScheduler
 from .step import NewRequest, RequestResult, ScheduledRequest, ScheduledStep, StepResult

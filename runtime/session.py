@@ -1,8 +1,8 @@
 """GptSession: static-batch generation over the tensor-dict runtime (the seeds' C++ runtime API).
 
 A batch runs in lockstep: one packed context step for all prompts (split by the engine's
-max_num_tokens), then one generation step per token for the sequences still running. Each
-sequence owns a fixed slice of the session's KV pool.
+max_num_tokens), then one generation step per token for the sequences still running. Blocks come
+from a KvCacheManager per generate() (holder: the sequence index; beams share blocks copy-on-write).
 """
 from __future__ import annotations
 
@@ -14,11 +14,14 @@ from typing import Callable, Sequence
 
 import torch
 
+from .beam_blocks import beam_holder, fork_beams, free_beams, prepare_beam_writes
 from .config import ModelConfig
-from .engine import Engine
 from .decoder import Decoder, DecodeState
 from .decoding_params import DecodingParams, parse_word_list
+from .engine import Engine
+from .kv_cache_manager import KvCacheManager
 from .model_runner import ModelRunner
+from .step_inputs import SequenceStep, pack_step
 
 logger = logging.getLogger(__name__)
 
@@ -173,9 +176,9 @@ class GptSession:
             raise ValueError(f"GptSession.Config.max_sequence_length: {config.max_sequence_length} exceeds the "
                              f"engine's max_seq_len {engine.build_config.max_seq_len}")
         self.config, self.world_config, self.engine = config, world_config, engine
-        tpb = engine.build_config.tokens_per_block
-        self.blocks_per_sequence = -(-config.max_sequence_length // tpb)
-        num_blocks = config.max_batch_size * config.max_beam_width * self.blocks_per_sequence
+        # Room for max_batch_size x max_beam_width full sequences: copy-on-write never runs out.
+        num_blocks = (config.max_batch_size * config.max_beam_width
+                      * -(-config.max_sequence_length // engine.build_config.tokens_per_block))
         # kv_cache_config: any object with max_attention_window / sink_token_length (e.g. the
         # manager's KvCacheConfig); results follow the window, memory is not released early.
         kv = config.kv_cache_config
@@ -214,30 +217,29 @@ class GptSession:
         build = self.engine.build_config
         states = [DecodeState(params[i], prompts[i], max_new_tokens, build.gather_generation_logits)
                   for i in range(batch)]
-        blocks = _BeamBlocks(self.runner, self.config.max_batch_size * self.config.max_beam_width
-                             * self.blocks_per_sequence, build.tokens_per_block)
-        for i, p in enumerate(prompts):
-            blocks.start_sequence(i, len(p))
+        kv = KvCacheManager(self.runner.num_blocks, build.tokens_per_block)
+        allocated = all([kv.allocate(i, len(p)) for i, p in enumerate(prompts)])
+        assert allocated, "the pool holds max_batch_size x max_beam_width full sequences"
         context_logits = torch.zeros(batch, max_input_len, vocab) if build.gather_context_logits else None
-        beam_width = sampling.beam_width
-        out_ids = torch.full((batch, beam_width, max_seq_len), inputs.pad_id, dtype=torch.int32)
+        out_ids = torch.full((batch, sampling.beam_width, max_seq_len), inputs.pad_id, dtype=torch.int32)
 
-        logits = self._context(prompts, blocks.tables(range(batch)), context_logits)
-        running = list(range(batch))
+        logits = self._context(prompts, kv, context_logits)
+        running, num_beams = list(range(batch)), [1] * batch   # num_beams[i]: block tables sequence i holds
         for step in range(max_new_tokens):
             self.decoder.step([states[i] for i in running], logits)
             self._write_ids(out_ids, states, running, inputs.pad_id)
             for i in running:
                 if states[i].is_finished:
-                    blocks.end_sequence(i)
+                    free_beams(kv, i, num_beams[i])
                 else:
-                    blocks.fork(i, states[i].parents)
+                    fork_beams(kv, i, num_beams[i], states[i].parents)
+                    num_beams[i] = len(states[i].parents)
             running = [i for i in running if not states[i].is_finished]
             if output.on_token_generated is not None:
                 output.on_token_generated(out_ids, step, not running)
             if not running:
                 break
-            logits = self._generation_step(states, running, blocks)
+            logits = self._generation_step(states, running, kv)
         self._write_outputs(output, out_ids, states, prompts, max_new_tokens, vocab)
         output.context_logits = context_logits
 
@@ -271,21 +273,19 @@ class GptSession:
             result.append(p)
         return result
 
-    def _generation_step(self, states: list[DecodeState], running: list[int], blocks: "_BeamBlocks") -> torch.Tensor:
+    def _generation_step(self, states: list[DecodeState], running: list[int], kv: KvCacheManager) -> torch.Tensor:
         """One forward over every live beam of the running sequences -> logits [rows, V]."""
-        input_ids, past_lengths, keys = [], [], []
+        copies: list[tuple[int, int]] = []   # (src, dst) blocks, copied before the forward
+        sequences = []
         for i in running:
             s = states[i]
-            for beam, h in enumerate(s.beams):
-                input_ids.append(h.tokens[-1])
-                past_lengths.append(len(s.prompt) + len(h.tokens) - 1)
-                keys.append((i, beam))
-        blocks.make_writable(keys, past_lengths)
-        return self.runner.forward({
-            "input_ids": torch.tensor(input_ids, dtype=torch.int32),
-            "input_lengths": torch.ones(len(keys), dtype=torch.int32),
-            "past_lengths": torch.tensor(past_lengths, dtype=torch.int32),
-            "block_tables": blocks.tables(keys)})["logits"]
+            position = len(s.prompt) + s.num_generated - 1   # of the last token (live beams are equally long)
+            prepare_beam_writes(kv, i, s.num_rows, position, copies)
+            sequences += [SequenceStep([h.tokens[-1]], position, kv.block_table(beam_holder(i, b)))
+                          for b, h in enumerate(s.beams)]
+        if copies:
+            self.runner.copy_blocks([src for src, _ in copies], [dst for _, dst in copies])
+        return self.runner.forward(pack_step(sequences))["logits"]
 
     @staticmethod
     def _write_ids(out_ids: torch.Tensor, states: list[DecodeState], rows: list[int], pad_id: int) -> None:
@@ -318,7 +318,7 @@ class GptSession:
         output.log_probs, output.cum_log_probs = log_probs, cum_log_probs
         output.generation_logits = generation_logits
 
-    def _context(self, prompts: list[list[int]], block_tables: torch.Tensor,
+    def _context(self, prompts: list[list[int]], kv: KvCacheManager,
                  context_logits: torch.Tensor | None) -> torch.Tensor:
         """Run every prompt through the model in packed steps of at most max_num_tokens tokens
         (ctx_micro_batch_size sequences); returns each prompt's last-token logits [batch, V]."""
@@ -334,14 +334,9 @@ class GptSession:
         groups.append(current)
         all_logits = []
         for group in groups:
-            inputs = {
-                "input_ids": torch.tensor([t for i in group for t in prompts[i]], dtype=torch.int32),
-                "input_lengths": torch.tensor([len(prompts[i]) for i in group], dtype=torch.int32),
-                "past_lengths": torch.zeros(len(group), dtype=torch.int32),
-                "block_tables": block_tables[group]}
-            if context_logits is not None:
-                inputs["return_context_logits"] = torch.ones(len(group), dtype=torch.bool)
-            outputs = self.runner.forward(inputs)
+            wants_all_logits = context_logits is not None
+            outputs = self.runner.forward(pack_step([SequenceStep(prompts[i], 0, kv.block_table(i), wants_all_logits)
+                                                     for i in group]))
             all_logits.append(outputs["logits"])
             if context_logits is not None:
                 offset = 0
@@ -351,70 +346,3 @@ class GptSession:
                     offset += n
         return torch.cat(all_logits)
 
-
-class _BeamBlocks:
-    """The session's KV blocks: one block table per live (sequence, beam), blocks shared between
-    beams by reference count. A beam that continues another takes its table (no copy); before a
-    token is written into a shared block, that block is copied (copy-on-write), so a step copies
-    at most one partial block per beam."""
-
-    def __init__(self, runner: ModelRunner, num_blocks: int, tokens_per_block: int):
-        self.runner = runner
-        self.tokens_per_block = tokens_per_block
-        self.free = list(range(num_blocks - 1, -1, -1))
-        self.ref_counts = [0] * num_blocks
-        self.table_of: dict[tuple[int, int], list[int]] = {}  # (sequence, beam) -> block ids
-
-    def _take(self) -> int:
-        block = self.free.pop()
-        self.ref_counts[block] = 1
-        return block
-
-    def _release(self, table: list[int]) -> None:
-        for block in table:
-            self.ref_counts[block] -= 1
-            if self.ref_counts[block] == 0:
-                self.free.append(block)
-
-    def start_sequence(self, seq: int, num_tokens: int) -> None:
-        self.table_of[(seq, 0)] = [self._take() for _ in range(-(-num_tokens // self.tokens_per_block))]
-
-    def end_sequence(self, seq: int) -> None:
-        for key in [k for k in self.table_of if k[0] == seq]:
-            self._release(self.table_of.pop(key))
-
-    def fork(self, seq: int, parents: list[int]) -> None:
-        """Live beam b of `seq` continues the previous beam parents[b]."""
-        old = {beam: table for (s, beam), table in self.table_of.items() if s == seq}
-        for beam, parent in enumerate(parents):
-            table = list(old[parent])
-            for block in table:
-                self.ref_counts[block] += 1
-            self.table_of[(seq, beam)] = table
-        for beam, table in old.items():
-            self._release(table)
-            if beam >= len(parents):
-                del self.table_of[(seq, beam)]
-
-    def make_writable(self, keys: list[tuple[int, int]], positions: list[int]) -> None:
-        """Each keys[j] is about to write the token at positions[j]: give it a private block there."""
-        sources, targets = [], []
-        for key, position in zip(keys, positions):
-            table = self.table_of[key]
-            index = position // self.tokens_per_block
-            if index == len(table):
-                table.append(self._take())
-            elif self.ref_counts[table[index]] > 1:
-                fresh = self._take()
-                sources.append(table[index])
-                targets.append(fresh)
-                self.ref_counts[table[index]] -= 1
-                table[index] = fresh
-        if sources:
-            self.runner.copy_blocks(sources, targets)
-
-    def tables(self, keys) -> torch.Tensor:
-        """int32 [len(keys), max_blocks]; keys are (sequence, beam) pairs or sequence numbers (beam 0)."""
-        rows = [self.table_of[k if isinstance(k, tuple) else (k, 0)] for k in keys]
-        width = max(len(r) for r in rows)
-        return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32)

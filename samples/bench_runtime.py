@@ -19,6 +19,7 @@ import time
 import torch
 
 from runtime import Engine, ModelConfig, ModelRunner
+from runtime.step_inputs import SequenceStep, pack_step
 from samples.default_model import default_model_dir
 
 # (m, k, n): the model's MLP-input matmul at several token counts, and a big square one.
@@ -53,10 +54,8 @@ def step_flops(cfg: ModelConfig, batch: int, new_tokens: int, past: int) -> floa
 
 
 def step_inputs(tokens: torch.Tensor, past: int, block_tables: torch.Tensor) -> dict[str, torch.Tensor]:
-    """tokens int32 [batch, new] -> ModelRunner.forward inputs."""
-    batch, new = tokens.shape
-    return {"input_ids": tokens.flatten(), "input_lengths": torch.full((batch,), new, dtype=torch.int32),
-            "past_lengths": torch.full((batch,), past, dtype=torch.int32), "block_tables": block_tables}
+    """tokens int32 [batch, new], block_tables int32 [batch, blocks] -> ModelRunner.forward inputs."""
+    return pack_step([SequenceStep(row, past, table) for row, table in zip(tokens.tolist(), block_tables.tolist())])
 
 
 def time_step(runner: ModelRunner, inputs: dict, warmup: int, iters: int) -> float:

@@ -5,6 +5,8 @@ import os
 
 import torch
 
+from runtime.step_inputs import SequenceStep, pack_step
+
 TINY = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
             intermediate_size=96, max_position_embeddings=256)
 
@@ -61,13 +63,4 @@ def make_checkpoint(directory: str | os.PathLike, arch: str = "llama", seed: int
 
 def step_inputs(seqs: list[tuple[list[int], int, list[int]]], context_logits: bool = False) -> dict:
     """seqs: (new tokens, past length, block ids) per sequence -> ModelRunner.forward inputs."""
-    width = max(len(blocks) for _, _, blocks in seqs)
-    inputs = {
-        "input_ids": torch.tensor([t for tokens, _, _ in seqs for t in tokens], dtype=torch.int32),
-        "input_lengths": torch.tensor([len(tokens) for tokens, _, _ in seqs], dtype=torch.int32),
-        "past_lengths": torch.tensor([past for _, past, _ in seqs], dtype=torch.int32),
-        "block_tables": torch.tensor([blocks + [0] * (width - len(blocks)) for _, _, blocks in seqs],
-                                     dtype=torch.int32)}
-    if context_logits:
-        inputs["return_context_logits"] = torch.ones(len(seqs), dtype=torch.bool)
-    return inputs
+    return pack_step([SequenceStep(tokens, past, blocks, context_logits) for tokens, past, blocks in seqs])

@@ -7,13 +7,13 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from batch_manager.beam_blocks import beam_holder, fork_beams
-from batch_manager.kv_cache_manager import KvCacheManager
 from batch_manager.llm_request import FinishReason, LlmRequest, RequestState
 from batch_manager.options import SchedulerPolicy
 from batch_manager.capacity_scheduler import (GuaranteedNoEvictScheduler, MaxUtilizationScheduler,
                                               StaticBatchScheduler, free_request_blocks, make_capacity_scheduler)
 from batch_manager.micro_batch_scheduler import MicroBatchScheduler
+from runtime.beam_blocks import beam_holder, fork_beams
+from runtime.kv_cache_manager import KvCacheManager
 
 GENERATED_TOKEN = 7
 

@@ -1,11 +1,12 @@
 """KV block bookkeeping (ints only): reference-counted blocks, each holder's block table, the
 prefix cache of full computed blocks, and the release of blocks outside the attention window.
 
-Block storage (the K/V tensors) lives in the runtime; this module only hands out block ids. The
-scheduler and the model executor call it on the worker thread.
+Block storage (the K/V tensors) lives in ModelRunner; this module only hands out block ids. A
+pure-Python leaf of the runtime: the manager's scheduler and executor (on its worker thread) and
+GptSession use it.
 
-A holder is any hashable key that owns one block table: a request id today, (request id, beam)
-once beams get their own tables. A block may sit in any number of tables; its reference count is
+A holder is any hashable key that owns one block table: a request id (GptSession: a sequence
+index), or (request id, beam) for the other beams (beam_blocks.py). A block may sit in any number of tables; its reference count is
 the number of table entries pointing at it. Invariants (`check_invariants`):
   - a block is either free (reference count 0, in exactly one free list) or held (count > 0);
   - count == occurrences in all tables; a table never holds a block twice;

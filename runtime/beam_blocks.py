@@ -1,7 +1,7 @@
 """Block tables of beam-search requests (ints only, over KvCacheManager's holder API).
 
-Beam 0 is the request's own holder (its request id); beam b > 0 is the holder (request id, b).
-After each step the live beams continue their parents: a beam takes its parent's table, sharing
+Beam 0 is the request's own holder (its request id; GptSession: its sequence index); beam b > 0
+is the holder (request id, b). After each step the live beams continue their parents: a beam takes its parent's table, sharing
 every block by reference count (no copy). Before a beam writes its next token into a block that
 another beam still shares, that block is copied (copy-on-write): at most one block per beam per
 step, the partially filled last one. The prompt's blocks stay shared by all beams for the
