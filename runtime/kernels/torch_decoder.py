@@ -1,18 +1,7 @@
-"""Torch reference of the decoding kernels: logits processing, token bans, greedy and top-k/top-p
-sampling, log-softmax, beam candidates: plain functions, the oracle for the CUDA versions;
-`TorchKernels` binds them as its decoding ops (their contract: interface.py).
-
-Every operation is row-wise: a row's result depends on that row's inputs only, never on which
-other rows share the call (batch invariance). Shapes: logits float32 [R, V]; `rows` int64 [n]
-selects the rows an in-place operation touches; per-row parameters are [n].
-
-Semantics (TensorRT-LLM's, documented in runtime/decoder.py): embedding bias, then temperature,
-then repetition / presence / frequency penalties counted over prompt and generated tokens, then
-the min-length ban of the end id. Top-k keeps exactly k tokens, ties at the k-th place broken by
-the lower token id; top-p then keeps the smallest prefix (by probability, ties by token id) of the
-top-k tokens whose mass reaches p, renormalised over the top-k mass, as Hugging Face's warpers do.
-The draw is an inverse CDF in token-id order: the first token whose cumulative weight exceeds
-u * total.
+"""Torch reference of the decoding operations (logits processing, token bans, greedy and
+top-k/top-p sampling, log-softmax, beam candidates) as plain functions: the definitions the CUDA
+kernels are tested against. Their contract (shapes, semantics, batch invariance) is stated once,
+in interface.py; `TorchKernels` binds them as its decoding ops.
 """
 from __future__ import annotations
 
@@ -33,9 +22,6 @@ def apply_penalties(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.T
                     temperature: torch.Tensor, repetition_penalty: torch.Tensor,
                     presence_penalty: torch.Tensor, frequency_penalty: torch.Tensor,
                     min_lengths: torch.Tensor, num_generated: torch.Tensor, end_ids: torch.Tensor) -> None:
-    """In place on logits[rows]. token_ids int64 [n, L] (prompt + generated, padded),
-    token_lengths [n]; embedding_bias float32 [n, V] or None; temperature > 0; end_ids [n]
-    (-1: none): the end id is banned while num_generated < min_lengths."""
     if rows.numel() == 0:
         return
     sub = logits[rows]
@@ -75,19 +61,12 @@ def repeat_ngram_bans(tokens: torch.Tensor, ngram_size: int) -> torch.Tensor:
 
 
 def uniforms(seeds: torch.Tensor, steps: torch.Tensor, beams: torch.Tensor) -> torch.Tensor:
-    """float32 [R] in [0, 1): the Philox draw of each (seed uint64 as int64 [R], step [R],
-    beam [R]) (runtime/rng.py); on the logits' device."""
     draws = rng.uniforms([s & 0xFFFFFFFFFFFFFFFF for s in seeds.tolist()], steps.tolist(), beams.tolist())
     return torch.from_numpy(draws).to(seeds.device)
 
 
 def beam_candidates(log_probs: torch.Tensor, running_scores: torch.Tensor, num_candidates: int,
                     diversity_rate: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One request's beam step: log_probs float32 [num_beams, V] (processed, log-softmaxed),
-    running_scores float32 [num_beams] -> the num_candidates best continuations, best first:
-    (cumulative scores float32 [C], parent beams int64 [C], tokens int64 [C]). With a diversity
-    rate d, the r-th best continuation of each beam ranks by score - d * r (its cumulative
-    score is unchanged)."""
     num_beams, vocab = log_probs.shape
     num_candidates = min(num_candidates, num_beams * vocab)
     scores = log_probs + running_scores[:, None]
@@ -113,8 +92,6 @@ def log_softmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 def top_k_top_p_mask(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """bool [R, V]: the tokens sampling may draw. top_k int64 [R] (0: off), top_p float32 [R]
-    (<= 0 or >= 1: off)."""
     num_rows, vocab = logits.shape
     kept = torch.ones_like(logits, dtype=torch.bool)
     k_rows = (top_k > 0).nonzero()[:, 0]
@@ -147,11 +124,7 @@ def top_k_top_p_mask(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Ten
 
 def sample(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, uniforms: torch.Tensor,
            normalize_log_probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits float32 [R, V] (processed), uniforms float32 [R] in [0, 1) ->
-    (tokens int64 [R], log_probs float32 [R]): the log probability under the top-k/top-p
-    renormalised distribution where normalize_log_probs [R] is set, else over the whole vocabulary.
-
-    NOTE: the result equals `_sample_masked` (the definition) row for row; the fast paths only
+    """NOTE: the result equals `_sample_masked` (the definition) row for row; the fast paths only
     avoid whole-vocabulary passes: a top-k row draws among its k candidates (exact unless
     the k-th value is tied, then it takes the masked path), a top-p row among the 1024 (else
     16384) most probable tokens when they hold at least p of the mass."""
