@@ -157,9 +157,9 @@ class CudaKernels:
                         repetition_penalty, presence_penalty, frequency_penalty, min_lengths, num_generated,
                         end_ids) -> None:
         if self._use_reference(logits):
-            return self._reference.apply_penalties(logits, rows, token_ids, token_lengths, embedding_bias, temperature,
-                                           repetition_penalty, presence_penalty, frequency_penalty, min_lengths,
-                                           num_generated, end_ids)
+            return self._reference.apply_penalties(logits, rows, token_ids, token_lengths, embedding_bias,
+                                                   temperature, repetition_penalty, presence_penalty,
+                                                   frequency_penalty, min_lengths, num_generated, end_ids)
         _check_logits(logits)
         target = _columns_contiguous(logits)
         self.decoding.apply_penalties(

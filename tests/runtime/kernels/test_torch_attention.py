@@ -123,8 +123,9 @@ def test_one_group_of_unsorted_rows_keeps_their_order():
     tables = torch.randperm(32, generator=torch.Generator().manual_seed(7))[:16].view(4, 4).int()
     q = torch.randn(4, 4, 8, generator=torch.Generator().manual_seed(8))
     assert len(length_groups(lens, tpb)) == 1
-    torch.testing.assert_close(CpuAttention().decode_attention(q, k_cache, v_cache, tables, torch.tensor(lens), 0.3, 5),
-                               torch_attention.decode_attention(q, k_cache, v_cache, tables, torch.tensor(lens), 0.3, 5))
+    seq_lens = torch.tensor(lens)
+    torch.testing.assert_close(CpuAttention().decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.3, 5),
+                               torch_attention.decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.3, 5))
 
 
 @pytest.mark.parametrize("past_len,window,sink", [(0, None, 0), (13, None, 0), (13, 6, 2)])
