@@ -34,7 +34,8 @@ class KernelBackend(Protocol):
 
     def copy_blocks(self, kv_pool: torch.Tensor, src_block_ids: torch.Tensor, dst_block_ids: torch.Tensor) -> None:
         """kv_pool [num_layers, 2, num_blocks, tokens_per_block, kv_heads, head_dim]: block
-        src[i] -> block dst[i] (int64 [m] each) in every layer, K and V, in place."""
+        src[i] -> block dst[i] (int64 [m] each) in every layer, K and V, in place. Destinations are
+        distinct and none is also a source (copy-on-write into fresh blocks): pairs may run at once."""
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
