@@ -1,7 +1,9 @@
-"""Kernel backends: the paged-KV and attention operations behind one interface.
+"""Kernel backends: the paged-KV, attention and decoding operations behind one declared interface
+(interface.KernelBackend).
 
 `get_kernels(name)` returns a backend object:
-  "torch"  plain-torch reference of every op (the oracle in tests)
+  "torch"  plain torch (torch_backend.py): the reference of every op, with the CPU fast paths of
+           attention (cpu_attention.py) switched on
   "cuda"   cuda_src/ kernels through CuPy RawModule on torch's current stream (cuda_backend.py)
   "emu"    the same sources compiled for the CPU with g++ and a shim; slow, for tests (emu_backend.py)
 The name comes from configuration (ModelRunner / GptSession `kernels=`,
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import os
 
+from .interface import KERNEL_OPS, KernelBackend
 from .torch_backend import TorchKernels
 
 KERNELS_ENV_VAR = "BATCH_MANAGER_KERNELS"
@@ -33,7 +36,7 @@ def default_backend_name() -> str:
     return os.environ.get(KERNELS_ENV_VAR, "").strip() or ("cuda" if _cuda_available() else "torch")
 
 
-def get_kernels(name: str | None = None) -> TorchKernels:
+def get_kernels(name: str | None = None) -> KernelBackend:
     """A constructed backend (its modules compiled). Raises KernelBackendError for an unknown or
     unavailable one."""
     env_name = os.environ.get(KERNELS_ENV_VAR, "").strip()
@@ -43,14 +46,14 @@ def get_kernels(name: str | None = None) -> TorchKernels:
         raise KernelBackendError(f"kernel backend: unknown {name!r} (from {origin}); "
                                  f"known: {', '.join(KNOWN_BACKENDS)}")
     if name == "torch":
-        return TorchKernels()
+        return TorchKernels(fast_paths=True)
     if name == "cuda":
         if not _cuda_available():
             raise KernelBackendError(f"kernel backend 'cuda' (from {origin}) is unavailable: it needs a CUDA "
                                      f"device and CuPy; choose 'torch' or 'emu'")
         from .cuda_backend import CudaKernels
         # NOTE: when cuda was picked by default, a runner whose tensors live on the CPU still works:
-        # such calls go to the torch reference.
+        # such calls go to the torch backend.
         return CudaKernels(cpu_fallback=origin == "default")
     from .emu_backend import EmuKernels, compiler_available
     if not compiler_available():

@@ -1,12 +1,12 @@
 """The `cuda` kernel backend: the raw CUDA sources of cuda_src/ compiled through CuPy's RawModule
 (NVRTC) and launched on torch's current stream with pointers to torch tensors.
 
-`CudaKernels` overrides the KV-cache ops (write_kv, copy_blocks, decode_attention) and the decoding
-ops (uniforms, apply_penalties, ban_tokens, greedy, log_softmax, sample, beam_candidates); every op
-it does not override (the host-side operations repeat_ngram_bans and top_k_top_p_mask) falls back to
-the torch reference (TorchKernels) on the same device tensors.
-The emu backend subclasses it and swaps only the module loader, the device and the stream, so
-both run the same launchers (launchers.py).
+`CudaKernels` implements every op of interface.KernelBackend itself. The ops with no kernel run
+on the torch backend held as `_reference`, on the same device tensors, by a declared call in
+each op's body: repeat_ngram_bans and top_k_top_p_mask (host-side), dense_attention and
+context_attention (see the NOTE below). The emu backend subclasses it and swaps only the module
+loader, the device and the stream (that is the intended seam), so both run the same launchers
+(launchers.py) and the same ops.
 
 Compilation: every module (one per source file and storage dtype) compiles when the backend is
 constructed, i.e. at engine start, never in a request's latency. CuPy keeps compiled cubins in its
@@ -20,10 +20,10 @@ not depend on the storage dtype (float32 logits); they are built per dtype like 
 launched from the first compiled one.
 
 NOTE: context attention over cached blocks (chunked context, reused prefixes) stays on torch
-(TorchKernels.context_attention: gather + scaled_dot_product_attention with a bottom-right
-causal / window mask). It runs once per context chunk rather than once per token, torch's fused
-SDPA kernels already serve it well, and a raw paged prefill kernel (FlashAttention-style tiling
-over blocks) is a large kernel of its own for a small share of step time.
+(gather + scaled_dot_product_attention with a bottom-right causal / window mask). It runs once
+per context chunk rather than once per token, torch's fused SDPA kernels already serve it well,
+and a raw paged prefill kernel (FlashAttention-style tiling over blocks) is a large kernel of its
+own for a small share of step time.
 """
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def cuda_available() -> bool:
     return True
 
 
-class CudaKernels(TorchKernels):
+class CudaKernels:
     name = "cuda"
     device_type = "cuda"
 
@@ -73,6 +73,7 @@ class CudaKernels(TorchKernels):
             raise ValueError(f"dtypes: unsupported {unknown}; supported {list(DTYPE_CODES)}")
         self.config = config or self.default_config()
         self.cpu_fallback = cpu_fallback
+        self._reference = TorchKernels(fast_paths=True)  # the ops without a kernel; CPU tensors on fallback
         self.dtypes = tuple(dtypes)
         self._functions = self._compile_all()
         self.launchers = KvLaunchers(self._function, self.device_type, self._stream, self.config)
@@ -112,19 +113,19 @@ class CudaKernels(TorchKernels):
     # ---- ops --------------------------------------------------------------------------------------
     def write_kv(self, k_cache, v_cache, k, v, slot_mapping) -> None:
         if self._use_reference(k_cache):
-            return super().write_kv(k_cache, v_cache, k, v, slot_mapping)
+            return self._reference.write_kv(k_cache, v_cache, k, v, slot_mapping)
         self.launchers.write_kv(k_cache, v_cache, _rows_contiguous(k.to(k_cache.dtype)),
                                 _rows_contiguous(v.to(v_cache.dtype)), slot_mapping.to(torch.int64).contiguous())
 
     def copy_blocks(self, kv_pool, src_block_ids, dst_block_ids) -> None:
         if self._use_reference(kv_pool):
-            return super().copy_blocks(kv_pool, src_block_ids, dst_block_ids)
+            return self._reference.copy_blocks(kv_pool, src_block_ids, dst_block_ids)
         self.launchers.copy_blocks(kv_pool, src_block_ids.to(torch.int64).contiguous(),
                                    dst_block_ids.to(torch.int64).contiguous())
 
     def decode_attention(self, q, k_cache, v_cache, block_tables, seq_lens, scale, window, sink=0):
         if self._use_reference(q):
-            return super().decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, window, sink)
+            return self._reference.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, window, sink)
         if window is not None and (_as_int(window) is None or window <= 0):
             raise ValueError(f"window: must be None or a positive int, got {window!r}")
         if _as_int(sink) is None or sink < 0:
@@ -138,11 +139,16 @@ class CudaKernels(TorchKernels):
                                         _as_int(sink))
         return out
 
+    def context_attention(self, q, k_cache, v_cache, block_table, past_len, scale, window, sink=0):
+        return self._reference.context_attention(q, k_cache, v_cache, block_table, past_len, scale, window, sink)
+
+    def dense_attention(self, q, k, v, past_len, scale, window, sink=0):
+        return self._reference.dense_attention(q, k, v, past_len, scale, window, sink)
 
     # ---- decoding ops: float32 logits (see cuda_src/sampling.cu for the algorithms) ------------------
     def uniforms(self, seeds, steps, beams):
         if self._use_reference(seeds):
-            return super().uniforms(seeds, steps, beams)
+            return self._reference.uniforms(seeds, steps, beams)
         out = torch.empty(seeds.shape[0], dtype=torch.float32, device=seeds.device)
         self.decoding.uniforms(out, _int64(seeds), _int64(steps), _int64(beams), rng.LANE_SAMPLE)
         return out
@@ -151,9 +157,9 @@ class CudaKernels(TorchKernels):
                         repetition_penalty, presence_penalty, frequency_penalty, min_lengths, num_generated,
                         end_ids) -> None:
         if self._use_reference(logits):
-            return super().apply_penalties(logits, rows, token_ids, token_lengths, embedding_bias, temperature,
-                                           repetition_penalty, presence_penalty, frequency_penalty, min_lengths,
-                                           num_generated, end_ids)
+            return self._reference.apply_penalties(logits, rows, token_ids, token_lengths, embedding_bias,
+                                                   temperature, repetition_penalty, presence_penalty,
+                                                   frequency_penalty, min_lengths, num_generated, end_ids)
         _check_logits(logits)
         target = _columns_contiguous(logits)
         self.decoding.apply_penalties(
@@ -166,16 +172,19 @@ class CudaKernels(TorchKernels):
 
     def ban_tokens(self, logits, row_ids, token_ids) -> None:
         if self._use_reference(logits):
-            return super().ban_tokens(logits, row_ids, token_ids)
+            return self._reference.ban_tokens(logits, row_ids, token_ids)
         _check_logits(logits)
         target = _columns_contiguous(logits)
         self.decoding.ban_tokens(target, _int64(row_ids), _int64(token_ids))
         if target is not logits:
             logits.copy_(target)
 
+    def repeat_ngram_bans(self, tokens, ngram_size):
+        return self._reference.repeat_ngram_bans(tokens, ngram_size)
+
     def greedy(self, logits):
         if self._use_reference(logits):
-            return super().greedy(logits)
+            return self._reference.greedy(logits)
         _check_logits(logits)
         logits = _columns_contiguous(logits)
         tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
@@ -185,16 +194,19 @@ class CudaKernels(TorchKernels):
 
     def log_softmax(self, logits):
         if self._use_reference(logits):
-            return super().log_softmax(logits)
+            return self._reference.log_softmax(logits)
         _check_logits(logits)
         rows = _columns_contiguous(logits)
         out = torch.empty(rows.shape, dtype=torch.float32, device=rows.device)
         self.decoding.log_softmax(rows, out)
         return out
 
+    def top_k_top_p_mask(self, logits, top_k, top_p):
+        return self._reference.top_k_top_p_mask(logits, top_k, top_p)
+
     def sample(self, logits, top_k, top_p, uniforms, normalize_log_probs):
         if self._use_reference(logits):
-            return super().sample(logits, top_k, top_p, uniforms, normalize_log_probs)
+            return self._reference.sample(logits, top_k, top_p, uniforms, normalize_log_probs)
         _check_logits(logits)
         logits = _columns_contiguous(logits)
         tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
@@ -205,7 +217,7 @@ class CudaKernels(TorchKernels):
 
     def beam_candidates(self, log_probs, running_scores, num_candidates, diversity_rate):
         if self._use_reference(log_probs):
-            return super().beam_candidates(log_probs, running_scores, num_candidates, diversity_rate)
+            return self._reference.beam_candidates(log_probs, running_scores, num_candidates, diversity_rate)
         _check_logits(log_probs, "log_probs")
         num_beams, vocab = log_probs.shape
         num_candidates = min(int(num_candidates), num_beams * vocab)

@@ -2,6 +2,8 @@
 header cuda_src/emu/shim.h (one OS thread per CUDA thread, a barrier per block, per-warp shuffle
 exchange; see the header), loaded with ctypes and driven by the cuda backend's launchers with CPU
 torch tensors standing in for device memory. Slow; it exists to verify the kernels without a GPU.
+`EmuKernels` subclasses CudaKernels on purpose and overrides no op: it IS the CUDA code on the
+CPU, and swaps only the module loader, the device type and the stream.
 
 Build cache: one shared library per (source, specialising defines), named by a sha256 of the
 whole translation unit (shim + prelude + source + defines + generated launch wrappers), the

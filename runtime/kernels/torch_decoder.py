@@ -1,17 +1,7 @@
-"""Torch reference of the decoding kernels: logits processing, token bans, greedy and top-k/top-p
-sampling, log-softmax. The oracle for the CUDA versions; `TorchKernels` inherits these.
-
-Every operation is row-wise: a row's result depends on that row's inputs only, never on which
-other rows share the call (batch invariance). Shapes: logits float32 [R, V]; `rows` int64 [n]
-selects the rows an in-place operation touches; per-row parameters are [n].
-
-Semantics (TensorRT-LLM's, documented in runtime/decoder.py): embedding bias, then temperature,
-then repetition / presence / frequency penalties counted over prompt and generated tokens, then
-the min-length ban of the end id. Top-k keeps exactly k tokens, ties at the k-th place broken by
-the lower token id; top-p then keeps the smallest prefix (by probability, ties by token id) of the
-top-k tokens whose mass reaches p, renormalised over the top-k mass, as Hugging Face's warpers do.
-The draw is an inverse CDF in token-id order: the first token whose cumulative weight exceeds
-u * total.
+"""Torch reference of the decoding operations (logits processing, token bans, greedy and
+top-k/top-p sampling, log-softmax, beam candidates) as plain functions: the definitions the CUDA
+kernels are tested against. Their contract (shapes, semantics, batch invariance) is stated once,
+in interface.py; `TorchKernels` binds them as its decoding ops.
 """
 from __future__ import annotations
 
@@ -27,224 +17,215 @@ def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.zeros_like(x[:, :1]), x.cumsum(-1)[:, :-1]], dim=-1)
 
 
-class TorchDecoderKernels:
-    def apply_penalties(self, logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor,
-                        token_lengths: torch.Tensor, embedding_bias: torch.Tensor | None,
-                        temperature: torch.Tensor, repetition_penalty: torch.Tensor,
-                        presence_penalty: torch.Tensor, frequency_penalty: torch.Tensor,
-                        min_lengths: torch.Tensor, num_generated: torch.Tensor, end_ids: torch.Tensor) -> None:
-        """In place on logits[rows]. token_ids int64 [n, L] (prompt + generated, padded),
-        token_lengths [n]; embedding_bias float32 [n, V] or None; temperature > 0; end_ids [n]
-        (-1: none): the end id is banned while num_generated < min_lengths."""
-        if rows.numel() == 0:
-            return
-        sub = logits[rows]
-        if embedding_bias is not None:
-            sub += embedding_bias
-        sub /= temperature[:, None]
-        valid = torch.arange(token_ids.shape[1], device=sub.device)[None, :] < token_lengths[:, None]
-        counts = torch.zeros_like(sub).scatter_add_(1, token_ids, valid.to(sub.dtype))  # [n, V]
-        seen = counts > 0
-        rep = repetition_penalty[:, None]
-        penalised = torch.where(sub > 0, sub / rep, sub * rep)
-        sub = torch.where(seen, penalised, sub)
-        sub -= presence_penalty[:, None] * seen
-        sub -= frequency_penalty[:, None] * counts
-        ban_end = (num_generated < min_lengths) & (end_ids >= 0)
-        if bool(ban_end.any()):
-            sub[ban_end.nonzero()[:, 0], end_ids[ban_end]] = NEG_INF
-        logits[rows] = sub
+def apply_penalties(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor,
+                    token_lengths: torch.Tensor, embedding_bias: torch.Tensor | None,
+                    temperature: torch.Tensor, repetition_penalty: torch.Tensor,
+                    presence_penalty: torch.Tensor, frequency_penalty: torch.Tensor,
+                    min_lengths: torch.Tensor, num_generated: torch.Tensor, end_ids: torch.Tensor) -> None:
+    if rows.numel() == 0:
+        return
+    sub = logits[rows]
+    if embedding_bias is not None:
+        sub += embedding_bias
+    sub /= temperature[:, None]
+    valid = torch.arange(token_ids.shape[1], device=sub.device)[None, :] < token_lengths[:, None]
+    counts = torch.zeros_like(sub).scatter_add_(1, token_ids, valid.to(sub.dtype))  # [n, V]
+    seen = counts > 0
+    rep = repetition_penalty[:, None]
+    penalised = torch.where(sub > 0, sub / rep, sub * rep)
+    sub = torch.where(seen, penalised, sub)
+    sub -= presence_penalty[:, None] * seen
+    sub -= frequency_penalty[:, None] * counts
+    ban_end = (num_generated < min_lengths) & (end_ids >= 0)
+    if bool(ban_end.any()):
+        sub[ban_end.nonzero()[:, 0], end_ids[ban_end]] = NEG_INF
+    logits[rows] = sub
 
-    def ban_tokens(self, logits: torch.Tensor, row_ids: torch.Tensor, token_ids: torch.Tensor) -> None:
-        """logits[row_ids[i], token_ids[i]] = -inf for every pair i (int64 [m] each)."""
-        if row_ids.numel():
-            logits[row_ids, token_ids] = NEG_INF
 
-    @staticmethod
-    def repeat_ngram_bans(tokens: torch.Tensor, ngram_size: int) -> torch.Tensor:
-        """tokens int64 [L] (one sequence) -> the token ids that would repeat an n-gram of it."""
-        n = ngram_size
-        if n <= 0 or tokens.numel() < n:
-            return tokens.new_zeros(0)
-        if n == 1:
-            return tokens.unique()
-        grams = tokens.unfold(0, n, 1)  # [L - n + 1, n]
-        match = (grams[:, :-1] == tokens[-(n - 1):]).all(dim=1)
-        return grams[match, -1].unique()
+def ban_tokens(logits: torch.Tensor, row_ids: torch.Tensor, token_ids: torch.Tensor) -> None:
+    """logits[row_ids[i], token_ids[i]] = -inf for every pair i (int64 [m] each)."""
+    if row_ids.numel():
+        logits[row_ids, token_ids] = NEG_INF
 
-    def uniforms(self, seeds: torch.Tensor, steps: torch.Tensor, beams: torch.Tensor) -> torch.Tensor:
-        """float32 [R] in [0, 1): the Philox draw of each (seed uint64 as int64 [R], step [R],
-        beam [R]) (runtime/rng.py); on the logits' device."""
-        draws = rng.uniforms([s & 0xFFFFFFFFFFFFFFFF for s in seeds.tolist()], steps.tolist(), beams.tolist())
-        return torch.from_numpy(draws).to(seeds.device)
 
-    def beam_candidates(self, log_probs: torch.Tensor, running_scores: torch.Tensor, num_candidates: int,
-                        diversity_rate: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One request's beam step: log_probs float32 [num_beams, V] (processed, log-softmaxed),
-        running_scores float32 [num_beams] -> the num_candidates best continuations, best first:
-        (cumulative scores float32 [C], parent beams int64 [C], tokens int64 [C]). With a diversity
-        rate d, the r-th best continuation of each beam ranks by score - d * r (its cumulative
-        score is unchanged)."""
-        num_beams, vocab = log_probs.shape
-        num_candidates = min(num_candidates, num_beams * vocab)
-        scores = log_probs + running_scores[:, None]
-        if diversity_rate == 0:
-            values, flat = scores.reshape(-1).topk(num_candidates)
-            return values, flat // vocab, flat % vocab
-        per_beam = min(num_candidates, vocab)
-        values, index = scores.topk(per_beam, dim=-1)  # [num_beams, per_beam], best first per beam
-        ranked = values - diversity_rate * torch.arange(per_beam, dtype=values.dtype, device=values.device)[None, :]
-        _, flat = ranked.reshape(-1).topk(num_candidates)
-        return values.reshape(-1)[flat], flat // per_beam, index.reshape(-1)[flat]
+def repeat_ngram_bans(tokens: torch.Tensor, ngram_size: int) -> torch.Tensor:
+    """tokens int64 [L] (one sequence) -> the token ids that would repeat an n-gram of it."""
+    n = ngram_size
+    if n <= 0 or tokens.numel() < n:
+        return tokens.new_zeros(0)
+    if n == 1:
+        return tokens.unique()
+    grams = tokens.unfold(0, n, 1)  # [L - n + 1, n]
+    match = (grams[:, :-1] == tokens[-(n - 1):]).all(dim=1)
+    return grams[match, -1].unique()
 
-    def greedy(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (tokens int64 [R]: first maximum, log_probs float32 [R] over the whole vocabulary)."""
-        tokens = logits.argmax(dim=-1)
-        log_probs = logits.gather(1, tokens[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
-        return tokens, log_probs
 
-    def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
-        return torch.log_softmax(logits, dim=-1)
+def uniforms(seeds: torch.Tensor, steps: torch.Tensor, beams: torch.Tensor) -> torch.Tensor:
+    draws = rng.uniforms([s & 0xFFFFFFFFFFFFFFFF for s in seeds.tolist()], steps.tolist(), beams.tolist())
+    return torch.from_numpy(draws).to(seeds.device)
 
-    def top_k_top_p_mask(self, logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-        """bool [R, V]: the tokens sampling may draw. top_k int64 [R] (0: off), top_p float32 [R]
-        (<= 0 or >= 1: off)."""
-        num_rows, vocab = logits.shape
-        kept = torch.ones_like(logits, dtype=torch.bool)
-        k_rows = (top_k > 0).nonzero()[:, 0]
-        if k_rows.numel():
-            sub, k = logits[k_rows], top_k[k_rows].clamp(max=vocab)
-            kth = sub.topk(int(k.max()), dim=-1).values.gather(1, (k - 1)[:, None])  # [n, 1]
-            greater, equal = sub > kth, sub == kth
-            need = k - greater.sum(-1)
-            kept[k_rows] = greater | (equal & (equal.cumsum(-1) <= need[:, None]))
-        p_rows = ((top_p > 0) & (top_p < 1)).nonzero()[:, 0]
-        if p_rows.numel():
-            sub = logits[p_rows].masked_fill(~kept[p_rows], NEG_INF)
-            k = top_k[p_rows]
-            if bool((k > 0).all()):
-                # Only the top-k tokens can survive: order those instead of the whole vocabulary.
-                values, index = sub.topk(int(k.clamp(max=vocab).max()), dim=-1)
-                order = index.argsort(dim=-1)
-                values, index = values.gather(1, order), index.gather(1, order)
-            else:
-                values, index = sub, torch.arange(vocab, device=sub.device).expand_as(sub)
-            order = values.argsort(dim=-1, descending=True, stable=True)  # ties: lower token id first
+
+def beam_candidates(log_probs: torch.Tensor, running_scores: torch.Tensor, num_candidates: int,
+                    diversity_rate: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    num_beams, vocab = log_probs.shape
+    num_candidates = min(num_candidates, num_beams * vocab)
+    scores = log_probs + running_scores[:, None]
+    if diversity_rate == 0:
+        values, flat = scores.reshape(-1).topk(num_candidates)
+        return values, flat // vocab, flat % vocab
+    per_beam = min(num_candidates, vocab)
+    values, index = scores.topk(per_beam, dim=-1)  # [num_beams, per_beam], best first per beam
+    ranked = values - diversity_rate * torch.arange(per_beam, dtype=values.dtype, device=values.device)[None, :]
+    _, flat = ranked.reshape(-1).topk(num_candidates)
+    return values.reshape(-1)[flat], flat // per_beam, index.reshape(-1)[flat]
+
+
+def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (tokens int64 [R]: first maximum, log_probs float32 [R] over the whole vocabulary)."""
+    tokens = logits.argmax(dim=-1)
+    log_probs = logits.gather(1, tokens[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
+    return tokens, log_probs
+
+
+def log_softmax(logits: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(logits, dim=-1)
+
+
+def top_k_top_p_mask(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    num_rows, vocab = logits.shape
+    kept = torch.ones_like(logits, dtype=torch.bool)
+    k_rows = (top_k > 0).nonzero()[:, 0]
+    if k_rows.numel():
+        sub, k = logits[k_rows], top_k[k_rows].clamp(max=vocab)
+        kth = sub.topk(int(k.max()), dim=-1).values.gather(1, (k - 1)[:, None])  # [n, 1]
+        greater, equal = sub > kth, sub == kth
+        need = k - greater.sum(-1)
+        kept[k_rows] = greater | (equal & (equal.cumsum(-1) <= need[:, None]))
+    p_rows = ((top_p > 0) & (top_p < 1)).nonzero()[:, 0]
+    if p_rows.numel():
+        sub = logits[p_rows].masked_fill(~kept[p_rows], NEG_INF)
+        k = top_k[p_rows]
+        if bool((k > 0).all()):
+            # Only the top-k tokens can survive: order those instead of the whole vocabulary.
+            values, index = sub.topk(int(k.clamp(max=vocab).max()), dim=-1)
+            order = index.argsort(dim=-1)
             values, index = values.gather(1, order), index.gather(1, order)
-            probs = torch.softmax(values, dim=-1)
-            keep_sorted = _exclusive_cumsum(probs) < top_p[p_rows, None]
-            keep_sorted[:, 0] = True
-            nucleus = torch.zeros_like(sub, dtype=torch.bool).scatter_(1, index, keep_sorted)
-            kept[p_rows] &= nucleus
-        return kept
+        else:
+            values, index = sub, torch.arange(vocab, device=sub.device).expand_as(sub)
+        order = values.argsort(dim=-1, descending=True, stable=True)  # ties: lower token id first
+        values, index = values.gather(1, order), index.gather(1, order)
+        probs = torch.softmax(values, dim=-1)
+        keep_sorted = _exclusive_cumsum(probs) < top_p[p_rows, None]
+        keep_sorted[:, 0] = True
+        nucleus = torch.zeros_like(sub, dtype=torch.bool).scatter_(1, index, keep_sorted)
+        kept[p_rows] &= nucleus
+    return kept
 
-    def sample(self, logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, uniforms: torch.Tensor,
-               normalize_log_probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """logits float32 [R, V] (processed), uniforms float32 [R] in [0, 1) ->
-        (tokens int64 [R], log_probs float32 [R]): the log probability under the top-k/top-p
-        renormalised distribution where normalize_log_probs [R] is set, else over the whole vocabulary.
 
-        NOTE: the result equals `_sample_masked` (the definition) row for row; the fast paths only
-        avoid whole-vocabulary passes: a top-k row draws among its k candidates (exact unless
-        the k-th value is tied, then it takes the masked path), a top-p row among the 1024 (else
-        16384) most probable tokens when they hold at least p of the mass."""
-        tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
-        log_probs = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
-        vocab = logits.shape[1]
-        is_top_k = top_k > 0
-        is_top_p = ~is_top_k & (top_p > 0) & (top_p < 1)
-        slow = ~is_top_k & ~is_top_p
-        k_rows = is_top_k.nonzero()[:, 0]
-        if k_rows.numel():
-            sub, k = logits[k_rows], top_k[k_rows].clamp(max=vocab)
-            values, index = sub.topk(int(k.max()), dim=-1)
-            kth = values.gather(1, (k - 1)[:, None])
-            exact = (sub >= kth).sum(-1) == k  # no tie at the k-th place
-            valid = torch.arange(values.shape[1], device=sub.device)[None, :] < k[:, None]
-            self._fast_rows(k_rows, exact, sub, values, index, valid, top_p[k_rows], None, uniforms,
-                            normalize_log_probs, tokens, log_probs, slow)
-        p_rows = is_top_p.nonzero()[:, 0]
-        for num_candidates in _TOP_P_CANDIDATES:  # a partial top-k is far cheaper than a full sort
-            if not p_rows.numel():
-                break
-            sub = logits[p_rows]
-            lse = torch.logsumexp(sub, dim=-1)
-            values, index = sub.topk(min(vocab, num_candidates), dim=-1)
-            p = top_p[p_rows]
-            enough = torch.exp(values - lse[:, None]).sum(-1) >= p
-            enough &= (sub >= values[:, -1:]).sum(-1) == values.shape[1]  # no tie across the cut
-            self._fast_rows(p_rows[enough], torch.ones(int(enough.sum()), dtype=torch.bool, device=sub.device),
-                            sub[enough], values[enough], index[enough], torch.ones_like(values[enough], dtype=torch.bool),
-                            p[enough], lse[enough], uniforms, normalize_log_probs, tokens, log_probs, slow)
-            p_rows = p_rows[~enough]
-        slow[p_rows] = True
-        rest = slow.nonzero()[:, 0]
-        if rest.numel():
-            t, lp = self._sample_masked(logits[rest], top_k[rest], top_p[rest], uniforms[rest],
-                                        normalize_log_probs[rest])
-            tokens[rest], log_probs[rest] = t, lp
-        return tokens, log_probs
+def sample(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, uniforms: torch.Tensor,
+           normalize_log_probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """NOTE: the result equals `_sample_masked` (the definition) row for row; the fast paths only
+    avoid whole-vocabulary passes: a top-k row draws among its k candidates (exact unless
+    the k-th value is tied, then it takes the masked path), a top-p row among the 1024 (else
+    16384) most probable tokens when they hold at least p of the mass."""
+    tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+    log_probs = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+    vocab = logits.shape[1]
+    is_top_k = top_k > 0
+    is_top_p = ~is_top_k & (top_p > 0) & (top_p < 1)
+    slow = ~is_top_k & ~is_top_p
+    k_rows = is_top_k.nonzero()[:, 0]
+    if k_rows.numel():
+        sub, k = logits[k_rows], top_k[k_rows].clamp(max=vocab)
+        values, index = sub.topk(int(k.max()), dim=-1)
+        kth = values.gather(1, (k - 1)[:, None])
+        exact = (sub >= kth).sum(-1) == k  # no tie at the k-th place
+        valid = torch.arange(values.shape[1], device=sub.device)[None, :] < k[:, None]
+        _fast_rows(k_rows, exact, sub, values, index, valid, top_p[k_rows], None, uniforms,
+                   normalize_log_probs, tokens, log_probs, slow)
+    p_rows = is_top_p.nonzero()[:, 0]
+    for num_candidates in _TOP_P_CANDIDATES:  # a partial top-k is far cheaper than a full sort
+        if not p_rows.numel():
+            break
+        sub = logits[p_rows]
+        lse = torch.logsumexp(sub, dim=-1)
+        values, index = sub.topk(min(vocab, num_candidates), dim=-1)
+        p = top_p[p_rows]
+        enough = torch.exp(values - lse[:, None]).sum(-1) >= p
+        enough &= (sub >= values[:, -1:]).sum(-1) == values.shape[1]  # no tie across the cut
+        _fast_rows(p_rows[enough], torch.ones(int(enough.sum()), dtype=torch.bool, device=sub.device),
+                   sub[enough], values[enough], index[enough], torch.ones_like(values[enough], dtype=torch.bool),
+                   p[enough], lse[enough], uniforms, normalize_log_probs, tokens, log_probs, slow)
+        p_rows = p_rows[~enough]
+    slow[p_rows] = True
+    rest = slow.nonzero()[:, 0]
+    if rest.numel():
+        t, lp = _sample_masked(logits[rest], top_k[rest], top_p[rest], uniforms[rest], normalize_log_probs[rest])
+        tokens[rest], log_probs[rest] = t, lp
+    return tokens, log_probs
 
-    def _fast_rows(self, rows, ok, sub, values, index, valid, top_p, lse, uniforms, normalize, tokens, log_probs,
-                   slow) -> None:
-        """Draw for rows[ok] among the candidates (values/index [n, C], best first); flag the others slow."""
-        slow[rows[~ok]] = True
-        pick = ok.nonzero()[:, 0]
-        if not pick.numel():
-            return
-        rows, sub = rows[pick], sub[pick]
-        values, index, valid, top_p = values[pick], index[pick], valid[pick], top_p[pick]
-        # Ties: lower token id first (topk leaves equal values in any order).
-        order = index.argsort(dim=-1)
-        values, index, valid = values.gather(1, order), index.gather(1, order), valid.gather(1, order)
-        order = values.masked_fill(~valid, float("-inf")).argsort(dim=-1, descending=True, stable=True)
-        values, index, valid = values.gather(1, order), index.gather(1, order), valid.gather(1, order)
-        masked = values.masked_fill(~valid, NEG_INF)
-        if lse is None:  # top-k: top-p is relative to the top-k mass
-            probs = torch.softmax(masked, dim=-1)
-        else:            # top-p alone: relative to the whole vocabulary
-            probs = torch.exp(masked - lse[pick, None])
-        p_on = ((top_p > 0) & (top_p < 1))[:, None]
-        keep = valid & (~p_on | (_exclusive_cumsum(probs) < top_p[:, None]))
-        keep[:, 0] = True
-        # The draw runs in token-id order over the kept candidates (as over the whole vocabulary).
-        by_id = index.masked_fill(~keep, sub.shape[1]).argsort(dim=-1)
-        ids, kept_logits, kept = index.gather(1, by_id), masked.gather(1, by_id), keep.gather(1, by_id)
-        row_max = values[:, :1]
-        weights = torch.exp(kept_logits - row_max).masked_fill_(~kept, 0.0)
-        cdf = weights.cumsum(dim=-1)
-        total = cdf[:, -1]
-        position = (cdf <= (uniforms[rows] * total)[:, None]).sum(dim=-1)
-        last_positive = weights.shape[1] - 1 - (weights > 0).flip(-1).to(torch.int8).argmax(dim=-1)
-        position = torch.minimum(position, last_positive)
-        token_logits = kept_logits.gather(1, position[:, None])[:, 0]
-        tokens[rows] = ids.gather(1, position[:, None])[:, 0]
-        normalised = token_logits - row_max[:, 0] - torch.log(total)
-        want_full = ~normalize[rows]
-        result = normalised.clone()
-        if bool(want_full.any()):
-            full_lse = lse[pick] if lse is not None else torch.logsumexp(sub[want_full], dim=-1)
-            full = token_logits[want_full] - (full_lse[want_full] if lse is not None else full_lse)
-            result[want_full] = full
-        log_probs[rows] = result
 
-    def _sample_masked(self, logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, uniforms: torch.Tensor,
-                       normalize_log_probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The definition, over the whole vocabulary: the first token (in id order) whose
-        cumulative kept weight exceeds u * total."""
-        vocab = logits.shape[1]
-        kept = self.top_k_top_p_mask(logits, top_k, top_p)
-        row_max = logits.max(dim=-1, keepdim=True).values
-        weights = torch.exp(logits - row_max).masked_fill_(~kept, 0.0)  # [R, V]
-        cdf = weights.cumsum(dim=-1)
-        total = cdf[:, -1]
-        tokens = (cdf <= (uniforms * total)[:, None]).sum(dim=-1)
-        # u * total can round up to total: fall back to the last token that has weight.
-        last_positive = vocab - 1 - (weights > 0).flip(-1).to(torch.int8).argmax(dim=-1)
-        tokens = torch.minimum(tokens, last_positive)
-        token_logits = logits.gather(1, tokens[:, None])[:, 0]
-        normalised = token_logits - row_max[:, 0] - torch.log(total)
-        if bool(normalize_log_probs.all()):
-            return tokens, normalised
-        full = token_logits - torch.logsumexp(logits, dim=-1)
-        return tokens, torch.where(normalize_log_probs, normalised, full)
+def _fast_rows(rows, ok, sub, values, index, valid, top_p, lse, uniforms, normalize, tokens, log_probs,
+               slow) -> None:
+    """Draw for rows[ok] among the candidates (values/index [n, C], best first); flag the others slow."""
+    slow[rows[~ok]] = True
+    pick = ok.nonzero()[:, 0]
+    if not pick.numel():
+        return
+    rows, sub = rows[pick], sub[pick]
+    values, index, valid, top_p = values[pick], index[pick], valid[pick], top_p[pick]
+    # Ties: lower token id first (topk leaves equal values in any order).
+    order = index.argsort(dim=-1)
+    values, index, valid = values.gather(1, order), index.gather(1, order), valid.gather(1, order)
+    order = values.masked_fill(~valid, float("-inf")).argsort(dim=-1, descending=True, stable=True)
+    values, index, valid = values.gather(1, order), index.gather(1, order), valid.gather(1, order)
+    masked = values.masked_fill(~valid, NEG_INF)
+    if lse is None:  # top-k: top-p is relative to the top-k mass
+        probs = torch.softmax(masked, dim=-1)
+    else:            # top-p alone: relative to the whole vocabulary
+        probs = torch.exp(masked - lse[pick, None])
+    p_on = ((top_p > 0) & (top_p < 1))[:, None]
+    keep = valid & (~p_on | (_exclusive_cumsum(probs) < top_p[:, None]))
+    keep[:, 0] = True
+    # The draw runs in token-id order over the kept candidates (as over the whole vocabulary).
+    by_id = index.masked_fill(~keep, sub.shape[1]).argsort(dim=-1)
+    ids, kept_logits, kept = index.gather(1, by_id), masked.gather(1, by_id), keep.gather(1, by_id)
+    row_max = values[:, :1]
+    weights = torch.exp(kept_logits - row_max).masked_fill_(~kept, 0.0)
+    cdf = weights.cumsum(dim=-1)
+    total = cdf[:, -1]
+    position = (cdf <= (uniforms[rows] * total)[:, None]).sum(dim=-1)
+    last_positive = weights.shape[1] - 1 - (weights > 0).flip(-1).to(torch.int8).argmax(dim=-1)
+    position = torch.minimum(position, last_positive)
+    token_logits = kept_logits.gather(1, position[:, None])[:, 0]
+    tokens[rows] = ids.gather(1, position[:, None])[:, 0]
+    normalised = token_logits - row_max[:, 0] - torch.log(total)
+    want_full = ~normalize[rows]
+    result = normalised.clone()
+    if bool(want_full.any()):
+        full_lse = lse[pick] if lse is not None else torch.logsumexp(sub[want_full], dim=-1)
+        full = token_logits[want_full] - (full_lse[want_full] if lse is not None else full_lse)
+        result[want_full] = full
+    log_probs[rows] = result
+
+
+def _sample_masked(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, uniforms: torch.Tensor,
+                   normalize_log_probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The definition, over the whole vocabulary: the first token (in id order) whose
+    cumulative kept weight exceeds u * total."""
+    vocab = logits.shape[1]
+    kept = top_k_top_p_mask(logits, top_k, top_p)
+    row_max = logits.max(dim=-1, keepdim=True).values
+    weights = torch.exp(logits - row_max).masked_fill_(~kept, 0.0)  # [R, V]
+    cdf = weights.cumsum(dim=-1)
+    total = cdf[:, -1]
+    tokens = (cdf <= (uniforms * total)[:, None]).sum(dim=-1)
+    # u * total can round up to total: fall back to the last token that has weight.
+    last_positive = vocab - 1 - (weights > 0).flip(-1).to(torch.int8).argmax(dim=-1)
+    tokens = torch.minimum(tokens, last_positive)
+    token_logits = logits.gather(1, tokens[:, None])[:, 0]
+    normalised = token_logits - row_max[:, 0] - torch.log(total)
+    if bool(normalize_log_probs.all()):
+        return tokens, normalised
+    full = token_logits - torch.logsumexp(logits, dim=-1)
+    return tokens, torch.where(normalize_log_probs, normalised, full)

@@ -9,7 +9,7 @@ import torch
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
 from runtime import rng
-from runtime.kernels import TorchKernels
+from runtime.kernels import TorchKernels, torch_decoder
 
 KERNELS = TorchKernels()
 
@@ -213,6 +213,6 @@ def test_fast_sampling_paths_equal_the_masked_definition(vocab):
     u = torch.rand(rows, generator=gen)
     normalize = torch.arange(rows) % 3 != 0
     fast = KERNELS.sample(logits, top_k, top_p, u, normalize)
-    slow = KERNELS._sample_masked(logits, top_k, top_p, u, normalize)
+    slow = torch_decoder._sample_masked(logits, top_k, top_p, u, normalize)
     assert fast[0].tolist() == slow[0].tolist()
     torch.testing.assert_close(fast[1], slow[1], atol=1e-5, rtol=0)

@@ -1,12 +1,11 @@
 """The cuda backend. Without a GPU: its CuPy calls, against a stand-in `cupy` module (every
 module compiled and loaded at construction, NVRTC options, launches on the stream's device).
-With a GPU and CuPy (skipped otherwise): every kernel equals the torch reference on the device,
-and a decode-attention bandwidth figure is printed."""
+With a GPU and CuPy (skipped otherwise): every kernel equals the torch reference on the device.
+Its bandwidth figure: `python -m samples.bench_kernels`."""
 from __future__ import annotations
 
 import math
 import sys
-import time
 import types
 
 import pytest
@@ -99,36 +98,3 @@ def test_kv_writes_and_copies_equal_torch_on_the_device(cuda_kernels, reference,
     reference.copy_blocks(expected, src, dst)
     cuda_kernels.copy_blocks(pool, src, dst)
     assert torch.equal(pool, expected)
-
-
-@gpu
-def test_decode_attention_bandwidth(cuda_kernels):
-    """Prints the KV bytes read per second at batch 64 x 4k context (fp16, 32 heads / 8 KV heads)."""
-    batch, context, tpb, num_kv_heads, head_dim = 64, 4096, 16, 8, 128
-    blocks = batch * context // tpb
-    k_cache = torch.randn(blocks, tpb, num_kv_heads, head_dim, device="cuda", dtype=torch.float16)
-    v_cache = torch.randn_like(k_cache)
-    table = torch.randperm(blocks, device="cuda", dtype=torch.int64).int().view(batch, -1)
-    lens = torch.full((batch,), context, device="cuda")
-    q = torch.randn(batch, 32, head_dim, device="cuda", dtype=torch.float16)
-    for _ in range(3):
-        cuda_kernels.decode_attention(q, k_cache, v_cache, table, lens, 0.088, None)
-    torch.cuda.synchronize()
-    iters = 20
-    start = time.perf_counter()
-    for _ in range(iters):
-        cuda_kernels.decode_attention(q, k_cache, v_cache, table, lens, 0.088, None)
-    torch.cuda.synchronize()
-    seconds = (time.perf_counter() - start) / iters
-    gigabytes = 2 * k_cache.numel() * k_cache.element_size() / 1e9
-    achieved = gigabytes / seconds
-    print(f"\ndecode attention: {seconds * 1e6:.0f} us, {achieved:.0f} GB/s of KV "
-          f"({torch.cuda.get_device_name()}; {achieved / peak_memory_bandwidth_gbs():.0%} of its memory bandwidth)")
-
-
-def peak_memory_bandwidth_gbs() -> float:
-    """The device's theoretical DRAM bandwidth: 2 (DDR) x memory clock x bus width."""
-    import cupy
-
-    props = cupy.cuda.runtime.getDeviceProperties(torch.cuda.current_device())
-    return 2 * props["memoryClockRate"] * 1e3 * props["memoryBusWidth"] / 8 / 1e9

@@ -1,10 +1,8 @@
 """The decoding kernels on a GPU (skipped without a CUDA device and CuPy): every op on the device
-equals the torch reference (run on the CPU, the oracle) under the emu tests' checks, a GptSession
-run on the cuda backend yields the torch backend's tokens, and the sampling time at batch 256 with a
-128k vocabulary is printed."""
+equals the torch reference (run on the CPU, the oracle) under the emu tests' checks, and a GptSession
+run on the cuda backend yields the torch backend's tokens. The sampling time at batch 256 with a
+128k vocabulary: `python -m samples.bench_kernels`."""
 from __future__ import annotations
-
-import time
 
 import numpy as np
 import pytest
@@ -12,7 +10,6 @@ import torch
 
 from runtime import rng
 from runtime.kernels.cuda_backend import CudaKernels, cuda_available
-from runtime.kernels.torch_backend import TorchKernels
 from tests.runtime.kernels import test_emu_decoder_kernels as emu_tests
 
 DEVICE = "cuda"
@@ -138,27 +135,3 @@ def test_gpt_session_on_the_device_yields_the_torch_tokens(tmp_path):
             session.generate(out, inp, sampling)
             ids[name] = out.ids
         assert torch.equal(ids["cuda"], ids["torch"]), sampling
-
-
-def test_sampling_time_at_batch_256_with_a_128k_vocabulary():
-    """Prints the sampling kernel's time per step (mixed top-k / top-p rows) next to the torch op's."""
-    batch, vocab = 256, 128 * 1024
-    gen = torch.Generator(device=DEVICE).manual_seed(0)
-    logits = torch.randn(batch, vocab, device=DEVICE, generator=gen) * 3
-    top_k = torch.tensor([0, 1, 40, 0, 1000, 0, 50, 0], device=DEVICE).repeat(batch // 8)
-    top_p = torch.tensor([0.0, 0.0, 0.9, 0.95, 0.0, 0.5, 0.0, 0.0], device=DEVICE).repeat(batch // 8)
-    u = torch.rand(batch, device=DEVICE, generator=gen)
-    normalize = torch.ones(batch, dtype=torch.bool, device=DEVICE)
-    timings = {}
-    for name, kernels in (("cuda", CudaKernels()), ("torch", TorchKernels())):
-        for _ in range(3):
-            kernels.sample(logits, top_k, top_p, u, normalize)
-        torch.cuda.synchronize()
-        iters = 10
-        start = time.perf_counter()
-        for _ in range(iters):
-            kernels.sample(logits, top_k, top_p, u, normalize)
-        torch.cuda.synchronize()
-        timings[name] = (time.perf_counter() - start) / iters
-    print(f"\nsampling {batch} x {vocab}: cuda kernel {timings['cuda'] * 1e3:.2f} ms, "
-          f"torch {timings['torch'] * 1e3:.2f} ms ({torch.cuda.get_device_name()})")

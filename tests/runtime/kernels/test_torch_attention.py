@@ -1,4 +1,5 @@
-"""The torch backend's decode attention: rows grouped by length, gathers into per-thread workspaces."""
+"""The CPU fast paths of attention (cpu_attention.py: rows grouped by length, gathers into
+per-thread workspaces, a plan per step) against the plain reference (torch_attention.py)."""
 from __future__ import annotations
 
 import itertools
@@ -7,8 +8,9 @@ import threading
 import pytest
 import torch
 
-from runtime.kernels import torch_backend
-from runtime.kernels.torch_backend import GROUP_COST_BLOCK_ROWS, TorchKernels, length_groups
+from runtime.kernels import cpu_attention, torch_attention
+from runtime.kernels.cpu_attention import GROUP_COST_BLOCK_ROWS, CpuAttention, length_groups
+from runtime.kernels.torch_backend import TorchKernels
 
 
 def padded_cost(groups: list[list[int]], blocks: list[int]) -> int:
@@ -65,48 +67,87 @@ def test_grouped_decode_attention_equals_per_row_dense_attention(monkeypatch, wi
     gen = torch.Generator().manual_seed(2)
     tables = torch.randperm(64, generator=gen)[:len(lens) * 8].view(len(lens), 8).int()
     q = torch.randn(len(lens), 4, 8, generator=gen)
-    reference = TorchKernels()
+    ref = torch_attention
     expected = torch.stack([
-        reference.dense_attention(q[i:i + 1], reference.gather_kv(k_cache, tables[i:i + 1], n)[0],
-                                  reference.gather_kv(v_cache, tables[i:i + 1], n)[0], n - 1, 0.3, window, sink)[0]
+        ref.dense_attention(q[i:i + 1], ref.gather_kv(k_cache, tables[i:i + 1], n)[0],
+                            ref.gather_kv(v_cache, tables[i:i + 1], n)[0], n - 1, 0.3, window, sink)[0]
         for i, n in enumerate(lens)])
     seq_lens = torch.tensor(lens)
+    torch.testing.assert_close(ref.decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.3, window, sink),
+                               expected, atol=1e-6, rtol=1e-5)  # the reference: one padded call
     for group_cost in (0, 10_000):  # as many groups as block counts, then one padded call
-        monkeypatch.setattr(torch_backend, "GROUP_COST_BLOCK_ROWS", group_cost)
+        monkeypatch.setattr(cpu_attention, "GROUP_COST_BLOCK_ROWS", group_cost)
         num_groups = len(length_groups(lens, tpb))
         assert num_groups == (len({-(-n // tpb) for n in lens}) if group_cost == 0 else 1)
-        kernels = TorchKernels()  # its own plan cache: each setting computes its plan
+        fast = CpuAttention()  # its own plan cache: each setting computes its plan
         for _ in range(2):  # the second call (the next layer of a step) reuses the plan
-            got = kernels.decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.3, window, sink)
+            got = fast.decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.3, window, sink)
             torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
 
 
 def test_gathers_reuse_a_per_thread_workspace():
     k_cache, _ = _cache(16, 4, seed=3)
-    kernels = TorchKernels()
+    fast = CpuAttention()
     table = torch.arange(16, dtype=torch.int32).view(2, 8)
-    first = kernels.gather_kv(k_cache, table, 30, workspace_slot=0)
-    torch.testing.assert_close(first, kernels.gather_kv(k_cache, table, 30))
-    smaller = kernels.gather_kv(k_cache, table[:1], 12, workspace_slot=0)
+    first = fast.gather_kv(k_cache, table, 30, workspace_slot=0)
+    torch.testing.assert_close(first, torch_attention.gather_kv(k_cache, table, 30))
+    smaller = fast.gather_kv(k_cache, table[:1], 12, workspace_slot=0)
     assert smaller.data_ptr() == first.data_ptr()  # no new allocation for a smaller gather
     other = {}
     thread = threading.Thread(target=lambda: other.update(
-        t=kernels.gather_kv(k_cache, table, 30, workspace_slot=0)))
+        t=fast.gather_kv(k_cache, table, 30, workspace_slot=0)))
     thread.start()
     thread.join()
     assert other["t"].data_ptr() != first.data_ptr()
-    torch.testing.assert_close(other["t"], kernels.gather_kv(k_cache, table, 30))
+    torch.testing.assert_close(other["t"], torch_attention.gather_kv(k_cache, table, 30))
 
 
 def test_a_changed_block_table_or_length_gets_a_new_plan():
     tpb, lens = 4, [6, 3]
     k_cache, v_cache = _cache(16, tpb, seed=4)
     q = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(5))
-    kernels, reference = TorchKernels(), TorchKernels()
+    fast = CpuAttention()
     tables = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
-    kernels.decode_attention(q, k_cache, v_cache, tables, torch.tensor(lens), 0.3, None)
+    fast.decode_attention(q, k_cache, v_cache, tables, torch.tensor(lens), 0.3, None)
     tables[0, 1] = 7  # changed in place, as a caller reusing its tensor would
     for seq_lens in (torch.tensor(lens), torch.tensor([7, 3])):
-        torch.testing.assert_close(kernels.decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.3, None),
-                                   reference.decode_attention(q, k_cache, v_cache, tables.clone(), seq_lens.clone(),
-                                                              0.3, None))
+        torch.testing.assert_close(fast.decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.3, None),
+                                   torch_attention.decode_attention(q, k_cache, v_cache, tables.clone(),
+                                                                    seq_lens.clone(), 0.3, None))
+
+
+def test_one_group_of_unsorted_rows_keeps_their_order():
+    """Several block counts, yet one group is cheapest: the rows are attended as they come."""
+    tpb, lens = 4, [9, 2, 5, 12]
+    k_cache, v_cache = _cache(32, tpb, seed=6)
+    tables = torch.randperm(32, generator=torch.Generator().manual_seed(7))[:16].view(4, 4).int()
+    q = torch.randn(4, 4, 8, generator=torch.Generator().manual_seed(8))
+    assert len(length_groups(lens, tpb)) == 1
+    seq_lens = torch.tensor(lens)
+    torch.testing.assert_close(CpuAttention().decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.3, 5),
+                               torch_attention.decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.3, 5))
+
+
+@pytest.mark.parametrize("past_len,window,sink", [(0, None, 0), (13, None, 0), (13, 6, 2)])
+def test_context_attention_through_workspaces_equals_the_reference(past_len, window, sink):
+    tpb, n = 4, 7
+    k_cache, v_cache = _cache(16, tpb, seed=9)
+    table = torch.randperm(16, generator=torch.Generator().manual_seed(10))[:6].int()
+    q = torch.randn(n, 4, 8, generator=torch.Generator().manual_seed(11))
+    fast = CpuAttention()
+    for _ in range(2):  # the second call reuses the workspaces
+        torch.testing.assert_close(fast.context_attention(q, k_cache, v_cache, table, past_len, 0.3, window, sink),
+                                   torch_attention.context_attention(q, k_cache, v_cache, table, past_len, 0.3,
+                                                                     window, sink))
+
+
+def test_the_torch_backend_uses_the_fast_paths_only_when_asked():
+    tpb, lens = 4, [3, 17, 9]
+    k_cache, v_cache = _cache(32, tpb, seed=12)
+    tables = torch.randperm(32, generator=torch.Generator().manual_seed(13))[:15].view(3, 5).int()
+    q = torch.randn(3, 4, 8, generator=torch.Generator().manual_seed(14))
+    fast, plain = TorchKernels(fast_paths=True), TorchKernels()
+    assert fast.has_fast_paths and not plain.has_fast_paths
+    torch.testing.assert_close(fast.decode_attention(q, k_cache, v_cache, tables, torch.tensor(lens), 0.3, None),
+                               plain.decode_attention(q, k_cache, v_cache, tables, torch.tensor(lens), 0.3, None))
+    assert "decode_plan" in fast._fast._thread_state()  # the call went through the plan

@@ -1,0 +1,115 @@
+"""The kernel-backend interface: every operation the model, the model runner and the decoder call,
+with its shapes, dtypes and semantics. Backends (torch_backend, cuda_backend, emu_backend) each
+implement all of it; tests/runtime/kernels/test_interface.py checks that.
+
+KV layouts shared by every backend:
+  k_cache, v_cache: [num_blocks, tokens_per_block, num_kv_heads, head_dim] (one layer)
+  block_tables:     int32 [num_seqs, max_blocks_per_seq]; entry j holds the block of tokens
+                    [j * tokens_per_block, (j + 1) * tokens_per_block); unused entries are ignored
+  window:           None or w > 0; a query at position p sees keys at positions (p - w, p]
+  sink:             s >= 0 sink tokens (StreamingLLM): keys at positions < s stay visible to every
+                    later query even outside the window (only meaningful with a window)
+  A block-table entry whose block holds no key visible to any query of the call may be negative
+  (its block was released); kernels never read such blocks.
+Decoding ops are row-wise: a row's result depends on that row's inputs only (batch invariance).
+Logits are float32 [R, V]; `rows` int64 [n] selects the rows an in-place op touches; per-row
+parameters are [n]. Semantics follow TensorRT-LLM's (torch_decoder.py has the definitions).
+"""
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class KernelBackend(Protocol):
+    name: str  # "torch" | "cuda" | "emu"
+
+    # ---- KV cache and attention (runtime/model.py, runtime/model_runner.py) -------------------------
+    def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        """k, v [T, kv_heads, head_dim] (any float dtype; stored as the cache's) -> the cache slots
+        slot_mapping int64 [T] (block * tokens_per_block + offset), in place."""
+
+    def copy_blocks(self, kv_pool: torch.Tensor, src_block_ids: torch.Tensor, dst_block_ids: torch.Tensor) -> None:
+        """kv_pool [num_layers, 2, num_blocks, tokens_per_block, kv_heads, head_dim]: block
+        src[i] -> block dst[i] (int64 [m] each) in every layer, K and V, in place. Destinations are
+        distinct and none is also a source (copy-on-write into fresh blocks): pairs may run at once."""
+
+    def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                         window: int | None, sink: int = 0) -> torch.Tensor:
+        """Paged attention of one query per sequence, at position seq_lens - 1. q [B, H, D] (the
+        cache's dtype) -> [B, H, D]; H is a multiple of kv_heads (GQA/MQA). seq_lens int [B]
+        counts the cached tokens including the query's own (already written); block_tables
+        int32 [B, max_blocks]. softmax(scale * q.k) over the visible keys, times v."""
+
+    def context_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          block_table: torch.Tensor, past_len: int, scale: float,
+                          window: int | None, sink: int = 0) -> torch.Tensor:
+        """One sequence's queries at positions past_len .. past_len + n - 1, whose keys (the n new
+        ones included) are in the cache: q [n, H, D] -> [n, H, D]; block_table int32 [max_blocks].
+        Causal (bottom-right aligned), limited by window and sink."""
+
+    def dense_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past_len: int, scale: float,
+                        window: int | None, sink: int = 0) -> torch.Tensor:
+        """Attention over keys already at hand: q [n, H, D] at positions past_len .., k, v
+        [past_len + n, kv_heads, D] -> [n, H, D] in q's dtype (the caller picks the math dtype).
+        A fresh prompt attends to its just-computed keys through this, without a gather."""
+
+    # ---- decoding (runtime/decoder.py) -----------------------------------------------------------
+    def uniforms(self, seeds: torch.Tensor, steps: torch.Tensor, beams: torch.Tensor) -> torch.Tensor:
+        """float32 [R] in [0, 1) on seeds' device: the Philox draw (runtime/rng.py) keyed by each
+        (seed: uint64 bits in int64 [R], step int64 [R], beam int64 [R]); bit-identical everywhere."""
+
+    def apply_penalties(self, logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor,
+                        token_lengths: torch.Tensor, embedding_bias: torch.Tensor | None,
+                        temperature: torch.Tensor, repetition_penalty: torch.Tensor,
+                        presence_penalty: torch.Tensor, frequency_penalty: torch.Tensor,
+                        min_lengths: torch.Tensor, num_generated: torch.Tensor, end_ids: torch.Tensor) -> None:
+        """In place on logits[rows], in this order: + embedding_bias (float32 [n, V] or None),
+        / temperature (> 0), then the repetition (divide positive / multiply negative logits),
+        presence (- p once) and frequency (- f * count) penalties of the tokens in token_ids
+        int64 [n, L] (prompt + generated, padded; the first token_lengths [n] count), then the
+        end id end_ids [n] (-1: none) is banned (-inf) while num_generated < min_lengths."""
+
+    def ban_tokens(self, logits: torch.Tensor, row_ids: torch.Tensor, token_ids: torch.Tensor) -> None:
+        """logits[row_ids[i], token_ids[i]] = -inf for every pair i (int64 [m] each), in place."""
+
+    def repeat_ngram_bans(self, tokens: torch.Tensor, ngram_size: int) -> torch.Tensor:
+        """tokens int64 [L] (one sequence, on the host) -> int64 [k]: the distinct token ids that
+        would complete an n-gram already present in it (n = ngram_size; none when n <= 0 or L < n)."""
+
+    def greedy(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (tokens int64 [R]: the first maximum of each row, log_probs float32 [R]: its log
+        softmax over the whole vocabulary)."""
+
+    def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """float32 [R, V]: log softmax of each row."""
+
+    def top_k_top_p_mask(self, logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+        """bool [R, V]: the tokens sampling may draw. top_k int64 [R] (0: off) keeps exactly k
+        tokens, ties at the k-th place to the lower id; top_p float32 [R] (<= 0 or >= 1: off)
+        then keeps the smallest prefix (by probability, ties by id) whose mass, renormalised over
+        the top-k tokens, reaches p (Hugging Face's warpers)."""
+
+    def sample(self, logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, uniforms: torch.Tensor,
+               normalize_log_probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits float32 [R, V] (processed), top_k int64 [R], top_p float32 [R], uniforms float32
+        [R] in [0, 1), normalize_log_probs bool [R] -> (tokens int64 [R], log_probs float32 [R]).
+        The draw: the first token, in id order, whose cumulative weight exp(logit - max) over the
+        top_k_top_p_mask tokens exceeds u * total. The log prob is under that renormalised
+        distribution where normalize_log_probs is set, else over the whole vocabulary."""
+
+    def beam_candidates(self, log_probs: torch.Tensor, running_scores: torch.Tensor, num_candidates: int,
+                        diversity_rate: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One request's beam step: log_probs float32 [num_beams, V] (processed, log-softmaxed),
+        running_scores float32 [num_beams] -> the C = min(num_candidates, num_beams * V) best
+        continuations, best first: (cumulative scores float32 [C], parent beams int64 [C], tokens
+        int64 [C]). With a diversity rate d, the r-th best continuation of each beam ranks by
+        score - d * r (its cumulative score is unchanged)."""
+
+
+KERNEL_OPS = tuple(name for name in vars(KernelBackend)
+                   if not name.startswith("_") and callable(vars(KernelBackend)[name]))

@@ -1,0 +1,89 @@
+"""Torch reference of the KV-cache and attention operations: plain functions, each the definition
+its CUDA kernel and the CPU fast paths (cpu_attention.py) are tested against. Layouts and
+semantics: interface.py. Attention math runs in float32 on CPU (fp16/bf16 storage is upcast), in
+the storage dtype on GPU.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def compute_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float32 if t.device.type == "cpu" else t.dtype
+
+
+def visible(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None, sink: int = 0) -> torch.Tensor:
+    """bool mask [..., num_queries, num_keys]: causal, limited to the window (plus the sink
+    tokens) when one is set."""
+    mask = key_pos[..., None, :] <= query_pos[..., :, None]
+    if window is not None:
+        in_window = key_pos[..., None, :] > query_pos[..., :, None] - window
+        mask &= in_window | (key_pos[..., None, :] < sink)
+    return mask
+
+
+def block_ids(block_tables: torch.Tensor, num_tokens: int, tokens_per_block: int) -> torch.Tensor:
+    """int64 [B * nb]: the blocks holding each row's first num_tokens tokens, row-major.
+    Released blocks (negative ids) hold only invisible keys: block 0 is read in their place."""
+    num_blocks = -(-num_tokens // tokens_per_block)
+    return block_tables[:, :num_blocks].long().clamp(min=0).flatten()
+
+
+def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """[B, num_tokens, kv_heads, head_dim]: the first num_tokens cached tokens of each row."""
+    num_rows, tokens_per_block = block_tables.shape[0], cache.shape[1]
+    # NOTE: index_select over flat block ids copies about twice as fast as advanced indexing.
+    blocks = cache.index_select(0, block_ids(block_tables, num_tokens, tokens_per_block))  # [B * nb, tpb, kvH, D]
+    return blocks.view(num_rows, -1, *cache.shape[2:])[:, :num_tokens]
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    num_kv_heads, head_dim = k_cache.shape[2:]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def copy_blocks(kv_pool: torch.Tensor, src_block_ids: torch.Tensor, dst_block_ids: torch.Tensor) -> None:
+    if src_block_ids.numel():
+        kv_pool[:, :, dst_block_ids.long()] = kv_pool[:, :, src_block_ids.long()]
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     seq_lens: torch.Tensor, scale: float, window: int | None, sink: int = 0) -> torch.Tensor:
+    """One padded call: every row gathers as many keys as the longest row; the mask hides the
+    padding, the keys outside the window and the future."""
+    if q.shape[0] == 0:
+        return torch.empty_like(q)
+    dtype = compute_dtype(q)
+    num_tokens = int(seq_lens.max())
+    k = gather_kv(k_cache, block_tables, num_tokens).to(dtype).transpose(1, 2)  # [B, kvH, L, D]
+    v = gather_kv(v_cache, block_tables, num_tokens).to(dtype).transpose(1, 2)
+    query_pos = (seq_lens.to(q.device) - 1)[:, None]  # [B, 1]
+    mask = visible(query_pos, torch.arange(num_tokens, device=q.device), window, sink)  # [B, 1, L]
+    out = F.scaled_dot_product_attention(q.to(dtype)[:, :, None, :], k, v, attn_mask=mask[:, None], scale=scale,
+                                         enable_gqa=True)  # [B, H, 1, D]
+    return out[:, :, 0].to(q.dtype)
+
+
+def context_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                      past_len: int, scale: float, window: int | None, sink: int = 0) -> torch.Tensor:
+    total = past_len + q.shape[0]
+    dtype = compute_dtype(q)
+    k = gather_kv(k_cache, block_table[None], total)[0].to(dtype)  # [total, kvH, D]
+    v = gather_kv(v_cache, block_table[None], total)[0].to(dtype)
+    return dense_attention(q.to(dtype), k, v, past_len, scale, window, sink).to(q.dtype)
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past_len: int, scale: float,
+                    window: int | None, sink: int = 0) -> torch.Tensor:
+    total = k.shape[0]
+    qt, kt, vt = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, H, n | total, D]
+    if past_len == 0 and window is None:
+        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        query_pos = torch.arange(past_len, total, device=q.device)
+        mask = visible(query_pos, torch.arange(total, device=q.device), window, sink)  # [n, total]
+        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)
