@@ -45,7 +45,7 @@ class LlmRequest:
     pad_id: int = 0
     beam_width: int = 1
     is_streaming: bool = False
-    decoding: Any = None   # runtime.decoding_params.DecodingParams, validated on admission
+    decoding: Any = None   # runtime.decoding.params.DecodingParams, validated on admission
     return_log_probs: bool = False
     return_context_logits: bool = False
     return_generation_logits: bool = False

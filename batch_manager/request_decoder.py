@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from runtime.decoder import Decoder, DecodeState
+from runtime.decoding import Decoder, DecodeState
 
 from .step import BeamOutputs, NewRequest, RequestResult, ScheduledRequest
 

@@ -11,7 +11,7 @@ from typing import Any, Callable
 @dataclass(frozen=True)
 class NewRequest:
     """What the executor's per-request stores (decoder state) open from, on a request's first step."""
-    decoding_params: Any                 # runtime.decoding_params.DecodingParams (validated)
+    decoding_params: Any                 # runtime.decoding.params.DecodingParams (validated)
     prompt: tuple[int, ...]
     max_new_tokens: int
     return_generation_logits: bool = False

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.decoding_params import DecodingParams, parse_word_list
+from runtime.decoding import DecodingParams, parse_word_list
 
 from . import tensor_names as tn
 from .inference_request import InferenceRequest

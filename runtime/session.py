@@ -16,8 +16,8 @@ import torch
 
 from .beam_blocks import beam_holder, fork_beams, free_beams, prepare_beam_writes
 from .config import ModelConfig
-from .decoder import Decoder, DecodeState
-from .decoding_params import DecodingParams, parse_word_list
+from .decoding import Decoder, DecodeState
+from .decoding import DecodingParams, parse_word_list
 from .engine import Engine
 from .kv_cache_manager import KvCacheManager
 from .model_runner import ModelRunner
@@ -86,7 +86,7 @@ class SamplingConfig:
 
     def decoding_params(self, batch_size: int, end_id: int, vocab_size: int,
                         normalize_log_probs: bool = True) -> list[DecodingParams]:
-        """One validated DecodingParams per sequence (runtime/decoding_params.py has the semantics;
+        """One validated DecodingParams per sequence (runtime/decoding/params.py has the semantics;
         an unset random_seed is 0, as in TensorRT-LLM)."""
         fields = {"temperature": ("temperature", 1.0), "min_length": ("min_length", 0),
                   "repetition_penalty": ("repetition_penalty", 1.0),

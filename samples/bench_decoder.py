@@ -18,8 +18,8 @@ import time
 import torch
 
 from runtime import Engine, ModelRunner
-from runtime.decoder import Decoder, DecodeState
-from runtime.decoding_params import DecodingParams
+from runtime.decoding import Decoder, DecodeState
+from runtime.decoding import DecodingParams
 from runtime.kernels import get_kernels
 from samples.bench_runtime import step_inputs
 from samples.default_model import default_model_dir

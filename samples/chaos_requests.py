@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from batch_manager import InferenceRequest, tensor_names as tn
-from runtime.decoding_params import to_word_list
+from runtime.decoding import to_word_list
 
 # The soak's engine limits (chaos_soak.BUILD): prompts and outputs stay well inside them, and a
 # beam request fits the KV pool (width * (blocks + 1) <= pool), so only the bad requests fail.

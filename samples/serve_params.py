@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from batch_manager import InferenceRequest, tensor_names as tn
-from runtime.decoding_params import to_word_list
+from runtime.decoding import to_word_list
 
 # body field -> (wire tensor name, kind, torch dtype)
 SCALAR_FIELDS = {

@@ -15,7 +15,7 @@ string (prelude inlined, defines included), the options and the NVRTC version, s
 only loads modules.
 
 NOTE: stop criteria (end id, stop words, max length) have no kernel: the sampled tokens go to the
-host for the responses anyway, and runtime/decoder.py checks them there. The decoding modules do
+host for the responses anyway, and runtime/decoding/decoder.py checks them there. The decoding modules do
 not depend on the storage dtype (float32 logits); they are built per dtype like every module and
 launched from the first compiled one.
 

@@ -58,7 +58,7 @@ class KernelBackend(Protocol):
         [past_len + n, kv_heads, D] -> [n, H, D] in q's dtype (the caller picks the math dtype).
         A fresh prompt attends to its just-computed keys through this, without a gather."""
 
-    # ---- decoding (runtime/decoder.py) -----------------------------------------------------------
+    # ---- decoding (runtime/decoding/decoder.py) -----------------------------------------------------------
     def uniforms(self, seeds: torch.Tensor, steps: torch.Tensor, beams: torch.Tensor) -> torch.Tensor:
         """float32 [R] in [0, 1) on seeds' device: the Philox draw (runtime/rng.py) keyed by each
         (seed: uint64 bits in int64 [R], step int64 [R], beam int64 [R]); bit-identical everywhere."""

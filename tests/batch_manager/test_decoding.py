@@ -11,7 +11,7 @@ import torch
 
 from batch_manager import (GptManager, SchedulerPolicy, TrtGptModelOptionalParams, TrtGptModelType, tensor_names)
 from runtime import Engine, GenerationInput, GenerationOutput, GptSession, SamplingConfig, WorldConfig
-from runtime.decoding_params import to_word_list
+from runtime.decoding import to_word_list
 from tests.batch_manager.conftest import NUM_NEW_TOKENS, Client, make_request, inject_faults, kv_of
 from tests.batch_manager.test_gpt_manager import run_to_completion, small_pool
 

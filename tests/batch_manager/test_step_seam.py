@@ -13,7 +13,7 @@ from batch_manager.model_executor import ModelExecutor
 from batch_manager.scheduler import Scheduler
 from batch_manager.step import BeamOutputs, RequestResult, StepResult
 from runtime import Engine, ModelRunner
-from runtime.decoding_params import DecodingParams
+from runtime.decoding import DecodingParams
 from tests.batch_manager.conftest import NUM_NEW_TOKENS
 
 

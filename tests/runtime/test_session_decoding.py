@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from runtime import Engine, GenerationInput, GenerationOutput, GptSession, SamplingConfig, WorldConfig
-from runtime.decoding_params import parse_word_list, to_word_list
+from runtime.decoding import parse_word_list, to_word_list
 from tests.factories import make_checkpoint
 
 MAX_NEW = 12

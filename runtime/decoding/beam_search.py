@@ -1,5 +1,5 @@
 """Beam search for one request: candidate selection, the bank of finished hypotheses, and the
-stopping rule (Hugging Face transformers 5's algorithm; see runtime/decoding_params.py).
+stopping rule (Hugging Face transformers 5's algorithm; see runtime/decoding/params.py).
 
 The decoder hands `BeamSearch.step` the processed log-probs of the live beams; it returns, for
 each new beam, the beam it continues (`parents`) so the caller can share that beam's KV blocks.

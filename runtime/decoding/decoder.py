@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from .beam_search import BeamSearch, Hypothesis
-from .decoding_params import DecodingParams
+from .params import DecodingParams
 
 
 class DecodeState:
