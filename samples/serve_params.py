@@ -150,7 +150,7 @@ def parse_generate_body(body, tokenizer=None, default_max_new_tokens: int = 64) 
         raise ValueError(f"body: expected a JSON object, got {type(body).__name__}")
     unknown = set(body) - ALL_FIELDS
     if unknown:
-        raise ValueError(f"unknown fields {sorted(unknown)!r:.200}; accepted: {sorted(ALL_FIELDS)}")
+        raise ValueError(f"body: unknown fields {sorted(unknown)!r:.200}; accepted: {sorted(ALL_FIELDS)}")
     tensors = {tn.INPUT_IDS: torch.tensor(_prompt(body, tokenizer), dtype=torch.int32)}
     max_new_tokens = _int("max_new_tokens", body.get("max_new_tokens", default_max_new_tokens),
                           *INT_RANGES[torch.int32])
