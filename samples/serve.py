@@ -3,7 +3,8 @@
     python -m samples.serve [--engine-dir DIR] [--tokenizer DIR] [--host 127.0.0.1] [--port 8000]
 
 POST /generate  {"input_ids": [...] | "text": "...", "max_new_tokens": 64, "stream": false, sampling...}
-                -> JSON, or server-sent events when "stream" is true; 4xx for bad input
+                -> JSON, or server-sent events when "stream" is true; a bad body: 400
+                   {"error": "<field or body>: <problem>"}, with nothing queued
 GET  /metrics   Prometheus gauges (the legacy Triton TensorRT-LLM backend's nv_trt_llm_* families)
 GET  /health    {"status": "ok", "active_requests": N}
 

@@ -46,6 +46,18 @@ async def get(url: str, path: str) -> tuple[int, str]:
             return response.status, await response.text()
 
 
+async def post_raw(url: str, data: str) -> tuple[int, str]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        async with session.post(url + "/generate", data=data.encode("utf-8", "surrogatepass")) as response:
+            return response.status, await response.text()
+
+
+def num_waiting(url: str) -> int:
+    status, text = run(get, url, "/health")
+    assert status == 200, text
+    return json.loads(text)["waiting_requests"]
+
+
 def test_health(server):
     status, text = run(get, server.url, "/health")
     assert status == 200
@@ -115,20 +127,10 @@ def test_sampling_options_reach_the_request(server):
     ({"input_ids": [5, 6], "beam_width": 0}, 400, "beam_width"),
 ])
 def test_bad_input_is_4xx(server, body, status, names):
+    start = num_waiting(server.url)
     got_status, got = run(post, server.url, body)
     assert got_status == status and names in got["error"], got
-
-
-async def post_raw(url: str, data: str) -> tuple[int, str]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
-        async with session.post(url + "/generate", data=data.encode("utf-8", "surrogatepass")) as response:
-            return response.status, await response.text()
-
-
-def num_waiting(url: str) -> int:
-    status, text = run(get, url, "/health")
-    assert status == 200, text
-    return json.loads(text)["waiting_requests"]
+    assert num_waiting(server.url) == start
 
 
 INT32_OVERFLOW = 1 << 31
