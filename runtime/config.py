@@ -193,7 +193,7 @@ def _read_bounded(name: str, what: str) -> bytes:
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):   # a directory, FIFO, device (/dev/zero), socket
-            raise ConfigError(f"{what}: {name} is not a regular file")
+            raise ConfigError(f"{what}: cannot read {name}: not a regular file")
         if info.st_size > MAX_CONFIG_BYTES:
             raise ConfigError(f"{what}: {name} is {info.st_size} bytes, over the {MAX_CONFIG_BYTES >> 20} MiB limit")
         with os.fdopen(fd, "rb", closefd=False) as f:
