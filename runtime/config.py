@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import stat
 from dataclasses import dataclass
 from typing import Any
 
@@ -177,17 +178,48 @@ def default_build_config(model: ModelConfig, **overrides) -> BuildConfig:
     return BuildConfig(**fields).validated(model)
 
 
-def read_json(path: str | os.PathLike, what: str) -> dict[str, Any]:
+MAX_CONFIG_BYTES = 16 << 20   # config files are KiBs; the bound keeps a hostile one (/dev/zero) out of memory
+
+
+def _read_bounded(name: str, what: str) -> bytes:
+    """The bytes of a regular file of at most MAX_CONFIG_BYTES. O_NONBLOCK: opening a FIFO (no
+    writer) returns at once and fstat refuses it, where a plain open would wait forever."""
     try:
-        with open(path, "rb") as f:
-            data = json.loads(f.read())
+        fd = os.open(name, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
-        raise ConfigError(f"{what}: file not found: {os.fspath(path)}") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{what}: cannot read {os.fspath(path)}: {e}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{what}: {os.fspath(path)} must hold a JSON object")
+        raise ConfigError(f"{what}: file not found: {name}") from None
+    except OSError as e:
+        raise ConfigError(f"{what}: cannot read {name}: {e}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):   # a directory, FIFO, device (/dev/zero), socket
+            raise ConfigError(f"{what}: cannot read {name}: not a regular file")
+        if info.st_size > MAX_CONFIG_BYTES:
+            raise ConfigError(f"{what}: {name} is {info.st_size} bytes, over the {MAX_CONFIG_BYTES >> 20} MiB limit")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)   # + 1: a file that grew since fstat is still caught
+    except OSError as e:
+        raise ConfigError(f"{what}: cannot read {name}: {e}") from None
+    finally:
+        os.close(fd)
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{what}: {name} is over the {MAX_CONFIG_BYTES >> 20} MiB limit")
     return data
+
+
+def read_json(path: str | os.PathLike, what: str) -> dict[str, Any]:
+    """The JSON object in a config file, or ConfigError naming `what` and the file for anything else."""
+    name = os.fspath(path)
+    data = _read_bounded(name, what)
+    try:
+        value = json.loads(data)
+    except ValueError as e:   # JSONDecodeError, UnicodeDecodeError, an integer over Python's digit limit
+        raise ConfigError(f"{what}: cannot parse {name}: {str(e)[:200]}") from None
+    except RecursionError:
+        raise ConfigError(f"{what}: cannot parse {name}: nested too deeply") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{what}: {name} must hold a JSON object")
+    return value
 
 
 def _require(hf: dict[str, Any], key: str, *alternatives: str) -> Any:

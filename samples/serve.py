@@ -3,7 +3,8 @@
     python -m samples.serve [--engine-dir DIR] [--tokenizer DIR] [--host 127.0.0.1] [--port 8000]
 
 POST /generate  {"input_ids": [...] | "text": "...", "max_new_tokens": 64, "stream": false, sampling...}
-                -> JSON, or server-sent events when "stream" is true; 4xx for bad input
+                -> JSON, or server-sent events when "stream" is true; a bad body: 400
+                   {"error": "<field or body>: <problem>"}, with nothing queued
 GET  /metrics   Prometheus gauges (the legacy Triton TensorRT-LLM backend's nv_trt_llm_* families)
 GET  /health    {"status": "ok", "active_requests": N}
 
@@ -26,7 +27,7 @@ from batch_manager import SchedulerPolicy, TrtGptModelType
 from samples.bench_ours import MODEL_TYPES, optional_params
 from samples.serve_bridge import ManagerBridge, ResponseEvent
 from samples.serve_metrics import TritonMetrics
-from samples.serve_params import GenerateParams, parse_generate_body
+from samples.serve_params import GenerateParams, name_body_field, parse_generate_body
 
 logger = logging.getLogger(__name__)
 
@@ -53,13 +54,17 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
     bridge, settings = request.app[BRIDGE], request.app[SETTINGS]
     tokenizer = settings["tokenizer"]
     try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        body = json.loads(await request.read())
+    except ValueError as e:   # JSONDecodeError, UnicodeDecodeError, an integer over Python's digit limit
         return _error(400, f"body: not valid JSON ({e})")
+    except RecursionError:
+        return _error(400, "body: JSON nested too deeply")
     try:
         params = parse_generate_body(body, tokenizer, settings["default_max_new_tokens"])
     except ValueError as e:
         return _error(400, str(e))
+    except RecursionError:   # repr of a deeply nested value in an error message
+        return _error(400, "body: a field's value is nested too deeply")
     try:
         request_id, events = bridge.submit(params.to_request, params.return_log_probs, asyncio.get_running_loop())
     except RuntimeError as e:
@@ -67,7 +72,9 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
     try:
         first = await events.get()
         if first.error:
-            return _error(400 if first.is_bad_request else 500, first.error)
+            if first.is_bad_request:
+                return _error(400, name_body_field(first.error))
+            return _error(500, first.error)
         if not params.is_streaming:
             result = _event_body(request_id, first, tokenizer, first.output_ids, "")
             result["num_output_tokens"] = len(first.output_ids)

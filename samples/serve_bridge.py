@@ -60,14 +60,17 @@ class ManagerBridge:
 
     def submit(self, make_request: Callable[[int], InferenceRequest], return_log_probs: bool,
                loop: asyncio.AbstractEventLoop) -> tuple[int, asyncio.Queue]:
-        """Queue a request built with a fresh id; returns (id, queue of ResponseEvent)."""
+        """Queue a request built with a fresh id; returns (id, queue of ResponseEvent). The request
+        is built before its handler is registered: a make_request that raises leaves nothing behind."""
         if self.is_closed:
             raise RuntimeError("the server is shutting down")
         with self._lock:
             request_id = next(self._next_ids)
-            events: asyncio.Queue = asyncio.Queue()
+        request = make_request(request_id)
+        events: asyncio.Queue = asyncio.Queue()
+        with self._lock:
             self._handlers[request_id] = _Handler(loop, events, return_log_probs)
-        self._incoming.put(make_request(request_id))
+        self._incoming.put(request)
         return request_id, events
 
     def cancel(self, request_id: int) -> None:

@@ -1,8 +1,10 @@
-"""The HTTP request body of samples.serve -> an InferenceRequest's tensors. Checks JSON types
-here (a ValueError naming the field and the value: a 400); values are checked by GptManager's
-own validation, whose error message the server also returns as a 400."""
+"""The HTTP request body of samples.serve -> an InferenceRequest's tensors. Checks JSON types and
+that each value fits its tensor's dtype here, before anything is queued (a ValueError naming the
+field and the value: a 400); values are checked by GptManager's own validation, whose error the
+server also returns as a 400, led by the body field it names (`name_body_field`)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -31,40 +33,70 @@ SCALAR_FIELDS = {
 WORD_LIST_FIELDS = {"stop_words": tn.STOP_WORDS_LIST, "bad_words": tn.BAD_WORDS_LIST}
 OTHER_FIELDS = {"input_ids", "text", "max_new_tokens", "stream", "embedding_bias"}
 ALL_FIELDS = frozenset(SCALAR_FIELDS) | frozenset(WORD_LIST_FIELDS) | OTHER_FIELDS
+# wire tensor name -> body field, to name the field in GptManager's errors
+WIRE_TO_FIELD = {name: field for field, (name, _, _) in SCALAR_FIELDS.items()} | {
+    name: field for field, name in WORD_LIST_FIELDS.items()} | {
+    tn.INPUT_IDS: "input_ids", tn.MAX_NEW_TOKENS: "max_new_tokens", tn.EMBEDDING_BIAS: "embedding_bias"}
+
+INT_RANGES = {torch.int32: (-(1 << 31), (1 << 31) - 1), torch.int64: (-(1 << 63), (1 << 63) - 1)}
+SEED_RANGE = (-(1 << 63), (1 << 64) - 1)   # int64 or uint64, as GptManager's random_seed
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 @dataclass
 class GenerateParams:
-    input_ids: list[int]
-    max_new_tokens: int
     is_streaming: bool
     return_log_probs: bool
-    tensors: dict[str, torch.Tensor]  # wire name -> tensor, everything but input_ids / request_output_len
+    tensors: dict[str, torch.Tensor]  # wire name -> tensor, input_ids and request_output_len included
 
     def to_request(self, request_id: int) -> InferenceRequest:
+        """Cannot fail: every tensor was built (and its values range-checked) by parse_generate_body."""
         r = InferenceRequest(request_id)
-        r.input_ids = torch.tensor(self.input_ids, dtype=torch.int32)
-        r.max_new_tokens = torch.tensor([[self.max_new_tokens]], dtype=torch.int32)
         r.is_streaming = self.is_streaming
         for name, tensor in self.tensors.items():
             r.emplace_input_tensor(name, tensor)
         return r
 
 
-def _int(field: str, value) -> int:
+def _int(field: str, value, low: int, high: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"{field}: expected an integer, got {value!r}")
+        raise ValueError(f"{field}: expected an integer, got {value!r:.80}")
+    if not low <= value <= high:
+        raise ValueError(f"{field}: {value!r:.80} outside [{low}, {high}]")
+    return value
+
+
+def _float(field: str, value) -> float:
+    """A JSON number that a float32 holds (finite, |x| <= FLOAT32_MAX)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ValueError(f"{field}: expected a number, got {value!r:.80}")
+    if isinstance(value, int) and abs(value) > FLOAT32_MAX:   # float(10**400) would raise OverflowError
+        raise ValueError(f"{field}: {value!r:.80} outside the float32 range")
+    if not math.isfinite(value) or abs(value) > FLOAT32_MAX:
+        raise ValueError(f"{field}: must be a finite float32 number, got {value!r}")
+    return float(value)
+
+
+def _text(field: str, value: str) -> str:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:   # a lone surrogate (JSON "\ud800")
+        raise ValueError(f"{field}: not valid Unicode text ({e.reason} at index {e.start})") from None
     return value
 
 
 def _token_ids(field: str, value, tokenizer) -> list[int]:
-    """A list of token ids, or a string when a tokenizer is loaded."""
+    """A list of int32 token ids, or a string when a tokenizer is loaded."""
     if isinstance(value, str):
         if tokenizer is None:
             raise ValueError(f"{field}: text needs a tokenizer (start the server with --tokenizer DIR)")
-        return list(tokenizer.encode(value, add_special_tokens=False))
+        return list(tokenizer.encode(_text(field, value), add_special_tokens=False))
     if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         raise ValueError(f"{field}: expected a list of integer token ids, got {value!r:.80}")
+    low, high = INT_RANGES[torch.int32]
+    for token in value:
+        if not low <= token <= high:
+            raise ValueError(f"{field}: token id {token!r:.80} outside the int32 range [{low}, {high}]")
     return value
 
 
@@ -84,34 +116,48 @@ def word_list(field: str, words, tokenizer) -> torch.Tensor:
 def _scalar(field: str, kind: str, dtype: torch.dtype, value) -> torch.Tensor:
     if kind == "bool":
         if not isinstance(value, bool):
-            raise ValueError(f"{field}: expected true or false, got {value!r}")
+            raise ValueError(f"{field}: expected true or false, got {value!r:.80}")
+    elif field == "seed":
+        value = _int(field, value, *SEED_RANGE)
+        if value > INT_RANGES[torch.int64][1]:   # a uint64 seed: its int64 two's complement, which
+            value -= 1 << 64                      # GptManager reads back as the same uint64
     elif kind == "int":
-        value = _int(field, value)
-    elif not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise ValueError(f"{field}: expected a number, got {value!r}")
+        value = _int(field, value, *INT_RANGES[dtype])
+    else:
+        value = _float(field, value)
     return torch.tensor([value], dtype=dtype)
 
 
-def parse_generate_body(body, tokenizer=None, default_max_new_tokens: int = 64) -> GenerateParams:
-    """Check the JSON body's fields and types; raise ValueError(field: problem) for a 400."""
-    if not isinstance(body, dict):
-        raise ValueError(f"body: expected a JSON object, got {type(body).__name__}")
-    unknown = set(body) - ALL_FIELDS
-    if unknown:
-        raise ValueError(f"unknown fields {sorted(unknown)}; accepted: {sorted(ALL_FIELDS)}")
+def _prompt(body: dict, tokenizer) -> list[int]:
     if ("input_ids" in body) == ("text" in body):
         raise ValueError("input_ids / text: give exactly one of them")
     if "text" in body:
         if not isinstance(body["text"], str):
             raise ValueError(f"text: expected a string, got {body['text']!r:.80}")
-        input_ids = _token_ids("text", body["text"], tokenizer)
-    else:
-        input_ids = _token_ids("input_ids", body["input_ids"], None)
-    max_new_tokens = _int("max_new_tokens", body.get("max_new_tokens", default_max_new_tokens))
+        return _token_ids("text", body["text"], tokenizer)
+    return _token_ids("input_ids", body["input_ids"], None)
+
+
+def _embedding_bias(bias) -> torch.Tensor:
+    if not isinstance(bias, list):
+        raise ValueError(f"embedding_bias: expected a list of numbers (one per vocabulary entry), got {bias!r:.80}")
+    return torch.tensor([[_float(f"embedding_bias[{i}]", b) for i, b in enumerate(bias)]], dtype=torch.float32)
+
+
+def parse_generate_body(body, tokenizer=None, default_max_new_tokens: int = 64) -> GenerateParams:
+    """Check the JSON body's fields, types and dtype ranges; raise ValueError(field: problem) for a 400."""
+    if not isinstance(body, dict):
+        raise ValueError(f"body: expected a JSON object, got {type(body).__name__}")
+    unknown = set(body) - ALL_FIELDS
+    if unknown:
+        raise ValueError(f"body: unknown fields {sorted(unknown)!r:.200}; accepted: {sorted(ALL_FIELDS)}")
+    tensors = {tn.INPUT_IDS: torch.tensor(_prompt(body, tokenizer), dtype=torch.int32)}
+    max_new_tokens = _int("max_new_tokens", body.get("max_new_tokens", default_max_new_tokens),
+                          *INT_RANGES[torch.int32])
+    tensors[tn.MAX_NEW_TOKENS] = torch.tensor([[max_new_tokens]], dtype=torch.int32)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
-        raise ValueError(f"stream: expected true or false, got {stream!r}")
-    tensors = {}
+        raise ValueError(f"stream: expected true or false, got {stream!r:.80}")
     for field, (name, kind, dtype) in SCALAR_FIELDS.items():
         if field in body:
             tensors[name] = _scalar(field, kind, dtype, body[field])
@@ -119,8 +165,14 @@ def parse_generate_body(body, tokenizer=None, default_max_new_tokens: int = 64) 
         if field in body:
             tensors[name] = word_list(field, body[field], tokenizer)
     if "embedding_bias" in body:
-        bias = body["embedding_bias"]
-        if not isinstance(bias, list) or not all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in bias):
-            raise ValueError(f"embedding_bias: expected a list of numbers (one per vocabulary entry), got {bias!r:.80}")
-        tensors[tn.EMBEDDING_BIAS] = torch.tensor([bias], dtype=torch.float32)
-    return GenerateParams(input_ids, max_new_tokens, stream, bool(body.get("return_log_probs", False)), tensors)
+        tensors[tn.EMBEDDING_BIAS] = _embedding_bias(body["embedding_bias"])
+    return GenerateParams(stream, body.get("return_log_probs", False), tensors)
+
+
+def name_body_field(manager_error: str) -> str:
+    """Lead GptManager's admission error ("...: <wire name>: problem") with the body field it names."""
+    for part in manager_error.split(": ")[1:]:
+        field = WIRE_TO_FIELD.get(part)
+        if field is not None:
+            return f"{field}: {manager_error}"
+    return manager_error

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import shutil
 import struct
 import subprocess
 import sys
@@ -21,14 +22,20 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def engine_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("hostile")
+def hf_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hostile-hf")
     make_checkpoint(root / "hf", "llama")
-    build_engine(root / "hf", root / "engine", max_seq_len=64, max_input_len=32, tokens_per_block=4)
+    return root / "hf"
+
+
+@pytest.fixture(scope="module")
+def engine_dir(hf_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("hostile")
+    build_engine(hf_dir, root / "engine", max_seq_len=64, max_input_len=32, tokens_per_block=4)
     return root / "engine"
 
 
-def run_capped(code: str, limit_bytes: int = 3 << 30) -> subprocess.CompletedProcess:
+def run_capped(code: str, limit_bytes: int = 3 << 30, timeout_s: float = 120) -> subprocess.CompletedProcess:
     """Run `code` in a fresh interpreter with RLIMIT_AS = limit_bytes."""
     prelude = textwrap.dedent(f"""
         import resource, sys
@@ -36,7 +43,7 @@ def run_capped(code: str, limit_bytes: int = 3 << 30) -> subprocess.CompletedPro
         sys.path.insert(0, {str(REPO)!r})
     """)
     return subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)], capture_output=True, text=True,
-                          timeout=120, cwd=REPO)
+                          timeout=timeout_s, cwd=REPO)
 
 
 def copy_engine(src: Path, dst: Path, edit_build=None, edit_model=None) -> Path:
@@ -51,8 +58,8 @@ def copy_engine(src: Path, dst: Path, edit_build=None, edit_model=None) -> Path:
     return dst
 
 
-def expect_clean_error(code: str, *fragments: str) -> None:
-    result = run_capped(code)
+def expect_clean_error(code: str, *fragments: str, timeout_s: float = 120) -> None:
+    result = run_capped(code, timeout_s=timeout_s)
     assert result.returncode == 0, f"crashed or raised unexpectedly:\n{result.stdout}\n{result.stderr[-3000:]}"
     for fragment in fragments:
         assert fragment in result.stdout, result.stdout
@@ -124,3 +131,48 @@ def test_pickle_in_place_of_safetensors_is_never_executed(engine_dir, tmp_path):
 
 def test_a_sane_engine_loads_under_the_same_cap(engine_dir):
     expect_clean_error(LOAD_AND_RUN.format(path=str(engine_dir)), "LOADED")
+
+
+def _replace(path: Path, kind: str) -> None:
+    """Make `path` a hostile non-regular or oversized file of the given kind."""
+    path.unlink()
+    if kind == "dev-zero":
+        path.symlink_to("/dev/zero")
+    elif kind == "fifo":
+        os.mkfifo(path)   # no writer: a blocking open would wait forever
+    elif kind == "directory":
+        path.mkdir()
+    elif kind == "oversized":   # valid JSON, 17 MiB of it
+        path.write_bytes(b'{"pad": "' + b"x" * (17 << 20) + b'"}')
+    elif kind == "nested":
+        path.write_text("[" * 100_000 + "]" * 100_000)
+    elif kind == "huge-int":   # over Python's int-from-string digit limit
+        path.write_text('{"vocab_size": ' + "9" * 5000 + "}")
+    elif kind == "not-utf8":
+        path.write_bytes(b'{"model_type": "\xff\xfe"}')
+    else:
+        raise AssertionError(kind)
+
+
+# kind -> a fragment of the error
+HOSTILE_FILES = {"dev-zero": "not a regular file", "fifo": "not a regular file", "directory": "not a regular file",
+                 "oversized": "16 MiB limit", "nested": "nested too deeply", "huge-int": "cannot parse",
+                 "not-utf8": "cannot parse"}
+
+
+@pytest.mark.parametrize("kind", sorted(HOSTILE_FILES))
+@pytest.mark.parametrize("config_file", ["engine.json", "config.json"])
+def test_hostile_config_file_is_a_config_error_naming_it(hf_dir, engine_dir, tmp_path, config_file, kind):
+    if config_file == "engine.json":
+        path = copy_engine(engine_dir, tmp_path / "e")
+    else:
+        path = Path(shutil.copytree(hf_dir, tmp_path / "hf"))
+    _replace(path / config_file, kind)
+    expect_clean_error(LOAD_AND_RUN.format(path=str(path)), "ERROR", config_file, HOSTILE_FILES[kind], timeout_s=60)
+
+
+def test_hostile_safetensors_index_is_a_config_error_naming_it(hf_dir, tmp_path):
+    path = Path(shutil.copytree(hf_dir, tmp_path / "hf"))
+    (path / "model.safetensors.index.json").symlink_to("/dev/zero")
+    expect_clean_error(LOAD_AND_RUN.format(path=str(path)), "ERROR", "model.safetensors.index.json",
+                       "not a regular file", timeout_s=60)

@@ -46,6 +46,18 @@ async def get(url: str, path: str) -> tuple[int, str]:
             return response.status, await response.text()
 
 
+async def post_raw(url: str, data: str) -> tuple[int, str]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        async with session.post(url + "/generate", data=data.encode("utf-8", "surrogatepass")) as response:
+            return response.status, await response.text()
+
+
+def num_waiting(url: str) -> int:
+    status, text = run(get, url, "/health")
+    assert status == 200, text
+    return json.loads(text)["waiting_requests"]
+
+
 def test_health(server):
     status, text = run(get, server.url, "/health")
     assert status == 200
@@ -115,8 +127,67 @@ def test_sampling_options_reach_the_request(server):
     ({"input_ids": [5, 6], "beam_width": 0}, 400, "beam_width"),
 ])
 def test_bad_input_is_4xx(server, body, status, names):
+    start = num_waiting(server.url)
     got_status, got = run(post, server.url, body)
     assert got_status == status and names in got["error"], got
+    assert num_waiting(server.url) == start
+
+
+INT32_OVERFLOW = 1 << 31
+NESTED = "[" * 100_000 + "]" * 100_000
+
+
+@pytest.mark.parametrize("data, field", [
+    *[(json.dumps({"input_ids": [5, 6], f: INT32_OVERFLOW}), f) for f in
+      ("max_new_tokens", "end_id", "pad_id", "beam_width", "top_k", "min_length", "early_stopping",
+       "no_repeat_ngram_size")],
+    (json.dumps({"input_ids": [5, -INT32_OVERFLOW - 1], "max_new_tokens": 2}), "input_ids"),
+    (json.dumps({"input_ids": [5, INT32_OVERFLOW], "max_new_tokens": 2}), "input_ids"),
+    (json.dumps({"input_ids": [5, 6], "stop_words": [[5], [6, INT32_OVERFLOW]]}), "stop_words[1]"),
+    (json.dumps({"input_ids": [5, 6], "bad_words": [[INT32_OVERFLOW]]}), "bad_words[0]"),
+    (json.dumps({"input_ids": [5, 6], "seed": 1 << 64}), "seed"),
+    (json.dumps({"input_ids": [5, 6], "seed": -(1 << 63) - 1}), "seed"),
+    (json.dumps({"input_ids": [5, 6], "temperature": 10 ** 400}), "temperature"),
+    (json.dumps({"input_ids": [5, 6], "top_p": 1e39}), "top_p"),
+    (json.dumps({"input_ids": [5, 6], "embedding_bias": [10 ** 400] * 128}), "embedding_bias[0]"),
+    ('{"input_ids": [5, 6], "temperature": NaN}', "temperature"),
+    ('{"input_ids": ' + NESTED + "}", "body"),
+    ('{"input_ids": [5, 6], "max_new_tokens": ' + "9" * 5000 + "}", "body"),
+    ('{"text": "t5 \\ud800 t6"}', "text"),
+    ('{"text": "t5 \ud800 t6"}', "text"),          # raw surrogate bytes: json decodes them with surrogatepass
+    ('{"input_ids": [5, 6], "stop_words": ["t5", "t6 \\udfff"]}', "stop_words[1]"),
+    ('{"input_ids": [5, 6], "top_k": 2000000}', "top_k"),               # the manager's range check
+    ('{"input_ids": [5, 6], "max_new_tokens": 0}', "max_new_tokens"),    # the manager's, by its wire name
+], ids=lambda v: v if len(v) < 40 else v[:40])
+def test_bad_body_is_400_naming_the_field_and_leaks_no_handler(server, data, field):
+    start = num_waiting(server.url)
+    status, text = run(post_raw, server.url, data)
+    assert status == 400, text
+    error = json.loads(text)["error"]
+    assert error.startswith(field + ":"), error
+    assert num_waiting(server.url) == start
+    assert server.bridge.manager.get_num_active_requests() == 0
+
+
+def test_a_request_that_fails_to_build_registers_no_handler(server):
+    def broken(request_id):
+        raise RuntimeError("value cannot be converted to type int32 without overflow")
+
+    start, loop = server.bridge.num_waiting_handlers(), asyncio.new_event_loop()
+    with pytest.raises(RuntimeError, match="int32"):
+        server.bridge.submit(broken, False, loop)
+    loop.close()
+    assert server.bridge.num_waiting_handlers() == start
+
+
+@pytest.mark.parametrize("seed", [1 << 63, (1 << 64) - 1, -1, -(1 << 63)])
+def test_any_uint64_or_int64_seed_is_accepted(server, seed):
+    body = {"input_ids": PROMPTS[5], "max_new_tokens": 4, "top_k": 50, "seed": seed}
+    status, got = run(post, server.url, body)
+    assert status == 200, got
+    # The manager reads random_seed as uint64: a negative seed is its two's complement.
+    status, wrapped = run(post, server.url, {**body, "seed": seed % (1 << 64)})
+    assert status == 200 and wrapped["output_ids"] == got["output_ids"], (got, wrapped)
 
 
 def test_bad_input_while_streaming_is_4xx_not_sse(server):
