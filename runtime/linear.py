@@ -13,10 +13,15 @@ it agrees with F.linear on a probe; otherwise they stay [out, in] and are applie
 (BLAS with a transposed operand, no copy), whose [out, rows] result is returned as a transposed
 view: consumers take strided inputs.
 
-NOTE: oneDNN (its primitive cache and ideep's per-shape cache) keeps ~1 MiB per distinct row
-count and weight; serving sees every row count, so the oneDNN path pads rows up to a bounded
-set of buckets and runs row counts above MAX_KERNEL_ROWS in chunks (`kernel_rows`). Figures
-below (RSS per round of random requests, A/B step times): see `samples.memory_soak`.
+NOTE: oneDNN's primitive cache and ideep's per-shape cache keep ~0.5-4 MiB per distinct (rows,
+weight) shape, and serving sees every row count: RSS grew without end (samples.memory_soak, 12
+rounds of 40 random requests: 1811 -> 2154 MiB, +72 over the last 6 rounds). So the oneDNN path
+pads rows to 43 buckets and runs inputs above MAX_KERNEL_ROWS in chunks (`kernel_rows`): 1778 ->
+1889 MiB, -13 over the last 6 rounds. Cost per generation step at 1/8/34/64 rows, one A/B run
+(1 thread, interleaved, median): 0.99/1.02/1.10/0.99x, 1.05x for a 300-token context step.
+Rejected: powers of two up to 64 (1.46x at 34 rows); w_xt throughout (0.85/1.39/1.29/1.04x);
+oneDNN cache capacities of 4 (env vars that must precede the first oneDNN call; measured in a
+second process against w_xt as the common yardstick: 1.61/1.24/1.15/1.00x).
 """
 from __future__ import annotations
 
