@@ -12,6 +12,16 @@ the path torch.compile's CPU backend takes for frozen linears) when this torch b
 it agrees with F.linear on a probe; otherwise they stay [out, in] and are applied as W @ x^T
 (BLAS with a transposed operand, no copy), whose [out, rows] result is returned as a transposed
 view: consumers take strided inputs.
+
+NOTE: oneDNN's primitive cache and ideep's per-shape cache keep ~0.5-4 MiB per distinct (rows,
+weight) shape, and serving sees every row count: RSS grew without end (samples.memory_soak, 12
+rounds of 40 random requests: 1811 -> 2154 MiB, +72 over the last 6 rounds). So the oneDNN path
+pads rows to 43 buckets and runs inputs above MAX_KERNEL_ROWS in chunks (`kernel_rows`): 1778 ->
+1889 MiB, -13 over the last 6 rounds. Cost per generation step at 1/8/34/64 rows, one A/B run
+(1 thread, interleaved, median): 0.99/1.02/1.10/0.99x, 1.05x for a 300-token context step.
+Rejected: powers of two up to 64 (1.46x at 34 rows); w_xt throughout (0.85/1.39/1.29/1.04x);
+oneDNN cache capacities of 4 (env vars that must precede the first oneDNN call; measured in a
+second process against w_xt as the common yardstick: 1.61/1.24/1.15/1.00x).
 """
 from __future__ import annotations
 
@@ -21,6 +31,33 @@ import torch
 import torch.nn.functional as F
 
 CPU_IMPLS = ("onednn", "w_xt")
+# Rows of one oneDNN call: longer inputs run in chunks of this many rows (the MLP chunks its
+# rows by the same count), so the number of distinct kernel shapes does not grow with
+# max_num_tokens.
+MAX_KERNEL_ROWS = 1024
+
+
+def bucket_rows(rows: int) -> int:
+    """The padded row count for 1 <= rows <= MAX_KERNEL_ROWS: a power of two up to 8, a multiple
+    of 8 up to 64, then eight buckets per octave (at most 12.5 % padding): 43 buckets in all."""
+    if rows < 1 or rows > MAX_KERNEL_ROWS:
+        raise ValueError(f"rows: expected 1..{MAX_KERNEL_ROWS}, got {rows}")
+    if rows <= 8:
+        return 1 << (rows - 1).bit_length()
+    step = 8 if rows <= 64 else 1 << ((rows - 1).bit_length() - 4)
+    return -(-rows // step) * step
+
+
+def kernel_rows(rows: int) -> list[tuple[int, int]]:
+    """(rows taken, rows the kernel sees) of each oneDNN call for an input of `rows` rows."""
+    calls = [(MAX_KERNEL_ROWS, MAX_KERNEL_ROWS)] * (rows // MAX_KERNEL_ROWS)
+    if rows % MAX_KERNEL_ROWS:
+        calls.append((rows % MAX_KERNEL_ROWS, bucket_rows(rows % MAX_KERNEL_ROWS)))
+    return calls
+
+
+def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
 @functools.lru_cache(maxsize=None)
@@ -65,10 +102,22 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in] -> [rows, out] (on CPU's w_xt path a transposed view of [out, rows])."""
         if self.impl == "onednn":
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+            return self._onednn(x)
         if self.impl == "linear":
             return F.linear(x, self.weight, self.bias)
         y = torch.mm(self.weight, x.t())
         if self.bias is not None:
             y += self.bias[:, None]
         return y.t()
+
+    def _onednn(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, in] -> [rows, out] through calls of bucketed row counts (zero rows padded)."""
+        outputs, start = [], 0
+        for taken, padded in kernel_rows(x.shape[0]):
+            chunk = x[start:start + taken]
+            if padded > taken:
+                chunk = F.pad(chunk, (0, 0, 0, padded - taken))
+            y = _onednn_linear(chunk, self.weight, self.bias)
+            outputs.append(y[:taken] if padded > taken else y)
+            start += taken
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)

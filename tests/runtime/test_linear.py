@@ -1,5 +1,5 @@
-"""runtime.linear: every CPU matmul kernel equals F.linear; the weight bookkeeping counts a
-reordered or tied weight correctly."""
+"""runtime.linear: every CPU matmul kernel equals F.linear; the oneDNN path sees a bounded set of
+row counts; the weight bookkeeping counts a reordered or tied weight correctly."""
 from __future__ import annotations
 
 import pytest
@@ -7,7 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from runtime import Engine, ModelRunner
-from runtime.linear import CPU_IMPLS, Linear, default_cpu_impl, onednn_available
+import runtime.linear as linear_module
+from runtime.linear import (CPU_IMPLS, MAX_KERNEL_ROWS, Linear, bucket_rows, default_cpu_impl, kernel_rows,
+                            onednn_available)
 from tests.factories import make_checkpoint
 
 IMPLS = [impl for impl in CPU_IMPLS if impl != "onednn" or onednn_available(torch.float32)]
@@ -25,6 +27,47 @@ def test_linear_matches_f_linear(impl, with_bias, rows):
     y = linear(x)
     assert y.shape == (rows, 48) and linear.impl == impl
     torch.testing.assert_close(y, F.linear(x, weight, bias if with_bias else None), atol=1e-5, rtol=1e-5)
+
+
+def test_row_buckets_are_few_and_pad_little():
+    buckets = {bucket_rows(rows) for rows in range(1, MAX_KERNEL_ROWS + 1)}
+    assert len(buckets) == 43 and max(buckets) == MAX_KERNEL_ROWS
+    for rows in range(1, MAX_KERNEL_ROWS + 1):
+        padded = bucket_rows(rows)
+        assert 0 <= padded - rows <= max(7, rows // 8), rows   # at most 12.5 % above 64 rows
+    for rows in (0, MAX_KERNEL_ROWS + 1):
+        with pytest.raises(ValueError, match=f"rows: expected 1..{MAX_KERNEL_ROWS}, got {rows}"):
+            bucket_rows(rows)
+
+
+def test_long_inputs_run_in_full_chunks_and_a_bucketed_rest():
+    assert kernel_rows(34) == [(34, 40)]
+    assert kernel_rows(2 * MAX_KERNEL_ROWS) == [(MAX_KERNEL_ROWS, MAX_KERNEL_ROWS)] * 2
+    assert kernel_rows(2 * MAX_KERNEL_ROWS + 452) == [(MAX_KERNEL_ROWS, MAX_KERNEL_ROWS)] * 2 + [(452, 480)]
+    for rows in range(1, 3 * MAX_KERNEL_ROWS, 37):
+        assert sum(taken for taken, _ in kernel_rows(rows)) == rows
+
+
+@pytest.mark.skipif(not onednn_available(torch.float32), reason="oneDNN linear not in this torch build")
+def test_onednn_kernel_sees_bounded_shapes_and_results_equal_f_linear(monkeypatch):
+    """Every row count 1..2600 reaches the kernel as one of the 43 buckets, unchanged in value."""
+    seen = set()
+
+    def recording(x, weight, bias):
+        seen.add(tuple(x.shape))
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+    monkeypatch.setattr(linear_module, "_onednn_linear", recording)
+    gen = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(24, 40, generator=gen), torch.randn(24, generator=gen)
+    linear = Linear(weight, bias, CPU, "onednn")
+    x = torch.randn(2600, 40, generator=gen)
+    for rows in list(range(1, 300)) + [1023, 1024, 1025, 2048, 2600]:
+        torch.testing.assert_close(linear(x[:rows]), F.linear(x[:rows], weight, bias), atol=1e-5, rtol=1e-5)
+    strided = x[:90, :].t().contiguous().t()   # a column-major input, as w_xt views are
+    torch.testing.assert_close(linear(strided), F.linear(strided, weight, bias), atol=1e-5, rtol=1e-5)
+    assert {rows for rows, _ in seen} <= {bucket_rows(r) for r in range(1, MAX_KERNEL_ROWS + 1)}
+    assert len(seen) <= 43 and all(cols == 40 for _, cols in seen)
 
 
 def test_unknown_impl_is_refused_by_name():
