@@ -23,17 +23,13 @@ class Architecture:
     read_weights: WeightReader       # HF tensor names -> canonical names (shapes checked after)
 
 
-def require(hf: dict[str, Any], key: str, *alternatives: str) -> Any:
-    for k in (key, *alternatives):
-        if k in hf and hf[k] is not None:
-            return hf[k]
-    raise ConfigError(f"config.json: missing field {key!r}")
-
-
 def positive_int(hf: dict[str, Any], key: str, *alternatives: str) -> int:
-    value = require(hf, key, *alternatives)
+    """The first of `key`, `alternatives` that is set, or ConfigError naming it."""
+    found = next((k for k in (key, *alternatives) if hf.get(k) is not None), None)
+    if found is None:
+        raise ConfigError(f"config.json: missing field {key!r}")
+    value = hf[found]
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        found = next(k for k in (key, *alternatives) if hf.get(k) is not None)
         raise ConfigError(f"config.json: {found} must be a positive integer, got {value!r}")
     return value
 

@@ -1,6 +1,7 @@
 """GPT-2: learned positions, LayerNorm, GELU MLP, biases everywhere, Conv1D ([in, out]) weights."""
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -9,9 +10,9 @@ from ..config import ConfigError, ModelConfig
 from ..weights import TensorSource, WeightError, Weights
 from .base import Architecture, positive_int, token_ids
 
-VARIANT = dict(position_embedding="learned", rope=None, rotary_style=None, rotary_fraction=None,
-               norm_type="layernorm", mlp_type="gelu", residual="sequential",
-               qkv_bias=True, out_bias=True, mlp_bias=True, sliding_window=None)
+VARIANT = MappingProxyType(dict(
+    position_embedding="learned", rope=None, rotary_style=None, rotary_fraction=None, norm_type="layernorm",
+    mlp_type="gelu", residual="sequential", qkv_bias=True, out_bias=True, mlp_bias=True, sliding_window=None))
 
 
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:

@@ -1,15 +1,17 @@
-"""LLaMA and Mistral: rotary positions (half-split), RMSNorm, gated SiLU MLP, GQA, optional biases
-and sliding window. Qwen2 (runtime.models.qwen2) reuses this mapping and weight table."""
+"""The LLaMA family: rotary positions (half-split), RMSNorm, gated SiLU MLP, GQA, optional biases and
+sliding window. LLaMA and Mistral share one mapping; Qwen2 always has q/k/v biases and its window only
+where `use_sliding_window` says so (on every layer)."""
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import Any
 
-from ..config import ModelConfig
+from ..config import ConfigError, ModelConfig
 from ..weights import TensorSource, Weights, fused
 from .base import Architecture, positive_int, rope_from_hf, token_ids
 
-VARIANT = dict(position_embedding="rope", rotary_style="neox", rotary_fraction=1.0, norm_type="rmsnorm",
-               mlp_type="gated", residual="sequential")
+VARIANT = MappingProxyType(dict(position_embedding="rope", rotary_style="neox", rotary_fraction=1.0,
+                                norm_type="rmsnorm", mlp_type="gated", residual="sequential"))
 
 
 def config_from_hf(hf: dict[str, Any], architecture: str = "llama", **fields: Any) -> ModelConfig:
@@ -62,7 +64,19 @@ def _mistral_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     return config_from_hf(hf, "mistral")
 
 
+def _qwen2_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
+    window = hf.get("sliding_window") if hf.get("use_sliding_window", False) else None
+    if window is not None:
+        max_window_layers = hf.get("max_window_layers", hf.get("num_hidden_layers"))
+        if max_window_layers is not None and int(max_window_layers) < positive_int(hf, "num_hidden_layers"):
+            raise ConfigError("config.json: Qwen2 sliding window on a subset of layers "
+                              f"(max_window_layers={max_window_layers}) is not supported")
+    return config_from_hf(hf, "qwen2", qkv_bias=True, sliding_window=int(window) if window is not None else None)
+
+
 LLAMA = Architecture(name="llama", hf_class_names=("LlamaForCausalLM",), variant=VARIANT,
                      config_from_hf=config_from_hf, read_weights=read_weights)
 MISTRAL = Architecture(name="mistral", hf_class_names=("MistralForCausalLM",), variant=VARIANT,
                        config_from_hf=_mistral_config_from_hf, read_weights=read_weights)
+QWEN2 = Architecture(name="qwen2", hf_class_names=("Qwen2ForCausalLM",), variant=VARIANT,
+                     config_from_hf=_qwen2_config_from_hf, read_weights=read_weights)

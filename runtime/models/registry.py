@@ -10,8 +10,7 @@ from typing import Any
 from ..config import ConfigError, ModelConfig
 from .base import Architecture
 from .gpt2 import GPT2
-from .llama import LLAMA, MISTRAL
-from .qwen2 import QWEN2
+from .llama import LLAMA, MISTRAL, QWEN2
 
 _NAME_TO_ARCHITECTURE: dict[str, Architecture] = {}
 
