@@ -1,7 +1,8 @@
 """Model runtime: engine directories, the tensor-dict model runner over a paged KV pool,
 GptSession (static-batch generation) and the kernel backends."""
-from .config import BuildConfig, ConfigError, ModelConfig, SUPPORTED_ARCHITECTURES
+from .config import BuildConfig, ConfigError, ModelConfig
 from .engine import Engine, build_engine
+from .models import SUPPORTED_ARCHITECTURES
 from .model_runner import ModelRunner
 from .session import GenerationInput, GenerationOutput, GptSession, SamplingConfig, WorldConfig
 from .weights import WeightError

@@ -1,8 +1,8 @@
 """Model and build configurations: what a checkpoint's `config.json` says, normalised.
 
-`ModelConfig` describes the network (one decoder-only transformer family parameterised by
-its fields); `BuildConfig` records the build-time limits an engine directory carries. Both are
-frozen and plain JSON-serialisable. `model_config_from_hf` maps a Hugging Face config onto them.
+`ModelConfig` describes the network (one decoder-only transformer parameterised by its variant
+fields); `BuildConfig` records the build-time limits an engine directory carries. Both are frozen
+and plain JSON-serialisable. The architecture registry (`runtime.models`) maps HF configs onto them.
 """
 from __future__ import annotations
 
@@ -13,10 +13,22 @@ import stat
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("gpt2", "llama", "mistral", "qwen2")
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16",
                   "bf16": "bfloat16"}
+
+
+# Block variants the model implements: ModelConfig field -> accepted values. An architecture that
+# needs another value (parallel residual, interleaved or partial rotary, ALiBi) adds it here and
+# its branch in model.py / rope.py.
+VARIANT_VALUES: dict[str, tuple[Any, ...]] = {
+    "position_embedding": ("learned", "rope"),
+    "rotary_style": (None, "neox"),
+    "rotary_fraction": (None, 1.0),
+    "norm_type": ("layernorm", "rmsnorm"),
+    "mlp_type": ("gelu", "gated"),
+    "residual": ("sequential",),
+}
 
 
 class ConfigError(ValueError):
@@ -43,7 +55,7 @@ class RopeConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str               # one of SUPPORTED_ARCHITECTURES
+    architecture: str               # a registry name (runtime.models); a label only: nothing branches on it
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -57,7 +69,10 @@ class ModelConfig:
     mlp_type: str                   # "gelu" (fc -> act -> proj) | "gated" (silu(gate) * up -> down)
     activation: str                 # "gelu_new" | "gelu" | "silu" | "relu" ...
     position_embedding: str         # "learned" | "rope"
-    rope: RopeConfig | None
+    rope: RopeConfig | None         # set exactly with rotary positions, as are the two fields below
+    rotary_style: str | None        # "neox": rotate the halves [0, d/2) and [d/2, d) of each head
+    rotary_fraction: float | None   # share of head_dim that rotates (the rest passes through)
+    residual: str                   # "sequential": x += attn(norm1(x)); x += mlp(norm2(x))
     qkv_bias: bool
     out_bias: bool
     mlp_bias: bool
@@ -92,7 +107,12 @@ class ModelConfig:
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> "ModelConfig":
+        """engine.json's "model" object -> ModelConfig; a variant field that the file predates
+        takes the value its architecture's registry entry fixes."""
+        from .models.registry import lookup  # NOTE: lazy, the registry's entries import this module
         d = dict(d)
+        for name, value in lookup(d.get("architecture")).variant.items():
+            d.setdefault(name, value)
         rope = d.get("rope")
         d["rope"] = RopeConfig(**rope) if rope is not None else None
         fields = {f.name for f in dataclasses.fields(ModelConfig)}
@@ -107,9 +127,15 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"{name}: must be a positive integer, got {value!r}")
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ConfigError(f"architecture: unsupported {self.architecture!r}; "
-                              f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        for name, supported in VARIANT_VALUES.items():
+            if getattr(self, name) not in supported:
+                raise ConfigError(f"{name}: unsupported {getattr(self, name)!r}; "
+                                  f"supported: {', '.join(map(repr, supported))}")
+        is_rotary = self.position_embedding == "rope"
+        for name in ("rope", "rotary_style", "rotary_fraction"):
+            if (getattr(self, name) is not None) != is_rotary:
+                raise ConfigError(f"{name}: must be set exactly when position_embedding is 'rope', "
+                                  f"got {getattr(self, name)!r} with {self.position_embedding!r}")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"num_key_value_heads: {self.num_kv_heads} does not divide "
                               f"num_attention_heads {self.num_heads}")
@@ -220,106 +246,3 @@ def read_json(path: str | os.PathLike, what: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ConfigError(f"{what}: {name} must hold a JSON object")
     return value
-
-
-def _require(hf: dict[str, Any], key: str, *alternatives: str) -> Any:
-    for k in (key, *alternatives):
-        if k in hf and hf[k] is not None:
-            return hf[k]
-    raise ConfigError(f"config.json: missing field {key!r}")
-
-
-def _positive_int(hf: dict[str, Any], key: str, *alternatives: str) -> int:
-    value = _require(hf, key, *alternatives)
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        found = next(k for k in (key, *alternatives) if hf.get(k) is not None)
-        raise ConfigError(f"config.json: {found} must be a positive integer, got {value!r}")
-    return value
-
-
-def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
-    # transformers < 5 writes rope_theta + rope_scaling; >= 5 writes rope_parameters.
-    params = hf.get("rope_parameters")
-    if isinstance(params, dict) and "rope_theta" not in params and len(params) and \
-            all(isinstance(v, dict) for v in params.values()):
-        raise ConfigError("rope_parameters: per-layer-type rope parameters are not supported")
-    scaling = dict(params) if isinstance(params, dict) else dict(hf.get("rope_scaling") or {})
-    theta = float(scaling.get("rope_theta", hf.get("rope_theta", 10000.0)))
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if float(scaling.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise ConfigError("rope_parameters: partial_rotary_factor != 1 is not supported")
-    if kind == "default":
-        return RopeConfig(theta=theta)
-    factor = float(scaling.get("factor", 1.0))
-    if kind == "linear":
-        return RopeConfig(theta=theta, scaling_type="linear", factor=factor)
-    if kind == "llama3":
-        return RopeConfig(theta=theta, scaling_type="llama3", factor=factor,
-                          low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
-                          high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
-                          original_max_position_embeddings=int(
-                              scaling.get("original_max_position_embeddings", 8192)))
-    raise ConfigError(f"rope_scaling: unsupported type {kind!r}; supported: default, linear, llama3")
-
-
-def _first_id(value: Any) -> int | None:
-    if isinstance(value, list):
-        return int(value[0]) if value else None
-    return None if value is None else int(value)
-
-
-def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
-    """Map a transformers `config.json` onto ModelConfig, or raise ConfigError naming the field."""
-    model_type = hf.get("model_type")
-    if model_type not in SUPPORTED_ARCHITECTURES:
-        archs = hf.get("architectures")
-        raise ConfigError(f"config.json: unsupported architecture (model_type={model_type!r}, "
-                          f"architectures={archs!r}); supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-    ids = dict(bos_token_id=_first_id(hf.get("bos_token_id")),
-               eos_token_id=_first_id(hf.get("eos_token_id")),
-               pad_token_id=_first_id(hf.get("pad_token_id")))
-    if model_type == "gpt2":
-        for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
-            if hf.get(flag):
-                raise ConfigError(f"config.json: {flag}=true is not supported")
-        if hf.get("scale_attn_weights", True) is False:
-            raise ConfigError("config.json: scale_attn_weights=false is not supported")
-        hidden = _positive_int(hf, "n_embd", "hidden_size")
-        heads = _positive_int(hf, "n_head", "num_attention_heads")
-        inner = hf.get("n_inner")
-        return ModelConfig(
-            architecture="gpt2", vocab_size=_positive_int(hf, "vocab_size"), hidden_size=hidden,
-            num_layers=_positive_int(hf, "n_layer", "num_hidden_layers"), num_heads=heads,
-            num_kv_heads=heads, head_dim=hidden // heads,
-            intermediate_size=int(inner) if inner else 4 * hidden,
-            max_position_embeddings=_positive_int(hf, "n_positions", "max_position_embeddings"),
-            norm_type="layernorm", norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
-            mlp_type="gelu", activation=hf.get("activation_function", "gelu_new"),
-            position_embedding="learned", rope=None, qkv_bias=True, out_bias=True, mlp_bias=True,
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)), sliding_window=None,
-            **ids).validated()
-
-    hidden = _positive_int(hf, "hidden_size")
-    heads = _positive_int(hf, "num_attention_heads")
-    kv_heads = int(hf.get("num_key_value_heads") or heads)
-    head_dim = int(hf.get("head_dim") or hidden // heads)
-    window = hf.get("sliding_window")
-    if model_type == "qwen2" and not hf.get("use_sliding_window", False):
-        window = None
-    if model_type == "qwen2" and window is not None:
-        max_window_layers = hf.get("max_window_layers", hf.get("num_hidden_layers"))
-        if max_window_layers is not None and int(max_window_layers) < int(hf["num_hidden_layers"]):
-            raise ConfigError("config.json: Qwen2 sliding window on a subset of layers "
-                              f"(max_window_layers={max_window_layers}) is not supported")
-    attention_bias = bool(hf.get("attention_bias", False))
-    return ModelConfig(
-        architecture=model_type, vocab_size=_positive_int(hf, "vocab_size"), hidden_size=hidden,
-        num_layers=_positive_int(hf, "num_hidden_layers"), num_heads=heads, num_kv_heads=kv_heads,
-        head_dim=head_dim, intermediate_size=_positive_int(hf, "intermediate_size"),
-        max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-        norm_type="rmsnorm", norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        mlp_type="gated", activation=hf.get("hidden_act", "silu"), position_embedding="rope",
-        rope=_rope_from_hf(hf), qkv_bias=True if model_type == "qwen2" else attention_bias,
-        out_bias=attention_bias, mlp_bias=bool(hf.get("mlp_bias", False)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        sliding_window=int(window) if window is not None else None, **ids).validated()

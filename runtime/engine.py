@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 from safetensors.torch import save_file
 
-from .config import (BuildConfig, ConfigError, ModelConfig, default_build_config, model_config_from_hf,
-                     normalize_dtype, read_json)
+from .config import BuildConfig, ConfigError, ModelConfig, default_build_config, normalize_dtype, read_json
+from .models import lookup_hf
 from .weights import Weights, load_engine_weights, load_hf_weights
 
 ENGINE_CONFIG_FILE = "engine.json"
@@ -85,9 +85,10 @@ def _load_engine_dir(directory: str, overrides: dict) -> Engine:
 
 def _load_hf_dir(directory: str, overrides: dict) -> Engine:
     hf = read_json(os.path.join(directory, "config.json"), "config.json")
-    model = model_config_from_hf(hf)
+    arch = lookup_hf(hf)
+    model = arch.config_from_hf(hf)
     build = default_build_config(model, **overrides)
-    weights = load_hf_weights(directory, model, TORCH_DTYPES[build.dtype])
+    weights = load_hf_weights(directory, model, TORCH_DTYPES[build.dtype], arch.read_weights)
     return Engine(model, build, weights, directory)
 
 

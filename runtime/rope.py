@@ -42,7 +42,8 @@ def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.d
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, head_dim] rotated by position (the rotate-half convention of HF LLaMA)."""
+    """x [T, heads, head_dim] rotated by position: rotary_style "neox", the rotate-half convention of
+    HF LLaMA and GPT-NeoX (the first and second halves of each head form the pairs)."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

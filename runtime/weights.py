@@ -6,7 +6,8 @@ Canonical names (what the model uses; engine directories store exactly these):
   layers.{i}.out.{weight,bias} [H, q]; layers.{i}.post_norm.{weight,bias};
   layers.{i}.mlp_in.{weight,bias} [I or 2 I (gate then up), H]; layers.{i}.mlp_out.{weight,bias} [H, I];
   final_norm.{weight,bias}; lm_head [V, H] (absent when tied to embed_tokens).
-Weights come from safetensors only: pickle files are never opened.
+Weights come from safetensors only: pickle files are never opened. Each architecture's reader
+(runtime.models) maps its HF names onto these.
 """
 from __future__ import annotations
 
@@ -17,9 +18,11 @@ from typing import Callable
 import torch
 from safetensors import SafetensorError, safe_open
 
-from .config import ConfigError, ModelConfig, read_json
+from .config import ModelConfig, read_json
 
 Weights = dict[str, torch.Tensor]
+# Reads a checkpoint's tensors under the canonical names; one per architecture (runtime.models).
+WeightReader = Callable[["TensorSource", ModelConfig], Weights]
 
 
 class WeightError(ValueError):
@@ -59,7 +62,7 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-class _TensorSource:
+class TensorSource:
     """Lazy access to the tensors of one or more safetensors files, by name."""
 
     def __init__(self, directory: str):
@@ -107,35 +110,7 @@ class _TensorSource:
             raise WeightError(f"tensor {name!r} in {path}: cannot read: {e}") from None
 
 
-def _hf_gpt2(src: _TensorSource, cfg: ModelConfig) -> Weights:
-    prefix = "transformer." if "transformer.wte.weight" in src.names() else ""
-
-    def get(name: str) -> torch.Tensor:
-        return src.get(prefix + name)
-
-    def conv1d(name: str) -> torch.Tensor:  # GPT-2's Conv1D stores [in, out]
-        tensor = get(name)
-        if tensor.dim() != 2:
-            raise WeightError(f"{src.directory}: tensor {prefix + name!r} has shape {list(tensor.shape)}, "
-                              "expected a 2-D [in, out] Conv1D weight")
-        return tensor.t().contiguous()
-
-    w: Weights = {"embed_tokens": get("wte.weight"), "position_embeddings": get("wpe.weight"),
-                  "final_norm.weight": get("ln_f.weight"), "final_norm.bias": get("ln_f.bias")}
-    for layer in range(cfg.num_layers):
-        p, q = f"h.{layer}.", f"layers.{layer}."
-        w[q + "input_norm.weight"], w[q + "input_norm.bias"] = get(p + "ln_1.weight"), get(p + "ln_1.bias")
-        w[q + "post_norm.weight"], w[q + "post_norm.bias"] = get(p + "ln_2.weight"), get(p + "ln_2.bias")
-        w[q + "qkv.weight"], w[q + "qkv.bias"] = conv1d(p + "attn.c_attn.weight"), get(p + "attn.c_attn.bias")
-        w[q + "out.weight"], w[q + "out.bias"] = conv1d(p + "attn.c_proj.weight"), get(p + "attn.c_proj.bias")
-        w[q + "mlp_in.weight"], w[q + "mlp_in.bias"] = conv1d(p + "mlp.c_fc.weight"), get(p + "mlp.c_fc.bias")
-        w[q + "mlp_out.weight"], w[q + "mlp_out.bias"] = conv1d(p + "mlp.c_proj.weight"), get(p + "mlp.c_proj.bias")
-    if not cfg.tie_word_embeddings:
-        w["lm_head"] = src.get("lm_head.weight")
-    return w
-
-
-def _cat(src: _TensorSource, name_to_shape: dict[str, tuple[int, ...]]) -> torch.Tensor:
+def fused(src: TensorSource, name_to_shape: dict[str, tuple[int, ...]]) -> torch.Tensor:
     """Concatenate HF tensors along dim 0 (fused q/k/v, gate/up), naming any misshaped part."""
     parts = []
     for name, shape in name_to_shape.items():
@@ -145,37 +120,6 @@ def _cat(src: _TensorSource, name_to_shape: dict[str, tuple[int, ...]]) -> torch
                               f"expected {list(shape)} from the config")
         parts.append(tensor)
     return torch.cat(parts)
-
-
-def _hf_llama(src: _TensorSource, cfg: ModelConfig) -> Weights:
-    """LLaMA, Mistral and Qwen2 share one naming scheme."""
-    get = src.get
-    h, i = cfg.hidden_size, cfg.intermediate_size
-    qkv_rows = {"q": cfg.q_size, "k": cfg.kv_size, "v": cfg.kv_size}
-    w: Weights = {"embed_tokens": get("model.embed_tokens.weight"), "final_norm.weight": get("model.norm.weight")}
-    for layer in range(cfg.num_layers):
-        p, q = f"model.layers.{layer}.", f"layers.{layer}."
-        w[q + "input_norm.weight"] = get(p + "input_layernorm.weight")
-        w[q + "post_norm.weight"] = get(p + "post_attention_layernorm.weight")
-        attn = p + "self_attn."
-        w[q + "qkv.weight"] = _cat(src, {attn + f"{x}_proj.weight": (n, h) for x, n in qkv_rows.items()})
-        if cfg.qkv_bias:
-            w[q + "qkv.bias"] = _cat(src, {attn + f"{x}_proj.bias": (n,) for x, n in qkv_rows.items()})
-        w[q + "out.weight"] = get(attn + "o_proj.weight")
-        if cfg.out_bias:
-            w[q + "out.bias"] = get(attn + "o_proj.bias")
-        w[q + "mlp_in.weight"] = _cat(src, {p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h)})
-        w[q + "mlp_out.weight"] = get(p + "mlp.down_proj.weight")
-        if cfg.mlp_bias:
-            w[q + "mlp_in.bias"] = _cat(src, {p + "mlp.gate_proj.bias": (i,), p + "mlp.up_proj.bias": (i,)})
-            w[q + "mlp_out.bias"] = get(p + "mlp.down_proj.bias")
-    if not cfg.tie_word_embeddings:
-        w["lm_head"] = get("lm_head.weight")
-    return w
-
-
-HF_WEIGHT_READERS: dict[str, Callable[[_TensorSource, ModelConfig], Weights]] = {
-    "gpt2": _hf_gpt2, "llama": _hf_llama, "mistral": _hf_llama, "qwen2": _hf_llama}
 
 
 def _checked(weights: Weights, cfg: ModelConfig, dtype: torch.dtype, where: str) -> Weights:
@@ -195,12 +139,12 @@ def _checked(weights: Weights, cfg: ModelConfig, dtype: torch.dtype, where: str)
     return out
 
 
-def load_hf_weights(directory: str, cfg: ModelConfig, dtype: torch.dtype) -> Weights:
-    raw = HF_WEIGHT_READERS[cfg.architecture](_TensorSource(directory), cfg)
+def load_hf_weights(directory: str, cfg: ModelConfig, dtype: torch.dtype, read: WeightReader) -> Weights:
+    raw = read(TensorSource(directory), cfg)
     return _checked(raw, cfg, dtype, directory)
 
 
 def load_engine_weights(path: str, cfg: ModelConfig, dtype: torch.dtype) -> Weights:
-    src = _TensorSource(os.path.dirname(path))
+    src = TensorSource(os.path.dirname(path))
     return _checked({name: src.get(name) for name in expected_shapes(cfg) if name in src.names()},
                     cfg, dtype, path)

@@ -19,7 +19,8 @@ import sys
 
 import torch
 
-from runtime.config import ModelConfig, default_build_config, model_config_from_hf, read_json
+from runtime.config import ModelConfig, default_build_config, read_json
+from runtime.models import model_config_from_hf
 from samples.bench_dataset import (LengthDistribution, arrival_delays_s, load_dataset, save_dataset,
                                    synthetic_dataset)
 from samples.bench_report import RunResult, format_text, iteration_breakdown, metrics

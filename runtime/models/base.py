@@ -1,0 +1,70 @@
+"""What an architecture entry is, and the readers of HF `config.json` fields the entries share.
+
+An entry maps a checkpoint's config onto ModelConfig and its tensor names onto the canonical ones
+(runtime.weights); the shared model code sees only the resulting variant fields.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from ..config import ConfigError, ModelConfig, RopeConfig
+from ..weights import WeightReader
+
+
+@dataclass(frozen=True)
+class Architecture:
+    name: str                        # ModelConfig.architecture and the HF `model_type` it reads
+    hf_class_names: tuple[str, ...]  # HF `architectures` entries it reads, e.g. "LlamaForCausalLM"
+    # ModelConfig field -> value that every config of this architecture has. config_from_hf sets
+    # them; an engine.json written before a variant field existed takes it from here.
+    variant: Mapping[str, Any]
+    config_from_hf: Callable[[dict[str, Any]], ModelConfig]  # raises ConfigError naming the field
+    read_weights: WeightReader       # HF tensor names -> canonical names (shapes checked after)
+
+
+def positive_int(hf: dict[str, Any], key: str, *alternatives: str) -> int:
+    """The first of `key`, `alternatives` that is set, or ConfigError naming it."""
+    found = next((k for k in (key, *alternatives) if hf.get(k) is not None), None)
+    if found is None:
+        raise ConfigError(f"config.json: missing field {key!r}")
+    value = hf[found]
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"config.json: {found} must be a positive integer, got {value!r}")
+    return value
+
+
+def _first_id(value: Any) -> int | None:
+    if isinstance(value, list):
+        return int(value[0]) if value else None
+    return None if value is None else int(value)
+
+
+def token_ids(hf: dict[str, Any]) -> dict[str, int | None]:
+    """The bos / eos / pad ids of ModelConfig (the first of a list)."""
+    return {name: _first_id(hf.get(name)) for name in ("bos_token_id", "eos_token_id", "pad_token_id")}
+
+
+def rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
+    # transformers < 5 writes rope_theta + rope_scaling; >= 5 writes rope_parameters.
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict) and "rope_theta" not in params and len(params) and \
+            all(isinstance(v, dict) for v in params.values()):
+        raise ConfigError("rope_parameters: per-layer-type rope parameters are not supported")
+    scaling = dict(params) if isinstance(params, dict) else dict(hf.get("rope_scaling") or {})
+    theta = float(scaling.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if float(scaling.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ConfigError("rope_parameters: partial_rotary_factor != 1 is not supported")
+    if kind == "default":
+        return RopeConfig(theta=theta)
+    factor = float(scaling.get("factor", 1.0))
+    if kind == "linear":
+        return RopeConfig(theta=theta, scaling_type="linear", factor=factor)
+    if kind == "llama3":
+        return RopeConfig(theta=theta, scaling_type="llama3", factor=factor,
+                          low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
+                          high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
+                          original_max_position_embeddings=int(
+                              scaling.get("original_max_position_embeddings", 8192)))
+    raise ConfigError(f"rope_scaling: unsupported type {kind!r}; supported: default, linear, llama3")
