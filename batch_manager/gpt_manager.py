@@ -5,39 +5,15 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
-import weakref
-from concurrent.futures import Future
 from typing import Callable
 
-import torch
-
-from runtime import Engine, ModelRunner
-from runtime.kv_cache_manager import KvCacheManager
-
 from .callbacks import UserCallbacks
-from .capacity_scheduler import make_capacity_scheduler
-from .kv_sizing import num_kv_blocks
-from .micro_batch_scheduler import MicroBatchScheduler
-from .model_executor import ModelExecutor
-from .options import KvCacheConfig, SchedulerConfig, SchedulerPolicy, TrtGptModelOptionalParams, TrtGptModelType
-from .scheduler import Scheduler
-from .validation import AdmissionLimits
-from .worker import Worker, WorkerConfig
+from .engine_builder import build_engine_core, start_worker
+from .front_end import CallbackFrontEnd
+from .options import SchedulerConfig, SchedulerPolicy, TrtGptModelOptionalParams, TrtGptModelType
+from .worker import Worker
 
 logger = logging.getLogger(__name__)
-
-_live_workers: "weakref.WeakSet[Worker]" = weakref.WeakSet()
-
-
-def _shutdown_live_workers() -> None:
-    for worker in list(_live_workers):
-        worker.shutdown()
-
-
-# Runs before the interpreter joins non-daemon threads, so a forgotten manager cannot hang exit.
-if hasattr(threading, "_register_atexit"):
-    threading._register_atexit(_shutdown_live_workers)
 
 
 class GptManager:
@@ -61,38 +37,11 @@ class GptManager:
         if not isinstance(max_beam_width, int) or max_beam_width < 1:
             raise ValueError(f"max_beam_width: must be an integer >= 1, got {max_beam_width!r}")
 
-        ready: Future = Future()
-
-        def build_and_run() -> None:
-            # NOTE: the model is built on the thread that then runs it, so the caller's thread runs
-            # no parallel torch work for us. On CPU a second thread that has run torch's OpenMP
-            # regions keeps its thread pool alive; libgomp then counts more threads than cores and
-            # stops spinning between parallel regions: generation steps measured 1.7x slower (2
-            # cores, default model, batch 34) when the caller had built the model.
-            try:
-                worker = _build_worker(engine_dir, model_type, max_beam_width, policy, params,
-                                       terminate_req_id, exclude_input_in_output, get_inference_requests_cb,
-                                       send_response_cb, poll_stop_signal_cb, return_batch_manager_stats_cb)
-            except BaseException as e:  # noqa: BLE001 - raised again by the constructor
-                ready.set_exception(e)
-                return
-            built.append(worker)
-            ready.set_result(worker)
-            if not abandoned.is_set():
-                worker.run()
-
-        abandoned, built = threading.Event(), []
-        threading.Thread(target=build_and_run, name="GptManagerWorker").start()
-        try:
-            self._worker = ready.result()
-        except BaseException:
-            # The build failed, or the caller was interrupted (Ctrl-C) while it ran: a worker
-            # built after all must not keep the process alive.
-            abandoned.set()
-            for worker in built:
-                worker.shutdown()
-            raise
-        _live_workers.add(self._worker)
+        self._worker = start_worker(
+            lambda: _build_worker(engine_dir, model_type, max_beam_width, policy, params, terminate_req_id,
+                                  exclude_input_in_output, get_inference_requests_cb, send_response_cb,
+                                  poll_stop_signal_cb, return_batch_manager_stats_cb),
+            "GptManagerWorker")
 
     def shutdown(self) -> None:
         """Stop fetching, finish the requests in flight, join the worker. Idempotent."""
@@ -133,59 +82,11 @@ def _build_worker(engine_dir, model_type: TrtGptModelType, max_beam_width: int, 
                   exclude_input_in_output: bool, get_inference_requests_cb: Callable,
                   send_response_cb: Callable, poll_stop_signal_cb: Callable | None,
                   return_batch_manager_stats_cb: Callable | None) -> Worker:
-    """Everything that touches the engine; runs on the worker thread (see GptManager.__init__).
-    Takes no reference to the manager, so that an unreferenced manager is still collected."""
-    kv_config = params.kv_cache_config
-    _check_kv_cache_config(kv_config)
-    engine = Engine.from_dir(engine_dir)
-    build = engine.build_config
-    max_batch_size = _positive("max_batch_size", params.max_batch_size, build.max_batch_size)
-    max_num_tokens = _positive("max_num_tokens", params.max_num_tokens, build.max_num_tokens)
-    max_num_sequences = _positive("max_num_sequences", params.max_num_sequences, max_batch_size)
-    device = torch.device(params.device or ("cuda" if params.device_ids else "cpu"))
-    num_blocks = num_kv_blocks(engine, kv_config, max_num_sequences, device)
-    runner = ModelRunner(engine, num_blocks, kernels=params.kernel_backend, device=device,
-                         max_attention_window=kv_config.max_attention_window,
-                         sink_token_length=kv_config.sink_token_length)
-    # The block manager releases what the runner's window (the model's own included) hides.
-    kv = KvCacheManager(num_blocks, build.tokens_per_block, enable_block_reuse=bool(kv_config.enable_block_reuse),
-                        attention_window=runner.attention_window, sink_token_length=runner.sink_token_length)
-    enable_chunked_context, enable_trt_overlap = bool(params.enable_chunked_context), bool(params.enable_trt_overlap)
-    if model_type == TrtGptModelType.V1 and (enable_chunked_context or enable_trt_overlap):
-        logger.warning("enable_chunked_context and enable_trt_overlap have no effect with TrtGptModelType.V1 "
-                       "(static lockstep batches)")
-        enable_chunked_context = enable_trt_overlap = False
-    if model_type == TrtGptModelType.V1:  # static lockstep batches, whatever the policy
-        capacity = make_capacity_scheduler(SchedulerPolicy.STATIC_BATCH, kv, max_batch_size, max_num_tokens)
-    else:
-        capacity = make_capacity_scheduler(policy, kv, max_num_sequences)
-    limits = AdmissionLimits(
-        vocab_size=engine.model_config.vocab_size, max_input_len=build.max_input_len,
-        max_seq_len=build.max_seq_len, max_beam_width=max_beam_width, max_num_blocks=num_blocks,
-        tokens_per_block=build.tokens_per_block, gather_context_logits=build.gather_context_logits,
-        gather_generation_logits=build.gather_generation_logits)
-    config = WorkerConfig(model_type=model_type, max_num_sequences=max_num_sequences,
-                          terminate_req_id=terminate_req_id, exclude_input_in_output=exclude_input_in_output,
-                          limits=limits, enable_trt_overlap=enable_trt_overlap,
-                          normalize_log_probs=bool(params.normalize_log_probs))
-    scheduler = Scheduler(kv, capacity, MicroBatchScheduler(max_batch_size, max_num_tokens, enable_chunked_context),
-                          separate_context_forward=model_type != TrtGptModelType.InflightFusedBatching)
-    executor = ModelExecutor(runner, params.logits_post_processor_batched)
+    """Runs on the worker thread (see engine_builder.start_worker). Takes no reference to the
+    manager, so that an unreferenced manager is still collected."""
+    core = build_engine_core(engine_dir, model_type, max_beam_width, policy, params)
     callbacks = UserCallbacks(get_inference_requests_cb, send_response_cb, poll_stop_signal_cb,
                               return_batch_manager_stats_cb)
-    return Worker(config, scheduler, executor, callbacks)
-
-
-def _check_kv_cache_config(kv: KvCacheConfig) -> None:
-    for name, low in (("max_attention_window", 1), ("sink_token_length", 0)):
-        value = getattr(kv, name)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < low):
-            raise ValueError(f"KvCacheConfig.{name}: must be an integer >= {low} or None, got {value!r}")
-
-
-def _positive(name: str, value, default: int) -> int:
-    if value is None:
-        return default
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"TrtGptModelOptionalParams.{name}: must be a positive integer, got {value!r}")
-    return value
+    front_end = CallbackFrontEnd(callbacks, core.limits, terminate_req_id, exclude_input_in_output,
+                                 bool(params.normalize_log_probs), model_type == TrtGptModelType.V1)
+    return Worker(core.worker_config, core.scheduler, core.executor, front_end)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -79,23 +80,28 @@ def _input_ids(tensors: dict, limits: AdmissionLimits) -> list[int]:
         t = t[0]
     if t.dim() != 1:
         raise RequestError(f"{tn.INPUT_IDS}: expected shape [L] or [1, L], got {list(t.shape)}")
-    if t.numel() == 0:
-        raise RequestError(f"{tn.INPUT_IDS}: empty prompt")
-    if t.numel() > limits.max_input_len:
-        raise RequestError(f"{tn.INPUT_IDS}: prompt length {t.numel()} exceeds the engine's max_input_len "
-                           f"{limits.max_input_len}")
-    if t.numel() >= limits.max_seq_len:
-        raise RequestError(f"{tn.INPUT_IDS}: prompt length {t.numel()} leaves no room to generate within the "
-                           f"engine's max_seq_len {limits.max_seq_len}")
     prompt = t.tolist()  # Python ints: also for unsigned dtypes, which have no min/max kernels
-    low, high = min(prompt), max(prompt)
-    if low < 0 or high >= limits.vocab_size:
-        bad = low if low < 0 else high
-        raise RequestError(f"{tn.INPUT_IDS}: token id {bad} outside [0, {limits.vocab_size})")
+    check_prompt(prompt, limits, tn.INPUT_IDS)
     return prompt
 
 
-def _check_range(name: str, value, low, high, low_inclusive=True, high_inclusive=True):
+def check_prompt(prompt: list[int], limits: AdmissionLimits, name: str) -> None:
+    """The prompt's length and token ids against the engine; `name`: the field the user knows."""
+    if not prompt:
+        raise RequestError(f"{name}: empty prompt")
+    if len(prompt) > limits.max_input_len:
+        raise RequestError(f"{name}: prompt length {len(prompt)} exceeds the engine's max_input_len "
+                           f"{limits.max_input_len}")
+    if len(prompt) >= limits.max_seq_len:
+        raise RequestError(f"{name}: prompt length {len(prompt)} leaves no room to generate within the "
+                           f"engine's max_seq_len {limits.max_seq_len}")
+    low, high = min(prompt), max(prompt)
+    if low < 0 or high >= limits.vocab_size:
+        bad = low if low < 0 else high
+        raise RequestError(f"{name}: token id {bad} outside [0, {limits.vocab_size})")
+
+
+def check_range(name: str, value, low, high, low_inclusive=True, high_inclusive=True):
     ok_low = value >= low if low_inclusive else value > low
     ok_high = value <= high if high_inclusive else value < high
     if not (ok_low and ok_high):
@@ -106,7 +112,7 @@ def _check_range(name: str, value, low, high, low_inclusive=True, high_inclusive
 def _seed(tensors: dict) -> int:
     """random_seed as uint64: an int64 tensor's negative values wrap (two's complement)."""
     seed = _scalar(tensors, tn.RANDOM_SEED, "int", 0)
-    _check_range(tn.RANDOM_SEED, seed, -(1 << 63), (1 << 64) - 1)
+    check_range(tn.RANDOM_SEED, seed, -(1 << 63), (1 << 64) - 1)
     return seed & ((1 << 64) - 1)
 
 
@@ -153,8 +159,14 @@ def _decoding_params(tensors: dict, limits: AdmissionLimits, normalize_log_probs
         bad_words=_word_list(tensors, tn.BAD_WORDS_LIST, limits.vocab_size),
         stop_words=_word_list(tensors, tn.STOP_WORDS_LIST, limits.vocab_size),
         embedding_bias=_embedding_bias(tensors, limits.vocab_size))
+    return check_decoding(params, limits, _TENSOR_NAMES)
+
+
+def check_decoding(params: DecodingParams, limits: AdmissionLimits, names: dict[str, str]) -> DecodingParams:
+    """The one validator (DecodingParams.validate) against the engine; `names` maps a field to
+    the name the user knows."""
     try:
-        params.validate(limits.vocab_size, limits.max_beam_width, names=_TENSOR_NAMES)
+        params.validate(limits.vocab_size, limits.max_beam_width, names=names)
     except ValueError as e:
         raise RequestError(str(e)) from None
     return params
@@ -191,36 +203,54 @@ def to_llm_request(request: InferenceRequest, limits: AdmissionLimits, arrival_i
     if tn.MAX_NEW_TOKENS not in tensors:
         raise RequestError(f"{tn.MAX_NEW_TOKENS}: missing (required)")
     max_new_tokens = _scalar(tensors, tn.MAX_NEW_TOKENS, "int")
+    flag_names = {"return_log_probs": tn.RETURN_LOG_PROBS, "return_context_logits": tn.RETURN_CONTEXT_LOGITS,
+                  "return_generation_logits": tn.RETURN_GENERATION_LOGITS}
+    return make_llm_request(
+        request.request_id, prompt, max_new_tokens, limits,
+        pad_id=lambda: _scalar(tensors, tn.PAD_ID, "int", 0),
+        decoding=lambda: _decoding_params(tensors, limits, normalize_log_probs),
+        output_flags=lambda: {field: _scalar(tensors, name, "bool", False) for field, name in flag_names.items()},
+        is_streaming=bool(request.is_streaming), logits_post_processor=request.logits_post_processor,
+        use_batched_post_processor=bool(getattr(request, "use_batched_logits_post_processor", False)),
+        arrival_index=arrival_index)
+
+
+_FIELD_NAMES = {"max_new_tokens": tn.MAX_NEW_TOKENS, "pad_id": tn.PAD_ID,
+                "return_context_logits": tn.RETURN_CONTEXT_LOGITS,
+                "return_generation_logits": tn.RETURN_GENERATION_LOGITS}
+
+
+def make_llm_request(request_id, prompt: list[int], max_new_tokens: int, limits: AdmissionLimits, *,
+                     pad_id: Callable[[], int], decoding: Callable[[], DecodingParams],
+                     output_flags: Callable[[], dict[str, bool]], names: dict[str, str] = _FIELD_NAMES,
+                     **fields) -> LlmRequest:
+    """The checks both front-ends share, after their own parsing (the prompt is checked by
+    `check_prompt`). `pad_id`, `decoding` and `output_flags` (return_log_probs,
+    return_context_logits, return_generation_logits) are read when their turn comes, so the first
+    bad field is reported in one order. `fields`: the other LlmRequest fields."""
     if max_new_tokens <= 0:
-        raise RequestError(f"{tn.MAX_NEW_TOKENS}: must be positive, got {max_new_tokens}")
+        raise RequestError(f"{names['max_new_tokens']}: must be positive, got {max_new_tokens}")
     if len(prompt) + max_new_tokens > limits.max_seq_len:
         clamped = limits.max_seq_len - len(prompt)
         logger.warning("request %s: prompt %d + %s %d exceeds max_seq_len %d; clamped to %d new tokens",
-                       request.request_id, len(prompt), tn.MAX_NEW_TOKENS, max_new_tokens, limits.max_seq_len,
+                       request_id, len(prompt), names['max_new_tokens'], max_new_tokens, limits.max_seq_len,
                        clamped)
         max_new_tokens = clamped
-    pad_id = _scalar(tensors, tn.PAD_ID, "int", 0)
-    _check_range(tn.PAD_ID, pad_id, -(1 << 31), (1 << 31) - 1)   # written into int32 output_ids
-    decoding = _decoding_params(tensors, limits, normalize_log_probs)
-    beam_width = decoding.beam_width
-    flags = {name: _scalar(tensors, name, "bool", False)
-             for name in (tn.RETURN_LOG_PROBS, tn.RETURN_CONTEXT_LOGITS, tn.RETURN_GENERATION_LOGITS)}
-    if flags[tn.RETURN_CONTEXT_LOGITS] and not limits.gather_context_logits:
-        raise RequestError(f"{tn.RETURN_CONTEXT_LOGITS}: true, but the engine was not built with gather_context_logits")
-    if flags[tn.RETURN_GENERATION_LOGITS] and not limits.gather_generation_logits:
-        raise RequestError(f"{tn.RETURN_GENERATION_LOGITS}: true, but the engine was not built with "
+    pad = pad_id()
+    check_range(names["pad_id"], pad, -(1 << 31), (1 << 31) - 1)   # written into int32 output_ids
+    params = decoding()
+    fields.update(output_flags())
+    if fields["return_context_logits"] and not limits.gather_context_logits:
+        raise RequestError(f"{names['return_context_logits']}: true, but the engine was not built with "
+                           "gather_context_logits")
+    if fields["return_generation_logits"] and not limits.gather_generation_logits:
+        raise RequestError(f"{names['return_generation_logits']}: true, but the engine was not built with "
                            "gather_generation_logits")
     need_blocks = -(-(len(prompt) + max_new_tokens) // limits.tokens_per_block)
-    if beam_width > 1:  # each beam's own table plus one copy-on-write block (beam_blocks.max_beam_blocks)
-        need_blocks = beam_width * (need_blocks + 1)
+    if params.beam_width > 1:  # each beam's own table plus one copy-on-write block (beam_blocks.max_beam_blocks)
+        need_blocks = params.beam_width * (need_blocks + 1)
     if need_blocks > limits.max_num_blocks:
-        raise RequestError(f"{tn.MAX_NEW_TOKENS}: prompt {len(prompt)} + {max_new_tokens} new tokens need "
+        raise RequestError(f"{names['max_new_tokens']}: prompt {len(prompt)} + {max_new_tokens} new tokens need "
                            f"{need_blocks} KV blocks; the whole pool has {limits.max_num_blocks}")
-    return LlmRequest(
-        request_id=request.request_id, prompt=prompt, max_new_tokens=max_new_tokens,
-        pad_id=pad_id, beam_width=beam_width, is_streaming=bool(request.is_streaming), decoding=decoding,
-        return_log_probs=flags[tn.RETURN_LOG_PROBS], return_context_logits=flags[tn.RETURN_CONTEXT_LOGITS],
-        return_generation_logits=flags[tn.RETURN_GENERATION_LOGITS],
-        logits_post_processor=request.logits_post_processor,
-        use_batched_post_processor=bool(getattr(request, "use_batched_logits_post_processor", False)),
-        arrival_index=arrival_index)
+    return LlmRequest(request_id=request_id, prompt=prompt, max_new_tokens=max_new_tokens, pad_id=pad,
+                      beam_width=params.beam_width, decoding=params, **fields)

@@ -1,7 +1,8 @@
 """The worker loop: one iteration after another on its thread, in API.md's order: fetch, admit,
 stop signals, schedule, execute, update, respond, report stats. It owns the queue of fetched
 requests and the response bookkeeping; the scheduler owns request states and KV blocks, the
-executor the runtime. User code is called only through `UserCallbacks`.
+executor the runtime. Requests come from, and answers go to, a `FrontEnd` (GptManager's
+callbacks or the Executor's queues).
 """
 from __future__ import annotations
 
@@ -11,34 +12,27 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from .callbacks import UserCallbacks
-from .inference_request import InferenceRequest
+from .front_end import TERMINATED, FrontEnd
 from .llm_request import FinishReason, LlmRequest
 from .model_executor import ModelExecutor
 from .options import TrtGptModelType
-from .responses import response_tensors
 from .scheduler import Scheduler
-from .stats import IterationStats, stats_json
-from .step import ScheduledStep, StepResult
-from .validation import AdmissionLimits, RequestError, to_llm_request
+from .stats import IterationStats
+from .step import ScheduledStep
+from .validation import RequestError
 
 logger = logging.getLogger(__name__)
 
 # Idle poll interval: bounds the latency an idle manager adds to a new request (~0.5 ms) while
 # keeping an idle worker near 0 % CPU.
 IDLE_SLEEP_S = 0.0005
-_TERMINATED = "terminated: the terminate request id was received"
 
 
 @dataclass(frozen=True)
 class WorkerConfig:
     model_type: TrtGptModelType
     max_num_sequences: int
-    terminate_req_id: int | None
-    exclude_input_in_output: bool
-    limits: AdmissionLimits
     enable_trt_overlap: bool = False
-    normalize_log_probs: bool = True
 
 
 @dataclass(frozen=True)
@@ -54,9 +48,9 @@ class _InFlight:
 
 class Worker:
     def __init__(self, config: WorkerConfig, scheduler: Scheduler, executor: ModelExecutor,
-                 callbacks: UserCallbacks):
-        self.config, self.scheduler, self.executor, self.callbacks = config, scheduler, executor, callbacks
-        self._queued: deque[InferenceRequest] = deque()  # fetched beyond max_num_sequences, unchecked
+                 front_end: FrontEnd):
+        self.config, self.scheduler, self.executor, self.front_end = config, scheduler, executor, front_end
+        self._queued: deque = deque()  # fetched beyond max_num_sequences, unchecked
         self.fatal_error: str | None = None  # set when the loop died of an internal error
         self._num_admitted = 0
         self._static_batch_size = 0
@@ -68,6 +62,7 @@ class Worker:
         self._forward_pool = ThreadPoolExecutor(1, thread_name_prefix="GptManagerForward") \
             if config.enable_trt_overlap else None
         self._in_flight: _InFlight | None = None
+        self._finished: list[LlmRequest] = []   # answered in this iteration (request stats)
 
     @property
     def num_active_requests(self) -> int:
@@ -103,10 +98,11 @@ class Worker:
     # -- the loop ---------------------------------------------------------------------------------
 
     def _run(self) -> None:
-        while not (self._stop_requested.is_set() and not self.num_active_requests):
+        while not (self._stop_requested.is_set() and not self.num_active_requests
+                   and not self.front_end.num_pending):
             num_fetched, terminate = self._fetch_new_requests()
             if terminate:
-                self._fail_all(_TERMINATED)
+                self._fail_all(TERMINATED)
                 return
             self._admit_queued()
             self._apply_stop_signals()
@@ -140,38 +136,22 @@ class Worker:
 
     def _serve_failed(self) -> None:
         """After a crash: keep polling, and answer every new request with the fatal error."""
-        while not self._stop_requested.is_set():
-            items = self.callbacks.get_requests(self.config.max_num_sequences)
-            for item in items:
-                if isinstance(item, InferenceRequest):
-                    self._send(item.request_id, [], True, f"{self.fatal_error} (see the log)")
-                else:
-                    _log_dropped(item)
-            if not items:
+        while not self._stop_requested.is_set() or self.front_end.num_pending:
+            fetched = self.front_end.fetch(self.config.max_num_sequences)
+            for item in fetched.requests:
+                self.front_end.respond_error(item.request_id, f"{self.fatal_error} (see the log)")
+            if not fetched.num_items:
                 self._stop_requested.wait(IDLE_SLEEP_S)
 
     # -- admission and stop signals -----------------------------------------------------------------
 
     def _fetch_new_requests(self) -> tuple[int, bool]:
         """Queue what the callback hands over, up to the terminate id. -> (items, terminate?)"""
-        if self._stop_requested.is_set():
+        if self._stop_requested.is_set() and not self.front_end.num_pending:
             return 0, False
-        items = self.callbacks.get_requests(max(self.config.max_num_sequences - self.num_active_requests, 0))
-        for i, item in enumerate(items):
-            if not isinstance(item, InferenceRequest):
-                _log_dropped(item)
-            elif self._is_terminate(item):
-                for later in items[i + 1:]:
-                    if isinstance(later, InferenceRequest):
-                        self._send(later.request_id, [], True, _TERMINATED)
-                return len(items), True
-            else:
-                self._queued.append(item)
-        return len(items), False
-
-    def _is_terminate(self, request: InferenceRequest) -> bool:
-        terminate_id = self.config.terminate_req_id
-        return terminate_id is not None and type(request.request_id) is int and request.request_id == terminate_id
+        fetched = self.front_end.fetch(max(self.config.max_num_sequences - self.num_active_requests, 0))
+        self._queued.extend(fetched.requests)
+        return fetched.num_items, fetched.terminate
 
     def _admit_queued(self) -> None:
         """Admit queued requests in arrival order while fewer than max_num_sequences are active."""
@@ -183,16 +163,15 @@ class Worker:
                     raise RequestError(f"request_id: expected an integer in [0, 2**64), got {request_id!r}")
                 if request_id in self.scheduler:
                     raise RequestError(f"request_id: {request_id} already exists among the active requests")
-                llm_request = to_llm_request(request, self.config.limits, self._num_admitted,
-                                             self.config.normalize_log_probs)
+                llm_request = self.front_end.admit(request, self._num_admitted)
             except Exception as e:  # noqa: BLE001 - any bad input becomes that request's error
-                self._send(request_id, [], True, f"Cannot process new request: {e}")
+                self.front_end.respond_error(request_id, f"Cannot process new request: {e}")
                 continue
             self._num_admitted += 1
             self.scheduler.add(llm_request)
 
     def _apply_stop_signals(self) -> None:
-        for request_id in self.callbacks.poll_stop_signals():
+        for request_id in self.front_end.poll_stop_ids():
             if type(request_id) is int:
                 self.scheduler.stop(request_id)
 
@@ -203,32 +182,30 @@ class Worker:
         for scheduled in step.requests:
             r = self.scheduler.get(scheduled.request_id)
             if r is not None and r.is_streaming and not r.is_finished and len(r.generated) > r.num_sent_tokens:
-                tensors = self._response_tensors(r)
-                if tensors is not None:
-                    self._send(r.request_id, tensors, False, "")
+                self._respond(r, False)
         self._send_final_responses()
 
     def _send_final_responses(self) -> None:
         in_flight_ids = self._in_flight.request_ids if self._in_flight is not None else frozenset()
         for r in self.scheduler.pop_finished(in_flight_ids):
-            tensors = None if r.finish_reason == FinishReason.ERROR else self._response_tensors(r)
-            if tensors is None:
-                self._send(r.request_id, [], True, r.error or "error")
-            else:
-                self._send(r.request_id, tensors, True, "")
+            if self.front_end.has_stats:
+                self._finished.append(r)
+            if r.finish_reason == FinishReason.ERROR or not self._respond(r, True):
+                self.front_end.respond_error(r.request_id, r.error or "error")
 
-    def _response_tensors(self, r: LlmRequest) -> list | None:
-        """The response's tensors; None (and `r` failed) when they cannot be built: one bad
-        request must not take the worker down."""
+    def _respond(self, r: LlmRequest, is_final: bool) -> bool:
+        """False (and `r` failed) when its response cannot be built: one bad request must not
+        take the worker down."""
         try:
-            return response_tensors(r, self.config.exclude_input_in_output)
+            self.front_end.respond(r, is_final)
+            return True
         except Exception as e:  # noqa: BLE001
             logger.exception("building the response of request %s failed", r.request_id)
             if r.request_id in self.scheduler:
                 self.scheduler.fail(r.request_id, f"failed to build the response: {e!r}")
             else:
-                r.error = f"failed to build the response: {e!r}"
-            return None
+                r.finish_reason, r.error = FinishReason.ERROR, f"failed to build the response: {e!r}"
+            return False
 
     def _fail_all(self, message: str) -> None:
         """Fail every active and queued request. Also runs after a crash, over state that may be
@@ -242,12 +219,13 @@ class Worker:
         except Exception:  # noqa: BLE001
             logger.exception("releasing the active requests failed")
         for request_id in self.scheduler.abandon_all():   # whatever could not be released
-            self._send(request_id, [], True, message)
+            self.front_end.respond_error(request_id, message)
         while self._queued:
-            self._send(self._queued.popleft().request_id, [], True, message)
+            self.front_end.respond_error(self._queued.popleft().request_id, message)
 
     def _send_stats(self, step: ScheduledStep, num_paused: int) -> None:
-        if not self.callbacks.has_stats or not self.scheduler.num_active:
+        finished, self._finished = self._finished, []
+        if not self.front_end.has_stats:
             return
         kv, cpu, gpu, pinned = self.scheduler.kv, *self.memory_usage
         is_v1 = self.config.model_type == TrtGptModelType.V1
@@ -266,11 +244,4 @@ class Worker:
             num_generation_tokens=len(step.generation_requests), num_paused=num_paused,
             num_empty_generation_slots=max(0, self._static_batch_size - num_scheduled) if is_v1 else 0,
             micro_batch_id=(step.iteration + 1) % 2 if self._forward_pool is not None else 0)
-        self.callbacks.report_stats(stats_json(stats, is_v1))
-
-    def _send(self, request_id, tensors, is_final: bool, err_msg: str) -> None:
-        self.callbacks.send_response(request_id, tensors, is_final, err_msg)
-
-
-def _log_dropped(item) -> None:
-    logger.warning("get_inference_requests_cb returned a %s, not an InferenceRequest; dropped", type(item).__name__)
+        self.front_end.report_stats(stats, frozenset(r.request_id for r in step.requests), self.scheduler, finished)

@@ -1,0 +1,139 @@
+"""The one engine builder of both front-ends (GptManager, Executor): engine, runner, KV manager,
+scheduler stages and model executor from an engine directory and the manager's parameters, and
+the worker thread that builds them and then runs the loop."""
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from runtime import Engine, ModelRunner
+from runtime.kv_cache_manager import KvCacheManager
+
+from .capacity_scheduler import make_capacity_scheduler
+from .kv_sizing import num_kv_blocks
+from .micro_batch_scheduler import MicroBatchScheduler
+from .model_executor import ModelExecutor
+from .options import KvCacheConfig, SchedulerPolicy, TrtGptModelOptionalParams, TrtGptModelType
+from .scheduler import Scheduler
+from .validation import AdmissionLimits
+from .worker import Worker, WorkerConfig
+
+logger = logging.getLogger(__name__)
+
+_live_workers: "weakref.WeakSet[Worker]" = weakref.WeakSet()
+
+
+def _shutdown_live_workers() -> None:
+    for worker in list(_live_workers):
+        worker.shutdown()
+
+
+# Runs before the interpreter joins non-daemon threads, so a forgotten front-end cannot hang exit.
+if hasattr(threading, "_register_atexit"):
+    threading._register_atexit(_shutdown_live_workers)
+
+
+@dataclass(frozen=True)
+class EngineCore:
+    """What a front-end wraps into a Worker."""
+    scheduler: Scheduler
+    executor: ModelExecutor
+    limits: AdmissionLimits
+    worker_config: WorkerConfig
+
+
+def start_worker(build: Callable[[], Worker], thread_name: str) -> Worker:
+    """Run `build` on a new thread, which then runs the worker's loop; returns the worker once
+    built, or raises what the build raised.
+
+    NOTE: the model is built on the thread that then runs it, so the caller's thread runs no
+    parallel torch work for us. On CPU a second thread that has run torch's OpenMP regions keeps
+    its thread pool alive; libgomp then counts more threads than cores and stops spinning between
+    parallel regions: generation steps measured 1.7x slower (2 cores, default model, batch 34)
+    when the caller had built the model."""
+    ready: Future = Future()
+    abandoned, built = threading.Event(), []
+
+    def build_and_run() -> None:
+        try:
+            worker = build()
+        except BaseException as e:  # noqa: BLE001 - raised again on the caller's thread
+            ready.set_exception(e)
+            return
+        built.append(worker)
+        ready.set_result(worker)
+        if not abandoned.is_set():
+            worker.run()
+
+    threading.Thread(target=build_and_run, name=thread_name).start()
+    try:
+        worker = ready.result()
+    except BaseException:
+        # The build failed, or the caller was interrupted (Ctrl-C) while it ran: a worker built
+        # after all must not keep the process alive.
+        abandoned.set()
+        for worker in built:
+            worker.shutdown()
+        raise
+    _live_workers.add(worker)
+    return worker
+
+
+def build_engine_core(engine_dir, model_type: TrtGptModelType, max_beam_width: int, policy: SchedulerPolicy,
+                      params: TrtGptModelOptionalParams) -> EngineCore:
+    """Everything that touches the engine; call it on the worker thread (see `start_worker`)."""
+    kv_config = params.kv_cache_config
+    _check_kv_cache_config(kv_config)
+    engine = Engine.from_dir(engine_dir)
+    build = engine.build_config
+    max_batch_size = _positive("max_batch_size", params.max_batch_size, build.max_batch_size)
+    max_num_tokens = _positive("max_num_tokens", params.max_num_tokens, build.max_num_tokens)
+    max_num_sequences = _positive("max_num_sequences", params.max_num_sequences, max_batch_size)
+    device = torch.device(params.device or ("cuda" if params.device_ids else "cpu"))
+    num_blocks = num_kv_blocks(engine, kv_config, max_num_sequences, device)
+    runner = ModelRunner(engine, num_blocks, kernels=params.kernel_backend, device=device,
+                         max_attention_window=kv_config.max_attention_window,
+                         sink_token_length=kv_config.sink_token_length)
+    # The block manager releases what the runner's window (the model's own included) hides.
+    kv = KvCacheManager(num_blocks, build.tokens_per_block, enable_block_reuse=bool(kv_config.enable_block_reuse),
+                        attention_window=runner.attention_window, sink_token_length=runner.sink_token_length)
+    enable_chunked_context, enable_trt_overlap = bool(params.enable_chunked_context), bool(params.enable_trt_overlap)
+    if model_type == TrtGptModelType.V1 and (enable_chunked_context or enable_trt_overlap):
+        logger.warning("enable_chunked_context and enable_trt_overlap have no effect with TrtGptModelType.V1 "
+                       "(static lockstep batches)")
+        enable_chunked_context = enable_trt_overlap = False
+    if model_type == TrtGptModelType.V1:  # static lockstep batches, whatever the policy
+        capacity = make_capacity_scheduler(SchedulerPolicy.STATIC_BATCH, kv, max_batch_size, max_num_tokens)
+    else:
+        capacity = make_capacity_scheduler(policy, kv, max_num_sequences)
+    limits = AdmissionLimits(
+        vocab_size=engine.model_config.vocab_size, max_input_len=build.max_input_len,
+        max_seq_len=build.max_seq_len, max_beam_width=max_beam_width, max_num_blocks=num_blocks,
+        tokens_per_block=build.tokens_per_block, gather_context_logits=build.gather_context_logits,
+        gather_generation_logits=build.gather_generation_logits)
+    config = WorkerConfig(model_type=model_type, max_num_sequences=max_num_sequences,
+                          enable_trt_overlap=enable_trt_overlap)
+    scheduler = Scheduler(kv, capacity, MicroBatchScheduler(max_batch_size, max_num_tokens, enable_chunked_context),
+                          separate_context_forward=model_type != TrtGptModelType.InflightFusedBatching)
+    return EngineCore(scheduler, ModelExecutor(runner, params.logits_post_processor_batched), limits, config)
+
+
+def _check_kv_cache_config(kv: KvCacheConfig) -> None:
+    for name, low in (("max_attention_window", 1), ("sink_token_length", 0)):
+        value = getattr(kv, name)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < low):
+            raise ValueError(f"KvCacheConfig.{name}: must be an integer >= {low} or None, got {value!r}")
+
+
+def _positive(name: str, value, default: int) -> int:
+    if value is None:
+        return default
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"TrtGptModelOptionalParams.{name}: must be a positive integer, got {value!r}")
+    return value
