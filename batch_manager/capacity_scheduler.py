@@ -19,8 +19,8 @@ class CapacityOutput:
 
 
 class CapacityScheduler:
-    """Base: GUARANTEED_NO_EVICT. A request is admitted (FIFO, never skipping the head of the
-    queue) only if the worst case of every admitted request fits: the most blocks it can hold
+    """Base: GUARANTEED_NO_EVICT. A request is admitted (by priority, higher first, FIFO among
+    equals; never skipping the head of that queue) only if the worst case of every admitted request fits: the most blocks it can hold
     at once (prompt + max_new_tokens, or less under an attention window).
 
     The promise with shared blocks: S = free - sum over running requests of (worst - held) never
@@ -46,9 +46,7 @@ class CapacityScheduler:
                 max(0, self._worst_case_blocks(r) - self.kv.num_blocks_held(r.request_id)) for r in running)
             if self.kv.attention_window is not None:
                 available -= self.kv.num_extra_refs
-            for r in requests:
-                if r.state != RequestState.WAITING:
-                    continue
+            for r in waiting_by_priority(requests):
                 cost = self._admission_cost(r)
                 if num_holding >= self.max_num_requests or cost > available:
                     break
@@ -85,6 +83,7 @@ class CapacityScheduler:
         self._num_starts += 1
         assert r.num_computed_tokens == 0
         r.num_computed_tokens = self.kv.acquire_cached_prefix(r.request_id, _reusable_tokens(r))
+        r.num_reused_blocks += r.num_computed_tokens // self.kv.tokens_per_block
 
     def _grow(self, r: LlmRequest) -> bool:
         """Release what the window hides, then cover every token of `r`'s next step (for every
@@ -108,6 +107,11 @@ def free_request_blocks(kv: KvCacheManager, r: LlmRequest) -> None:
     """Drop every block table of `r` (one per live beam) and its pending copies."""
     free_beams(kv, r.request_id, r.num_live_beams)
     r.pending_block_copies.clear()
+
+
+def waiting_by_priority(requests: list[LlmRequest]) -> list[LlmRequest]:
+    """The requests waiting for blocks (new or paused), higher priority first, FIFO among equals."""
+    return sorted((r for r in requests if r.state == RequestState.WAITING), key=lambda r: -r.priority)
 
 
 def _reusable_tokens(r: LlmRequest) -> list[int]:
@@ -135,7 +139,7 @@ class StaticBatchScheduler(CapacityScheduler):
         if self.max_num_tokens is None or any(r.holds_blocks for r in requests):
             return super().schedule(requests, in_flight)
         budget, admissible = self.max_num_tokens, []
-        for r in requests:
+        for r in waiting_by_priority(requests):
             if admissible and r.num_tokens > budget:
                 break
             budget -= r.num_tokens
@@ -144,12 +148,14 @@ class StaticBatchScheduler(CapacityScheduler):
 
 
 class MaxUtilizationScheduler(CapacityScheduler):
-    """Admit what fits now. When a running request needs a block and none is free, pause the most
-    recently started request (free its blocks; it resumes later by recomputing its tokens, or
-    by reusing them when block reuse is on)."""
+    """Admit what fits now, by priority. Running requests grow highest priority first (oldest
+    first among equals); when one needs a block and none is free, pause the lowest-priority
+    request, the most recently started among equals (free its blocks; it resumes later by
+    recomputing its tokens, or by reusing them when block reuse is on)."""
 
     def schedule(self, requests: list[LlmRequest], in_flight: frozenset[LlmRequest] = frozenset()) -> CapacityOutput:
-        running = sorted((r for r in requests if r.holds_blocks and r not in in_flight), key=lambda r: r.start_index)
+        running = sorted((r for r in requests if r.holds_blocks and r not in in_flight),
+                         key=lambda r: (-r.priority, r.start_index))
         out = CapacityOutput()
         num_holding = sum(1 for r in requests if r.holds_blocks)
         while running:
@@ -166,9 +172,7 @@ class MaxUtilizationScheduler(CapacityScheduler):
                 out.fitting.append(r)
         if out.paused:  # memory is short: admit nothing new this iteration
             return out
-        for r in requests:
-            if r.state != RequestState.WAITING:
-                continue
+        for r in waiting_by_priority(requests):
             prefix = self.kv.find_cached_prefix(_reusable_tokens(r))
             cost = (r.num_live_beams * self.kv.blocks_for_tokens(r.num_tokens) - len(prefix)
                     + sum(1 for b in prefix if self.kv.is_free(b)))

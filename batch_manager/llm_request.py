@@ -52,6 +52,7 @@ class LlmRequest:
     logits_post_processor: Callable | None = None
     use_batched_post_processor: bool = False  # the manager's batched logits post-processor applies
     arrival_index: int = 0  # admission order, for FIFO scheduling and pause priority
+    priority: float = 0.5   # in [0, 1]: admitted first when higher, paused first when lower
 
     state: RequestState = RequestState.WAITING
     generated: list[int] = field(default_factory=list)
@@ -60,6 +61,7 @@ class LlmRequest:
     context_chunk_size: int | None = None  # tokens of the next step when a context is chunked; None = all
     num_pauses: int = 0
     start_index: int = -1      # when it last started holding blocks (pause picks the largest)
+    num_reused_blocks: int = 0   # cached prefix blocks it took over, over all its starts
     finish_reason: FinishReason | None = None
     error: str | None = None
     log_probs: list[float] = field(default_factory=list)

@@ -73,6 +73,9 @@ class KvCacheManager:
         self.num_allocated_total = 0
         self.num_allocated_new = 0
         self.num_reused = 0
+        # KV-cache events (routers): sink.stored(parent_key, [(key, token ids), ...]) for a chain of
+        # newly cached blocks (parent_key b"" at the root), sink.removed([key]) for an evicted one.
+        self.event_sink = None
 
     # -- counts -------------------------------------------------------------------------------------
 
@@ -201,14 +204,25 @@ class KvCacheManager:
         hashes, blocks = self._holder_to_hashes[holder], self._holder_to_blocks[holder]
         start = len(hashes)
         parent = hashes[-1] if hashes else _ROOT_HASH
+        chain_parent, chain = parent, []   # consecutive newly cached blocks, for the event sink
         for j in range(start, num_computed_tokens // tpb):
             offset = (j - start) * tpb
-            parent = block_hash(parent, token_ids[offset:offset + tpb])
-            hashes.append(parent)
+            key = block_hash(parent, token_ids[offset:offset + tpb])
+            hashes.append(key)
             b = blocks[j]
-            if b != RELEASED and parent not in self._hash_to_block and self._block_to_hash[b] is None:
-                self._hash_to_block[parent] = b
-                self._block_to_hash[b] = parent
+            if b != RELEASED and key not in self._hash_to_block and self._block_to_hash[b] is None:
+                self._hash_to_block[key] = b
+                self._block_to_hash[b] = key
+                if self.event_sink is not None:
+                    if chain and chain[-1][0] != parent:
+                        self.event_sink.stored(chain_parent, chain)
+                        chain = []
+                    if not chain:
+                        chain_parent = parent
+                    chain.append((key, list(token_ids[offset:offset + tpb])))
+            parent = key
+        if chain:
+            self.event_sink.stored(chain_parent, chain)
 
     def num_stored_tokens(self, holder: Hashable) -> int:
         """Tokens of the holder covered by its registered (or duplicate) full-block keys."""
@@ -252,6 +266,8 @@ class KvCacheManager:
         else:
             b, _ = self._free_cached.popitem(last=False)   # evict the least recently used
             del self._hash_to_block[self._block_to_hash[b]]
+            if self.event_sink is not None:
+                self.event_sink.removed([self._block_to_hash[b]])
             self._block_to_hash[b] = None
         self._ref_counts[b] = 1
         return b
