@@ -53,6 +53,7 @@ class LlmRequest:
     use_batched_post_processor: bool = False  # the manager's batched logits post-processor applies
     arrival_index: int = 0  # admission order, for FIFO scheduling and pause priority
     priority: float = 0.5   # in [0, 1]: admitted first when higher, paused first when lower
+    client_id: Any = None   # the Executor request's, handed to logits post-processors
 
     state: RequestState = RequestState.WAITING
     generated: list[int] = field(default_factory=list)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -23,6 +23,7 @@ class _Entry:
     state: DecodeState
     post_processor: Callable | None
     use_batched_post_processor: bool
+    client_id: Any = None
 
 
 class RequestDecoder:
@@ -36,7 +37,8 @@ class RequestDecoder:
 
     def open(self, request_id: int, new: NewRequest) -> None:
         state = DecodeState(new.decoding_params, list(new.prompt), new.max_new_tokens, new.return_generation_logits)
-        self._entries[request_id] = _Entry(state, new.logits_post_processor, new.use_batched_post_processor)
+        self._entries[request_id] = _Entry(state, new.logits_post_processor, new.use_batched_post_processor,
+                                           new.client_id)
 
     def release(self, request_ids) -> None:
         for request_id in request_ids:
@@ -80,7 +82,7 @@ class RequestDecoder:
                 continue
             view = logits[lo:hi]
             try:
-                _write_back(view, e.post_processor(r.request_id, view, token_ids(e), None, None))
+                _write_back(view, e.post_processor(r.request_id, view, token_ids(e), None, e.client_id))
             except Exception as exc:  # noqa: BLE001 - user code fails only its own request
                 logger.exception("logits post-processor of request %s raised", r.request_id)
                 failures[r.request_id] = f"logits post-processor raised: {exc!r}"
@@ -91,7 +93,7 @@ class RequestDecoder:
             try:
                 outputs = self.batched_post_processor([requests[i].request_id for i in batched], views,
                                                       [token_ids(entries[i]) for i in batched],
-                                                      None, [None] * len(batched))
+                                                      None, [entries[i].client_id for i in batched])
                 for view, output in zip(views, outputs or []):
                     _write_back(view, output)
             except Exception as exc:  # noqa: BLE001 - fails the requests it was called for

@@ -39,6 +39,10 @@ class Scheduler:
         """The request, for reading (responses, stats); only the scheduler changes it."""
         return self._requests.get(request_id)
 
+    def active_requests(self) -> list[LlmRequest]:
+        """Every active request in admission order, for reading (stats)."""
+        return list(self._requests.values())
+
     def add(self, r: LlmRequest) -> None:
         assert r.request_id not in self._requests, f"request {r.request_id} is active already"
         self._requests[r.request_id] = r
@@ -110,7 +114,7 @@ class Scheduler:
         if not r.has_decoder_state:
             r.has_decoder_state = True
             new = NewRequest(r.decoding, tuple(r.prompt), r.max_new_tokens, r.return_generation_logits,
-                             r.logits_post_processor, r.use_batched_post_processor)
+                             r.logits_post_processor, r.use_batched_post_processor, r.client_id)
         return ScheduledRequest(
             request_id=r.request_id,
             token_ids=tuple(tuple(r.beam_token_slice(b, past, past + n)) for b in beams),

@@ -17,6 +17,7 @@ class NewRequest:
     return_generation_logits: bool = False
     logits_post_processor: Callable | None = None
     use_batched_post_processor: bool = False
+    client_id: Any = None                # the Executor request's client_id, handed to post-processors
 
 
 @dataclass(frozen=True)

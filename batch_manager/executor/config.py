@@ -1,0 +1,120 @@
+"""The Executor's configuration types (names of `tensorrt_llm.bindings.executor`) and their
+mapping onto the engine core's parameters (`TrtGptModelOptionalParams`). Mutable attribute bags,
+as in the bindings."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..options import KvCacheConfig as _CoreKvCacheConfig
+from ..options import SchedulerConfig, SchedulerPolicy, TrtGptModelOptionalParams, TrtGptModelType
+
+CapacitySchedulerPolicy = SchedulerPolicy
+__all__ = ["BatchingType", "CapacitySchedulerPolicy", "ExecutorConfig", "KvCacheConfig", "LogitsPostProcessorConfig",
+           "ModelType", "ParallelConfig", "PeftCacheConfig", "SchedulerConfig", "core_params"]
+
+
+class ModelType(enum.IntEnum):
+    DECODER_ONLY = 0
+
+
+class BatchingType(enum.IntEnum):
+    STATIC = 0      # lockstep batches (TrtGptModelType.V1)
+    INFLIGHT = 1    # in-flight fused batching
+
+
+@dataclass
+class KvCacheConfig(_CoreKvCacheConfig):
+    """The core's KV-cache config, plus `event_buffer_max_size`: when > 0, the KV manager's
+    STORED / REMOVED events are kept (the newest N) for `Executor.get_latest_kv_cache_events`."""
+    event_buffer_max_size: int = 0
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallelism: int = 1
+    device_ids: list[int] | None = None
+
+
+@dataclass
+class PeftCacheConfig:
+    """Accepted for source compatibility; this version has no LoRA, so nothing is cached."""
+    host_cache_size: int | None = None
+    num_host_module_layer: int = 0
+    num_device_module_layer: int = 0
+    device_cache_percent: float | None = None
+    max_adapter_size: int = 64
+    optimal_adapter_size: int = 8
+
+
+@dataclass
+class LogitsPostProcessorConfig:
+    """processor_map: name -> fn(request_id, logits [beams, V], token_ids [per beam], stream,
+    client_id), chosen per request by `Request.logits_post_processor_name`; processor_batched:
+    fn(request_ids, logits list, token_ids list, stream, client_ids) for the requests named
+    `Request.BATCHED_POST_PROCESSOR_NAME`. Both may change the logits in place or return new ones."""
+    processor_map: dict[str, Callable] | None = None
+    processor_batched: Callable | None = None
+    replicate: bool = True
+
+
+@dataclass
+class ExecutorConfig:
+    max_beam_width: int = 1
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    kv_cache_config: KvCacheConfig = field(default_factory=KvCacheConfig)
+    enable_chunked_context: bool = False
+    normalize_log_probs: bool = True
+    iter_stats_max_iterations: int = 1000
+    request_stats_max_iterations: int = 0
+    batching_type: BatchingType = BatchingType.INFLIGHT
+    max_batch_size: int | None = None
+    max_num_tokens: int | None = None
+    max_queue_size: int | None = None      # None: unbounded
+    parallel_config: ParallelConfig | None = None
+    peft_cache_config: PeftCacheConfig | None = None
+    logits_post_processor_config: LogitsPostProcessorConfig | None = None
+    kernel_backend: str | None = None      # as TrtGptModelOptionalParams.kernel_backend
+    device: str | None = None              # as TrtGptModelOptionalParams.device
+
+
+def _non_negative_int(name: str, value: Any, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"ExecutorConfig.{name}: must be an integer >= 0{' or None' if allow_none else ''}, "
+                         f"got {value!r}")
+
+
+def core_params(config: ExecutorConfig) -> tuple[TrtGptModelType, SchedulerPolicy, TrtGptModelOptionalParams]:
+    """The engine core's model type, policy and parameters for `config`; ValueError naming the
+    field for a bad one."""
+    if not isinstance(config, ExecutorConfig):
+        raise ValueError(f"executor_config: expected an ExecutorConfig, got {type(config).__name__}")
+    if not isinstance(config.max_beam_width, int) or isinstance(config.max_beam_width, bool) \
+            or config.max_beam_width < 1:
+        raise ValueError(f"ExecutorConfig.max_beam_width: must be an integer >= 1, got {config.max_beam_width!r}")
+    for name in ("iter_stats_max_iterations", "request_stats_max_iterations"):
+        _non_negative_int(name, getattr(config, name))
+    _non_negative_int("max_queue_size", config.max_queue_size, allow_none=True)
+    if config.max_queue_size == 0:
+        raise ValueError("ExecutorConfig.max_queue_size: must be positive or None, got 0")
+    _non_negative_int("kv_cache_config.event_buffer_max_size",
+                      getattr(config.kv_cache_config, "event_buffer_max_size", 0))
+    parallel = config.parallel_config
+    if parallel is not None and parallel.tensor_parallelism != 1:
+        raise ValueError(f"ParallelConfig.tensor_parallelism: {parallel.tensor_parallelism!r} not supported "
+                         "by this version (1 only)")
+    model_type = TrtGptModelType.V1 if BatchingType(config.batching_type) == BatchingType.STATIC \
+        else TrtGptModelType.InflightFusedBatching
+    post = config.logits_post_processor_config
+    params = TrtGptModelOptionalParams(
+        kv_cache_config=config.kv_cache_config, enable_chunked_context=bool(config.enable_chunked_context),
+        normalize_log_probs=bool(config.normalize_log_probs), max_batch_size=config.max_batch_size,
+        max_num_tokens=config.max_num_tokens, max_beam_width=config.max_beam_width,
+        scheduler_config=config.scheduler_config, kernel_backend=config.kernel_backend, device=config.device,
+        device_ids=parallel.device_ids if parallel is not None else None,
+        logits_post_processor_batched=post.processor_batched if post is not None else None)
+    policy = SchedulerPolicy(config.scheduler_config.capacity_scheduler_policy)
+    return model_type, policy, params

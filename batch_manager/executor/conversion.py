@@ -1,0 +1,189 @@
+"""The Executor's two conversions: a `Request` into a validated LlmRequest (on the caller's
+thread, through the same checks as GptManager's tensors: `validation.make_llm_request` and
+`DecodingParams.validate`), and an LlmRequest into a `Result` (on the worker thread, from the
+same response tensors GptManager sends)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from runtime.decoding import DecodingParams
+
+from .. import tensor_names as tn
+from ..llm_request import FinishReason as CoreFinishReason
+from ..llm_request import LlmRequest
+from ..responses import response_tensors
+from ..validation import AdmissionLimits, RequestError, check_decoding, check_prompt, make_llm_request
+from .request import FinishReason, OutputConfig, Request, Result, SamplingConfig
+
+# DecodingParams field -> (SamplingConfig field, default when None).
+_SAMPLING_FIELDS = {
+    "beam_width": ("beam_width", 1), "top_k": ("top_k", 0), "top_p": ("top_p", 0.0),
+    "top_p_min": ("top_p_min", 1e-6), "top_p_reset_id": ("top_p_reset_ids", -1), "top_p_decay": ("top_p_decay", 1.0),
+    "random_seed": ("seed", 0), "temperature": ("temperature", 1.0), "min_length": ("min_tokens", 0),
+    "diversity_rate": ("beam_search_diversity_rate", 0.0), "repetition_penalty": ("repetition_penalty", 1.0),
+    "length_penalty": ("length_penalty", 0.0), "early_stopping": ("early_stopping", 1),
+    "no_repeat_ngram_size": ("no_repeat_ngram_size", 0), "presence_penalty": ("presence_penalty", 0.0),
+    "frequency_penalty": ("frequency_penalty", 0.0),
+}
+_NAMES = {field: f"sampling_config.{name}" for field, (name, _) in _SAMPLING_FIELDS.items()}
+_NAMES.update(end_id="end_id", embedding_bias="embedding_bias")
+_FIELD_NAMES = {"max_new_tokens": "max_tokens", "pad_id": "pad_id",
+                "return_context_logits": "output_config.return_context_logits",
+                "return_generation_logits": "output_config.return_generation_logits"}
+_UNSUPPORTED = ("external_draft_tokens_config", "prompt_tuning_config", "lora_config")
+
+
+@dataclass(frozen=True)
+class OutputOptions:
+    """What shapes a request's results, beside its LlmRequest."""
+    exclude_input_from_output: bool
+    return_all_generated_tokens: bool
+
+
+def to_llm_request(request: Request, request_id: int, limits: AdmissionLimits, normalize_log_probs: bool,
+                   post_processors: dict[str, Callable], has_batched_post_processor: bool
+                   ) -> tuple[LlmRequest, OutputOptions]:
+    """ValueError (RequestError) naming the field and the value for bad input."""
+    if not isinstance(request, Request):
+        raise RequestError(f"request: expected an executor Request, got {type(request).__name__}")
+    for name in _UNSUPPORTED:
+        if getattr(request, name) is not None:
+            raise RequestError(f"{name}: not supported by this version")
+    prompt = _token_ids("input_token_ids", request.input_token_ids)
+    check_prompt(prompt, limits, "input_token_ids")
+    if request.max_tokens is None:
+        raise RequestError("max_tokens: missing (required)")
+    max_tokens = _int("max_tokens", request.max_tokens)
+    output = request.output_config
+    if not isinstance(output, OutputConfig):
+        raise RequestError(f"output_config: expected an OutputConfig, got {type(output).__name__}")
+    priority = request.priority
+    if isinstance(priority, bool) or not isinstance(priority, (int, float)) or not 0.0 <= priority <= 1.0:
+        raise RequestError(f"priority: {priority!r} outside [0, 1]")
+    post_processor, use_batched = _post_processor(request.logits_post_processor_name, post_processors,
+                                                 has_batched_post_processor)
+    r = make_llm_request(
+        request_id, prompt, max_tokens, limits, names=_FIELD_NAMES,
+        pad_id=lambda: 0 if request.pad_id is None else _int("pad_id", request.pad_id),
+        decoding=lambda: check_decoding(_decoding_params(request, limits, normalize_log_probs), limits, _NAMES),
+        output_flags=lambda: {name: bool(getattr(output, name)) for name in
+                              ("return_log_probs", "return_context_logits", "return_generation_logits")},
+        is_streaming=bool(request.streaming), logits_post_processor=post_processor,
+        use_batched_post_processor=use_batched, priority=float(priority), client_id=request.client_id)
+    return r, OutputOptions(bool(output.exclude_input_from_output), bool(request.return_all_generated_tokens))
+
+
+def _int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RequestError(f"{name}: expected an integer, got {value!r}")
+    return value
+
+
+def _token_ids(name: str, value) -> list[int]:
+    if isinstance(value, torch.Tensor):
+        if value.dtype.is_floating_point or value.dim() != 1:
+            raise RequestError(f"{name}: expected a 1-D integer tensor, got {value.dtype} {list(value.shape)}")
+        return value.tolist()
+    if not isinstance(value, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise RequestError(f"{name}: expected a list of token ids (ints), got {type(value).__name__}")
+    return list(value)
+
+
+def _words(name: str, value, vocab_size: int) -> tuple[tuple[int, ...], ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, (list, tuple)):
+        raise RequestError(f"{name}: expected a list of words (lists of token ids), got {type(value).__name__}")
+    words = []
+    for word in value:
+        tokens = _token_ids(name, word)
+        if not tokens:
+            raise RequestError(f"{name}: empty word")
+        bad = [t for t in tokens if not 0 <= t < vocab_size]
+        if bad:
+            raise RequestError(f"{name}: token id {bad[0]} outside [0, {vocab_size})")
+        words.append(tuple(tokens))
+    return tuple(words)
+
+
+def _decoding_params(request: Request, limits: AdmissionLimits, normalize_log_probs: bool) -> DecodingParams:
+    sampling = request.sampling_config
+    if not isinstance(sampling, SamplingConfig):
+        raise RequestError(f"sampling_config: expected a SamplingConfig, got {type(sampling).__name__}")
+    values = {}
+    for field, (name, default) in _SAMPLING_FIELDS.items():
+        value = getattr(sampling, name)
+        values[field] = default if value is None else value
+    if isinstance(values["early_stopping"], bool):
+        values["early_stopping"] = int(values["early_stopping"])
+    if request.end_id is not None:
+        _int("end_id", request.end_id)
+    bias = request.embedding_bias
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor):
+            raise RequestError(f"embedding_bias: expected a float tensor [{limits.vocab_size}], got "
+                               f"{type(bias).__name__}")
+        bias = bias.detach().cpu()
+        if bias.dim() == 2 and bias.shape[0] == 1:
+            bias = bias[0]
+        if bias.dtype.is_floating_point:   # shape and finiteness: DecodingParams.validate
+            bias = bias.to(torch.float32).clone()
+    return DecodingParams(**values, end_id=request.end_id, normalize_log_probs=normalize_log_probs,
+                          bad_words=_words("bad_words", request.bad_words, limits.vocab_size),
+                          stop_words=_words("stop_words", request.stop_words, limits.vocab_size),
+                          embedding_bias=bias)
+
+
+def _post_processor(name, post_processors: dict[str, Callable], has_batched: bool) -> tuple[Callable | None, bool]:
+    """-> (per-request processor, whether the batched one applies)."""
+    if name is None:
+        return None, False
+    if name == Request.BATCHED_POST_PROCESSOR_NAME:
+        if has_batched:
+            return None, True
+        raise RequestError(f"logits_post_processor_name: {name!r}, but the executor has no processor_batched")
+    if name not in post_processors:
+        raise RequestError(f"logits_post_processor_name: {name!r} not in the executor's processor_map "
+                           f"{sorted(post_processors)}")
+    return post_processors[name], False
+
+
+# -- results ----------------------------------------------------------------------------------------
+
+_FINISH_REASONS = {CoreFinishReason.END_ID: FinishReason.END_ID, CoreFinishReason.STOP_WORDS: FinishReason.STOP_WORDS,
+                   CoreFinishReason.LENGTH: FinishReason.LENGTH, CoreFinishReason.STOPPED: FinishReason.CANCELLED}
+
+
+def to_result(r: LlmRequest, is_final: bool, options: OutputOptions) -> Result:
+    """The next result of `r` (streamed or final), from GptManager's response tensors."""
+    if options.return_all_generated_tokens and r.is_streaming and r.beam_width == 1:
+        r.num_sent_tokens = 0   # every generated token so far, not only the new ones
+    tensors = {t.name: t.tensor for t in response_tensors(r, options.exclude_input_from_output)}
+    lengths = tensors[tn.SEQUENCE_LENGTH][0].tolist()
+    output_ids = tensors[tn.OUTPUT_IDS][0]
+    tokens = [output_ids[b, :n].tolist() for b, n in enumerate(lengths)]
+    result = Result(is_final=is_final, output_token_ids=tokens, finish_reasons=_finish_reasons(r, is_final),
+                    decoding_iter=len(r.generated))
+    if r.return_log_probs:
+        result.cum_log_probs = tensors[tn.CUM_LOG_PROBS][0]
+        result.log_probs = tensors[tn.OUTPUT_LOG_PROBS][0]
+    if r.return_context_logits and is_final:
+        result.context_logits = tensors[tn.CONTEXT_LOGITS][0]
+    if r.return_generation_logits:
+        result.generation_logits = tensors[tn.GENERATION_LOGITS][0]
+    return result
+
+
+def _finish_reasons(r: LlmRequest, is_final: bool) -> list[FinishReason]:
+    num_beams = max(1, len(r.beam_tokens)) if r.beam_width > 1 else 1
+    if not is_final:
+        return [FinishReason.NOT_FINISHED] * num_beams
+    reason = _FINISH_REASONS.get(r.finish_reason, FinishReason.NOT_FINISHED)
+    if r.beam_width == 1 or reason == FinishReason.CANCELLED or not r.beam_tokens:
+        return [reason] * (num_beams if r.beam_width == 1 else r.beam_width)
+    # A beam shorter than max_new_tokens ended on the end id (or a stop word); the others on length.
+    early = FinishReason.STOP_WORDS if reason == FinishReason.STOP_WORDS else FinishReason.END_ID
+    return [FinishReason.LENGTH if len(b) >= r.max_new_tokens else early for b in r.beam_tokens]

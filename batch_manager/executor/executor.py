@@ -1,0 +1,153 @@
+"""Executor: the seeds' enqueue / await / cancel front-end over the engine core (the same worker
+loop, scheduler and model executor as GptManager, built by the same builder). A thin facade: the
+worker owns the state, `ExecutorFrontEnd` the queues between it and the callers."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from datetime import timedelta
+from typing import AsyncIterator
+
+from ..engine_builder import build_engine_core, start_worker
+from ..worker import Worker
+from .config import ExecutorConfig, ModelType, core_params
+from .front_end import ExecutorFrontEnd
+from .kv_events import KvCacheEvent, KvEventBuffer
+from .request import Request, Response, Result
+from .stats import IterationStats, RequestStatsPerIteration
+
+logger = logging.getLogger(__name__)
+
+
+def _seconds(timeout) -> float | None:
+    if timeout is None:
+        return None
+    if isinstance(timeout, timedelta):
+        return timeout.total_seconds()
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0:
+        raise ValueError(f"timeout: expected a datetime.timedelta, seconds >= 0 or None, got {timeout!r}")
+    return float(timeout)
+
+
+class Executor:
+    def __init__(self, model_path: str | os.PathLike, model_type: ModelType = ModelType.DECODER_ONLY,
+                 executor_config: ExecutorConfig | None = None):
+        ModelType(model_type)
+        config = executor_config if executor_config is not None else ExecutorConfig()
+        core_model_type, policy, params = core_params(config)
+        post = config.logits_post_processor_config
+        front_end = ExecutorFrontEnd(
+            config.max_queue_size, config.iter_stats_max_iterations, config.request_stats_max_iterations,
+            bool(config.normalize_log_probs), (post.processor_map or {}) if post is not None else {},
+            post is not None and post.processor_batched is not None, core_model_type.name == "V1")
+        num_events = config.kv_cache_config.event_buffer_max_size if hasattr(
+            config.kv_cache_config, "event_buffer_max_size") else 0
+        kv_events = KvEventBuffer(num_events) if num_events else None
+        max_beam_width = config.max_beam_width
+
+        def build() -> Worker:   # on the worker thread; no reference to the Executor (collectable)
+            core = build_engine_core(model_path, core_model_type, max_beam_width, policy, params)
+            core.scheduler.kv.event_sink = kv_events
+            front_end.limits = core.limits
+            return Worker(core.worker_config, core.scheduler, core.executor, front_end)
+
+        self._front_end, self._kv_events = front_end, kv_events
+        self._worker = start_worker(build, "ExecutorWorker")
+
+    # -- requests --------------------------------------------------------------------------------------
+
+    def enqueue_request(self, request: Request) -> int:
+        """-> the request's id. ValueError naming the field for bad input (nothing is queued);
+        RuntimeError after shutdown or with max_queue_size requests waiting."""
+        return self._front_end.enqueue([request])[0]
+
+    def enqueue_requests(self, requests: list[Request]) -> list[int]:
+        """All or nothing: one bad request raises and none is queued."""
+        return self._front_end.enqueue(list(requests))
+
+    def cancel_request(self, request_id: int) -> None:
+        """The request ends with what it has; its final result has FinishReason.CANCELLED."""
+        self._front_end.cancel(request_id)
+
+    def await_responses(self, id_or_ids=None, timeout=None):
+        """await_responses(timeout=None) -> the ready responses of any request (waits for one);
+        await_responses(id, timeout) -> those of one request (an error response for an unknown
+        id); await_responses([ids], timeout) -> a list per id. timeout: timedelta, seconds, or
+        None (wait); [] when it passes."""
+        if isinstance(id_or_ids, timedelta):
+            id_or_ids, timeout = None, id_or_ids
+        timeout_s = _seconds(timeout)
+        store = self._front_end.responses
+        if id_or_ids is None:
+            return store.await_any(timeout_s)
+        if isinstance(id_or_ids, (list, tuple)):
+            return [store.await_id(request_id, timeout_s) for request_id in id_or_ids]
+        return store.await_id(id_or_ids, timeout_s)
+
+    def get_num_responses_ready(self, request_id: int | None = None) -> int:
+        return self._front_end.responses.num_ready(request_id)
+
+    async def generate_async(self, request: Request) -> AsyncIterator[Result]:
+        """The results of one request as they come; raises RuntimeError with an error response's
+        message. Cancelling the task (or closing the generator early) cancels the request."""
+        loop, ready = asyncio.get_running_loop(), asyncio.Event()
+        request_id = self.enqueue_request(request)
+        store = self._front_end.responses
+        store.listen(request_id, lambda: loop.call_soon_threadsafe(ready.set))
+        done = False
+        try:
+            while not done:
+                responses = store.await_id(request_id, 0)
+                if not responses:
+                    await ready.wait()
+                    ready.clear()
+                    continue
+                for response in responses:
+                    if response.has_error():
+                        done = True
+                        raise RuntimeError(f"request {request_id}: {response.error_msg}")
+                    done = response.result.is_final
+                    yield response.result
+        finally:
+            if not done:
+                self.cancel_request(request_id)
+                store.abandon(request_id)
+            store.listen(request_id, None)
+
+    # -- state and statistics ---------------------------------------------------------------------
+
+    def can_enqueue_requests(self) -> bool:
+        return not self._front_end.requests.closed and self._worker.is_running
+
+    @property
+    def fatal_error(self) -> str | None:
+        return self._worker.fatal_error
+
+    def get_latest_iteration_stats(self) -> list[IterationStats]:
+        """The iterations since the last call (at most iter_stats_max_iterations, newest last)."""
+        return self._front_end.stats.drain_iterations()
+
+    def get_latest_request_stats(self) -> list[RequestStatsPerIteration]:
+        """Per iteration since the last call, the stats of every request (request_stats_max_iterations > 0)."""
+        return self._front_end.stats.drain_requests()
+
+    def get_latest_kv_cache_events(self, timeout=None) -> list[KvCacheEvent]:
+        if self._kv_events is None:
+            raise RuntimeError("KV-cache events are off: set KvCacheConfig(event_buffer_max_size=N)")
+        return self._kv_events.get_latest(_seconds(timeout))
+
+    def shutdown(self) -> None:
+        """Refuse new requests, finish every queued and running one, join the worker. Idempotent."""
+        self._front_end.close()
+        self._worker.shutdown()
+
+    def __enter__(self) -> "Executor":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        if getattr(self, "_worker", None) is not None:
+            self.shutdown()

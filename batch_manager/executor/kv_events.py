@@ -1,0 +1,70 @@
+"""KV-cache events for cache-aware routers: the bounded buffer the KV manager's event sink
+writes on the worker thread and `Executor.get_latest_kv_cache_events` drains on any thread."""
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+
+class KvCacheEventType(enum.Enum):
+    STORED = "stored"     # full blocks of computed KV became reusable
+    REMOVED = "removed"   # cached blocks were evicted
+
+
+@dataclass(frozen=True)
+class KvCacheEvent:
+    """A block hash is the 128-bit key of the block's whole prefix (kv_cache_manager.block_hash)
+    as an int. STORED: a chain of blocks, `parent_hash` the key of the block before the first
+    (None at the start of a sequence), `tokens` the token ids of each block. REMOVED: hashes only."""
+    event_id: int
+    type: KvCacheEventType
+    block_hashes: tuple[int, ...]
+    parent_hash: int | None = None
+    tokens: tuple[tuple[int, ...], ...] = ()
+
+
+def _key(key: bytes) -> int:
+    return int.from_bytes(key, "big")
+
+
+class KvEventBuffer:
+    """The newest `max_size` events (older ones are dropped when the consumer falls behind)."""
+
+    def __init__(self, max_size: int):
+        if max_size <= 0:
+            raise ValueError(f"event_buffer_max_size: must be positive, got {max_size}")
+        self._events: deque[KvCacheEvent] = deque(maxlen=max_size)
+        self._ready = threading.Condition()
+        self._num_events = 0
+
+    # The KV manager's sink (worker thread).
+    def stored(self, parent_key: bytes, blocks: list[tuple[bytes, list[int]]]) -> None:
+        self._add(KvCacheEventType.STORED, tuple(_key(k) for k, _ in blocks),
+                  _key(parent_key) if parent_key else None, tuple(tuple(tokens) for _, tokens in blocks))
+
+    def removed(self, keys: list[bytes]) -> None:
+        self._add(KvCacheEventType.REMOVED, tuple(_key(k) for k in keys))
+
+    def _add(self, kind: KvCacheEventType, hashes: tuple[int, ...], parent: int | None = None,
+             tokens: tuple = ()) -> None:
+        with self._ready:
+            self._events.append(KvCacheEvent(self._num_events, kind, hashes, parent, tokens))
+            self._num_events += 1
+            self._ready.notify_all()
+
+    def get_latest(self, timeout_s: float | None) -> list[KvCacheEvent]:
+        """Every buffered event, oldest first, after waiting up to `timeout_s` (None: until one
+        arrives) for the first; [] on timeout."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._ready:
+            while not self._events:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return []
+                self._ready.wait(remaining)
+            events = list(self._events)
+            self._events.clear()
+            return events

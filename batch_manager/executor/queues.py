@@ -1,0 +1,151 @@
+"""The Executor's two thread-safe queues: requests waiting for the worker (by priority, bounded)
+and responses waiting for the user (per request id, with blocking waits)."""
+from __future__ import annotations
+
+import heapq
+import logging
+import threading
+import time
+from collections import deque
+from typing import Callable
+
+from ..llm_request import LlmRequest
+from .request import Response
+
+logger = logging.getLogger(__name__)
+
+
+class QueueFullError(RuntimeError):
+    """enqueue_request with max_queue_size requests already waiting."""
+
+
+class RequestQueue:
+    """Validated requests not yet fetched by the worker: higher priority first, FIFO among equals."""
+
+    def __init__(self, max_size: int | None):
+        self.max_size = max_size
+        self.lock = threading.Lock()
+        self._heap: list[tuple[float, int, LlmRequest]] = []
+        self._num_pushed = 0
+        self.closed = False
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def push_all(self, requests: list[LlmRequest]) -> None:
+        """Call with `lock` held."""
+        if self.max_size is not None and len(self._heap) + len(requests) > self.max_size:
+            raise QueueFullError(f"Executor: the request queue is full (max_queue_size={self.max_size}, "
+                                 f"{len(self._heap)} waiting)")
+        for r in requests:
+            heapq.heappush(self._heap, (-r.priority, self._num_pushed, r))
+            self._num_pushed += 1
+
+    def pop(self, max_num: int) -> list[LlmRequest]:
+        with self.lock:
+            return [heapq.heappop(self._heap)[2] for _ in range(min(max_num, len(self._heap)))]
+
+    def remove(self, request_id: int) -> LlmRequest | None:
+        with self.lock:
+            for i, (_, _, r) in enumerate(self._heap):
+                if r.request_id == request_id:
+                    self._heap[i] = self._heap[-1]
+                    self._heap.pop()
+                    heapq.heapify(self._heap)
+                    return r
+            return None
+
+    def snapshot(self) -> list[LlmRequest]:
+        with self.lock:
+            return [r for _, _, r in sorted(self._heap)]
+
+
+class ResponseStore:
+    """Responses by request id, until `await_*` hands them over. An id is known from its enqueue
+    until its final response is handed over (or the id is abandoned)."""
+
+    def __init__(self):
+        self._ready = threading.Condition()
+        self._responses: dict[int, deque[Response]] = {}
+        self._known: set[int] = set()
+        self._abandoned: set[int] = set()
+        self._listeners: dict[int, Callable[[], None]] = {}
+        self._num_ready = 0
+
+    def register(self, request_id: int) -> None:
+        with self._ready:
+            self._known.add(request_id)
+
+    def push(self, response: Response, is_final: bool) -> None:
+        request_id = response.request_id
+        with self._ready:
+            if request_id in self._abandoned:
+                if is_final:
+                    self._abandoned.discard(request_id)
+                    self._known.discard(request_id)
+                return
+            self._responses.setdefault(request_id, deque()).append(response)
+            self._num_ready += 1
+            self._ready.notify_all()
+            listener = self._listeners.get(request_id)
+        if listener is not None:
+            try:
+                listener()
+            except Exception:  # noqa: BLE001 - a closed event loop must not fail the request
+                logger.exception("response listener of request %s raised", request_id)
+
+    def listen(self, request_id: int, listener: Callable[[], None] | None) -> None:
+        """`listener()` is called (on the worker thread) after each response of the id."""
+        with self._ready:
+            if listener is None:
+                self._listeners.pop(request_id, None)
+            else:
+                self._listeners[request_id] = listener
+
+    def abandon(self, request_id: int) -> None:
+        """Drop the id's ready responses and every later one; the id is forgotten at its final."""
+        with self._ready:
+            self._num_ready -= len(self._responses.pop(request_id, ()))
+            self._listeners.pop(request_id, None)
+            if request_id in self._known:
+                self._abandoned.add(request_id)
+
+    def num_ready(self, request_id: int | None = None) -> int:
+        with self._ready:
+            if request_id is None:
+                return self._num_ready
+            return len(self._responses.get(request_id, ()))
+
+    def await_any(self, timeout_s: float | None) -> list[Response]:
+        with self._ready:
+            if not self._wait(lambda: self._num_ready > 0, timeout_s):
+                return []
+            out = [resp for request_id in list(self._responses) for resp in self._take(request_id)]
+            return out
+
+    def await_id(self, request_id: int, timeout_s: float | None) -> list[Response]:
+        with self._ready:
+            if request_id not in self._known and not self._responses.get(request_id):
+                return [Response(request_id, error_msg=f"request id {request_id}: unknown (never enqueued, or its "
+                                                      "final response was already returned)")]
+            if not self._wait(lambda: bool(self._responses.get(request_id)), timeout_s):
+                return []
+            return self._take(request_id)
+
+    def _take(self, request_id: int) -> list[Response]:
+        """Call with the lock held."""
+        out = list(self._responses.pop(request_id, ()))
+        self._num_ready -= len(out)
+        if any(resp.has_error() or resp.result.is_final for resp in out):
+            self._known.discard(request_id)
+            self._listeners.pop(request_id, None)
+        return out
+
+    def _wait(self, predicate: Callable[[], bool], timeout_s: float | None) -> bool:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not predicate():
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                return False
+            self._ready.wait(remaining)
+        return True

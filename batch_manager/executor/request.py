@@ -1,0 +1,151 @@
+"""What users hand the Executor (`Request`, `SamplingConfig`, `OutputConfig` and the feature
+configs) and what they get back (`Response`, `Result`, `FinishReason`). Plain values: checked by
+`conversion.to_llm_request` at `Executor.enqueue_request`."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+def _alias(kwargs: dict, old: str, new: str, value):
+    """`value` of the new name, or that of the older one (not both)."""
+    if old not in kwargs:
+        return value
+    old_value = kwargs.pop(old)
+    if value is not None and old_value is not None and value != old_value:
+        raise ValueError(f"{new}: given twice, as {new}={value!r} and {old}={old_value!r}")
+    return old_value if old_value is not None else value
+
+
+def _no_more(kwargs: dict, cls: str) -> None:
+    if kwargs:
+        raise TypeError(f"{cls}: unexpected arguments {sorted(kwargs)}")
+
+
+class SamplingConfig:
+    """None = the default of the field (DecodingParams). `random_seed` and `min_length` are the
+    older names of `seed` and `min_tokens`."""
+    FIELDS = ("beam_width", "top_k", "top_p", "top_p_min", "top_p_reset_ids", "top_p_decay", "seed", "temperature",
+              "min_tokens", "beam_search_diversity_rate", "repetition_penalty", "length_penalty",
+              "early_stopping", "no_repeat_ngram_size", "presence_penalty", "frequency_penalty")
+
+    def __init__(self, beam_width=1, top_k=None, top_p=None, top_p_min=None, top_p_reset_ids=None,
+                 top_p_decay=None, seed=None, temperature=None, min_tokens=None, beam_search_diversity_rate=None,
+                 repetition_penalty=None, length_penalty=None, early_stopping=None, no_repeat_ngram_size=None,
+                 presence_penalty=None, frequency_penalty=None, **older_names):
+        seed = _alias(older_names, "random_seed", "seed", seed)
+        min_tokens = _alias(older_names, "min_length", "min_tokens", min_tokens)
+        _no_more(older_names, "SamplingConfig")
+        values = locals()
+        for name in self.FIELDS:
+            setattr(self, name, values[name])
+
+    random_seed = property(lambda self: self.seed, lambda self, v: setattr(self, "seed", v))
+    min_length = property(lambda self: self.min_tokens, lambda self, v: setattr(self, "min_tokens", v))
+
+    def __repr__(self) -> str:
+        set_fields = ", ".join(f"{n}={getattr(self, n)!r}" for n in self.FIELDS if getattr(self, n) is not None)
+        return f"SamplingConfig({set_fields})"
+
+
+@dataclass
+class OutputConfig:
+    return_log_probs: bool = False
+    return_context_logits: bool = False
+    return_generation_logits: bool = False
+    exclude_input_from_output: bool = False
+
+
+@dataclass
+class ExternalDraftTokensConfig:
+    tokens: list[int]
+    logits: Any = None
+    acceptance_threshold: float | None = None
+
+
+@dataclass
+class PromptTuningConfig:
+    embedding_table: Any
+
+
+@dataclass
+class LoraConfig:
+    task_id: int
+    weights: Any = None
+    config: Any = None
+
+
+class Request:
+    """One generation request. `max_new_tokens` is the older name of `max_tokens`. Word lists
+    are lists of words, each a list of token ids; `embedding_bias` a float tensor [V]; `priority`
+    in [0, 1]. `logits_post_processor_name` names an entry of the executor's
+    `LogitsPostProcessorConfig.processor_map`, or `BATCHED_POST_PROCESSOR_NAME` for its batched
+    processor."""
+    BATCHED_POST_PROCESSOR_NAME = "batched"
+    FIELDS = ("input_token_ids", "max_tokens", "streaming", "sampling_config", "output_config", "end_id", "pad_id",
+              "bad_words", "stop_words", "embedding_bias", "external_draft_tokens_config", "prompt_tuning_config",
+              "lora_config", "logits_post_processor_name", "client_id", "return_all_generated_tokens", "priority")
+
+    def __init__(self, input_token_ids, max_tokens=None, streaming=False, sampling_config=None, output_config=None,
+                 end_id=None, pad_id=None, bad_words=None, stop_words=None, embedding_bias=None,
+                 external_draft_tokens_config=None, prompt_tuning_config=None, lora_config=None,
+                 logits_post_processor_name=None, client_id=None, return_all_generated_tokens=False,
+                 priority=0.5, **older_names):
+        max_tokens = _alias(older_names, "max_new_tokens", "max_tokens", max_tokens)
+        _no_more(older_names, "Request")
+        sampling_config = SamplingConfig() if sampling_config is None else sampling_config
+        output_config = OutputConfig() if output_config is None else output_config
+        values = locals()
+        for name in self.FIELDS:
+            setattr(self, name, values[name])
+
+    max_new_tokens = property(lambda self: self.max_tokens, lambda self, v: setattr(self, "max_tokens", v))
+
+    def __repr__(self) -> str:
+        return (f"Request(input_token_ids=<{_len(self.input_token_ids)} tokens>, max_tokens={self.max_tokens!r}, "
+                f"streaming={self.streaming!r}, priority={self.priority!r})")
+
+
+def _len(value) -> Any:
+    try:
+        return len(value)
+    except TypeError:
+        return "?"
+
+
+class FinishReason(enum.IntEnum):
+    NOT_FINISHED = 0
+    END_ID = 1
+    STOP_WORDS = 2
+    LENGTH = 3
+    TIMED_OUT = 4
+    CANCELLED = 5
+
+
+@dataclass
+class Result:
+    """output_token_ids: per beam. Streaming: the new tokens since the last result (beam width 1,
+    unless return_all_generated_tokens) or every beam's generated tokens whole (beams reorder);
+    otherwise prompt + generated (generated only with exclude_input_from_output).
+    cum_log_probs float32 [beams], log_probs float32 [beams, n], context_logits float32
+    [prompt_len, V] (final result only), generation_logits float32 [beams, n, V]: when asked."""
+    is_final: bool
+    output_token_ids: list[list[int]]
+    finish_reasons: list[FinishReason]
+    cum_log_probs: Any = None
+    log_probs: Any = None
+    context_logits: Any = None
+    generation_logits: Any = None
+    sequence_index: int = 0
+    decoding_iter: int = 0
+
+
+@dataclass
+class Response:
+    request_id: int
+    result: Result | None = None
+    error_msg: str = ""
+    client_id: Any = None
+
+    def has_error(self) -> bool:
+        return self.result is None
