@@ -4,6 +4,7 @@ next to transformers' static `generate` on the same dataset, and against the mat
     python -m samples.benchmark                                  # W64 on the default model, ours vs hf
     python -m samples.benchmark --backend ours --streaming --request-rate 20 --seed 1
     python -m samples.benchmark --dataset legacy.json --engine-dir DIR --output-json out.json --plot out.png
+    python -m samples.benchmark --backend ours --api both        # GptManager and the Executor, one run
 
 Dataset: the legacy JSON ({"samples": [{"input_ids", "output_len", "delay"}]}) or a seeded
 synthetic one (default W64: 64 requests, prompts uniform 16-256, outputs uniform 16-128 tokens).
@@ -93,6 +94,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="Poisson arrivals at this many requests/s (default: offline, or the dataset's delays)")
     r = p.add_argument_group("ours")
     r.add_argument("--streaming", action="store_true", help="stream responses (adds TTFT and ITL statistics)")
+    r.add_argument("--api", default="gpt_manager", choices=["gpt_manager", "executor", "both"],
+                   help="the front-end of ours: GptManager's callbacks, the Executor's enqueue / await, or "
+                        "both one after the other (with their throughput ratio)")
     r.add_argument("--type", default="IFB", choices=["IFB", "UIFB", "V1"],
                    help="IFB: InflightFusedBatching, UIFB: InflightBatching, V1: static batching")
     r.add_argument("--scheduler-policy", default="guaranteed_no_evict",
@@ -124,6 +128,28 @@ def load_samples(args, model_dir: str):
     return samples, cfg
 
 
+def run_ours_apis(args, model_dir: str, cfg: ModelConfig, samples, delays_s, report: dict, results: dict) -> None:
+    """Ours through the chosen front-end(s); with both, report["executor"] and their ratio too."""
+    apis = ["gpt_manager", "executor"] if args.api == "both" else [args.api]
+    for api in apis:
+        key = "ours" if api == apis[0] else "executor"
+        if api == "executor":
+            from samples.bench_executor import run_executor as run
+        else:
+            from samples.bench_ours import run_ours as run
+        results[key] = run(model_dir, samples, delays_s, args)
+        report[key] = {**metrics(results[key]), **iteration_breakdown(results[key])}
+        if not args.no_roofline and key == "ours":
+            report[key].update(roofline_report(cfg, results[key], [len(s.input_ids) for s in samples],
+                                               args.roofline_reps))
+        name = "GptManager" if api == "gpt_manager" else "Executor"
+        print(format_text(f"ours ({name}, " + args.type + ("", ", streaming")[args.streaming] + ")", report[key]))
+    if len(apis) == 2:
+        report["ratio_executor_to_gpt_manager"] = report["executor"][TOKEN_THROUGHPUT] / report["ours"][TOKEN_THROUGHPUT]
+        print(f"[BENCHMARK] token_throughput Executor {report['executor'][TOKEN_THROUGHPUT]:.1f} vs GptManager "
+              f"{report['ours'][TOKEN_THROUGHPUT]:.1f} token/sec: {report['ratio_executor_to_gpt_manager']:.3f}x")
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if args.threads:
@@ -143,14 +169,7 @@ def main(argv: list[str] | None = None) -> dict:
     report: dict = {"model_dir": model_dir, "num_params": cfg.num_params(), "threads": torch.get_num_threads()}
     results: dict[str, RunResult] = {}
     if args.backend in ("ours", "both"):
-        from samples.bench_ours import run_ours
-        results["ours"] = run_ours(model_dir, samples, delays_s, args)
-        report["ours"] = {**metrics(results["ours"]), **iteration_breakdown(results["ours"])}
-        if not args.no_roofline:
-            report["ours"].update(roofline_report(cfg, results["ours"], [len(s.input_ids) for s in samples],
-                                                  args.roofline_reps))
-        print(format_text("ours (GptManager, " + args.type + ("", ", streaming")[args.streaming] + ")",
-                          report["ours"]))
+        run_ours_apis(args, model_dir, cfg, samples, delays_s, report, results)
     if args.backend in ("hf", "both"):
         from samples.bench_hf import run_hf
         if any(delays_s):

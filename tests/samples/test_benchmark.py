@@ -108,3 +108,22 @@ def test_bad_dataset_names_the_field(tmp_path):
     path.write_text(json.dumps({"samples": [{"input_ids": [1, 2], "output_len": 0}]}))
     with pytest.raises(ValueError, match=r"samples\[0\].output_len"):
         load_dataset(path)
+
+
+def test_both_apis_in_one_run(tiny_model_dirs):
+    report = benchmark.main(["--engine-dir", tiny_model_dirs[1], "--backend", "ours", "--api", "both",
+                             "--streaming", *SMALL])
+    for key in ("ours", "executor"):
+        assert all(k in report[key] for k in LEGACY_KEYS + STREAMING_KEYS)
+        assert report[key]["num_samples"] == 10 and report[key]["num_error_samples"] == 0
+        assert report[key]["num_iterations"] > 0
+    assert report["ratio_executor_to_gpt_manager"] == pytest.approx(
+        report["executor"]["token_throughput(token/sec)"] / report["ours"]["token_throughput(token/sec)"])
+
+
+def test_executor_quickstart(tiny_model_dirs):
+    from samples import executor_quickstart
+    out = executor_quickstart.main(["--model", tiny_model_dirs[1], "--requests", "3", "--max-tokens", "4",
+                                    "--ttft-repeats", "2"])
+    assert [len(t) for t in out["tokens"].values()] == [4, 4, 4]
+    assert len(out["idle_ttft_s"]) == 2 and all(0 < t < 10 for t in out["idle_ttft_s"])
