@@ -1,5 +1,5 @@
 """`python -m samples.chaos_soak [--requests N] [--producers P] [--seed S] [--json OUT]`: a chaos
-soak of GptManager.
+soak of GptManager, then of the Executor (samples.chaos_executor).
 
 Rounds of construct / serve / shut down, one per (batching type x capacity policy), with block
 reuse, chunked context and overlap switched on and off between rounds, over a KV pool small
@@ -44,6 +44,7 @@ from safetensors.torch import load_file, save_file
 from batch_manager import (GptManager, KvCacheConfig, SchedulerPolicy, TrtGptModelOptionalParams, TrtGptModelType)
 from runtime import Engine, GenerationInput, GenerationOutput, GptSession, SamplingConfig, WorldConfig, build_engine
 
+from .chaos_executor import executor_violations, run_executor_round
 from .chaos_requests import MAX_BEAM_WIDTH, make_bad, make_valid
 from .chaos_tracker import ChaosClient
 from .default_model import write_random_llama
@@ -230,8 +231,10 @@ def run_soak(num_requests: int = 300, num_producers: int = 4, seed: int = 0, wor
             rounds.append(run_round(engine_dir, config, per_round if memory_round else n, num_producers,
                                     round_seed, session))
         memory = [r["rss_mib"] for r in rounds[-3:]]
+        executor_round = run_executor_round(engine_dir, POOL_TOKENS, per_round, num_producers, seed * 100 + 99)
     found = [f"round {i} ({r['config']['model_type']}, {r['config']['policy']}): {v}"
              for i, r in enumerate(rounds) for v in violations(r)]
+    found += [f"executor round: {v}" for v in executor_violations(executor_round)]
     growth = round(memory[-1] - memory[0], 1)
     if growth > RSS_TOLERANCE_MIB:
         found.append(f"RSS grew {growth} MiB across three identical rounds (tolerance {RSS_TOLERANCE_MIB})")
@@ -245,7 +248,8 @@ def run_soak(num_requests: int = 300, num_producers: int = 4, seed: int = 0, wor
                 memory_rounds_rss_mib=memory, memory_growth_mib=growth, rss_tolerance_mib=RSS_TOLERANCE_MIB,
                 slowest_shutdown_s=max(r["shutdown_s"] for r in rounds),
                 slowest_shutdown_after_last_step_s=max(r["shutdown_after_last_step_s"] for r in rounds),
-                wall_s=round(time.monotonic() - start, 1), violations=found, rounds=rounds)
+                wall_s=round(time.monotonic() - start, 1), violations=found, rounds=rounds,
+                executor_round=executor_round)
 
 
 def main(argv: list[str] | None = None) -> int:

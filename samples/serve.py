@@ -1,6 +1,7 @@
 """An asyncio HTTP server (aiohttp) that embeds a GptManager: what the batch manager is for.
 
     python -m samples.serve [--engine-dir DIR] [--tokenizer DIR] [--host 127.0.0.1] [--port 8000]
+                            [--api gpt_manager|executor]
 
 POST /generate  {"input_ids": [...] | "text": "...", "max_new_tokens": 64, "stream": false, sampling...}
                 -> JSON, or server-sent events when "stream" is true; a bad body: 400
@@ -8,8 +9,8 @@ POST /generate  {"input_ids": [...] | "text": "...", "max_new_tokens": 64, "stre
 GET  /metrics   Prometheus gauges (the legacy Triton TensorRT-LLM backend's nv_trt_llm_* families)
 GET  /health    {"status": "ok", "active_requests": N}
 
-Handlers queue requests for the manager's get-requests callback and await their responses; a
-client that disconnects becomes a stop signal. The default model (random weights) is written on
+Handlers queue requests for the manager's get-requests callback (or, with --api executor, enqueue
+them into an Executor) and await their responses; a client that disconnects stops its request. The default model (random weights) is written on
 first run; its output tokens are meaningless.
 """
 from __future__ import annotations
@@ -31,7 +32,7 @@ from samples.serve_params import GenerateParams, name_body_field, parse_generate
 
 logger = logging.getLogger(__name__)
 
-BRIDGE = web.AppKey("bridge", ManagerBridge)
+BRIDGE = web.AppKey("bridge", object)   # ManagerBridge or serve_executor.ExecutorBridge
 SETTINGS = web.AppKey("settings", dict)
 
 
@@ -67,6 +68,8 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
         return _error(400, "body: a field's value is nested too deeply")
     try:
         request_id, events = bridge.submit(params.to_request, params.return_log_probs, asyncio.get_running_loop())
+    except ValueError as e:   # the Executor validates at enqueue
+        return _error(400, str(e))
     except RuntimeError as e:
         return _error(503, str(e))
     try:
@@ -110,7 +113,7 @@ async def handle_health(request: web.Request) -> web.Response:
     bridge = request.app[BRIDGE]
     if bridge.is_closed:
         return web.json_response({"status": "shutting down"}, status=503)
-    return web.json_response({"status": "ok", "active_requests": bridge.manager.get_num_active_requests(),
+    return web.json_response({"status": "ok", "active_requests": bridge.num_active_requests(),
                               "waiting_requests": bridge.num_waiting_handlers()})
 
 
@@ -118,7 +121,7 @@ async def handle_metrics(request: web.Request) -> web.Response:
     bridge = request.app[BRIDGE]
     if bridge.metrics is None:
         return _error(404, "metrics: this server was started without metrics")
-    if bridge.manager.get_num_active_requests() == 0:
+    if bridge.num_active_requests() == 0:
         bridge.metrics.mark_idle()
     return web.Response(body=generate_latest(bridge.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
@@ -143,10 +146,16 @@ async def start_server(bridge: ManagerBridge, host: str, port: int, tokenizer=No
     return runner, runner.addresses[0][1]
 
 
-def make_bridge(args) -> ManagerBridge:
+def make_bridge(args):
     from samples.default_model import default_model_dir
     model_type = MODEL_TYPES[args.type]
     metrics = TritonMetrics(model_type == TrtGptModelType.V1, model=args.model_name)
+    if args.api == "executor":
+        from samples.bench_executor import executor_config
+        from samples.serve_executor import ExecutorBridge
+        config = executor_config(args)
+        config.max_beam_width = args.max_beam_width
+        return ExecutorBridge(args.engine_dir or default_model_dir(), config, metrics)
     return ManagerBridge(args.engine_dir or default_model_dir(), model_type, args.max_beam_width,
                          SchedulerPolicy[args.scheduler_policy.upper()], optional_params(args), metrics)
 
@@ -164,6 +173,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokenizer", help="a local tokenizer directory: enables \"text\" in requests and responses")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0: any free port (printed)")
+    p.add_argument("--api", default="gpt_manager", choices=["gpt_manager", "executor"],
+                   help="the front-end the handlers use: GptManager's callbacks or the Executor's queues")
     p.add_argument("--type", default="IFB", choices=sorted(MODEL_TYPES))
     p.add_argument("--scheduler-policy", default="guaranteed_no_evict",
                    choices=["guaranteed_no_evict", "max_utilization", "static_batch"])

@@ -84,6 +84,9 @@ class ManagerBridge:
         with self._lock:
             return len(self._handlers)
 
+    def num_active_requests(self) -> int:
+        return self.manager.get_num_active_requests()
+
     def close(self) -> None:
         """Stop every request, answer waiting handlers with an error, shut the manager down."""
         self.is_closed = True

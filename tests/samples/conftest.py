@@ -49,13 +49,21 @@ def tokenizer_dir(tmp_path_factory):
 class ServerThread:
     """samples.serve's app on 127.0.0.1 (a free port), served by an event loop on its own thread."""
 
-    def __init__(self, engine_dir: str, tokenizer=None, num_kv_tokens: int | None = None, metrics=None):
+    def __init__(self, engine_dir: str, tokenizer=None, num_kv_tokens: int | None = None, metrics=None,
+                 api: str = "gpt_manager"):
         from samples.serve import start_server
         from samples.serve_bridge import ManagerBridge
         from samples.serve_metrics import TritonMetrics
-        params = TrtGptModelOptionalParams(kv_cache_config=KvCacheConfig(max_tokens=num_kv_tokens))
-        self.bridge = ManagerBridge(engine_dir, TrtGptModelType.InflightFusedBatching, 1,
-                                    SchedulerPolicy.GUARANTEED_NO_EVICT, params, metrics or TritonMetrics(False))
+        metrics = metrics or TritonMetrics(False)
+        if api == "executor":
+            from batch_manager.executor import ExecutorConfig, KvCacheConfig as ExecutorKvCacheConfig
+            from samples.serve_executor import ExecutorBridge
+            config = ExecutorConfig(kv_cache_config=ExecutorKvCacheConfig(max_tokens=num_kv_tokens))
+            self.bridge = ExecutorBridge(engine_dir, config, metrics)
+        else:
+            params = TrtGptModelOptionalParams(kv_cache_config=KvCacheConfig(max_tokens=num_kv_tokens))
+            self.bridge = ManagerBridge(engine_dir, TrtGptModelType.InflightFusedBatching, 1,
+                                        SchedulerPolicy.GUARANTEED_NO_EVICT, params, metrics)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="test-http-server", daemon=True)
         self.thread.start()
@@ -71,10 +79,11 @@ class ServerThread:
         self.loop.close()
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model_dirs, tokenizer_dir):
+@pytest.fixture(scope="module", params=["gpt_manager", "executor"])
+def server(tiny_model_dirs, tokenizer_dir, request):
+    """The server over each front-end: GptManager's callbacks, the Executor's queues."""
     from samples.serve import load_tokenizer
-    s = ServerThread(tiny_model_dirs[1], load_tokenizer(tokenizer_dir))
+    s = ServerThread(tiny_model_dirs[1], load_tokenizer(tokenizer_dir), api=request.param)
     yield s
     s.stop()
 
@@ -84,3 +93,9 @@ def run(coroutine_fn, *args, timeout_s: float = 60.0):
     async def bounded():
         return await asyncio.wait_for(coroutine_fn(*args), timeout_s)
     return asyncio.run(bounded())
+
+
+def kv_of_bridge(bridge):
+    """The KV block manager behind either bridge (internal: block accounting)."""
+    worker = bridge.executor._worker if hasattr(bridge, "executor") else bridge.manager._worker
+    return worker.scheduler.kv

@@ -38,6 +38,8 @@ def test_short_soak_keeps_every_invariant(tmp_path):
         assert {c[feature] for c in configs} == {True, False}
     assert all(r["threads_after"] == r["threads_before"] for r in report["rounds"])
     assert threading.active_count() == threads
+    e = report["executor_round"]   # its violations are in report["violations"]
+    assert e["served"] > 10 and e["bad"] > 0 and e["cancels"] > 0 and e["refused_after_shutdown"] > 0
 
 
 def test_bad_kinds_cover_the_validation_list():

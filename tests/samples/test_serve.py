@@ -15,7 +15,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from samples.serve_metrics import TritonMetrics
-from tests.samples.conftest import ServerThread, greedy_reference, run
+from samples.serve_executor import ExecutorBridge
+from tests.samples.conftest import ServerThread, greedy_reference, kv_of_bridge, run
 
 PROMPTS = [[random.Random(i).randrange(3, 128) for _ in range(random.Random(i).randrange(3, 30))] for i in range(12)]
 
@@ -98,7 +99,7 @@ def test_concurrent_requests(server, tiny_model_dirs):
     for i, (prompt, result) in enumerate(zip(PROMPTS, results)):
         tokens = [t for e in result[2] for t in e["output_ids"]] if i % 2 else result[1]["output_ids"]
         assert tokens == greedy_reference(tiny_model_dirs[2], prompt, 5), i
-    assert server.bridge.manager.get_num_active_requests() == 0
+    assert server.bridge.num_active_requests() == 0
 
 
 def test_sampling_options_reach_the_request(server):
@@ -127,6 +128,8 @@ def test_sampling_options_reach_the_request(server):
     ({"input_ids": [5, 6], "beam_width": 0}, 400, "beam_width"),
 ])
 def test_bad_input_is_4xx(server, body, status, names):
+    if isinstance(server.bridge, ExecutorBridge):   # the Executor names its field, not the wire tensor
+        names = names.replace("request_output_len", "max_new_tokens")
     start = num_waiting(server.url)
     got_status, got = run(post, server.url, body)
     assert got_status == status and names in got["error"], got
@@ -166,7 +169,7 @@ def test_bad_body_is_400_naming_the_field_and_leaks_no_handler(server, data, fie
     error = json.loads(text)["error"]
     assert error.startswith(field + ":"), error
     assert num_waiting(server.url) == start
-    assert server.bridge.manager.get_num_active_requests() == 0
+    assert server.bridge.num_active_requests() == 0
 
 
 def test_a_request_that_fails_to_build_registers_no_handler(server):
@@ -236,10 +239,10 @@ def slow_server(tiny_model_dirs):
 
 def _assert_freed_soon(server, max_iterations: int) -> None:
     deadline = time.monotonic() + 5
-    while server.bridge.manager.get_num_active_requests() and time.monotonic() < deadline:
+    while server.bridge.num_active_requests() and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert server.bridge.manager.get_num_active_requests() == 0
-    kv = server.bridge.manager._worker.scheduler.kv  # internal: the block pool is whole again
+    assert server.bridge.num_active_requests() == 0
+    kv = kv_of_bridge(server.bridge)  # internal: the block pool is whole again
     assert kv.num_free_blocks == kv.num_blocks
     assert server.bridge.num_waiting_handlers() == 0
     # Stopped long before its 80 tokens (one iteration per token, each >= 20 ms here).

@@ -1,0 +1,130 @@
+"""The Executor bridge of samples.serve (`--api executor`): the same handler-side interface as
+`serve_bridge.ManagerBridge`, over an Executor. Requests are validated at enqueue (a bad one is a
+ValueError naming the body field: a 400, with nothing queued); one consumer thread awaits every
+response and hands each to its handler's loop; a disconnect cancels the request."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from typing import Callable
+
+from batch_manager import InferenceRequest, tensor_names as tn
+from batch_manager.executor import Executor, ExecutorConfig, OutputConfig, Request, SamplingConfig
+from runtime.decoding import parse_word_list
+from samples.serve_bridge import ManagerBridge, ResponseEvent, _Handler
+from samples.serve_metrics import TritonMetrics
+
+logger = logging.getLogger(__name__)
+
+# wire tensor -> SamplingConfig field
+_SAMPLING = {tn.BEAM_WIDTH: "beam_width", tn.TEMPERATURE: "temperature", tn.RUNTIME_TOP_K: "top_k",
+             tn.RUNTIME_TOP_P: "top_p", tn.MIN_LENGTH: "min_tokens", tn.REPETITION_PENALTY: "repetition_penalty",
+             tn.PRESENCE_PENALTY: "presence_penalty", tn.FREQUENCY_PENALTY: "frequency_penalty",
+             tn.LENGTH_PENALTY: "length_penalty", tn.EARLY_STOPPING: "early_stopping",
+             tn.NO_REPEAT_NGRAM_SIZE: "no_repeat_ngram_size"}
+# the Executor's field names -> the body's, to lead its errors with the body field
+_EXECUTOR_TO_BODY = {"input_token_ids": "input_ids", "max_tokens": "max_new_tokens", "sampling_config.seed": "seed",
+                     "sampling_config.min_tokens": "min_length", "sampling_config.top_k": "top_k",
+                     "sampling_config.top_p": "top_p"}
+
+
+def to_executor_request(r: InferenceRequest) -> Request:
+    """The request tensors serve_params built -> an Executor Request (the same settings)."""
+    t = r.input_tensors
+    scalar = {name: t[name].reshape(-1)[0].item() for name in t if t[name].numel() == 1}
+    sampling = {field: scalar[name] for name, field in _SAMPLING.items() if name in scalar}
+    if tn.RANDOM_SEED in scalar:
+        sampling["seed"] = scalar[tn.RANDOM_SEED] & ((1 << 64) - 1)
+    words = {field: [list(w) for w in parse_word_list(t[name], name, 1 << 31)] if name in t else None
+             for field, name in (("stop_words", tn.STOP_WORDS_LIST), ("bad_words", tn.BAD_WORDS_LIST))}
+    return Request(t[tn.INPUT_IDS].reshape(-1).tolist(), scalar.get(tn.MAX_NEW_TOKENS), streaming=r.is_streaming,
+                   sampling_config=SamplingConfig(**sampling), end_id=scalar.get(tn.END_ID),
+                   pad_id=scalar.get(tn.PAD_ID), embedding_bias=t.get(tn.EMBEDDING_BIAS),
+                   output_config=OutputConfig(return_log_probs=bool(scalar.get(tn.RETURN_LOG_PROBS, False)),
+                                              exclude_input_from_output=True), **words)
+
+
+def name_body_field(message: str) -> str:
+    field, sep, rest = message.partition(": ")
+    return f"{_EXECUTOR_TO_BODY.get(field, field.removeprefix('sampling_config.'))}{sep}{rest}"
+
+
+class ExecutorBridge:
+    def __init__(self, engine_dir: str, config: ExecutorConfig, metrics: TritonMetrics | None = None):
+        self.metrics = metrics
+        self.executor = Executor(engine_dir, executor_config=config)
+        self._lock = threading.Lock()
+        self._handlers: dict[int, _Handler] = {}
+        self.is_closed = False
+        self._consumer = threading.Thread(target=self._consume, name="ExecutorBridgeConsumer", daemon=True)
+        self._consumer.start()
+
+    # -- handler side (event loop) ----------------------------------------------------------------
+
+    def submit(self, make_request: Callable[[int], InferenceRequest], return_log_probs: bool,
+               loop: asyncio.AbstractEventLoop) -> tuple[int, asyncio.Queue]:
+        """ValueError (the body field first) for a request the Executor refuses: nothing is queued."""
+        if self.is_closed:
+            raise RuntimeError("the server is shutting down")
+        request = to_executor_request(make_request(0))
+        events: asyncio.Queue = asyncio.Queue()
+        with self._lock:   # registered before the consumer can see a response of the id
+            try:
+                request_id = self.executor.enqueue_request(request)
+            except ValueError as e:
+                raise ValueError(name_body_field(str(e))) from None
+            self._handlers[request_id] = _Handler(loop, events, return_log_probs)
+        return request_id, events
+
+    def cancel(self, request_id: int) -> None:
+        with self._lock:
+            if self._handlers.pop(request_id, None) is None:
+                return
+        self.executor.cancel_request(request_id)
+
+    def num_waiting_handlers(self) -> int:
+        with self._lock:
+            return len(self._handlers)
+
+    def num_active_requests(self) -> int:
+        return self.executor._worker.num_active_requests + self.executor._front_end.num_pending
+
+    def close(self) -> None:
+        self.is_closed = True
+        with self._lock:
+            handlers, self._handlers = self._handlers, {}
+        for request_id, handler in handlers.items():
+            self.executor.cancel_request(request_id)
+            ManagerBridge._deliver(handler, ResponseEvent([], True, "the server is shutting down"))
+        self.executor.shutdown()
+        self._consumer.join(10)
+
+    # -- the consumer thread ----------------------------------------------------------------------
+
+    def _consume(self) -> None:
+        while not (self.is_closed and not self.executor.can_enqueue_requests()):
+            for response in self.executor.await_responses(timeout=0.05):
+                self._deliver(response)
+            if self.metrics is not None:
+                for stats in self.executor.get_latest_iteration_stats():
+                    self.metrics.update(stats.to_json_str())
+
+    def _deliver(self, response) -> None:
+        is_final = response.has_error() or response.result.is_final
+        with self._lock:
+            handler = self._handlers.pop(response.request_id, None) if is_final \
+                else self._handlers.get(response.request_id)
+        if handler is None:   # cancelled: nobody waits for it
+            return
+        if response.has_error():
+            ManagerBridge._deliver(handler, ResponseEvent([], True, response.error_msg))
+            return
+        result = response.result
+        beams = result.output_token_ids
+        log_probs = cum_log_prob = None
+        if handler.return_log_probs:
+            log_probs = result.log_probs[0].tolist()[:len(beams[0])]
+            cum_log_prob = float(result.cum_log_probs[0])
+        ManagerBridge._deliver(handler, ResponseEvent(beams[0], result.is_final, "", log_probs, cum_log_prob,
+                                                      beams if len(beams) > 1 else None))
