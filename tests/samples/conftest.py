@@ -51,13 +51,13 @@ class ServerThread:
 
     def __init__(self, engine_dir: str, tokenizer=None, num_kv_tokens: int | None = None, metrics=None,
                  api: str = "gpt_manager"):
-        from samples.serve import start_server
-        from samples.serve_bridge import ManagerBridge
-        from samples.serve_metrics import TritonMetrics
+        from samples.serve.server import start_server
+        from samples.serve.bridge import ManagerBridge
+        from samples.serve.metrics import TritonMetrics
         metrics = metrics or TritonMetrics(False)
         if api == "executor":
             from batch_manager.executor import ExecutorConfig, KvCacheConfig as ExecutorKvCacheConfig
-            from samples.serve_executor import ExecutorBridge
+            from samples.serve.executor_bridge import ExecutorBridge
             config = ExecutorConfig(kv_cache_config=ExecutorKvCacheConfig(max_tokens=num_kv_tokens))
             self.bridge = ExecutorBridge(engine_dir, config, metrics)
         else:
@@ -82,7 +82,7 @@ class ServerThread:
 @pytest.fixture(scope="module", params=["gpt_manager", "executor"])
 def server(tiny_model_dirs, tokenizer_dir, request):
     """The server over each front-end: GptManager's callbacks, the Executor's queues."""
-    from samples.serve import load_tokenizer
+    from samples.serve.server import load_tokenizer
     s = ServerThread(tiny_model_dirs[1], load_tokenizer(tokenizer_dir), api=request.param)
     yield s
     s.stop()

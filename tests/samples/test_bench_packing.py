@@ -5,7 +5,7 @@ import json
 
 import torch
 
-from samples.bench_packing import main, make_cases, pack_with_lists, pack_with_packer
+from samples.microbench.packing import main, make_cases, pack_with_lists, pack_with_packer
 
 
 def test_the_packer_equals_the_list_packing_on_the_benchmark_cases():

@@ -6,10 +6,10 @@ import random
 
 import pytest
 
-from samples import benchmark
-from samples.bench_dataset import LengthDistribution, Sample, arrival_delays_s, load_dataset, save_dataset
-from samples.bench_plot import have_matplotlib
-from samples.bench_report import RequestTiming, RunResult, metrics, percentile
+from samples.benchmark import cli as benchmark
+from samples.benchmark.dataset import LengthDistribution, Sample, arrival_delays_s, load_dataset, save_dataset
+from samples.benchmark.plot import have_matplotlib
+from samples.benchmark.report import RequestTiming, RunResult, metrics, percentile
 
 SMALL = ["--num-samples", "10", "--prompt-len", "uniform:3:30", "--output-len", "uniform:2:8", "--warm-up", "1",
          "--no-progress", "--no-roofline"]

@@ -8,8 +8,8 @@ import threading
 import pytest
 
 from batch_manager.validation import AdmissionLimits, RequestError, to_llm_request
-from samples.chaos_requests import BAD_KINDS, MAX_BEAM_WIDTH, make_bad
-from samples.chaos_soak import BUILD, MODEL, POOL_TOKENS, RSS_TOLERANCE_MIB, SHUTDOWN_BOUND_S, main, run_soak
+from samples.chaos_soak.requests import BAD_KINDS, MAX_BEAM_WIDTH, make_bad
+from samples.chaos_soak.soak import BUILD, MODEL, POOL_TOKENS, RSS_TOLERANCE_MIB, SHUTDOWN_BOUND_S, main, run_soak
 
 LIMITS = AdmissionLimits(vocab_size=MODEL["vocab_size"], max_input_len=BUILD["max_input_len"],
                          max_seq_len=BUILD["max_seq_len"], max_beam_width=MAX_BEAM_WIDTH,

@@ -14,8 +14,8 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from samples.serve_metrics import TritonMetrics
-from samples.serve_executor import ExecutorBridge
+from samples.serve.metrics import TritonMetrics
+from samples.serve.executor_bridge import ExecutorBridge
 from tests.samples.conftest import ServerThread, greedy_reference, kv_of_bridge, run
 
 PROMPTS = [[random.Random(i).randrange(3, 128) for _ in range(random.Random(i).randrange(3, 30))] for i in range(12)]

@@ -10,7 +10,7 @@ import re
 import aiohttp
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from samples.serve_params import ALL_FIELDS
+from samples.serve.params import ALL_FIELDS
 from tests.samples.conftest import run
 
 NUM_EXAMPLES = 150

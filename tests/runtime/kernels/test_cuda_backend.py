@@ -1,7 +1,7 @@
 """The cuda backend. Without a GPU: its CuPy calls, against a stand-in `cupy` module (every
 module compiled and loaded at construction, NVRTC options, launches on the stream's device).
 With a GPU and CuPy (skipped otherwise): every kernel equals the torch reference on the device.
-Its bandwidth figure: `python -m samples.bench_kernels`."""
+Its bandwidth figure: `python -m samples.microbench.kernels`."""
 from __future__ import annotations
 
 import math

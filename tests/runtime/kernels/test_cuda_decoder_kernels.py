@@ -1,7 +1,7 @@
 """The decoding kernels on a GPU (skipped without a CUDA device and CuPy): every op on the device
 equals the torch reference (run on the CPU, the oracle) under the emu tests' checks, and a GptSession
 run on the cuda backend yields the torch backend's tokens. The sampling time at batch 256 with a
-128k vocabulary: `python -m samples.bench_kernels`."""
+128k vocabulary: `python -m samples.microbench.kernels`."""
 from __future__ import annotations
 
 import numpy as np

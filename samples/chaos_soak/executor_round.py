@@ -17,8 +17,8 @@ import torch
 
 from batch_manager.executor import (CapacitySchedulerPolicy, Executor, ExecutorConfig, KvCacheConfig, LoraConfig,
                                     Request, SamplingConfig, SchedulerConfig)
-from samples.chaos_requests import MAX_BEAM_WIDTH, make_valid
-from samples.serve_executor import to_executor_request
+from samples.chaos_soak.requests import MAX_BEAM_WIDTH, make_valid
+from samples.serve.executor_bridge import to_executor_request
 
 # (the field the ValueError must name, a request that is bad in that field)
 BAD_REQUESTS = [

@@ -11,7 +11,7 @@ from collections import Counter, deque
 
 from batch_manager import InferenceRequest, tensor_names as tn
 
-from .chaos_requests import UNKNOWN_ID_BASE, Submission, make_duplicate
+from .requests import UNKNOWN_ID_BASE, Submission, make_duplicate
 
 CALLBACK_FAULT_RATE = 0.02   # each callback call raises with this probability
 STEP_FAULT_RATE = 0.003      # each step (micro-batch group) raises with this probability

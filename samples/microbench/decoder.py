@@ -1,7 +1,7 @@
 """Benchmark the decoder: time per step at a batch of sequences with mixed settings, for two
 vocabulary sizes, next to the generation forward of the default model at the same batch.
 
-    python -m samples.bench_decoder [--batch 64] [--vocabs 32000,128256] [--steps 20] [--json OUT]
+    python -m samples.microbench.decoder [--batch 64] [--vocabs 32000,128256] [--steps 20] [--json OUT]
 
 Mixes (per request, cycling): greedy; temperature 0.8 + top-k 40; top-p 0.9; top-k 50 + top-p 0.95
 with repetition 1.1 and presence 0.3; greedy with no-repeat 3-grams and a bad-word list; beam
@@ -21,7 +21,7 @@ from runtime import Engine, ModelRunner
 from runtime.decoding import Decoder, DecodeState
 from runtime.decoding import DecodingParams
 from runtime.kernels import get_kernels
-from samples.bench_runtime import step_inputs
+from samples.microbench.runtime import step_inputs
 from samples.default_model import default_model_dir
 
 MIXES = [

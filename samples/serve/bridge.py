@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from batch_manager import GptManager, InferenceRequest, TrtGptModelType, tensor_names as tn
-from samples.serve_metrics import TritonMetrics
+from samples.serve.metrics import TritonMetrics
 
 logger = logging.getLogger(__name__)
 

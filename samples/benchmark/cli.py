@@ -22,9 +22,9 @@ import torch
 
 from runtime.config import ModelConfig, default_build_config, read_json
 from runtime.models import model_config_from_hf
-from samples.bench_dataset import (LengthDistribution, arrival_delays_s, load_dataset, save_dataset,
-                                   synthetic_dataset)
-from samples.bench_report import RunResult, format_text, iteration_breakdown, metrics
+from samples.benchmark.dataset import (LengthDistribution, arrival_delays_s, load_dataset, save_dataset,
+                                       synthetic_dataset)
+from samples.benchmark.report import RunResult, format_text, iteration_breakdown, metrics
 from samples.default_model import default_model_dir
 
 TOKEN_THROUGHPUT = "token_throughput(token/sec)"
@@ -42,14 +42,14 @@ def model_limits(model_dir: str) -> tuple[ModelConfig, int]:
 
 def flops_per_generated_token(cfg: ModelConfig) -> float:
     """2 FLOPs per matmul weight a generated token passes through: the layers and the lm_head."""
-    from samples.bench_runtime import layer_matmul_params
+    from samples.microbench.runtime import layer_matmul_params
     return 2.0 * (layer_matmul_params(cfg) + cfg.vocab_size * cfg.hidden_size)
 
 
 def model_flops(cfg: ModelConfig, result: RunResult, prompt_lens: list[int]) -> float:
     """Every FLOP the run had to do: context and generation matmuls, attention (QK^T and PV) and
     one lm_head row per generated token."""
-    from samples.bench_runtime import layer_matmul_params
+    from samples.microbench.runtime import layer_matmul_params
     total = 0.0
     for timing, num_prompt in zip(result.timings, prompt_lens):
         n = timing.num_output_tokens
@@ -63,7 +63,7 @@ def model_flops(cfg: ModelConfig, result: RunResult, prompt_lens: list[int]) -> 
 
 
 def roofline_report(cfg: ModelConfig, result: RunResult, prompt_lens: list[int], reps: int) -> dict:
-    from samples.bench_runtime import measure_matmul
+    from samples.microbench.runtime import measure_matmul
     with torch.inference_mode():
         gflops = max(max(measure_matmul(reps).values()), max(measure_matmul(reps).values()))
     tokens_per_s = metrics(result)[TOKEN_THROUGHPUT]
@@ -134,9 +134,9 @@ def run_ours_apis(args, model_dir: str, cfg: ModelConfig, samples, delays_s, rep
     for api in apis:
         key = "ours" if api == apis[0] else "executor"
         if api == "executor":
-            from samples.bench_executor import run_executor as run
+            from samples.benchmark.executor import run_executor as run
         else:
-            from samples.bench_ours import run_ours as run
+            from samples.benchmark.ours import run_ours as run
         results[key] = run(model_dir, samples, delays_s, args)
         report[key] = {**metrics(results[key]), **iteration_breakdown(results[key])}
         if not args.no_roofline and key == "ours":
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.backend in ("ours", "both"):
         run_ours_apis(args, model_dir, cfg, samples, delays_s, report, results)
     if args.backend in ("hf", "both"):
-        from samples.bench_hf import run_hf
+        from samples.benchmark.hf import run_hf
         if any(delays_s):
             print("note: the hf baseline runs offline (static batches); arrival delays are ignored")
         results["hf"] = run_hf(model_dir, samples, args.hf_batch_size, show_progress=not args.no_progress)
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> dict:
         with open(args.output_json, "w") as f:
             json.dump(report, f, indent=2)
     if args.plot:
-        from samples.bench_plot import have_matplotlib, write_plot
+        from samples.benchmark.plot import have_matplotlib, write_plot
         if not have_matplotlib():
             print("--plot: matplotlib is not installed (pip install matplotlib, or the 'samples' extra)",
                   file=sys.stderr)

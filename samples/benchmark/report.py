@@ -1,5 +1,5 @@
 """Benchmark results: per-request timings, the legacy gptManagerBenchmark metrics (same names),
-text and JSON reports, and a stderr progress bar. Used by samples.benchmark and samples.bench_hf."""
+text and JSON reports, and a stderr progress bar. Used by samples.benchmark and samples.benchmark.hf."""
 from __future__ import annotations
 
 import math

@@ -10,8 +10,8 @@ import time
 
 from batch_manager.executor import (BatchingType, CapacitySchedulerPolicy, Executor, ExecutorConfig, KvCacheConfig,
                                     OutputConfig, Request, SchedulerConfig)
-from samples.bench_dataset import Sample
-from samples.bench_report import ProgressBar, RequestTiming, RunResult
+from samples.benchmark.dataset import Sample
+from samples.benchmark.report import ProgressBar, RequestTiming, RunResult
 
 BATCHING_TYPES = {"IFB": BatchingType.INFLIGHT, "V1": BatchingType.STATIC}
 

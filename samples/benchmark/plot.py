@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from samples.bench_report import RunResult, throughput_over_time
+from samples.benchmark.report import RunResult, throughput_over_time
 
 
 def have_matplotlib() -> bool:

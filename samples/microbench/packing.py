@@ -1,7 +1,7 @@
 """Benchmark the step packer: runtime.step_inputs.pack_step (SequenceSteps built included) against
 packing by plain lists and one torch.tensor per field (the manager's executor before the packer).
 
-    python -m samples.bench_packing [--repeats 7] [--json OUT]
+    python -m samples.microbench.packing [--repeats 7] [--json OUT]
 
 Cases: 64 generation sequences x 1 token with 40-block tables; 16 contexts x 256 tokens.
 """

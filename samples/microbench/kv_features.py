@@ -10,7 +10,7 @@ same requests, same machine state), on the ~50M LLaMA-style default model unless
 3. Overlap: a W64-like load (64 requests, prompts 16-256, outputs 16-128, all at once), tokens
    per second with enable_trt_overlap off vs on.
 
-    python -m samples.bench_kv_features [--parts 1,2,3] [--quick] [--json OUT]
+    python -m samples.microbench.kv_features [--parts 1,2,3] [--quick] [--json OUT]
 """
 from __future__ import annotations
 

@@ -25,14 +25,14 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from batch_manager import SchedulerPolicy, TrtGptModelType
-from samples.bench_ours import MODEL_TYPES, optional_params
-from samples.serve_bridge import ManagerBridge, ResponseEvent
-from samples.serve_metrics import TritonMetrics
-from samples.serve_params import GenerateParams, name_body_field, parse_generate_body
+from samples.benchmark.ours import MODEL_TYPES, optional_params
+from samples.serve.bridge import ManagerBridge, ResponseEvent
+from samples.serve.metrics import TritonMetrics
+from samples.serve.params import GenerateParams, name_body_field, parse_generate_body
 
 logger = logging.getLogger(__name__)
 
-BRIDGE = web.AppKey("bridge", object)   # ManagerBridge or serve_executor.ExecutorBridge
+BRIDGE = web.AppKey("bridge", object)   # ManagerBridge or executor_bridge.ExecutorBridge
 SETTINGS = web.AppKey("settings", dict)
 
 
@@ -151,8 +151,8 @@ def make_bridge(args):
     model_type = MODEL_TYPES[args.type]
     metrics = TritonMetrics(model_type == TrtGptModelType.V1, model=args.model_name)
     if args.api == "executor":
-        from samples.bench_executor import executor_config
-        from samples.serve_executor import ExecutorBridge
+        from samples.benchmark.executor import executor_config
+        from samples.serve.executor_bridge import ExecutorBridge
         config = executor_config(args)
         config.max_beam_width = args.max_beam_width
         return ExecutorBridge(args.engine_dir or default_model_dir(), config, metrics)

@@ -1,5 +1,5 @@
 """`python -m samples.chaos_soak [--requests N] [--producers P] [--seed S] [--json OUT]`: a chaos
-soak of GptManager, then of the Executor (samples.chaos_executor).
+soak of GptManager, then of the Executor (samples.chaos_soak.executor_round).
 
 Rounds of construct / serve / shut down, one per (batching type x capacity policy), with block
 reuse, chunked context and overlap switched on and off between rounds, over a KV pool small
@@ -44,10 +44,10 @@ from safetensors.torch import load_file, save_file
 from batch_manager import (GptManager, KvCacheConfig, SchedulerPolicy, TrtGptModelOptionalParams, TrtGptModelType)
 from runtime import Engine, GenerationInput, GenerationOutput, GptSession, SamplingConfig, WorldConfig, build_engine
 
-from .chaos_executor import executor_violations, run_executor_round
-from .chaos_requests import MAX_BEAM_WIDTH, make_bad, make_valid
-from .chaos_tracker import ChaosClient
-from .default_model import write_random_llama
+from .executor_round import executor_violations, run_executor_round
+from .requests import MAX_BEAM_WIDTH, make_bad, make_valid
+from .tracker import ChaosClient
+from samples.default_model import write_random_llama
 
 MODEL = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              intermediate_size=96, max_position_embeddings=256)

@@ -13,8 +13,8 @@ import time
 
 import torch
 
-from samples.bench_dataset import Sample
-from samples.bench_report import ProgressBar, RequestTiming, RunResult
+from samples.benchmark.dataset import Sample
+from samples.benchmark.report import ProgressBar, RequestTiming, RunResult
 
 
 def load_hf_model(model_dir: str):

@@ -1,7 +1,7 @@
 """Benchmark the kernel backends' hot operations and print the figures (the timing that tests
 cannot assert).
 
-    python -m samples.bench_kernels [--cpu-only] [--iters 20] [--json OUT]
+    python -m samples.microbench.kernels [--cpu-only] [--iters 20] [--json OUT]
 
 CPU (always): one generation step's decode attention (every layer of the default model's shape:
 8 layers, 8 heads / 2 KV heads, head_dim 64, 64 tokens per block, float32) at a batch with mixed

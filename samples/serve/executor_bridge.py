@@ -12,8 +12,8 @@ from typing import Callable
 from batch_manager import InferenceRequest, tensor_names as tn
 from batch_manager.executor import Executor, ExecutorConfig, OutputConfig, Request, SamplingConfig
 from runtime.decoding import parse_word_list
-from samples.serve_bridge import ManagerBridge, ResponseEvent, _Handler
-from samples.serve_metrics import TritonMetrics
+from samples.serve.bridge import ManagerBridge, ResponseEvent, _Handler
+from samples.serve.metrics import TritonMetrics
 
 logger = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ import torch
 
 from batch_manager import (GptManager, InferenceRequest, KvCacheConfig, SchedulerPolicy,
                            TrtGptModelOptionalParams, TrtGptModelType, tensor_names)
-from samples.bench_dataset import Sample
-from samples.bench_report import ProgressBar, RequestTiming, RunResult
+from samples.benchmark.dataset import Sample
+from samples.benchmark.report import ProgressBar, RequestTiming, RunResult
 
 MODEL_TYPES = {"IFB": TrtGptModelType.InflightFusedBatching, "UIFB": TrtGptModelType.InflightBatching,
                "V1": TrtGptModelType.V1}

@@ -5,7 +5,7 @@
 2. With the ~50M LLaMA-style default model at 64 active requests: the share of iteration time
    spent outside the forward and the decoder.
 
-    python -m samples.bench_manager_overhead [--iterations 50] [--json OUT]
+    python -m samples.microbench.manager_overhead [--iterations 50] [--json OUT]
 """
 from __future__ import annotations
 

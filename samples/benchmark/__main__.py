@@ -1,0 +1,3 @@
+from samples.benchmark.cli import main
+
+main()

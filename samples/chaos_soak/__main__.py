@@ -1,0 +1,5 @@
+import sys
+
+from samples.chaos_soak.soak import main
+
+sys.exit(main())

@@ -1,0 +1,156 @@
+"""Benchmark the runtime's ModelRunner: context and generation throughput against the machine's
+fp32 matmul roofline, measured in the same run.
+
+    python -m samples.bench_runtime [--model DIR] [--batch-sizes 1,8,64] [--threads N] [--json OUT]
+
+Context: one packed step of `batch` fresh prompts of --prompt-len tokens. Generation: one step of
+`batch` sequences, one new token each, with --past-len tokens already in the KV cache. FLOPs
+count every matmul (2 per weight per token; the lm_head only for the tokens whose logits are
+computed: each sequence's last token) plus attention (4 * keys * num_heads * head_dim per token
+per layer: QK^T and PV).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from runtime import Engine, ModelConfig, ModelRunner
+from runtime.step_inputs import SequenceStep, pack_step
+from samples.default_model import default_model_dir
+
+# (m, k, n): the model's MLP-input matmul at several token counts, and a big square one.
+MATMUL_SHAPES = [(m, 512, 1536) for m in (64, 128, 256, 512, 1024)] + [(2048, 2048, 2048)]
+
+
+def matmul_gflops(m: int, k: int, n: int, reps: int) -> float:
+    """Best fp32 torch.mm throughput of [m x k] @ [k x n]."""
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    torch.mm(a, b)
+    best_s = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best_s = min(best_s, time.perf_counter() - start)
+    return 2 * m * k * n / best_s / 1e9
+
+
+def layer_matmul_params(cfg: ModelConfig) -> int:
+    """Weights every token multiplies by in the decoder layers (embeddings and lm_head excluded)."""
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    mlp_in = 2 * i if cfg.mlp_type == "gated" else i
+    return cfg.num_layers * (h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h + mlp_in * h + i * h)
+
+
+def step_flops(cfg: ModelConfig, batch: int, new_tokens: int, past: int) -> float:
+    """FLOPs of one step of `batch` sequences, each with `new_tokens` new tokens after `past` cached."""
+    tokens = batch * new_tokens
+    keys = batch * sum(past + j + 1 for j in range(new_tokens))  # keys seen, summed over queries
+    attention = 4 * keys * cfg.q_size * cfg.num_layers
+    return 2.0 * layer_matmul_params(cfg) * tokens + attention + 2.0 * cfg.vocab_size * cfg.hidden_size * batch
+
+
+def step_inputs(tokens: torch.Tensor, past: int, block_tables: torch.Tensor) -> dict[str, torch.Tensor]:
+    """tokens int32 [batch, new], block_tables int32 [batch, blocks] -> ModelRunner.forward inputs."""
+    return pack_step([SequenceStep(row, past, table) for row, table in zip(tokens.tolist(), block_tables.tolist())])
+
+
+def time_step(runner: ModelRunner, inputs: dict, warmup: int, iters: int) -> float:
+    """Median seconds of one forward."""
+    for _ in range(warmup):
+        runner.forward(inputs)
+    times_s = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        runner.forward(inputs)
+        times_s.append(time.perf_counter() - start)
+    return statistics.median(times_s)
+
+
+def measure_matmul(reps: int) -> dict[str, float]:
+    return {f"{m}x{k}x{n}": matmul_gflops(m, k, n, reps) for m, k, n in MATMUL_SHAPES}
+
+
+def bench_batch(runner: ModelRunner, batch: int, args) -> list[dict]:
+    cfg, tpb = runner.model_config, runner.tokens_per_block
+    blocks_per_seq = -(-(max(args.prompt_len, args.past_len) + 1) // tpb)
+    block_tables = torch.arange(batch * blocks_per_seq, dtype=torch.int32).view(batch, blocks_per_seq)
+    gen = torch.Generator().manual_seed(batch)
+    rows = []
+    prompts = torch.randint(3, cfg.vocab_size, (batch, args.prompt_len), generator=gen, dtype=torch.int32)
+    # The context step also fills the cache that the generation step then attends to.
+    context = (time_step(runner, step_inputs(prompts, 0, block_tables), args.warmup, args.iters),
+               step_flops(cfg, batch, args.prompt_len, 0), batch * args.prompt_len)
+    if args.past_len != args.prompt_len:
+        past_tokens = torch.randint(3, cfg.vocab_size, (batch, args.past_len), generator=gen, dtype=torch.int32)
+        runner.forward(step_inputs(past_tokens, 0, block_tables))
+    new_tokens = torch.randint(3, cfg.vocab_size, (batch, 1), generator=gen, dtype=torch.int32)
+    generation = (time_step(runner, step_inputs(new_tokens, args.past_len, block_tables), args.warmup,
+                            args.iters * 4), step_flops(cfg, batch, 1, args.past_len), batch)
+    for phase, (seconds, flops, tokens) in (("context", context), ("generation", generation)):
+        gflops = flops / seconds / 1e9
+        rows.append(dict(batch=batch, phase=phase, step_ms=seconds * 1e3, tokens_per_s=tokens / seconds,
+                         gflops=gflops))
+    return rows
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="HF checkpoint or engine directory (default: the random 50M LLaMA-style "
+                                   "model of samples.default_model, written on first use)")
+    p.add_argument("--cache-dir", help="where the default model is written (default ~/.cache/batch_manager)")
+    p.add_argument("--batch-sizes", default="1,8,64")
+    p.add_argument("--prompt-len", type=int, default=128, help="context tokens per sequence")
+    p.add_argument("--past-len", type=int, default=128, help="cached tokens per sequence in generation")
+    p.add_argument("--tokens-per-block", type=int, default=64)
+    p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps before each measurement")
+    p.add_argument("--iters", type=int, default=3, help="timed context steps (generation: 4x as many); median")
+    p.add_argument("--json", metavar="OUT", help="also write the results as JSON")
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    model_dir = args.model or default_model_dir(args.cache_dir)
+    engine = Engine.from_dir(model_dir, tokens_per_block=args.tokens_per_block)
+    cfg = engine.model_config
+    print(f"model: {model_dir}")
+    print(f"  {cfg.architecture}, {cfg.num_params() / 1e6:.1f}M parameters ({cfg.num_layers} layers, hidden "
+          f"{cfg.hidden_size}, {cfg.num_heads} heads / {cfg.num_kv_heads} kv, intermediate "
+          f"{cfg.intermediate_size}, vocab {cfg.vocab_size}), {engine.build_config.dtype}")
+    print(f"  torch {torch.__version__}, {torch.get_num_threads()} threads")
+
+    with torch.inference_mode():
+        matmul = measure_matmul(reps=max(5, args.iters))
+        blocks_per_seq = -(-(max(args.prompt_len, args.past_len) + 1) // args.tokens_per_block)
+        runner = ModelRunner(engine, num_blocks=max(batch_sizes) * blocks_per_seq)
+        results = [bench_batch(runner, batch, args) for batch in batch_sizes]
+        # NOTE: measured before and after the model, best kept: a busy machine only lowers the peak.
+        again = measure_matmul(reps=max(5, args.iters))
+    matmul = {name: max(g, again[name]) for name, g in matmul.items()}
+    roofline = max(matmul.values())
+    print("fp32 matmul GFLOP/s (m x k x n): " + ", ".join(f"{name} {g:.1f}" for name, g in matmul.items())
+          + f"; roofline (best) {roofline:.1f}")
+    rows = [dict(r, roofline_fraction=r["gflops"] / roofline) for batch_rows in results for r in batch_rows]
+
+    print(f"\n{'batch':>5}  {'phase':<10}  {'step ms':>9}  {'tokens/s':>10}  {'GFLOP/s':>8}  {'of roofline':>11}")
+    for r in rows:
+        print(f"{r['batch']:>5}  {r['phase']:<10}  {r['step_ms']:>9.1f}  {r['tokens_per_s']:>10.1f}  "
+              f"{r['gflops']:>8.1f}  {r['roofline_fraction']:>10.1%}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model_dir": model_dir, "model": cfg.to_dict(), "num_params": cfg.num_params(),
+                       "threads": torch.get_num_threads(), "prompt_len": args.prompt_len,
+                       "past_len": args.past_len, "matmul_gflops": matmul, "roofline_gflops": roofline,
+                       "results": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,3 @@
+from samples.serve.server import main
+
+main()
