@@ -1,6 +1,6 @@
-"""The executor's decoder store: request id -> runtime DecodeState (its decoding history, beam
-bank and decayed top-p), opened by a step's `NewRequest` and freed by its released ids (or when
-the decoder finishes the request). `decode` runs the logits post-processors and one decoder step
+"""The executor's decoder store: request id -> runtime DecodeState (beam bank, decayed top-p;
+the tokens are read from the request's TokenRecord, which the scheduler keeps), opened by a
+step's `NewRequest` and freed by its released ids (or when the decoder finishes the request). `decode` runs the logits post-processors and one decoder step
 and returns each request's `RequestResult`; it writes nothing outside this store.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 
 from runtime.decoding import Decoder, DecodeState
 
-from .step import BeamOutputs, NewRequest, RequestResult, ScheduledRequest
+from .step import NewRequest, RequestResult, ScheduledRequest
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ class RequestDecoder:
         return len(self._entries)
 
     def open(self, request_id: int, new: NewRequest) -> None:
-        state = DecodeState(new.decoding_params, list(new.prompt), new.max_new_tokens, new.return_generation_logits)
+        state = DecodeState(new.decoding_params, new.record, new.max_new_tokens, new.return_generation_logits)
         self._entries[request_id] = _Entry(state, new.logits_post_processor, new.use_batched_post_processor,
                                            new.client_id)
 
@@ -60,10 +60,12 @@ class RequestDecoder:
         if keep:
             if len(keep) < len(requests):
                 logits = logits[[row for i in keep for row in range(*spans[i])]]
-            num_before = [len(entries[i].state.beams[0].tokens) for i in keep]
-            self.decoder.step([entries[i].state for i in keep], logits)
-            for i, n in zip(keep, num_before):
-                results[requests[i].request_id] = _result(requests[i].request_id, entries[i].state, n)
+            outcomes = self.decoder.step([entries[i].state for i in keep], logits)
+            for i, o in zip(keep, outcomes):
+                results[requests[i].request_id] = RequestResult(
+                    requests[i].request_id, new_tokens=o.tokens, new_log_probs=o.log_probs,
+                    new_generation_logits=o.logits, cum_log_prob=o.cum_log_prob,
+                    beams=o.beams, finish_reason=o.finish_reason)
         self.release(r.request_id for r in requests if r.request_id in failures or
                      self._entries[r.request_id].state.is_finished)
         return results
@@ -75,7 +77,7 @@ class RequestDecoder:
         failures: dict[int, str] = {}
 
         def token_ids(e: _Entry) -> list[list[int]]:
-            return [e.state.prompt + h.tokens for h in e.state.beams]
+            return [e.state.record.sequence(b) for b in range(e.state.num_rows)]
 
         for r, e, (lo, hi) in zip(requests, entries, spans):
             if e.post_processor is None:
@@ -107,20 +109,3 @@ def _write_back(view: torch.Tensor, output) -> None:
     if isinstance(output, torch.Tensor) and output is not view:
         view.copy_(output.reshape(view.shape))
 
-
-def _result(request_id: int, s: DecodeState, num_before: int) -> RequestResult:
-    """What the step did to one request: width 1 its new tokens; beam search its beams."""
-    if s.search is None:
-        h = s.beams[0]
-        logits = () if h.logits is None else tuple(row.cpu() for row in h.logits[num_before:])
-        return RequestResult(request_id, new_tokens=tuple(h.tokens[num_before:]),
-                             new_log_probs=tuple(h.log_probs[num_before:]), new_generation_logits=logits,
-                             cum_log_prob=h.cum_log_prob, finish_reason=s.finish_reason)
-    outputs = s.outputs()
-    live = () if s.is_finished else tuple(tuple(h.tokens) for h in s.beams)
-    beams = BeamOutputs(
-        parents=tuple(s.parents), live_tokens=live, tokens=tuple(tuple(h.tokens) for h in outputs),
-        log_probs=tuple(tuple(h.log_probs) for h in outputs), cum_log_probs=tuple(h.cum_log_prob for h in outputs),
-        generation_logits=tuple(tuple(row.cpu() for row in h.logits) for h in outputs)
-        if outputs[0].logits is not None else ())
-    return RequestResult(request_id, beams=beams, finish_reason=s.finish_reason)

@@ -113,7 +113,7 @@ class Scheduler:
         new = None
         if not r.has_decoder_state:
             r.has_decoder_state = True
-            new = NewRequest(r.decoding, tuple(r.prompt), r.max_new_tokens, r.return_generation_logits,
+            new = NewRequest(r.decoding, r.record, r.max_new_tokens, r.return_generation_logits,
                              r.logits_post_processor, r.use_batched_post_processor, r.client_id)
         return ScheduledRequest(
             request_id=r.request_id,
@@ -149,23 +149,22 @@ class Scheduler:
     def _record(self, r: LlmRequest, res: RequestResult) -> None:
         if res.context_logits is not None:
             r.context_logits = res.context_logits
-        if res.beams is None:
-            r.generated += res.new_tokens
+        finished = res.finish_reason is not None
+        beams = res.beams
+        if beams is None:
             r.log_probs += res.new_log_probs
             r.generation_logits += res.new_generation_logits
             r.cum_log_prob = res.cum_log_prob
         else:
-            beams = res.beams
             r.beam_tokens = [list(t) for t in beams.tokens]
             r.beam_log_probs = [list(lp) for lp in beams.log_probs]
             r.beam_cum_log_probs = list(beams.cum_log_probs)
             r.generation_logits = [list(rows) for rows in beams.generation_logits]
-            if res.finish_reason is None:   # KV tables follow the live beams (all of one length)
+            if not finished:   # KV tables follow the live beams (all of one length)
                 fork_beams(self.kv, r.request_id, r.num_live_beams, list(beams.parents))
                 r.num_live_beams = len(beams.live_tokens)
-                r.live_beam_tokens = [list(t) for t in beams.live_tokens]
-            r.generated = list((beams.tokens if res.finish_reason else beams.live_tokens)[0])
-        if res.finish_reason is not None:
+        r.record.apply(res.new_tokens, beams, finished)
+        if finished:
             r.finish(_FINISH_REASONS[res.finish_reason])
         elif r.state == RequestState.CONTEXT:
             r.set_state(RequestState.GENERATION)

@@ -7,12 +7,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from runtime.token_record import BeamOutputs, TokenRecord
+
 
 @dataclass(frozen=True)
 class NewRequest:
     """What the executor's per-request stores (decoder state) open from, on a request's first step."""
     decoding_params: Any                 # runtime.decoding.params.DecodingParams (validated)
-    prompt: tuple[int, ...]
+    record: TokenRecord                  # the request's tokens: the scheduler writes, the decoder reads
     max_new_tokens: int
     return_generation_logits: bool = False
     logits_post_processor: Callable | None = None
@@ -60,17 +62,6 @@ class ScheduledStep:
         groups = [self.context_requests, self.generation_requests] if self.separate_context_forward \
             else [self.generation_requests + self.context_requests]
         return [g for g in groups if g]
-
-
-@dataclass(frozen=True)
-class BeamOutputs:
-    """A beam-search request after its step."""
-    parents: tuple[int, ...]                     # per live beam: the previous beam it continues
-    live_tokens: tuple[tuple[int, ...], ...]     # per live beam: every generated token (next inputs)
-    tokens: tuple[tuple[int, ...], ...]          # the output beams, best first (final once finished)
-    log_probs: tuple[tuple[float, ...], ...]
-    cum_log_probs: tuple[float, ...]
-    generation_logits: tuple = ()                # per output beam: float32 [V] rows, when gathered
 
 
 @dataclass(frozen=True)

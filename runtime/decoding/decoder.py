@@ -1,6 +1,7 @@
 """The decoder: turns one step's last-token logits into tokens for a batch of requests with any
 mix of settings (greedy, sampling, beam search), through the kernel backend's decoding
-operations. Owns nothing across steps; each request's progress lives in its `DecodeState`.
+operations. Owns nothing across steps; each request's progress lives in its `DecodeState` and
+its tokens in its `TokenRecord` (read here; its owner applies the returned `DecodeOutcome`s).
 GptSession and the batch manager's model executor both drive it.
 
 Rows: `step(states, logits)` takes logits float32 [R, V] whose rows are the states' live beams in
@@ -13,30 +14,34 @@ from dataclasses import dataclass
 
 import torch
 
+from ..token_record import BeamOutputs, TokenRecord
 from .beam_search import BeamSearch, Hypothesis
 from .params import DecodingParams
 
 
 class DecodeState:
-    """One request's decoding progress: its live beams, the beam-search bank, the decayed top-p."""
+    """One request's decoding progress: the decayed top-p, the cumulative log prob, the
+    beam-search bank; its tokens are read from its `TokenRecord`, which its owner updates with
+    each step's `DecodeOutcome` before the next step."""
 
-    def __init__(self, params: DecodingParams, prompt: list[int], max_new_tokens: int,
+    def __init__(self, params: DecodingParams, record: TokenRecord, max_new_tokens: int,
                  gather_generation_logits: bool = False):
         assert max_new_tokens >= 1
         self.params = params
-        self.prompt = prompt
+        self.record = record
         self.max_new_tokens = max_new_tokens
         self.gather_generation_logits = gather_generation_logits
-        self.beams = [Hypothesis([], [], 0.0, 0.0, [] if gather_generation_logits else None)]
-        self.parents = [0]  # after a step: the previous beam each live beam continues
+        self.cum_log_prob = 0.0
         self.search = (BeamSearch(params.beam_width, params.length_penalty, params.early_stopping,
                                   params.diversity_rate, max_new_tokens) if params.is_beam_search else None)
+        # Beam search: the live hypotheses (log probs, scores, gathered logits) of the bank.
+        self.live = [Hypothesis([], [], 0.0, 0.0, [] if gather_generation_logits else None)]
         self.top_p = params.top_p
         self.finish_reason: str | None = None  # "end_id" | "stop_words" | "length"
 
     @property
     def num_rows(self) -> int:
-        return len(self.beams)
+        return len(self.record.beams)
 
     @property
     def is_finished(self) -> bool:
@@ -44,7 +49,7 @@ class DecodeState:
 
     @property
     def num_generated(self) -> int:
-        return len(self.beams[0].tokens)
+        return self.record.num_generated
 
     def ends_beam(self, tokens: list[int], token: int) -> str | None:
         """Why appending `token` to generated `tokens` ends the beam, or None."""
@@ -56,18 +61,16 @@ class DecodeState:
                 return "stop_words"
         return None
 
-    def outputs(self) -> list[Hypothesis]:
-        """The request's beams, best first, without a trailing end token (final once finished;
-        the current live beams while running)."""
-        beams = self.search.final(self.beams) if (self.search and self.is_finished) else self.beams
-        end_id = self.params.end_id
-        stripped = []
-        for h in beams:
-            if h.tokens and h.tokens[-1] == end_id:
-                h = Hypothesis(h.tokens[:-1], h.log_probs[:-1], h.cum_log_prob, h.score,
-                               None if h.logits is None else h.logits[:-1])
-            stripped.append(h)
-        return stripped
+
+@dataclass(frozen=True)
+class DecodeOutcome:
+    """What one step decoded for one request (apply it to the request's TokenRecord)."""
+    tokens: tuple[int, ...] = ()        # beam width 1: tokens appended (none when the end id ended it)
+    log_probs: tuple[float, ...] = ()
+    logits: tuple = ()                  # raw float32 [V] rows per token (on the host), when gathered
+    cum_log_prob: float = 0.0           # includes an end token's log prob
+    beams: BeamOutputs | None = None    # beam search
+    finish_reason: str | None = None
 
 
 @dataclass
@@ -83,10 +86,11 @@ class Decoder:
         self.kernels = kernels
 
     @torch.inference_mode()  # the runner's outputs are inference tensors, modified in place here
-    def step(self, states: list[DecodeState], logits: torch.Tensor) -> None:
-        """Process, select and record one token per live beam of every state (see module doc).
-        logits may be modified in place."""
+    def step(self, states: list[DecodeState], logits: torch.Tensor) -> list[DecodeOutcome]:
+        """Process and select one token per live beam of every state (see module doc) -> each
+        state's outcome, in order. logits may be modified in place."""
         rows = self._rows(states)
+        outcomes: list[DecodeOutcome | None] = [None] * len(states)
         assert logits.shape[0] == len(rows.state_of_row), "one logits row per live beam"
         raw = logits.clone() if any(s.gather_generation_logits for s in states) else None
         self._apply_penalties(logits, rows)
@@ -97,12 +101,13 @@ class Decoder:
         if greedy:
             index = torch.tensor([rows.first_row[i] for i in greedy], device=logits.device)
             tokens, log_probs = self.kernels.greedy(logits[index])
-            self._accept(states, greedy, tokens.tolist(), log_probs.tolist(), raw, rows)
+            self._accept(states, greedy, tokens.tolist(), log_probs.tolist(), raw, rows, outcomes)
         if sampled:
-            self._sample(states, sampled, logits, raw, rows)
+            self._sample(states, sampled, logits, raw, rows, outcomes)
         for i, state in enumerate(states):
             if state.search is not None:
-                self._beam_step(state, logits, raw, rows.first_row[i])
+                outcomes[i] = self._beam_step(state, logits, raw, rows.first_row[i])
+        return outcomes
 
     @staticmethod
     def _rows(states: list[DecodeState]) -> _Rows:
@@ -119,8 +124,7 @@ class Decoder:
         if not picked:
             return
         device = logits.device
-        sequences = [rows.state_of_row[r].prompt + rows.state_of_row[r].beams[rows.beam_of_row[r]].tokens
-                     for r in picked]
+        sequences = [rows.state_of_row[r].record.sequence(rows.beam_of_row[r]) for r in picked]
         max_len = max(len(seq) for seq in sequences)
         token_ids = torch.tensor([seq + [0] * (max_len - len(seq)) for seq in sequences], dtype=torch.int64)
         params = [rows.state_of_row[r].params for r in picked]
@@ -152,7 +156,7 @@ class Decoder:
             p = s.params
             if not p.bad_words and not p.no_repeat_ngram_size:
                 continue
-            sequence = s.prompt + s.beams[rows.beam_of_row[r]].tokens
+            sequence = s.record.sequence(rows.beam_of_row[r])
             banned = set()
             for word in p.bad_words:
                 n = len(word)
@@ -166,7 +170,7 @@ class Decoder:
             self.kernels.ban_tokens(logits, torch.tensor(ban_rows, device=logits.device),
                                     torch.tensor(ban_tokens, device=logits.device))
 
-    def _sample(self, states, picked: list[int], logits, raw, rows: _Rows) -> None:
+    def _sample(self, states, picked: list[int], logits, raw, rows: _Rows, outcomes: list) -> None:
         device = logits.device
         chosen = [states[i] for i in picked]
         index = torch.tensor([rows.first_row[i] for i in picked], device=device)
@@ -182,45 +186,60 @@ class Decoder:
             torch.tensor([s.top_p for s in chosen], dtype=torch.float32, device=device),
             draws,
             torch.tensor([s.params.normalize_log_probs for s in chosen], device=device))
-        self._accept(states, picked, tokens.tolist(), log_probs.tolist(), raw, rows)
+        self._accept(states, picked, tokens.tolist(), log_probs.tolist(), raw, rows, outcomes)
 
     @staticmethod
-    def _accept(states, picked: list[int], tokens: list[int], log_probs: list[float], raw, rows: _Rows) -> None:
+    def _accept(states, picked: list[int], tokens: list[int], log_probs: list[float], raw, rows: _Rows,
+                outcomes: list) -> None:
         for i, token, log_prob in zip(picked, tokens, log_probs):
             state = states[i]
-            beam = state.beams[0]
-            reason = state.ends_beam(beam.tokens, token)
-            beam.cum_log_prob += log_prob
-            state.parents = [0]
+            generated = state.record.beams[0]
+            reason = state.ends_beam(generated, token)
+            state.cum_log_prob += log_prob
             if reason == "end_id":
                 state.finish_reason = reason
+                outcomes[i] = DecodeOutcome(cum_log_prob=state.cum_log_prob, finish_reason=reason)
                 continue
-            beam.tokens.append(token)
-            beam.log_probs.append(log_prob)
-            if beam.logits is not None:
-                beam.logits.append(raw[rows.first_row[i]])
             p = state.params
             if p.top_p_decay != 1.0 or p.top_p_reset_id >= 0:
                 state.top_p = p.top_p if token == p.top_p_reset_id else max(state.top_p * p.top_p_decay, p.top_p_min)
-            if reason is not None:
-                state.finish_reason = reason
-            elif len(beam.tokens) >= state.max_new_tokens:
-                state.finish_reason = "length"
+            if reason is None and len(generated) + 1 >= state.max_new_tokens:
+                reason = "length"
+            state.finish_reason = reason
+            outcomes[i] = DecodeOutcome((token,), (log_prob,), () if raw is None or not state.gather_generation_logits
+                                        else (raw[rows.first_row[i]].cpu(),), state.cum_log_prob,
+                                        finish_reason=reason)
 
-    def _beam_step(self, state: DecodeState, logits, raw, first_row: int) -> None:
+    def _beam_step(self, state: DecodeState, logits, raw, first_row: int) -> DecodeOutcome:
         span = slice(first_row, first_row + state.num_rows)
         search = state.search
         log_probs = self.kernels.log_softmax(logits[span])
         running = torch.tensor(search.running_scores, dtype=torch.float32, device=logits.device)
         candidates = self.kernels.beam_candidates(log_probs, running, search.num_candidates, search.diversity_rate)
         step_log_probs = log_probs[candidates[1], candidates[2]].tolist()
-        histories = state.beams
+        histories = state.live
         parents = search.step(candidates, step_log_probs, histories,
-                                    lambda parent, token: state.ends_beam(histories[parent].tokens, token) is not None,
-                                    None if raw is None else raw[span])
-        state.beams = state.search.live
-        state.parents = parents
-        if state.search.done:
-            best = state.search.final(state.beams)[0]
+                              lambda parent, token: state.ends_beam(histories[parent].tokens, token) is not None,
+                              None if raw is None or not state.gather_generation_logits else raw[span])
+        state.live = search.live
+        if search.done:
+            best = search.final(state.live)[0]
             state.finish_reason = (state.ends_beam(best.tokens[:-1], best.tokens[-1]) if best.tokens else None) \
                 or "length"
+        outputs = [_without_end(h, state.params.end_id)
+                   for h in (search.final(state.live) if state.is_finished else state.live)]
+        beams = BeamOutputs(
+            parents=tuple(parents), live_tokens=() if state.is_finished else tuple(tuple(h.tokens) for h in state.live),
+            tokens=tuple(tuple(h.tokens) for h in outputs), log_probs=tuple(tuple(h.log_probs) for h in outputs),
+            cum_log_probs=tuple(h.cum_log_prob for h in outputs),
+            generation_logits=tuple(tuple(row.cpu() for row in h.logits) for h in outputs)
+            if outputs[0].logits is not None else ())
+        return DecodeOutcome(beams=beams, finish_reason=state.finish_reason)
+
+
+def _without_end(h: Hypothesis, end_id: int | None) -> Hypothesis:
+    """An output beam without its trailing end token."""
+    if h.tokens and h.tokens[-1] == end_id:
+        return Hypothesis(h.tokens[:-1], h.log_probs[:-1], h.cum_log_prob, h.score,
+                          None if h.logits is None else h.logits[:-1])
+    return h
