@@ -20,6 +20,8 @@ class NewRequest:
     logits_post_processor: Callable | None = None
     use_batched_post_processor: bool = False
     client_id: Any = None                # the Executor request's client_id, handed to post-processors
+    draft_logits: Any = None             # float32 [D, V]: the external drafts' distribution, when given
+    draft_acceptance_threshold: float | None = None
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,8 @@ class ScheduledRequest:
     block_copies: tuple[tuple[int, int], ...] = ()   # (src, dst) KV blocks to copy before its forward
     return_context_logits: bool = False        # the whole prompt runs in this step; its logits are wanted
     new: NewRequest | None = None              # set on the request's first step only
+    num_draft_tokens: int = 0                  # the last D of token_ids are drafts (beam width 1, last chunk):
+                                               # logits are wanted after each of the last D + 1 tokens
 
     @property
     def num_beams(self) -> int:
@@ -40,8 +44,12 @@ class ScheduledRequest:
 
     @property
     def num_step_tokens(self) -> int:
-        """New tokens of each beam."""
+        """New tokens of each beam (drafts included)."""
         return len(self.token_ids[0])
+
+    @property
+    def drafts(self) -> tuple[int, ...]:
+        return self.token_ids[0][len(self.token_ids[0]) - self.num_draft_tokens:] if self.num_draft_tokens else ()
 
 
 @dataclass(frozen=True)
@@ -76,6 +84,7 @@ class RequestResult:
     beams: BeamOutputs | None = None       # beam search
     context_logits: Any = None             # float32 [prompt_len, V] when requested
     finish_reason: str | None = None       # "end_id" | "stop_words" | "length" when it finished
+    num_accepted_draft_tokens: int = 0     # drafts among new_tokens: their KV (computed this step) is kept
 
 
 @dataclass(frozen=True)

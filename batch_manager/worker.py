@@ -33,6 +33,7 @@ class WorkerConfig:
     model_type: TrtGptModelType
     max_num_sequences: int
     enable_trt_overlap: bool = False
+    uses_drafts: bool = False   # draft tokens accepted or proposed: the stats report them
 
 
 @dataclass(frozen=True)
@@ -243,5 +244,8 @@ class Worker:
             num_context_tokens=sum(r.num_step_tokens * r.num_beams for r in step.context_requests),
             num_generation_tokens=len(step.generation_requests), num_paused=num_paused,
             num_empty_generation_slots=max(0, self._static_batch_size - num_scheduled) if is_v1 else 0,
-            micro_batch_id=(step.iteration + 1) % 2 if self._forward_pool is not None else 0)
+            micro_batch_id=(step.iteration + 1) % 2 if self._forward_pool is not None else 0,
+            **({"num_draft_tokens_proposed": self.scheduler.num_draft_tokens_proposed,
+                "num_draft_tokens_accepted": self.scheduler.num_draft_tokens_accepted}
+               if self.config.uses_drafts else {}))
         self.front_end.report_stats(stats, frozenset(r.request_id for r in step.requests), self.scheduler, finished)

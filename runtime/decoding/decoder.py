@@ -4,12 +4,18 @@ operations. Owns nothing across steps; each request's progress lives in its `Dec
 its tokens in its `TokenRecord` (read here; its owner applies the returned `DecodeOutcome`s).
 GptSession and the batch manager's model executor both drive it.
 
-Rows: `step(states, logits)` takes logits float32 [R, V] whose rows are the states' live beams in
-order (state i contributes `states[i].num_rows` rows: 1 on its first step, its beam width after).
-Randomness: the draw for a request's token t of beam b is `rng.uniforms(seed, t, b)`.
+Rows: `step(states, logits, drafts)` takes logits float32 [R, V] whose rows are the states' live
+beams in order (state i contributes `states[i].num_rows` rows: 1 on its first step, its beam width
+after), or, for a state with D draft tokens (beam width 1), D + 1 rows: the logits after its last
+token and after each draft. Row j is processed (penalties, bans, min length, top-p decay) as if
+drafts[:j] had been generated one by one; the accepted drafts and one token of the model's are
+appended (speculative.py has the acceptance rules).
+Randomness: the draw for a request's token t of beam b is `rng.uniforms(seed, t, b)`; draft
+acceptance tests draw from stream `ACCEPT_STREAM` at the draft's position.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +23,7 @@ import torch
 from ..token_record import BeamOutputs, TokenRecord
 from .beam_search import BeamSearch, Hypothesis
 from .params import DecodingParams
+from .speculative import DraftVerifier
 
 
 class DecodeState:
@@ -38,6 +45,10 @@ class DecodeState:
         self.live = [Hypothesis([], [], 0.0, 0.0, [] if gather_generation_logits else None)]
         self.top_p = params.top_p
         self.finish_reason: str | None = None  # "end_id" | "stop_words" | "length"
+        # External drafts of a sampled request: their draft model's logits [D, V] (else a draft is
+        # taken as certain: q one-hot), and TensorRT-LLM's constant acceptance threshold if set.
+        self.draft_logits: torch.Tensor | None = None
+        self.draft_acceptance_threshold: float | None = None
 
     @property
     def num_rows(self) -> int:
@@ -71,60 +82,93 @@ class DecodeOutcome:
     cum_log_prob: float = 0.0           # includes an end token's log prob
     beams: BeamOutputs | None = None    # beam search
     finish_reason: str | None = None
+    num_accepted_drafts: int = 0        # drafts among `tokens` (their KV, computed this step, is kept)
 
 
 @dataclass
 class _Rows:
-    """Row bookkeeping of one step: row -> (state, beam) and each state's first row."""
+    """Row bookkeeping of one step: row -> (state, beam, draft offset j) and each state's first row."""
     state_of_row: list[DecodeState]
     beam_of_row: list[int]
+    offset_of_row: list[int]          # j: the row follows drafts[:j] of its state (0 without drafts)
+    drafts_of_row: list[tuple[int, ...]]
     first_row: list[int]
+
+    def sequence(self, r: int) -> list[int]:
+        """Prompt + generated tokens the row's logits follow (drafts included)."""
+        drafts = self.drafts_of_row[r][:self.offset_of_row[r]]
+        return self.state_of_row[r].record.sequence(self.beam_of_row[r]) + list(drafts)
+
+    def num_generated(self, r: int) -> int:
+        return self.state_of_row[r].num_generated + self.offset_of_row[r]
 
 
 class Decoder:
     def __init__(self, kernels):
         self.kernels = kernels
+        self.verifier = DraftVerifier(kernels)
 
     @torch.inference_mode()  # the runner's outputs are inference tensors, modified in place here
-    def step(self, states: list[DecodeState], logits: torch.Tensor) -> list[DecodeOutcome]:
-        """Process and select one token per live beam of every state (see module doc) -> each
-        state's outcome, in order. logits may be modified in place."""
-        rows = self._rows(states)
+    def step(self, states: list[DecodeState], logits: torch.Tensor,
+             drafts: list[tuple[int, ...]] | None = None) -> list[DecodeOutcome]:
+        """Process and select the tokens of every state (see module doc) -> each state's outcome,
+        in order. drafts[i]: state i's draft tokens this step (empty: none). logits may be
+        modified in place."""
+        drafts = drafts or [()] * len(states)
+        rows = self._rows(states, drafts)
         outcomes: list[DecodeOutcome | None] = [None] * len(states)
-        assert logits.shape[0] == len(rows.state_of_row), "one logits row per live beam"
+        assert logits.shape[0] == len(rows.state_of_row), "one logits row per live beam (and per draft)"
         raw = logits.clone() if any(s.gather_generation_logits for s in states) else None
         self._apply_penalties(logits, rows)
         self._apply_bans(logits, rows)
         single = [i for i, s in enumerate(states) if s.search is None]
         greedy = [i for i in single if states[i].params.is_greedy]
-        sampled = [i for i in single if not states[i].params.is_greedy]
+        sampled = [i for i in single if not states[i].params.is_greedy and not drafts[i]]
         if greedy:
-            index = torch.tensor([rows.first_row[i] for i in greedy], device=logits.device)
-            tokens, log_probs = self.kernels.greedy(logits[index])
-            self._accept(states, greedy, tokens.tolist(), log_probs.tolist(), raw, rows, outcomes)
+            # one row per request, or 1 + D with drafts
+            spans = [range(rows.first_row[i], rows.first_row[i] + 1 + len(drafts[i])) for i in greedy]
+            index = torch.tensor([r for span in spans for r in span], device=logits.device)
+            tokens, log_probs = (t.tolist() for t in self.kernels.greedy(logits[index]))
+            start = 0
+            for i in greedy:
+                n = 1 + len(drafts[i])
+                chosen = tokens[start:start + n]
+                picks = [(token, lp, j < len(drafts[i]) and token == drafts[i][j])
+                         for j, (token, lp) in enumerate(zip(chosen, log_probs[start:start + n]))]
+                outcomes[i] = self._accept(states[i], picks, raw, rows.first_row[i])
+                start += n
         if sampled:
             self._sample(states, sampled, logits, raw, rows, outcomes)
         for i, state in enumerate(states):
-            if state.search is not None:
+            if state.search is None and not state.params.is_greedy and drafts[i]:
+                first = rows.first_row[i]
+                picks = self.verifier.verify(state, drafts[i], logits[first:first + len(drafts[i]) + 1])
+                outcomes[i] = self._accept(state, picks, raw, first)
+                state.draft_logits = None   # they described the request's external drafts only
+            elif state.search is not None:
                 outcomes[i] = self._beam_step(state, logits, raw, rows.first_row[i])
         return outcomes
 
     @staticmethod
-    def _rows(states: list[DecodeState]) -> _Rows:
-        state_of_row, beam_of_row, first_row = [], [], []
-        for s in states:
+    def _rows(states: list[DecodeState], drafts: list[tuple[int, ...]]) -> _Rows:
+        rows = _Rows([], [], [], [], [])
+        for s, d in zip(states, drafts):
             assert not s.is_finished, "a finished request has no rows"
-            first_row.append(len(state_of_row))
-            state_of_row += [s] * s.num_rows
-            beam_of_row += range(s.num_rows)
-        return _Rows(state_of_row, beam_of_row, first_row)
+            assert not d or (s.search is None and s.num_rows == 1), "drafts need beam width 1"
+            rows.first_row.append(len(rows.state_of_row))
+            n = s.num_rows + len(d)
+            rows.state_of_row += [s] * n
+            rows.beam_of_row += range(s.num_rows) if not d else [0] * n
+            rows.offset_of_row += range(n) if d else [0] * n
+            rows.drafts_of_row += [tuple(d)] * n
+        return rows
 
     def _apply_penalties(self, logits: torch.Tensor, rows: _Rows) -> None:
         picked = [r for r, s in enumerate(rows.state_of_row) if s.params.needs_penalties]
         if not picked:
             return
         device = logits.device
-        sequences = [rows.state_of_row[r].record.sequence(rows.beam_of_row[r]) for r in picked]
+        sequences = [rows.sequence(r) for r in picked]
         max_len = max(len(seq) for seq in sequences)
         token_ids = torch.tensor([seq + [0] * (max_len - len(seq)) for seq in sequences], dtype=torch.int64)
         params = [rows.state_of_row[r].params for r in picked]
@@ -147,7 +191,7 @@ class Decoder:
             column([p.presence_penalty for p in params], torch.float32),
             column([p.frequency_penalty for p in params], torch.float32),
             column([p.min_length for p in params], torch.int64),
-            column([rows.state_of_row[r].num_generated for r in picked], torch.int64),
+            column([rows.num_generated(r) for r in picked], torch.int64),
             column([-1 if p.end_id is None else p.end_id for p in params], torch.int64))
 
     def _apply_bans(self, logits: torch.Tensor, rows: _Rows) -> None:
@@ -156,7 +200,7 @@ class Decoder:
             p = s.params
             if not p.bad_words and not p.no_repeat_ngram_size:
                 continue
-            sequence = s.record.sequence(rows.beam_of_row[r])
+            sequence = rows.sequence(r)
             banned = set()
             for word in p.bad_words:
                 n = len(word)
@@ -186,29 +230,38 @@ class Decoder:
             torch.tensor([s.top_p for s in chosen], dtype=torch.float32, device=device),
             draws,
             torch.tensor([s.params.normalize_log_probs for s in chosen], device=device))
-        self._accept(states, picked, tokens.tolist(), log_probs.tolist(), raw, rows, outcomes)
+        for i, token, log_prob in zip(picked, tokens.tolist(), log_probs.tolist()):
+            outcomes[i] = self._accept(states[i], [(token, log_prob, False)], raw, rows.first_row[i])
 
     @staticmethod
-    def _accept(states, picked: list[int], tokens: list[int], log_probs: list[float], raw, rows: _Rows,
-                outcomes: list) -> None:
-        for i, token, log_prob in zip(picked, tokens, log_probs):
-            state = states[i]
-            generated = state.record.beams[0]
-            reason = state.ends_beam(generated, token)
+    def _accept(state: DecodeState, picks: list[tuple[int, float, bool]], raw, first_row: int) -> DecodeOutcome:
+        """Append picks[j] = (token, log prob, it equals draft j) in order, as if generated one by
+        one, until one ends the request or is not an accepted draft (the model's own token)."""
+        generated = state.record.beams[0]
+        tokens: list[int] = []
+        log_probs: list[float] = []
+        logits: list[torch.Tensor] = []
+        p = state.params
+        for j, (token, log_prob, is_accepted_draft) in enumerate(picks):
+            reason = state.ends_beam(generated + tokens if tokens else generated, token)
             state.cum_log_prob += log_prob
             if reason == "end_id":
                 state.finish_reason = reason
-                outcomes[i] = DecodeOutcome(cum_log_prob=state.cum_log_prob, finish_reason=reason)
-                continue
-            p = state.params
+                break
+            tokens.append(token)
+            log_probs.append(log_prob)
+            if raw is not None and state.gather_generation_logits:
+                logits.append(raw[first_row + j].cpu())
             if p.top_p_decay != 1.0 or p.top_p_reset_id >= 0:
                 state.top_p = p.top_p if token == p.top_p_reset_id else max(state.top_p * p.top_p_decay, p.top_p_min)
-            if reason is None and len(generated) + 1 >= state.max_new_tokens:
+            if reason is None and len(generated) + len(tokens) >= state.max_new_tokens:
                 reason = "length"
             state.finish_reason = reason
-            outcomes[i] = DecodeOutcome((token,), (log_prob,), () if raw is None or not state.gather_generation_logits
-                                        else (raw[rows.first_row[i]].cpu(),), state.cum_log_prob,
-                                        finish_reason=reason)
+            if reason is not None or not is_accepted_draft:
+                break
+        num_accepted = sum(1 for _ in itertools.takewhile(lambda pick: pick[2], picks[:len(tokens)]))
+        return DecodeOutcome(tuple(tokens), tuple(log_probs), tuple(logits), state.cum_log_prob,
+                             finish_reason=state.finish_reason, num_accepted_drafts=num_accepted)
 
     def _beam_step(self, state: DecodeState, logits, raw, first_row: int) -> DecodeOutcome:
         span = slice(first_row, first_row + state.num_rows)
