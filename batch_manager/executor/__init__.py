@@ -1,6 +1,6 @@
 """The Executor API (names of `tensorrt_llm.bindings.executor`) over the engine core."""
 from ..options import SchedulerConfig
-from .config import (BatchingType, CapacitySchedulerPolicy, ExecutorConfig, KvCacheConfig, LogitsPostProcessorConfig,
+from .config import (BatchingType, CapacitySchedulerPolicy, DecodingConfig, ExecutorConfig, KvCacheConfig, LogitsPostProcessorConfig,
                      ModelType, ParallelConfig, PeftCacheConfig)
 from .executor import Executor
 from .kv_events import KvCacheEvent, KvCacheEventType
@@ -9,7 +9,7 @@ from .request import (ExternalDraftTokensConfig, FinishReason, LoraConfig, Outpu
                       Response, Result, SamplingConfig)
 from .stats import IterationStats, RequestStage, RequestStats, RequestStatsPerIteration
 
-__all__ = ["SchedulerConfig", "BatchingType", "CapacitySchedulerPolicy", "ExecutorConfig", "KvCacheConfig",
+__all__ = ["SchedulerConfig", "BatchingType", "CapacitySchedulerPolicy", "DecodingConfig", "ExecutorConfig", "KvCacheConfig",
            "LogitsPostProcessorConfig", "ModelType", "ParallelConfig", "PeftCacheConfig", "Executor", "KvCacheEvent",
            "KvCacheEventType", "QueueFullError", "ExternalDraftTokensConfig", "FinishReason", "LoraConfig",
            "OutputConfig", "PromptTuningConfig", "Request", "Response", "Result", "SamplingConfig", "IterationStats",

@@ -5,7 +5,7 @@ same response tensors GptManager sends)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -15,8 +15,8 @@ from .. import tensor_names as tn
 from ..llm_request import FinishReason as CoreFinishReason
 from ..llm_request import LlmRequest
 from ..responses import response_tensors
-from ..validation import AdmissionLimits, RequestError, check_decoding, check_prompt, make_llm_request
-from .request import FinishReason, OutputConfig, Request, Result, SamplingConfig
+from ..validation import AdmissionLimits, RequestError, check_decoding, check_drafts, check_prompt, make_llm_request
+from .request import ExternalDraftTokensConfig, FinishReason, OutputConfig, Request, Result, SamplingConfig
 
 # DecodingParams field -> (SamplingConfig field, default when None).
 _SAMPLING_FIELDS = {
@@ -30,10 +30,10 @@ _SAMPLING_FIELDS = {
 }
 _NAMES = {field: f"sampling_config.{name}" for field, (name, _) in _SAMPLING_FIELDS.items()}
 _NAMES.update(end_id="end_id", embedding_bias="embedding_bias")
-_FIELD_NAMES = {"max_new_tokens": "max_tokens", "pad_id": "pad_id",
+_FIELD_NAMES = {"max_new_tokens": "max_tokens", "pad_id": "pad_id", "draft_input_ids": "external_draft_tokens_config",
                 "return_context_logits": "output_config.return_context_logits",
                 "return_generation_logits": "output_config.return_generation_logits"}
-_UNSUPPORTED = ("external_draft_tokens_config", "prompt_tuning_config", "lora_config")
+_UNSUPPORTED = ("prompt_tuning_config", "lora_config")
 
 
 @dataclass(frozen=True)
@@ -72,8 +72,35 @@ def to_llm_request(request: Request, request_id: int, limits: AdmissionLimits, n
         output_flags=lambda: {name: bool(getattr(output, name)) for name in
                               ("return_log_probs", "return_context_logits", "return_generation_logits")},
         is_streaming=bool(request.streaming), logits_post_processor=post_processor,
-        use_batched_post_processor=use_batched, priority=float(priority), client_id=request.client_id)
+        use_batched_post_processor=use_batched, priority=float(priority), client_id=request.client_id,
+        drafts=lambda: _drafts(request.external_draft_tokens_config, limits),
+        draft_acceptance_threshold=_threshold(request.external_draft_tokens_config))
     return r, OutputOptions(bool(output.exclude_input_from_output), bool(request.return_all_generated_tokens))
+
+
+def _drafts(config, limits: AdmissionLimits) -> tuple[list[int], Any]:
+    if config is None:
+        return [], None
+    if not isinstance(config, ExternalDraftTokensConfig):
+        raise RequestError(f"external_draft_tokens_config: expected an ExternalDraftTokensConfig, "
+                           f"got {type(config).__name__}")
+    tokens = _token_ids("external_draft_tokens_config.tokens", config.tokens)
+    logits = config.logits
+    if logits is not None and (not isinstance(logits, torch.Tensor) or not logits.is_floating_point()):
+        raise RequestError(f"external_draft_tokens_config.logits: expected a float tensor [D, V], "
+                           f"got {type(logits).__name__}")
+    return check_drafts(tokens, logits, limits, "external_draft_tokens_config.tokens",
+                        "external_draft_tokens_config.logits")
+
+
+def _threshold(config) -> float | None:
+    value = getattr(config, "acceptance_threshold", None)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < float("inf"):
+        raise RequestError(f"external_draft_tokens_config.acceptance_threshold: must be a finite number >= 0, "
+                           f"got {value!r}")
+    return float(value)
 
 
 def _int(name: str, value) -> int:
