@@ -67,6 +67,7 @@ class LlmRequest:
     finish_reason: FinishReason | None = None
     error: str | None = None
     log_probs: list[float] = field(default_factory=list)
+    top_log_probs: list[tuple] = field(default_factory=list)   # per generated token: (k log probs, k ids)
     cum_log_prob: float = 0.0     # includes the end token's log prob, which has no log_probs entry
     has_decoder_state: bool = False  # the executor opened its decoder state (released when it ends)
     # The one record of its tokens (prompt, generated tokens per live beam; `generated` is live

@@ -67,7 +67,8 @@ class RequestDecoder:
                 results[requests[i].request_id] = RequestResult(
                     requests[i].request_id, new_tokens=o.tokens, new_log_probs=o.log_probs,
                     new_generation_logits=o.logits, cum_log_prob=o.cum_log_prob,
-                    beams=o.beams, finish_reason=o.finish_reason, num_accepted_draft_tokens=o.num_accepted_drafts)
+                    beams=o.beams, finish_reason=o.finish_reason, num_accepted_draft_tokens=o.num_accepted_drafts,
+                    new_top_log_probs=o.top_log_probs)
         self.release(r.request_id for r in requests if r.request_id in failures or
                      self._entries[r.request_id].state.is_finished)
         return results

@@ -189,6 +189,7 @@ class Scheduler:
         beams = res.beams
         if beams is None:
             r.log_probs += res.new_log_probs
+            r.top_log_probs += res.new_top_log_probs
             r.generation_logits += res.new_generation_logits
             r.cum_log_prob = res.cum_log_prob
         else:

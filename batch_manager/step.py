@@ -85,6 +85,7 @@ class RequestResult:
     context_logits: Any = None             # float32 [prompt_len, V] when requested
     finish_reason: str | None = None       # "end_id" | "stop_words" | "length" when it finished
     num_accepted_draft_tokens: int = 0     # drafts among new_tokens: their KV (computed this step) is kept
+    new_top_log_probs: tuple = ()          # per new token: (k log probs, k ids), when asked
 
 
 @dataclass(frozen=True)

@@ -146,6 +146,8 @@ def _decoding_params(tensors: dict, limits: AdmissionLimits, normalize_log_probs
         top_p_decay=_scalar(tensors, tn.TOP_P_DECAY, "float", 1.0),
         top_p_min=_scalar(tensors, tn.TOP_P_MIN, "float", 1e-6),
         top_p_reset_id=_scalar(tensors, tn.TOP_P_RESET_IDS, "int", -1),
+        min_p=_scalar(tensors, tn.MIN_P, "float", 0.0),
+        num_top_log_probs=_scalar(tensors, tn.NUM_TOP_LOG_PROBS, "int", 0),
         min_length=_scalar(tensors, tn.MIN_LENGTH, "int", 0),
         repetition_penalty=_scalar(tensors, tn.REPETITION_PENALTY, "float", 1.0),
         presence_penalty=_scalar(tensors, tn.PRESENCE_PENALTY, "float", 0.0),

@@ -83,6 +83,8 @@ class DecodeOutcome:
     beams: BeamOutputs | None = None    # beam search
     finish_reason: str | None = None
     num_accepted_drafts: int = 0        # drafts among `tokens` (their KV, computed this step, is kept)
+    # num_top_log_probs k: per token of `tokens`, (k log probs, descending; their k token ids)
+    top_log_probs: tuple[tuple[tuple[float, ...], tuple[int, ...]], ...] = ()
 
 
 @dataclass
@@ -118,9 +120,12 @@ class Decoder:
         rows = self._rows(states, drafts)
         outcomes: list[DecodeOutcome | None] = [None] * len(states)
         assert logits.shape[0] == len(rows.state_of_row), "one logits row per live beam (and per draft)"
-        raw = logits.clone() if any(s.gather_generation_logits for s in states) else None
+        wants_raw = any(s.gather_generation_logits or s.params.num_top_log_probs for s in states)
+        raw = logits.clone() if wants_raw else None
+        tops = self._top_log_probs(states, drafts, raw, rows)
         self._apply_penalties(logits, rows)
         self._apply_bans(logits, rows)
+        self._apply_min_p(logits, rows)
         single = [i for i, s in enumerate(states) if s.search is None]
         greedy = [i for i in single if states[i].params.is_greedy]
         sampled = [i for i in single if not states[i].params.is_greedy and not drafts[i]]
@@ -135,15 +140,15 @@ class Decoder:
                 chosen = tokens[start:start + n]
                 picks = [(token, lp, j < len(drafts[i]) and token == drafts[i][j])
                          for j, (token, lp) in enumerate(zip(chosen, log_probs[start:start + n]))]
-                outcomes[i] = self._accept(states[i], picks, raw, rows.first_row[i])
+                outcomes[i] = self._accept(states[i], picks, raw, rows.first_row[i], tops.get(i))
                 start += n
         if sampled:
-            self._sample(states, sampled, logits, raw, rows, outcomes)
+            self._sample(states, sampled, logits, raw, rows, outcomes, tops)
         for i, state in enumerate(states):
             if state.search is None and not state.params.is_greedy and drafts[i]:
                 first = rows.first_row[i]
                 picks = self.verifier.verify(state, drafts[i], logits[first:first + len(drafts[i]) + 1])
-                outcomes[i] = self._accept(state, picks, raw, first)
+                outcomes[i] = self._accept(state, picks, raw, first, tops.get(i))
                 state.draft_logits = None   # they described the request's external drafts only
             elif state.search is not None:
                 outcomes[i] = self._beam_step(state, logits, raw, rows.first_row[i])
@@ -194,6 +199,33 @@ class Decoder:
             column([rows.num_generated(r) for r in picked], torch.int64),
             column([-1 if p.end_id is None else p.end_id for p in params], torch.int64))
 
+    def _top_log_probs(self, states, drafts, raw, rows: _Rows) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """state index -> (values [rows, k], ids [rows, k]) of the raw logits, for the states that
+        want num_top_log_probs k (one kernel call per distinct k)."""
+        by_k: dict[int, list[int]] = {}
+        for i, s in enumerate(states):
+            if s.params.num_top_log_probs:
+                by_k.setdefault(s.params.num_top_log_probs, []).append(i)
+        out = {}
+        for k, picked in by_k.items():
+            spans = [range(rows.first_row[i], rows.first_row[i] + states[i].num_rows + len(drafts[i])) for i in picked]
+            values, ids = self.kernels.top_log_probs(raw[torch.tensor([r for span in spans for r in span],
+                                                                      device=raw.device)], k)
+            start = 0
+            for i, span in zip(picked, spans):
+                out[i] = (values[start:start + len(span)], ids[start:start + len(span)])
+                start += len(span)
+        return out
+
+    def _apply_min_p(self, logits: torch.Tensor, rows: _Rows) -> None:
+        """min-p on the rows of sampled requests (it cannot change a greedy pick)."""
+        picked = [r for r, s in enumerate(rows.state_of_row) if s.params.min_p > 0 and not s.params.is_greedy]
+        if picked:
+            device = logits.device
+            self.kernels.apply_min_p(logits, torch.tensor(picked, device=device),
+                                     torch.tensor([rows.state_of_row[r].params.min_p for r in picked],
+                                                  dtype=torch.float32, device=device))
+
     def _apply_bans(self, logits: torch.Tensor, rows: _Rows) -> None:
         ban_rows, ban_tokens = [], []
         for r, s in enumerate(rows.state_of_row):
@@ -214,7 +246,7 @@ class Decoder:
             self.kernels.ban_tokens(logits, torch.tensor(ban_rows, device=logits.device),
                                     torch.tensor(ban_tokens, device=logits.device))
 
-    def _sample(self, states, picked: list[int], logits, raw, rows: _Rows, outcomes: list) -> None:
+    def _sample(self, states, picked: list[int], logits, raw, rows: _Rows, outcomes: list, tops: dict) -> None:
         device = logits.device
         chosen = [states[i] for i in picked]
         index = torch.tensor([rows.first_row[i] for i in picked], device=device)
@@ -231,10 +263,11 @@ class Decoder:
             draws,
             torch.tensor([s.params.normalize_log_probs for s in chosen], device=device))
         for i, token, log_prob in zip(picked, tokens.tolist(), log_probs.tolist()):
-            outcomes[i] = self._accept(states[i], [(token, log_prob, False)], raw, rows.first_row[i])
+            outcomes[i] = self._accept(states[i], [(token, log_prob, False)], raw, rows.first_row[i], tops.get(i))
 
     @staticmethod
-    def _accept(state: DecodeState, picks: list[tuple[int, float, bool]], raw, first_row: int) -> DecodeOutcome:
+    def _accept(state: DecodeState, picks: list[tuple[int, float, bool]], raw, first_row: int,
+                top: tuple[torch.Tensor, torch.Tensor] | None = None) -> DecodeOutcome:
         """Append picks[j] = (token, log prob, it equals draft j) in order, as if generated one by
         one, until one ends the request or is not an accepted draft (the model's own token)."""
         generated = state.record.beams[0]
@@ -260,8 +293,11 @@ class Decoder:
             if reason is not None or not is_accepted_draft:
                 break
         num_accepted = sum(1 for _ in itertools.takewhile(lambda pick: pick[2], picks[:len(tokens)]))
+        tops = () if top is None else tuple(zip((tuple(v) for v in top[0][:len(tokens)].tolist()),
+                                                (tuple(i) for i in top[1][:len(tokens)].tolist())))
         return DecodeOutcome(tuple(tokens), tuple(log_probs), tuple(logits), state.cum_log_prob,
-                             finish_reason=state.finish_reason, num_accepted_drafts=num_accepted)
+                             finish_reason=state.finish_reason, num_accepted_drafts=num_accepted,
+                             top_log_probs=tops)
 
     def _beam_step(self, state: DecodeState, logits, raw, first_row: int) -> DecodeOutcome:
         span = slice(first_row, first_row + state.num_rows)
