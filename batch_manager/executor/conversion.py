@@ -26,10 +26,10 @@ _SAMPLING_FIELDS = {
     "diversity_rate": ("beam_search_diversity_rate", 0.0), "repetition_penalty": ("repetition_penalty", 1.0),
     "length_penalty": ("length_penalty", 0.0), "early_stopping": ("early_stopping", 1),
     "no_repeat_ngram_size": ("no_repeat_ngram_size", 0), "presence_penalty": ("presence_penalty", 0.0),
-    "frequency_penalty": ("frequency_penalty", 0.0),
+    "frequency_penalty": ("frequency_penalty", 0.0), "min_p": ("min_p", 0.0),
 }
 _NAMES = {field: f"sampling_config.{name}" for field, (name, _) in _SAMPLING_FIELDS.items()}
-_NAMES.update(end_id="end_id", embedding_bias="embedding_bias")
+_NAMES.update(end_id="end_id", embedding_bias="embedding_bias", num_top_log_probs="output_config.num_top_log_probs")
 _FIELD_NAMES = {"max_new_tokens": "max_tokens", "pad_id": "pad_id", "draft_input_ids": "external_draft_tokens_config",
                 "return_context_logits": "output_config.return_context_logits",
                 "return_generation_logits": "output_config.return_generation_logits"}
@@ -158,7 +158,9 @@ def _decoding_params(request: Request, limits: AdmissionLimits, normalize_log_pr
             bias = bias[0]
         if bias.dtype.is_floating_point:   # shape and finiteness: DecodingParams.validate
             bias = bias.to(torch.float32).clone()
+    output = request.output_config
     return DecodingParams(**values, end_id=request.end_id, normalize_log_probs=normalize_log_probs,
+                          num_top_log_probs=getattr(output, "num_top_log_probs", 0),
                           bad_words=_words("bad_words", request.bad_words, limits.vocab_size),
                           stop_words=_words("stop_words", request.stop_words, limits.vocab_size),
                           embedding_bias=bias)
@@ -201,6 +203,9 @@ def to_result(r: LlmRequest, is_final: bool, options: OutputOptions) -> Result:
         result.context_logits = tensors[tn.CONTEXT_LOGITS][0]
     if r.return_generation_logits:
         result.generation_logits = tensors[tn.GENERATION_LOGITS][0]
+    if tn.TOP_LOG_PROBS in tensors:
+        result.top_log_probs = tensors[tn.TOP_LOG_PROBS][0]
+        result.top_log_prob_ids = tensors[tn.TOP_LOG_PROB_IDS][0]
     return result
 
 
