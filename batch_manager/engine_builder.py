@@ -16,6 +16,7 @@ from runtime import Engine, ModelRunner
 from runtime.kv_cache_manager import KvCacheManager
 
 from .capacity_scheduler import make_capacity_scheduler
+from .guided_decoding import GuidedDecodingConfig
 from .kv_sizing import num_kv_blocks
 from .micro_batch_scheduler import MicroBatchScheduler
 from .model_executor import ModelExecutor
@@ -123,7 +124,8 @@ def build_engine_core(engine_dir, model_type: TrtGptModelType, max_beam_width: i
         vocab_size=engine.model_config.vocab_size, max_input_len=build.max_input_len,
         max_seq_len=build.max_seq_len, max_beam_width=max_beam_width, max_num_blocks=num_blocks,
         tokens_per_block=build.tokens_per_block, gather_context_logits=build.gather_context_logits,
-        gather_generation_logits=build.gather_generation_logits, max_draft_tokens=max_draft_tokens)
+        gather_generation_logits=build.gather_generation_logits, max_draft_tokens=max_draft_tokens,
+        guides=_grammar_compiler(params.guided_decoding_config, engine.model_config.vocab_size))
     config = WorkerConfig(model_type=model_type, max_num_sequences=max_num_sequences,
                           enable_trt_overlap=enable_trt_overlap,
                           uses_drafts=bool(max_draft_tokens or decoding.prompt_lookup_num_tokens))
@@ -139,6 +141,14 @@ def _check_kv_cache_config(kv: KvCacheConfig) -> None:
         value = getattr(kv, name)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < low):
             raise ValueError(f"KvCacheConfig.{name}: must be an integer >= {low} or None, got {value!r}")
+
+
+def _grammar_compiler(config, vocab_size: int):
+    if config is None:
+        return None
+    if not isinstance(config, GuidedDecodingConfig):
+        raise ValueError(f"guided_decoding_config: expected a GuidedDecodingConfig, got {type(config).__name__}")
+    return config.build_compiler(vocab_size)
 
 
 def _non_negative(name: str, value) -> int:

@@ -86,6 +86,7 @@ class LlmRequest:
     draft_logits: Any = None               # float32 [D, V] of the request's own drafts, or None
     draft_acceptance_threshold: float | None = None
     max_draft_len: int = 0
+    guide: Any = None   # guided decoding: Future of the compiled grammar; the request waits until it is done
     num_draft_tokens_proposed: int = 0
     num_draft_tokens_accepted: int = 0
     context_logits: Any = None             # float32 [prompt_len, V] when requested

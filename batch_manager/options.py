@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 
 class TrtGptModelType(enum.IntEnum):
@@ -78,3 +78,4 @@ class TrtGptModelOptionalParams:
     logits_post_processor_batched: Callable | None = None
     max_draft_tokens: int = 0              # longest draft_input_ids a request may bring (0: drafts refused)
     decoding_config: DecodingConfig | None = None
+    guided_decoding_config: Any = None     # batch_manager.guided_decoding.GuidedDecodingConfig

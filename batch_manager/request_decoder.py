@@ -38,6 +38,8 @@ class RequestDecoder:
     def open(self, request_id: int, new: NewRequest) -> None:
         state = DecodeState(new.decoding_params, new.record, new.max_new_tokens, new.return_generation_logits)
         state.draft_logits, state.draft_acceptance_threshold = new.draft_logits, new.draft_acceptance_threshold
+        if new.guide is not None:
+            state.guide = new.guide.start()
         self._entries[request_id] = _Entry(state, new.logits_post_processor, new.use_batched_post_processor,
                                            new.client_id)
 

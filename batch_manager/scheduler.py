@@ -104,7 +104,7 @@ class Scheduler:
         """-> (the step, requests paused to make room). Requests in `in_flight_ids` (their
         forward runs: overlap) keep their blocks and are not scheduled; `max_batch_size` lowers
         the micro-batch limit for this step."""
-        requests = list(self._requests.values())
+        requests = self._ready(list(self._requests.values()))
         in_flight = frozenset(r for r in requests if r.request_id in in_flight_ids)
         if self.prompt_lookup_num_tokens:
             self._propose_drafts(r for r in requests if r.state == RequestState.GENERATION and r not in in_flight)
@@ -119,6 +119,21 @@ class Scheduler:
         self._released_ids = []
         self._num_steps += 1
         return step, len(capacity.paused)
+
+    @staticmethod
+    def _ready(requests: list[LlmRequest]) -> list[LlmRequest]:
+        """The requests that may be scheduled: a guided request waits until its grammar is
+        compiled (off this thread), and one whose guide failed to compile ends with that error."""
+        ready = []
+        for r in requests:
+            if r.guide is not None and r.state == RequestState.WAITING:
+                if not r.guide.done():
+                    continue
+                if r.guide.exception() is not None:
+                    r.finish(FinishReason.ERROR, str(r.guide.exception()))
+                    continue
+            ready.append(r)
+        return ready
 
     def _propose_drafts(self, requests) -> None:
         for r in requests:
@@ -142,7 +157,8 @@ class Scheduler:
             r.has_decoder_state = True
             new = NewRequest(r.decoding, r.record, r.max_new_tokens, r.return_generation_logits,
                              r.logits_post_processor, r.use_batched_post_processor, r.client_id,
-                             r.draft_logits, r.draft_acceptance_threshold)
+                             r.draft_logits, r.draft_acceptance_threshold,
+                             None if r.guide is None else r.guide.result())
         return ScheduledRequest(
             request_id=r.request_id,
             token_ids=tuple(tuple(r.beam_token_slice(b, past, past + n)) + drafts for b in beams),

@@ -22,6 +22,7 @@ class NewRequest:
     client_id: Any = None                # the Executor request's client_id, handed to post-processors
     draft_logits: Any = None             # float32 [D, V]: the external drafts' distribution, when given
     draft_acceptance_threshold: float | None = None
+    guide: Any = None                    # guided decoding: the compiled grammar (runtime.decoding.guided.Template)
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from runtime.decoding import DecodingParams, parse_word_list
 
 from . import tensor_names as tn
 from .inference_request import InferenceRequest
+from .guided_decoding import check_guide
 from .llm_request import LlmRequest
 
 logger = logging.getLogger(__name__)
@@ -40,6 +41,7 @@ class AdmissionLimits:
     gather_context_logits: bool
     gather_generation_logits: bool
     max_draft_tokens: int = 0    # longest draft a request may bring (0: drafts refused)
+    guides: Any = None           # the engine's GrammarCompiler when guided decoding is configured
 
 
 def _tensor(name: str, value) -> torch.Tensor:
@@ -215,7 +217,9 @@ def to_llm_request(request: InferenceRequest, limits: AdmissionLimits, arrival_i
         output_flags=lambda: {field: _scalar(tensors, name, "bool", False) for field, name in flag_names.items()},
         is_streaming=bool(request.is_streaming), logits_post_processor=request.logits_post_processor,
         use_batched_post_processor=bool(getattr(request, "use_batched_logits_post_processor", False)),
-        drafts=lambda: _drafts(tensors, limits), arrival_index=arrival_index)
+        drafts=lambda: _drafts(tensors, limits), arrival_index=arrival_index,
+        guide=lambda: check_guide(getattr(request, "guided_decoding_params", None), limits.guides,
+                                  "guided_decoding_params"))
 
 
 def _drafts(tensors: dict, limits: AdmissionLimits) -> tuple[list[int], torch.Tensor | None]:
@@ -271,7 +275,8 @@ _FIELD_NAMES = {"max_new_tokens": tn.MAX_NEW_TOKENS, "pad_id": tn.PAD_ID, "draft
 def make_llm_request(request_id, prompt: list[int], max_new_tokens: int, limits: AdmissionLimits, *,
                      pad_id: Callable[[], int], decoding: Callable[[], DecodingParams],
                      output_flags: Callable[[], dict[str, bool]], names: dict[str, str] = _FIELD_NAMES,
-                     drafts: Callable[[], tuple[list[int], Any]] = lambda: ([], None), **fields) -> LlmRequest:
+                     drafts: Callable[[], tuple[list[int], Any]] = lambda: ([], None),
+                     guide: Callable[[], Any] = lambda: None, **fields) -> LlmRequest:
     """The checks both front-ends share, after their own parsing (the prompt is checked by
     `check_prompt`). `pad_id`, `decoding` and `output_flags` (return_log_probs,
     return_context_logits, return_generation_logits) are read when their turn comes, so the first
@@ -305,5 +310,9 @@ def make_llm_request(request_id, prompt: list[int], max_new_tokens: int, limits:
     if need_blocks > limits.max_num_blocks:
         raise RequestError(f"{names['max_new_tokens']}: prompt {len(prompt)} + {max_new_tokens} new tokens need "
                            f"{need_blocks} KV blocks; the whole pool has {limits.max_num_blocks}")
+    try:   # last: its grammar starts compiling (off this thread) only for an otherwise valid request
+        fields["guide"] = guide()
+    except ValueError as e:
+        raise RequestError(str(e)) from None
     return LlmRequest(request_id=request_id, prompt=prompt, max_new_tokens=max_new_tokens, pad_id=pad,
                       beam_width=params.beam_width, decoding=params, **fields)

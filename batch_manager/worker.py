@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 # Idle poll interval: bounds the latency an idle manager adds to a new request (~0.5 ms) while
 # keeping an idle worker near 0 % CPU.
 IDLE_SLEEP_S = 0.0005
+WAITING_SLEEP_S = 0.005   # active requests, none of them schedulable yet
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,9 @@ class Worker:
                 step, num_paused = self.scheduler.schedule()
                 self.scheduler.update(step, self.executor.execute(step))
                 self._send_responses(step)
+                if not step.requests:   # all waiting (for a grammar to compile, say): poll, do not spin
+                    self._stop_requested.wait(WAITING_SLEEP_S)
+                    continue
             else:
                 step, num_paused = self._overlapped_step()
             self._send_stats(step, num_paused)

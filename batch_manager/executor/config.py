@@ -79,6 +79,7 @@ class ExecutorConfig:
     device: str | None = None              # as TrtGptModelOptionalParams.device
     max_draft_tokens: int = 0              # longest ExternalDraftTokensConfig.tokens (0: drafts refused)
     decoding_config: DecodingConfig | None = None   # the prompt-lookup drafter
+    guided_decoding_config: Any = None     # batch_manager.guided_decoding.GuidedDecodingConfig
 
 
 def _non_negative_int(name: str, value: Any, allow_none: bool = False) -> None:
@@ -118,6 +119,7 @@ def core_params(config: ExecutorConfig) -> tuple[TrtGptModelType, SchedulerPolic
         scheduler_config=config.scheduler_config, kernel_backend=config.kernel_backend, device=config.device,
         device_ids=parallel.device_ids if parallel is not None else None,
         logits_post_processor_batched=post.processor_batched if post is not None else None,
-        max_draft_tokens=config.max_draft_tokens, decoding_config=config.decoding_config)
+        max_draft_tokens=config.max_draft_tokens, decoding_config=config.decoding_config,
+        guided_decoding_config=config.guided_decoding_config)
     policy = SchedulerPolicy(config.scheduler_config.capacity_scheduler_policy)
     return model_type, policy, params

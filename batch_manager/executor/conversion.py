@@ -12,6 +12,7 @@ import torch
 from runtime.decoding import DecodingParams
 
 from .. import tensor_names as tn
+from ..guided_decoding import check_guide
 from ..llm_request import FinishReason as CoreFinishReason
 from ..llm_request import LlmRequest
 from ..responses import response_tensors
@@ -74,6 +75,7 @@ def to_llm_request(request: Request, request_id: int, limits: AdmissionLimits, n
         is_streaming=bool(request.streaming), logits_post_processor=post_processor,
         use_batched_post_processor=use_batched, priority=float(priority), client_id=request.client_id,
         drafts=lambda: _drafts(request.external_draft_tokens_config, limits),
+        guide=lambda: check_guide(request.guided_decoding_params, limits.guides, "guided_decoding_params"),
         draft_acceptance_threshold=_threshold(request.external_draft_tokens_config))
     return r, OutputOptions(bool(output.exclude_input_from_output), bool(request.return_all_generated_tokens))
 

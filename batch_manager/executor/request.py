@@ -85,13 +85,14 @@ class Request:
     BATCHED_POST_PROCESSOR_NAME = "batched"
     FIELDS = ("input_token_ids", "max_tokens", "streaming", "sampling_config", "output_config", "end_id", "pad_id",
               "bad_words", "stop_words", "embedding_bias", "external_draft_tokens_config", "prompt_tuning_config",
-              "lora_config", "logits_post_processor_name", "client_id", "return_all_generated_tokens", "priority")
+              "lora_config", "logits_post_processor_name", "client_id", "return_all_generated_tokens", "priority",
+              "guided_decoding_params")
 
     def __init__(self, input_token_ids, max_tokens=None, streaming=False, sampling_config=None, output_config=None,
                  end_id=None, pad_id=None, bad_words=None, stop_words=None, embedding_bias=None,
                  external_draft_tokens_config=None, prompt_tuning_config=None, lora_config=None,
                  logits_post_processor_name=None, client_id=None, return_all_generated_tokens=False,
-                 priority=0.5, **older_names):
+                 priority=0.5, guided_decoding_params=None, **older_names):
         max_tokens = _alias(older_names, "max_new_tokens", "max_tokens", max_tokens)
         _no_more(older_names, "Request")
         sampling_config = SamplingConfig() if sampling_config is None else sampling_config

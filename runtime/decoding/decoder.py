@@ -23,6 +23,7 @@ import torch
 from ..token_record import BeamOutputs, TokenRecord
 from .beam_search import BeamSearch, Hypothesis
 from .params import DecodingParams
+from .guided import Guide, bitmask_words
 from .speculative import DraftVerifier
 
 
@@ -49,6 +50,7 @@ class DecodeState:
         # taken as certain: q one-hot), and TensorRT-LLM's constant acceptance threshold if set.
         self.draft_logits: torch.Tensor | None = None
         self.draft_acceptance_threshold: float | None = None
+        self.guide: Guide | None = None   # guided decoding: the grammar's matcher state (guided.py)
 
     @property
     def num_rows(self) -> int:
@@ -126,6 +128,7 @@ class Decoder:
         self._apply_penalties(logits, rows)
         self._apply_bans(logits, rows)
         self._apply_min_p(logits, rows)
+        self._apply_guides(states, drafts, logits, rows)
         single = [i for i, s in enumerate(states) if s.search is None]
         greedy = [i for i in single if states[i].params.is_greedy]
         sampled = [i for i in single if not states[i].params.is_greedy and not drafts[i]]
@@ -226,6 +229,27 @@ class Decoder:
                                      torch.tensor([rows.state_of_row[r].params.min_p for r in picked],
                                                   dtype=torch.float32, device=device))
 
+    def _apply_guides(self, states, drafts, logits: torch.Tensor, rows: _Rows) -> None:
+        """Guided requests: -inf for every token their grammar does not allow next (per live beam,
+        and per draft position as if the drafts before it were accepted)."""
+        guided = [i for i, s in enumerate(states) if s.guide is not None]
+        if not guided:
+            return
+        picked = [r for i in guided
+                  for r in range(rows.first_row[i], rows.first_row[i] + states[i].num_rows + len(drafts[i]))]
+        bitmask = torch.full((len(picked), bitmask_words(logits.shape[1])), -1, dtype=torch.int32)
+        start = 0
+        for i in guided:
+            s = states[i]
+            if drafts[i]:
+                s.guide.fill_bitmask(bitmask, start, 0, tuple(drafts[i]))
+            else:
+                for beam in range(s.num_rows):
+                    s.guide.fill_bitmask(bitmask, start + beam, beam)
+            start += s.num_rows + len(drafts[i])
+        self.kernels.apply_token_bitmask(logits, torch.tensor(picked, device=logits.device),
+                                         bitmask.to(logits.device))
+
     def _apply_bans(self, logits: torch.Tensor, rows: _Rows) -> None:
         ban_rows, ban_tokens = [], []
         for r, s in enumerate(rows.state_of_row):
@@ -277,12 +301,16 @@ class Decoder:
         p = state.params
         for j, (token, log_prob, is_accepted_draft) in enumerate(picks):
             reason = state.ends_beam(generated + tokens if tokens else generated, token)
+            if state.guide is not None and state.guide.ends(0, token):
+                reason = "end_id"   # the grammar is complete: its stop token ends the request
             state.cum_log_prob += log_prob
             if reason == "end_id":
                 state.finish_reason = reason
                 break
             tokens.append(token)
             log_probs.append(log_prob)
+            if state.guide is not None:
+                state.guide.consume(0, [token])
             if raw is not None and state.gather_generation_logits:
                 logits.append(raw[first_row + j].cpu())
             if p.top_p_decay != 1.0 or p.top_p_reset_id >= 0:
@@ -307,10 +335,14 @@ class Decoder:
         candidates = self.kernels.beam_candidates(log_probs, running, search.num_candidates, search.diversity_rate)
         step_log_probs = log_probs[candidates[1], candidates[2]].tolist()
         histories = state.live
+        guide = state.guide
         parents = search.step(candidates, step_log_probs, histories,
-                              lambda parent, token: state.ends_beam(histories[parent].tokens, token) is not None,
+                              lambda parent, token: (state.ends_beam(histories[parent].tokens, token) is not None
+                                                     or (guide is not None and guide.ends(parent, token))),
                               None if raw is None or not state.gather_generation_logits else raw[span])
         state.live = search.live
+        if guide is not None and parents:
+            guide.fork(parents, [h.tokens[-1] for h in state.live])
         if search.done:
             best = search.final(state.live)[0]
             state.finish_reason = (state.ends_beam(best.tokens[:-1], best.tokens[-1]) if best.tokens else None) \
