@@ -231,13 +231,20 @@ def _sample_masked(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tenso
     return tokens, torch.where(normalize_log_probs, normalised, full)
 
 
+# byte value -> its 8 bits, low bit first, as "banned" flags (a clear bit bans the token)
+_BANNED_BITS = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1) == 0
+
+
 def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
     """Guided decoding: logits float32 [R, V], in rows `rows` (int64 [n]) -inf for every token v
     whose bit (v % 32) of bitmask[i, v // 32] (int32 [n, >= ceil(V / 32)]) is clear."""
     vocab = logits.shape[1]
-    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    allowed = ((bitmask[:, :, None] >> bits) & 1).reshape(bitmask.shape[0], -1)[:, :vocab].bool()
-    logits[rows] = logits[rows].masked_fill(~allowed.to(logits.device), NEG_INF)
+    # little-endian words: byte k of word w holds the bits of tokens 32w + 8k .. 32w + 8k + 7
+    as_bytes = bitmask.contiguous().view(torch.uint8).to(device="cpu", dtype=torch.int64)
+    banned = _BANNED_BITS[as_bytes].reshape(bitmask.shape[0], -1)[:, :vocab].to(logits.device)
+    sub = logits.index_select(0, rows)
+    sub.masked_fill_(banned, NEG_INF)
+    logits.index_copy_(0, rows, sub)
 
 
 def apply_min_p(logits: torch.Tensor, rows: torch.Tensor, min_p: torch.Tensor) -> None:
