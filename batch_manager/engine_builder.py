@@ -125,6 +125,7 @@ def build_engine_core(engine_dir, model_type: TrtGptModelType, max_beam_width: i
         max_seq_len=build.max_seq_len, max_beam_width=max_beam_width, max_num_blocks=num_blocks,
         tokens_per_block=build.tokens_per_block, gather_context_logits=build.gather_context_logits,
         gather_generation_logits=build.gather_generation_logits, max_draft_tokens=max_draft_tokens,
+        max_batch_size=max_batch_size,
         guides=_grammar_compiler(params.guided_decoding_config, engine.model_config.vocab_size))
     config = WorkerConfig(model_type=model_type, max_num_sequences=max_num_sequences,
                           enable_trt_overlap=enable_trt_overlap,

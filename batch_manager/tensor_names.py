@@ -39,6 +39,7 @@ BEAM_SEARCH_DIVERSITY_RATE = "beam_search_diversity_rate"
 # Beyond the seeds:
 MIN_P = "min_p"
 NUM_TOP_LOG_PROBS = "num_top_log_probs"
+NUM_RETURN_SEQUENCES = "num_return_sequences"
 
 OUTPUT_IDS = "output_ids"
 SEQUENCE_LENGTH = "sequence_length"
@@ -64,5 +65,6 @@ INPUT_NAME_TO_PROPERTY = {
     NO_REPEAT_NGRAM_SIZE: "no_repeat_ngram_size", INPUT_LENGTHS: "input_lengths",
     TOP_P_DECAY: "top_p_decay", TOP_P_MIN: "top_p_min", TOP_P_RESET_IDS: "top_p_reset_ids",
     BEAM_SEARCH_DIVERSITY_RATE: "beam_search_diversity_rate", MIN_P: "min_p", NUM_TOP_LOG_PROBS: "num_top_log_probs",
+    NUM_RETURN_SEQUENCES: "num_return_sequences",
 }
 INPUT_NAMES = frozenset(INPUT_NAME_TO_PROPERTY)

@@ -42,6 +42,7 @@ class AdmissionLimits:
     gather_generation_logits: bool
     max_draft_tokens: int = 0    # longest draft a request may bring (0: drafts refused)
     guides: Any = None           # the engine's GrammarCompiler when guided decoding is configured
+    max_batch_size: int = 1 << 30    # sequences one step may run: a request's beams or samples must fit
 
 
 def _tensor(name: str, value) -> torch.Tensor:
@@ -150,6 +151,7 @@ def _decoding_params(tensors: dict, limits: AdmissionLimits, normalize_log_probs
         top_p_reset_id=_scalar(tensors, tn.TOP_P_RESET_IDS, "int", -1),
         min_p=_scalar(tensors, tn.MIN_P, "float", 0.0),
         num_top_log_probs=_scalar(tensors, tn.NUM_TOP_LOG_PROBS, "int", 0),
+        num_return_sequences=_scalar(tensors, tn.NUM_RETURN_SEQUENCES, "int", 1),
         min_length=_scalar(tensors, tn.MIN_LENGTH, "int", 0),
         repetition_penalty=_scalar(tensors, tn.REPETITION_PENALTY, "float", 1.0),
         presence_penalty=_scalar(tensors, tn.PRESENCE_PENALTY, "float", 0.0),
@@ -268,6 +270,7 @@ def check_drafts(drafts: list[int], draft_logits: torch.Tensor | None, limits: A
 
 
 _FIELD_NAMES = {"max_new_tokens": tn.MAX_NEW_TOKENS, "pad_id": tn.PAD_ID, "draft_input_ids": tn.DRAFT_INPUT_IDS,
+                "num_return_sequences": tn.NUM_RETURN_SEQUENCES, "beam_width": tn.BEAM_WIDTH,
                 "return_context_logits": tn.RETURN_CONTEXT_LOGITS,
                 "return_generation_logits": tn.RETURN_GENERATION_LOGITS}
 
@@ -292,9 +295,15 @@ def make_llm_request(request_id, prompt: list[int], max_new_tokens: int, limits:
     pad = pad_id()
     check_range(names["pad_id"], pad, -(1 << 31), (1 << 31) - 1)   # written into int32 output_ids
     params = decoding()
+    num_sequences = params.num_sequences   # beams, or independent samples (they share KV like beams)
+    if num_sequences > limits.max_batch_size:
+        field = names["num_return_sequences" if params.num_return_sequences > 1 else "beam_width"]
+        raise RequestError(f"{field}: {num_sequences} sequences exceed max_batch_size {limits.max_batch_size}")
     draft_tokens, draft_logits = drafts()
-    if draft_tokens and params.beam_width > 1:
-        raise RequestError(f"{names['draft_input_ids']}: draft tokens need beam width 1, got {params.beam_width}")
+    if draft_tokens and num_sequences > 1:
+        raise RequestError(f"{names['draft_input_ids']}: draft tokens need beam width 1, got {params.beam_width}"
+                           + (f" and num_return_sequences {params.num_return_sequences}"
+                              if params.num_return_sequences > 1 else ""))
     if draft_tokens:
         fields.update(draft_tokens=draft_tokens, draft_logits=draft_logits, max_draft_len=len(draft_tokens))
     fields.update(output_flags())
@@ -305,8 +314,8 @@ def make_llm_request(request_id, prompt: list[int], max_new_tokens: int, limits:
         raise RequestError(f"{names['return_generation_logits']}: true, but the engine was not built with "
                            "gather_generation_logits")
     need_blocks = -(-(len(prompt) + max_new_tokens) // limits.tokens_per_block)
-    if params.beam_width > 1:  # each beam's own table plus one copy-on-write block (beam_blocks.max_beam_blocks)
-        need_blocks = params.beam_width * (need_blocks + 1)
+    if num_sequences > 1:  # each beam's own table plus one copy-on-write block (beam_blocks.max_beam_blocks)
+        need_blocks = num_sequences * (need_blocks + 1)
     if need_blocks > limits.max_num_blocks:
         raise RequestError(f"{names['max_new_tokens']}: prompt {len(prompt)} + {max_new_tokens} new tokens need "
                            f"{need_blocks} KV blocks; the whole pool has {limits.max_num_blocks}")
@@ -315,4 +324,4 @@ def make_llm_request(request_id, prompt: list[int], max_new_tokens: int, limits:
     except ValueError as e:
         raise RequestError(str(e)) from None
     return LlmRequest(request_id=request_id, prompt=prompt, max_new_tokens=max_new_tokens, pad_id=pad,
-                      beam_width=params.beam_width, decoding=params, **fields)
+                      beam_width=num_sequences, decoding=params, **fields)

@@ -28,10 +28,13 @@ _SAMPLING_FIELDS = {
     "length_penalty": ("length_penalty", 0.0), "early_stopping": ("early_stopping", 1),
     "no_repeat_ngram_size": ("no_repeat_ngram_size", 0), "presence_penalty": ("presence_penalty", 0.0),
     "frequency_penalty": ("frequency_penalty", 0.0), "min_p": ("min_p", 0.0),
+    "num_return_sequences": ("num_return_sequences", 1),
 }
 _NAMES = {field: f"sampling_config.{name}" for field, (name, _) in _SAMPLING_FIELDS.items()}
 _NAMES.update(end_id="end_id", embedding_bias="embedding_bias", num_top_log_probs="output_config.num_top_log_probs")
 _FIELD_NAMES = {"max_new_tokens": "max_tokens", "pad_id": "pad_id", "draft_input_ids": "external_draft_tokens_config",
+                "num_return_sequences": "sampling_config.num_return_sequences",
+                "beam_width": "sampling_config.beam_width",
                 "return_context_logits": "output_config.return_context_logits",
                 "return_generation_logits": "output_config.return_generation_logits"}
 _UNSUPPORTED = ("prompt_tuning_config", "lora_config")

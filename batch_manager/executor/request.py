@@ -27,12 +27,14 @@ class SamplingConfig:
     older names of `seed` and `min_tokens`."""
     FIELDS = ("beam_width", "top_k", "top_p", "top_p_min", "top_p_reset_ids", "top_p_decay", "seed", "temperature",
               "min_tokens", "beam_search_diversity_rate", "repetition_penalty", "length_penalty",
-              "early_stopping", "no_repeat_ngram_size", "presence_penalty", "frequency_penalty", "min_p")
+              "early_stopping", "no_repeat_ngram_size", "presence_penalty", "frequency_penalty", "min_p",
+              "num_return_sequences")
 
     def __init__(self, beam_width=1, top_k=None, top_p=None, top_p_min=None, top_p_reset_ids=None,
                  top_p_decay=None, seed=None, temperature=None, min_tokens=None, beam_search_diversity_rate=None,
                  repetition_penalty=None, length_penalty=None, early_stopping=None, no_repeat_ngram_size=None,
-                 presence_penalty=None, frequency_penalty=None, min_p=None, **older_names):
+                 presence_penalty=None, frequency_penalty=None, min_p=None, num_return_sequences=None,
+                 **older_names):
         seed = _alias(older_names, "random_seed", "seed", seed)
         min_tokens = _alias(older_names, "min_length", "min_tokens", min_tokens)
         _no_more(older_names, "SamplingConfig")

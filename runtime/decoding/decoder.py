@@ -24,6 +24,7 @@ from ..token_record import BeamOutputs, TokenRecord
 from .beam_search import BeamSearch, Hypothesis
 from .params import DecodingParams
 from .guided import Guide, bitmask_words
+from .samples import Samples
 from .speculative import DraftVerifier
 
 
@@ -42,6 +43,8 @@ class DecodeState:
         self.cum_log_prob = 0.0
         self.search = (BeamSearch(params.beam_width, params.length_penalty, params.early_stopping,
                                   params.diversity_rate, max_new_tokens) if params.is_beam_search else None)
+        self.samples = (Samples(params.num_return_sequences, params.random_seed, params.top_p,
+                                gather_generation_logits) if params.num_return_sequences > 1 else None)
         # Beam search: the live hypotheses (log probs, scores, gathered logits) of the bank.
         self.live = [Hypothesis([], [], 0.0, 0.0, [] if gather_generation_logits else None)]
         self.top_p = params.top_p
@@ -129,7 +132,7 @@ class Decoder:
         self._apply_bans(logits, rows)
         self._apply_min_p(logits, rows)
         self._apply_guides(states, drafts, logits, rows)
-        single = [i for i, s in enumerate(states) if s.search is None]
+        single = [i for i, s in enumerate(states) if s.search is None and s.samples is None]
         greedy = [i for i in single if states[i].params.is_greedy]
         sampled = [i for i in single if not states[i].params.is_greedy and not drafts[i]]
         if greedy:
@@ -155,6 +158,8 @@ class Decoder:
                 state.draft_logits = None   # they described the request's external drafts only
             elif state.search is not None:
                 outcomes[i] = self._beam_step(state, logits, raw, rows.first_row[i])
+            elif state.samples is not None:
+                outcomes[i] = self._samples_step(state, logits, raw, rows.first_row[i])
         return outcomes
 
     @staticmethod
@@ -162,7 +167,7 @@ class Decoder:
         rows = _Rows([], [], [], [], [])
         for s, d in zip(states, drafts):
             assert not s.is_finished, "a finished request has no rows"
-            assert not d or (s.search is None and s.num_rows == 1), "drafts need beam width 1"
+            assert not d or (s.search is None and s.samples is None and s.num_rows == 1), "drafts need one sequence"
             rows.first_row.append(len(rows.state_of_row))
             n = s.num_rows + len(d)
             rows.state_of_row += [s] * n
@@ -349,13 +354,27 @@ class Decoder:
                 or "length"
         outputs = [_without_end(h, state.params.end_id)
                    for h in (search.final(state.live) if state.is_finished else state.live)]
-        beams = BeamOutputs(
-            parents=tuple(parents), live_tokens=() if state.is_finished else tuple(tuple(h.tokens) for h in state.live),
-            tokens=tuple(tuple(h.tokens) for h in outputs), log_probs=tuple(tuple(h.log_probs) for h in outputs),
-            cum_log_probs=tuple(h.cum_log_prob for h in outputs),
-            generation_logits=tuple(tuple(row.cpu() for row in h.logits) for h in outputs)
-            if outputs[0].logits is not None else ())
-        return DecodeOutcome(beams=beams, finish_reason=state.finish_reason)
+        return DecodeOutcome(beams=_beam_outputs(parents, state.live, outputs, state.is_finished),
+                             finish_reason=state.finish_reason)
+
+    def _samples_step(self, state: DecodeState, logits, raw, first_row: int) -> DecodeOutcome:
+        """num_return_sequences: each live sequence draws its own token (samples.py)."""
+        samples = state.samples
+        parents = samples.step(self.kernels, state, logits, raw, first_row)
+        if samples.done:
+            state.finish_reason = next(r for r in reversed(samples.reasons) if r is not None)
+        live = [samples.outputs[i] for i in samples.live]
+        return DecodeOutcome(beams=_beam_outputs(parents, live, samples.outputs, state.is_finished),
+                             finish_reason=state.finish_reason)
+
+
+def _beam_outputs(parents, live: list[Hypothesis], outputs: list[Hypothesis], finished: bool) -> BeamOutputs:
+    return BeamOutputs(
+        parents=tuple(parents), live_tokens=() if finished else tuple(tuple(h.tokens) for h in live),
+        tokens=tuple(tuple(h.tokens) for h in outputs), log_probs=tuple(tuple(h.log_probs) for h in outputs),
+        cum_log_probs=tuple(h.cum_log_prob for h in outputs),
+        generation_logits=tuple(tuple(row.cpu() for row in h.logits) for h in outputs)
+        if outputs[0].logits is not None else ())
 
 
 def _without_end(h: Hypothesis, end_id: int | None) -> Hypothesis:
