@@ -43,7 +43,7 @@ class Run:
             if not self.done.wait(600):
                 raise RuntimeError("the run did not finish in 600 s")
         self.seconds = self.finish - self.start
-        self.num_tokens = sum(len(t) for t in self.outputs.values())
+        self.num_tokens = sum(len(self.outputs[i]) - len(p) for i, p in enumerate(prompts))   # generated only
 
     @staticmethod
     def _request(i: int, prompt: list[int], num_tokens: int) -> InferenceRequest:
