@@ -18,3 +18,4 @@ def test_prompt_lookup_on_and_off_give_the_same_tokens(tiny_model_dirs):
     assert off["proposed"] == 0 and on["proposed"] > 0
     assert 0 <= on["accepted"] <= on["proposed"]
     assert all(len(t) == len(p) + 12 for t, p in zip(on["outputs"].values(), prompts))
+    assert round(off["tokens_per_s"] * off["seconds"]) == 4 * 12     # generated tokens, not the prompts
