@@ -24,7 +24,7 @@ CASES = {
                                                 tie_word_embeddings=False)),
     "falcon_sequential": ("FalconConfig", dict(multi_query=False, parallel_attn=False, bias=True)),
     "phi": ("PhiConfig", dict(partial_rotary_factor=0.5, resid_pdrop=0.0, embd_pdrop=0.0)),
-    "phi3": ("Phi3Config", dict(num_key_value_heads=2, partial_rotary_factor=0.5, pad_token_id=0)),
+    "phi3": ("Phi3Config", dict(num_key_value_heads=2, partial_rotary_factor=0.5, sliding_window=8, pad_token_id=0)),
 }
 
 
