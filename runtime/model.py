@@ -3,7 +3,8 @@
 Computes a packed step (`StepLayout`, built by the model runner) over the paged KV pool. Every
 weight is applied once per layer to all tokens of all sequences (fused QKV, fused gate/up);
 attention splits into the batched generation path (one query per sequence) and the context
-path (one call per context sequence).
+path (one call per context sequence). Block variants come from ModelConfig fields only (positions,
+rotary style and fraction, residual, norms, embedding norm, biases), never from the architecture.
 """
 from __future__ import annotations
 
@@ -73,7 +74,8 @@ class Transformer:
         self.mlp_chunk_rows = 1024 if device.type == "cpu" else None
         self.inv_freq = (rope_inv_freq(config.rope, config.rotary_dim).to(device)
                          if config.position_embedding == "rope" else None)
-        # float32 [num_heads]: the ALiBi slope of each query head (None without ALiBi)
+        # float32 [num_heads]: the ALiBi slope of each query head (None without ALiBi). The kernels
+        # bias by cache positions (a key's index in its sequence), which position_ids do not change.
         self.alibi_slopes = alibi_slopes(config.num_heads).to(device) if config.position_embedding == "alibi" else None
         self.linears = {}
         for name in [n for n in self.w if n.endswith((".qkv.weight", ".out.weight", ".mlp_in.weight",

@@ -133,11 +133,16 @@ class CudaKernels:
             raise ValueError(f"sink: must be a non-negative int, got {sink!r}")
         if q.dtype != k_cache.dtype:
             raise ValueError(f"q: dtype {q.dtype} differs from the cache's {k_cache.dtype}")
+        if alibi_slopes is not None:
+            if alibi_slopes.shape != (q.shape[1],):
+                raise ValueError(f"alibi_slopes: expected one slope per query head, shape [{q.shape[1]}], got "
+                                 f"{list(alibi_slopes.shape)}")
+            alibi_slopes = alibi_slopes.to(q.device, torch.float32).contiguous()
         q = q.contiguous()
         out = torch.empty_like(q)
         self.launchers.decode_attention(out, q, k_cache, v_cache, block_tables.to(torch.int32).contiguous(),
                                         seq_lens.to(torch.int32).contiguous(), scale, _as_int(window or 0),
-                                        _as_int(sink), None if alibi_slopes is None else _float32(alibi_slopes))
+                                        _as_int(sink), alibi_slopes)
         return out
 
     def context_attention(self, q, k_cache, v_cache, block_table, past_len, scale, window, sink=0, alibi_slopes=None):

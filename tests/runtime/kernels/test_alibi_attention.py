@@ -1,7 +1,7 @@
 """ALiBi in every attention kernel: the slopes equal BLOOM's; the torch reference (dense, context over
 cached blocks, paged decode) and the CPU fast paths equal an explicit float64 computation; the paged
-decode kernel of cuda_src/paged_attention.cu on emu equals the torch reference, with windows, sinks,
-GQA / MQA, 16-bit storage and several partitions."""
+decode kernel of cuda_src/paged_attention.cu on emu (and on a GPU, where one is present) equals the
+torch reference, with windows, sinks, GQA / MQA, 16-bit storage and several partitions."""
 from __future__ import annotations
 
 import math
@@ -11,6 +11,7 @@ import torch
 
 from runtime.alibi import alibi_slopes
 from runtime.kernels import TorchKernels, torch_attention
+from runtime.kernels.cuda_backend import cuda_available
 from runtime.kernels.emu_backend import EmuKernels
 from runtime.kernels.launchers import LaunchConfig
 from tests.runtime.kernels.conftest import paged_case, tolerance, visible
@@ -123,9 +124,32 @@ def test_emu_decode_equals_torch_in_16_bit_storage(emu, dtype):
     check_emu(emu, [3, 40, 70], 6, 2, dtype, 13, 4, seed=1)
 
 
+def test_emu_refuses_slopes_that_are_not_one_per_query_head(emu):
+    q, clean, _, table, lens = paged_case([5], 4, 2, 16, 4, torch.float32)
+    with pytest.raises(ValueError, match=r"alibi_slopes: expected one slope per query head, shape \[4\], got \[2\]"):
+        emu.decode_attention(q, *clean, table, lens, 0.25, None, 0, alibi_slopes(2))
+    # float64 slopes are converted, not refused
+    torch.testing.assert_close(emu.decode_attention(q, *clean, table, lens, 0.25, None, 0, alibi_slopes(4).double()),
+                               TorchKernels().decode_attention(q, *clean, table, lens, 0.25, None, 0, alibi_slopes(4)))
+
+
 @pytest.mark.parametrize("window,sink", [(None, 0), (20, 3)])
 def test_emu_partitions_merge_with_the_bias(window, sink):
     """Many partitions and tiles per sequence: each partition's maximum includes the bias."""
     kernels = EmuKernels(LaunchConfig(attention_threads=64, threads_per_key=4, partition_size=8, tile_size=3,
                                       max_partitions=64, copy_threads=32))
     check_emu(kernels, [5, 33, 90], 4, 2, torch.float32, window, sink, seed=2)
+
+
+@pytest.mark.skipif(not cuda_available(), reason="needs a CUDA device and CuPy")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("window,sink", [(None, 0), (37, 4)])
+def test_cuda_decode_equals_torch_on_the_device(dtype, window, sink):
+    from runtime.kernels.cuda_backend import CudaKernels
+    q, clean, poisoned, table, lens = paged_case([1, 16, 17, 700, 1500], 12, 4, 64, 16, dtype, window, sink)
+    slopes, scale = alibi_slopes(12), 1 / math.sqrt(64)
+    expected = TorchKernels().decode_attention(q.float(), *(c.float() for c in clean), table, lens, scale, window,
+                                               sink, slopes)
+    got = CudaKernels().decode_attention(q.cuda(), *(p.cuda() for p in poisoned), table.cuda(), lens.cuda(), scale,
+                                         window, sink, slopes.cuda())
+    torch.testing.assert_close(got.cpu().float(), expected, **tolerance(dtype))
