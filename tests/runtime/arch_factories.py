@@ -22,6 +22,8 @@ CASES = {
     "falcon_7b": ("FalconConfig", dict(multi_query=True, parallel_attn=True, new_decoder_architecture=False)),
     "falcon_new_decoder": ("FalconConfig", dict(new_decoder_architecture=True, num_kv_heads=2, bias=True,
                                                 tie_word_embeddings=False)),
+    "falcon_new_decoder_one_norm": ("FalconConfig", dict(new_decoder_architecture=True, num_kv_heads=1,
+                                                         num_ln_in_parallel_attn=1)),
     "falcon_sequential": ("FalconConfig", dict(multi_query=False, parallel_attn=False, bias=True)),
     "phi": ("PhiConfig", dict(partial_rotary_factor=0.5, resid_pdrop=0.0, embd_pdrop=0.0)),
     "phi3": ("Phi3Config", dict(num_key_value_heads=2, partial_rotary_factor=0.5, sliding_window=8, pad_token_id=0)),

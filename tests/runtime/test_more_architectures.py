@@ -1,8 +1,8 @@
-"""GPT-J, GPT-NeoX, BLOOM, Falcon (7B style, new decoder architecture, sequential), Phi and Phi-3
-against transformers on tiny random checkpoints (fp32): config mapping and weight tables, a packed
-mixed step's logits, greedy GptSession and GptManager tokens equal to `generate`, incremental and
-chunked decoding over shuffled paged blocks equal to a one-shot step, fp16 / bf16 engines and
-checkpoints, and the config options that are refused by name."""
+"""GPT-J, GPT-NeoX, BLOOM, Falcon (7B style, new decoder architecture with two norms or one,
+sequential), Phi and Phi-3 against transformers on tiny random checkpoints (fp32): config mapping
+and weight tables, a packed mixed step's logits, greedy GptSession and GptManager tokens equal to
+`generate`, incremental and chunked decoding over shuffled paged blocks equal to a one-shot step,
+fp16 / bf16 engines and checkpoints, and the config options that are refused by name."""
 from __future__ import annotations
 
 import json
@@ -39,6 +39,8 @@ EXPECTED = {
                       mlp_bias=False, tie_word_embeddings=True),
     "falcon_new_decoder": dict(architecture="falcon", residual="parallel", num_kv_heads=2, qkv_bias=True,
                                tie_word_embeddings=False),
+    "falcon_new_decoder_one_norm": dict(architecture="falcon", residual="parallel_shared_norm", num_kv_heads=1,
+                                        tie_word_embeddings=True),
     "falcon_sequential": dict(architecture="falcon", residual="sequential", num_kv_heads=4, out_bias=True),
     "phi": dict(architecture="phi", residual="parallel_shared_norm", rotary_fraction=0.5, lm_head_bias=True,
                 norm_type="layernorm"),
