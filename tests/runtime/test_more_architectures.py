@@ -90,6 +90,8 @@ def test_config_mapping_and_weight_table(checkpoints, case):
     entry = lookup_hf(hf)
     assert entry is lookup(cfg.architecture)
     assert {name: getattr(cfg, name) for name in EXPECTED[case]} == EXPECTED[case]
+    assert (cfg.vocab_size, cfg.num_layers, cfg.head_dim, cfg.hidden_size // cfg.num_heads) == (128, 2, 16, 16)
+    assert cfg.intermediate_size == (4 * cfg.hidden_size if cfg.architecture == "bloom" else 96)
     assert {name: getattr(cfg, name) for name in entry.variant} == dict(entry.variant)
     engine = Engine.from_dir(path)
     assert engine.model_config == cfg
