@@ -46,8 +46,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) decode_attention_parti
     storage_t* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_max,
     float* __restrict__ part_sum, const storage_t* __restrict__ q, const storage_t* __restrict__ k_cache,
     const storage_t* __restrict__ v_cache, const int* __restrict__ block_tables, const int* __restrict__ seq_lens,
-    const float* __restrict__ alibi_slopes, int num_heads, int num_kv_heads, int head_dim, int tokens_per_block, int table_stride, int partition_size,
-    int tile_size, float scale, int window, int sink) {
+    const float* __restrict__ alibi_slopes, int num_heads, int num_kv_heads, int head_dim, int tokens_per_block,
+    int table_stride, int partition_size, int tile_size, float scale, int window, int sink) {
   const int partition = blockIdx.x, kv_head = blockIdx.y, seq = blockIdx.z;
   const int num_partitions = gridDim.x;
   const int group = num_heads / num_kv_heads;

@@ -25,7 +25,8 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         head_dim=hidden // heads, intermediate_size=positive_int(hf, "intermediate_size"),
         max_position_embeddings=positive_int(hf, "max_position_embeddings"),
         norm_eps=float(hf.get("layer_norm_eps", 1e-5)), activation=hf.get("hidden_act", "gelu"),
-        rope=rope_from_hf(hf, "rotary_emb_base"), rotary_fraction=rotary_fraction_from_hf(hf, "rotary_pct", default=0.25),
+        rope=rope_from_hf(hf, "rotary_emb_base"),
+        rotary_fraction=rotary_fraction_from_hf(hf, "rotary_pct", default=0.25),
         residual="parallel" if hf.get("use_parallel_residual", True) else "sequential",
         qkv_bias=attention_bias, out_bias=attention_bias,
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)), **VARIANT, **token_ids(hf)).validated()

@@ -36,7 +36,8 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
 
 def read_weights(src: TensorSource, cfg: ModelConfig) -> Weights:
     get, h = src.get, cfg.hidden_size
-    w: Weights = {"embed_tokens": get("model.embed_tokens.weight"), "final_norm.weight": get("model.final_layernorm.weight"),
+    w: Weights = {"embed_tokens": get("model.embed_tokens.weight"),
+                  "final_norm.weight": get("model.final_layernorm.weight"),
                   "final_norm.bias": get("model.final_layernorm.bias"), "lm_head.bias": get("lm_head.bias")}
     qkv_rows = {"q": cfg.q_size, "k": cfg.kv_size, "v": cfg.kv_size}
     for layer in range(cfg.num_layers):
