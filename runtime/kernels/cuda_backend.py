@@ -123,27 +123,34 @@ class CudaKernels:
         self.launchers.copy_blocks(kv_pool, src_block_ids.to(torch.int64).contiguous(),
                                    dst_block_ids.to(torch.int64).contiguous())
 
-    def decode_attention(self, q, k_cache, v_cache, block_tables, seq_lens, scale, window, sink=0):
+    def decode_attention(self, q, k_cache, v_cache, block_tables, seq_lens, scale, window, sink=0, alibi_slopes=None):
         if self._use_reference(q):
-            return self._reference.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, window, sink)
+            return self._reference.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, window, sink,
+                                                    alibi_slopes)
         if window is not None and (_as_int(window) is None or window <= 0):
             raise ValueError(f"window: must be None or a positive int, got {window!r}")
         if _as_int(sink) is None or sink < 0:
             raise ValueError(f"sink: must be a non-negative int, got {sink!r}")
         if q.dtype != k_cache.dtype:
             raise ValueError(f"q: dtype {q.dtype} differs from the cache's {k_cache.dtype}")
+        if alibi_slopes is not None:
+            if alibi_slopes.shape != (q.shape[1],):
+                raise ValueError(f"alibi_slopes: expected one slope per query head, shape [{q.shape[1]}], got "
+                                 f"{list(alibi_slopes.shape)}")
+            alibi_slopes = alibi_slopes.to(q.device, torch.float32).contiguous()
         q = q.contiguous()
         out = torch.empty_like(q)
         self.launchers.decode_attention(out, q, k_cache, v_cache, block_tables.to(torch.int32).contiguous(),
                                         seq_lens.to(torch.int32).contiguous(), scale, _as_int(window or 0),
-                                        _as_int(sink))
+                                        _as_int(sink), alibi_slopes)
         return out
 
-    def context_attention(self, q, k_cache, v_cache, block_table, past_len, scale, window, sink=0):
-        return self._reference.context_attention(q, k_cache, v_cache, block_table, past_len, scale, window, sink)
+    def context_attention(self, q, k_cache, v_cache, block_table, past_len, scale, window, sink=0, alibi_slopes=None):
+        return self._reference.context_attention(q, k_cache, v_cache, block_table, past_len, scale, window, sink,
+                                                 alibi_slopes)
 
-    def dense_attention(self, q, k, v, past_len, scale, window, sink=0):
-        return self._reference.dense_attention(q, k, v, past_len, scale, window, sink)
+    def dense_attention(self, q, k, v, past_len, scale, window, sink=0, alibi_slopes=None):
+        return self._reference.dense_attention(q, k, v, past_len, scale, window, sink, alibi_slopes)
 
     # ---- decoding ops: float32 logits (see cuda_src/sampling.cu for the algorithms) ------------------
     def uniforms(self, seeds, steps, beams):

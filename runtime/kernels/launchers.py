@@ -162,9 +162,9 @@ class KvLaunchers:
 
     def decode_attention(self, out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, window: int,
-                         sink: int) -> None:
+                         sink: int, alibi_slopes: torch.Tensor | None = None) -> None:
         """out, q [B, H, D]; caches [num_blocks, tpb, kvH, D]; block_tables int32 [B, W]; seq_lens
-        int32 [B] (>= 1); window 0 = none. All contiguous."""
+        int32 [B] (>= 1); window 0 = none; alibi_slopes float32 [H] or None. All contiguous."""
         dtype = k_cache.dtype
         for name, t, rank in (("out", out, 3), ("q", q, 3), ("k_cache", k_cache, 4), ("v_cache", v_cache, 4)):
             self._check(name, t, dtype, rank)
@@ -178,6 +178,9 @@ class KvLaunchers:
         assert block_tables.shape[0] == batch and seq_lens.shape == (batch,)
         assert block_tables.is_contiguous() and seq_lens.is_contiguous()
         assert window >= 0 and sink >= 0
+        if alibi_slopes is not None:
+            self._check("alibi_slopes", alibi_slopes, torch.float32, 1)
+            assert alibi_slopes.shape == (num_heads,) and alibi_slopes.is_contiguous(), alibi_slopes.shape
         if batch == 0:
             return
         group = num_heads // num_kv_heads
@@ -196,7 +199,8 @@ class KvLaunchers:
         kernel = self._function(dtype, "decode_attention_partition")
         kernel((num_partitions, num_kv_heads, batch), (self.config.attention_threads,),
                (c_ptr(out), c_ptr(part_acc), c_ptr(part_max), c_ptr(part_sum), c_ptr(q), c_ptr(k_cache),
-                c_ptr(v_cache), c_ptr(block_tables), c_ptr(seq_lens), c_int(num_heads), c_int(num_kv_heads),
+                c_ptr(v_cache), c_ptr(block_tables), c_ptr(seq_lens), c_ptr(alibi_slopes), c_int(num_heads),
+                c_int(num_kv_heads),
                 c_int(head_dim), c_int(tokens_per_block), c_int(block_tables.shape[1]), c_int(partition_size),
                 c_int(tile_size), c_float(scale), c_int(window), c_int(sink)),
                shared_mem=decode_smem_bytes(group, head_dim, tile_size), stream=stream)
