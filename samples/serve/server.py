@@ -318,6 +318,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-cache-free-gpu-mem-fraction", type=float)
     p.add_argument("--default-max-new-tokens", type=int, default=64)
     p.add_argument("--model-name", default="tensorrt_llm", help="the `model` label of the metrics")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="info logs every request (aiohttp's access log)")
     return p.parse_args(argv)
 
 
@@ -346,8 +348,9 @@ async def _serve(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(_serve(parse_args(argv)))
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(_serve(args))
 
 
 if __name__ == "__main__":

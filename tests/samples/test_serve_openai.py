@@ -7,6 +7,10 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
+import signal
+import subprocess
+import sys
 import time
 
 import aiohttp
@@ -402,3 +406,58 @@ def test_metrics_histograms_and_counters_move(server, scripted):
     assert moved("nv_trt_llm_prompt_tokens_total") == 2 * len(tokenizer.encode(PROMPT))
     assert moved("nv_trt_llm_time_to_first_token_seconds_sum") > 0
     assert moved("nv_trt_llm_e2e_request_latency_seconds_sum") >= moved("nv_trt_llm_time_to_first_token_seconds_sum")
+
+
+# -- the sample's own endpoint, the command line ---------------------------------------------------------
+
+
+def test_generate_streams_whole_characters_too(server):
+    async def stream():
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        body = {"text": PROMPT, "max_new_tokens": 40, "stream": True}
+        async with aiohttp.ClientSession() as session, \
+                session.post(server.url + "/generate", json=body, headers=headers) as response:
+            return [json.loads(line[6:]) async for line in response.content if line.startswith(b"data: ")]
+
+    texts = [event["text"] for event in run(stream)]
+    assert "".join(texts).startswith(REPLY) and not any("\ufffd" in t for t in texts)
+
+
+@pytest.mark.parametrize("api_key, host, bound, words", [
+    (None, None, "127.0.0.1", "loopback only"),
+    (None, "0.0.0.0", "0.0.0.0", "anyone who can reach"),
+    (None, "::1", "::1", "listening on ::1"),
+    ("k", None, "0.0.0.0", "API key set"),
+    ("k", "127.0.0.1", "127.0.0.1", "API key set"),
+])
+def test_host_follows_the_api_key(api_key, host, bound, words):
+    from samples.serve.server import parse_args, resolve_host
+    argv = (["--host", host] if host else []) + (["--api-key", api_key] if api_key else [])
+    args = parse_args(argv)
+    args.api_key = api_key   # not from the environment
+    got_host, notice = resolve_host(args)
+    assert got_host == bound and words in notice
+
+
+def test_cli_with_the_key_from_the_environment(scripted):
+    tokenizer_dir, engine_dir = scripted[0].name_or_path, scripted[2]
+    repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": repo_root, "BATCH_MANAGER_API_KEY": "env-key"}
+    proc = subprocess.Popen([sys.executable, "-m", "samples.serve", "--engine-dir", engine_dir, "--tokenizer",
+                             tokenizer_dir, "--host", "127.0.0.1", "--port", "0", "--served-model-name",
+                             MODEL, "--log-level", "warning"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, cwd=repo_root)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("listening on http://127.0.0.1:"), line
+        url = line.split()[-1]
+        c = openai.OpenAI(base_url=url + "/v1", api_key="env-key", max_retries=0, timeout=30)
+        out = c.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=3)
+        assert out.choices[0].message.content == "Hello" and out.choices[0].finish_reason == "length"
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url + "/v1", api_key="other", max_retries=0).models.list()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        assert "API key set" in proc.stderr.read()
+    finally:
+        proc.kill()
