@@ -88,8 +88,11 @@ class ChoiceRun:
 
     async def next_update(self) -> ChoiceUpdate:
         """The next choice's progress (call while not is_done). OpenAIError for an error response."""
-        index, event = await self._merged.get()
-        choice = self.choices[index]
+        while True:   # responses already merged when a stop string ended their choice: dropped
+            index, event = await self._merged.get()
+            choice = self.choices[index]
+            if choice.finish_reason is None:
+                break
         if event.error:
             raise self._event_error(event)
         delta = choice.stream.add(event.output_ids)
