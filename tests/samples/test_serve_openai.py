@@ -5,6 +5,7 @@ counts, log probs, stop strings across token boundaries, multi-byte characters s
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import math
 import os
@@ -16,6 +17,7 @@ import time
 import aiohttp
 import openai
 import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from runtime import build_engine
@@ -461,3 +463,74 @@ def test_cli_with_the_key_from_the_environment(scripted):
         assert "API key set" in proc.stderr.read()
     finally:
         proc.kill()
+
+
+# -- fuzz ----------------------------------------------------------------------------------------------------
+
+junk = (st.none() | st.booleans() | st.integers(-(1 << 70), 1 << 70) | st.floats() | st.text(max_size=6)
+        | st.lists(st.integers(-5, 400), max_size=4) | st.dictionaries(st.text(max_size=4), st.integers(), max_size=2))
+VALID_FIELDS = {
+    "max_tokens": st.integers(1, 6), "temperature": st.floats(0.0, 2.0), "top_p": st.floats(0.0, 1.0),
+    "seed": st.integers(-(1 << 63), (1 << 64) - 1), "n": st.integers(1, 3), "stream": st.booleans(),
+    "stop": st.sampled_from(["lo", "字 😀", ["zz", "!"], "\u00e9"]), "presence_penalty": st.floats(-2.0, 2.0),
+    "frequency_penalty": st.floats(-2.0, 2.0), "logit_bias": st.dictionaries(
+        st.integers(0, 299).map(str), st.floats(-100.0, 100.0), max_size=3), "user": st.text(max_size=5),
+    "top_k": st.integers(-1, 20), "min_tokens": st.integers(0, 3), "ignore_eos": st.booleans(),
+}
+PROMPTS = (st.text(max_size=12) | st.lists(st.integers(0, 299), min_size=1, max_size=8)
+           | st.lists(st.text(min_size=1, max_size=6), min_size=1, max_size=2))
+MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]), "content": st.text(max_size=8)})
+
+
+@st.composite
+def openai_bodies(draw) -> tuple[str, dict]:
+    is_chat = draw(st.booleans())
+    body = {"model": MODEL if draw(st.integers(0, 9)) else draw(st.text(max_size=5))}
+    if is_chat:
+        body["messages"] = draw(st.lists(MESSAGE, min_size=1, max_size=3) if draw(st.integers(0, 5)) else junk)
+        if draw(st.booleans()):
+            body["logprobs"] = draw(st.booleans())
+    else:
+        body["prompt"] = draw(PROMPTS if draw(st.integers(0, 5)) else junk)
+        if draw(st.booleans()):
+            body["logprobs"] = draw(st.integers(0, 1) | junk)
+    for field in draw(st.lists(st.sampled_from(sorted(VALID_FIELDS)), max_size=4)):
+        body[field] = draw(VALID_FIELDS[field] if draw(st.integers(0, 4)) else junk)
+    body.setdefault("max_tokens", 4)
+    if body.get("stream") is True and draw(st.booleans()):
+        body["stream_options"] = {"include_usage": True}
+    if draw(st.integers(0, 9)) == 0:
+        body[draw(st.text(min_size=1, max_size=5))] = draw(junk)
+    return ("/v1/chat/completions" if is_chat else "/v1/completions"), body
+
+
+def test_fuzzed_openai_bodies_get_200_or_a_shaped_4xx(server):
+    statuses = collections.Counter()
+
+    @settings(max_examples=80, derandomize=True, deadline=None, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(openai_bodies())
+    def check(path_body):
+        path, body = path_body
+        status, text = run(raw_exchange, server.url, path, json.dumps(body).encode())
+        assert status in (200, 400, 404), (status, text, body)
+        if status != 200:
+            error = json.loads(text)["error"]
+            assert set(error) == {"message", "type", "param", "code"} and error["message"], error
+        elif body.get("stream") is True:
+            events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+            assert events[-1] == "[DONE]" and not any('"error"' in e[:10] for e in events), text
+        else:
+            assert all(c["finish_reason"] in ("stop", "length") for c in json.loads(text)["choices"]), text
+        assert_idle(server)
+        statuses[status] += 1
+
+    check()
+    assert statuses[200] >= 10 and statuses[400] >= 10, statuses
+
+
+async def raw_exchange(url: str, path: str, data: bytes) -> tuple[int, str]:
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        async with session.post(url + path, data=data, headers=headers) as response:
+            return response.status, await response.text()
