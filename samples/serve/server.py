@@ -291,6 +291,13 @@ def _resolvable(host: str) -> str:
         return "0.0.0.0"
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engine-dir", help="engine or HF checkpoint directory (default: the random default model)")
@@ -302,9 +309,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"bearer token required on /generate and /v1/* (default: ${API_KEY_ENV})")
     p.add_argument("--served-model-name", help="the `model` of the OpenAI endpoints (default: the model "
                                                "directory's name)")
-    p.add_argument("--max-queue-size", type=int, help="requests waiting for the engine beyond which new ones "
+    p.add_argument("--max-queue-size", type=_positive_int, help="requests waiting for the engine beyond which new ones "
                                                       "get 429 (default: unbounded)")
-    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="larger bodies get 413")
+    p.add_argument("--max-body-bytes", type=_positive_int, default=DEFAULT_MAX_BODY_BYTES, help="larger bodies get 413")
     p.add_argument("--port", type=int, default=8000, help="0: any free port (printed)")
     p.add_argument("--api", default="gpt_manager", choices=["gpt_manager", "executor"],
                    help="the front-end the handlers use: GptManager's callbacks or the Executor's queues")
