@@ -1,11 +1,14 @@
 """Time to first token and inter-token latency through the OpenAI endpoint (/v1/completions,
-streamed) vs the sample's own (/generate, streamed), in one run: one server process
-(`python -m samples.serve`, the default model and its tokenizer unless told), the same dataset
-and the same Poisson arrivals sent through each endpoint in turn by one aiohttp client.
+streamed) vs the sample's own (/generate, streamed), in one run against one server process
+(`python -m samples.serve`, the default model and its tokenizer unless told), one aiohttp client.
 
     python -m samples.serve.bench_openai                      # W64 at 5 req/s, default model
-    python -m samples.serve.bench_openai --request-rate 2 --num-samples 32 --api executor
+    python -m samples.serve.bench_openai --mode sequential --order generate,openai --api executor
 
+--mode interleaved (default): every sample goes through both endpoints, the two requests of a pair
+in a seeded random order, all 2N on one Poisson process at --request-rate: both endpoints see the
+same load at the same moments (a shared machine's drift hits both alike). --mode sequential: the N
+samples through one endpoint, then the same samples and arrivals through the other.
 Both paths generate exactly each sample's output length greedily (OpenAI: temperature 0 and
 ignore_eos; /generate has no end id), so they do the same engine work; what differs is what the
 OpenAI path adds: body parsing, incremental detokenization of every token, the chunk format.
@@ -17,6 +20,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import subprocess
 import sys
 import time
@@ -41,7 +45,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--request-rate", type=float, default=5.0, help="Poisson arrivals, requests/s")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warm-up", type=int, default=2, help="untimed requests through each endpoint first")
-    p.add_argument("--order", default="openai,generate", help="the endpoints, in the order they run")
+    p.add_argument("--mode", default="interleaved", choices=["interleaved", "sequential"])
+    p.add_argument("--order", default="openai,generate", help="sequential: the endpoints, in the order they run")
     p.add_argument("--output-json", metavar="PATH")
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
@@ -110,35 +115,59 @@ async def send_generate(session: aiohttp.ClientSession, url: str, sample: Sample
     timing.end_s = now_s()
 
 
-async def run_endpoint(url: str, endpoint: str, samples: list[Sample], delays_s: list[float], warm_up: int,
-                       show_progress: bool) -> RunResult:
-    send = send_openai if endpoint == "openai" else send_generate
+SENDERS = {"openai": send_openai, "generate": send_generate}
+Job = tuple[str, Sample]   # (endpoint, sample)
+
+
+async def run_jobs(url: str, jobs: list[Job], delays_s: list[float], warm_up: int,
+                   show_progress: bool) -> dict[str, RunResult]:
+    """Send the jobs on schedule (after warm_up untimed requests per endpoint); a RunResult per
+    endpoint, times from the first timed send."""
+    endpoints = sorted({endpoint for endpoint, _ in jobs})
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                      timeout=aiohttp.ClientTimeout(total=None)) as session:
-        warm = time.perf_counter()
-        await asyncio.gather(*(send(session, url, samples[0], RequestTiming(0.0), lambda: time.perf_counter() - warm)
-                               for _ in range(warm_up)))
+        warm_start_s = time.perf_counter()
+        await asyncio.gather(*(SENDERS[e](session, url, jobs[0][1], RequestTiming(0.0),
+                                          lambda: time.perf_counter() - warm_start_s)
+                               for e in endpoints for _ in range(warm_up)))
         start_s = time.perf_counter()
 
         def now_s() -> float:
             return time.perf_counter() - start_s
 
-        timings = []
+        timings: dict[str, list[RequestTiming]] = {e: [] for e in endpoints}
         tasks = []
-        progress = progress_bar(len(samples), endpoint, show_progress)
+        progress = progress_bar(len(jobs), "+".join(endpoints), show_progress)
         next_s = 0.0
-        for sample, delay_s in zip(samples, delays_s):
+        for (endpoint, sample), delay_s in zip(jobs, delays_s):
             timing = RequestTiming(enqueue_s=now_s())
-            timings.append(timing)
-            task = asyncio.create_task(send(session, url, sample, timing, now_s))
+            timings[endpoint].append(timing)
+            task = asyncio.create_task(SENDERS[endpoint](session, url, sample, timing, now_s))
             task.add_done_callback(lambda _: progress.update(1))
             tasks.append(task)
             next_s += delay_s
             await asyncio.sleep(max(0.0, next_s - now_s()))
         await asyncio.gather(*tasks)
         progress.close()
-    total_s = max(t.end_s for t in timings if t.end_s is not None)
-    return RunResult(endpoint, timings, total_s, is_streaming=True)
+    return {e: RunResult(e, t, max(x.end_s for x in t if x.end_s is not None), is_streaming=True)
+            for e, t in timings.items()}
+
+
+def phases(args, samples: list[Sample]) -> list[list[Job]]:
+    """interleaved: one phase of both endpoints per sample, each pair in a seeded random order;
+    sequential: one phase per endpoint of --order."""
+    if args.mode == "sequential":
+        order = args.order.split(",")
+        if len(order) != len(set(order)) or not set(order) <= set(ENDPOINTS):
+            raise SystemExit(f"--order: a comma-separated order of {ENDPOINTS}, got {args.order!r}")
+        return [[(endpoint, s) for s in samples] for endpoint in order]
+    rng = random.Random(args.seed)
+    jobs = []
+    for sample in samples:
+        pair = list(ENDPOINTS)
+        rng.shuffle(pair)
+        jobs += [(endpoint, sample) for endpoint in pair]
+    return [jobs]
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -146,9 +175,6 @@ def main(argv: list[str] | None = None) -> dict:
     from samples.default_model import default_model_dir
     from samples.serve.default_tokenizer import default_tokenizer_dir
     args = parse_args(argv)
-    order = args.order.split(",")
-    if sorted(order) != sorted(set(order)) or not set(order) <= set(ENDPOINTS):
-        raise SystemExit(f"--order: a comma-separated order of {ENDPOINTS}, got {args.order!r}")
     model_dir = args.engine_dir or default_model_dir()   # written here, not in the timed server's first run
     if args.tokenizer == "default":
         default_tokenizer_dir()
@@ -156,21 +182,24 @@ def main(argv: list[str] | None = None) -> dict:
     samples = synthetic_dataset(args.num_samples, LengthDistribution.parse("--prompt-len", args.prompt_len),
                                 LengthDistribution.parse("--output-len", args.output_len), cfg.vocab_size,
                                 args.seed, max_seq_len)
-    delays_s = arrival_delays_s(samples, args.request_rate, args.seed)
-    print(f"model: {model_dir}; {len(samples)} requests, Poisson arrivals at {args.request_rate} req/s; "
-          f"server api {args.api}; endpoints in order: {', '.join(order)}")
+    jobs_of_phases = phases(args, samples)
+    print(f"model: {model_dir}; {len(samples)} samples, {args.mode}: "
+          + " then ".join(f"{len(jobs)} requests" for jobs in jobs_of_phases)
+          + f" on Poisson arrivals at {args.request_rate} req/s; server api {args.api}")
     proc, url = start_server(args)
-    report: dict = {}
+    report: dict = {"mode": args.mode, "request_rate": args.request_rate, "num_samples": len(samples)}
     try:
-        for endpoint in order:
-            result = asyncio.run(run_endpoint(url, endpoint, samples, delays_s, args.warm_up, not args.no_progress))
-            report[endpoint] = metrics(result)
-            print(format_text(f"{endpoint} ({'/v1/completions' if endpoint == 'openai' else '/generate'}, "
-                              f"streamed)", report[endpoint]))
+        for jobs in jobs_of_phases:
+            delays_s = arrival_delays_s([s for _, s in jobs], args.request_rate, args.seed)
+            results = asyncio.run(run_jobs(url, jobs, delays_s, args.warm_up, not args.no_progress))
+            for endpoint, result in results.items():
+                report[endpoint] = metrics(result)
+                print(format_text(f"{endpoint} ({'/v1/completions' if endpoint == 'openai' else '/generate'}, "
+                                  f"streamed)", report[endpoint]))
     finally:
         proc.terminate()
         proc.wait(60)
-    if len(report) == 2:
+    if all(e in report for e in ENDPOINTS):
         for name in ("time_to_first_token", "inter_token_latency"):
             o, g = report["openai"], report["generate"]
             print(f"[BENCHMARK] {name} p50 / p90 / avg (ms): openai {o[f'p50_{name}(ms)']:.1f} / "

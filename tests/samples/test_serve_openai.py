@@ -534,3 +534,16 @@ async def raw_exchange(url: str, path: str, data: bytes) -> tuple[int, str]:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
         async with session.post(url + path, data=data, headers=headers) as response:
             return response.status, await response.text()
+
+
+def test_bench_openai_runs_both_endpoints_on_the_same_samples(scripted):
+    """The benchmark script end to end (its own server process), offline, tiny: both endpoints
+    return every requested token."""
+    from samples.serve import bench_openai
+    tokenizer, _, engine_dir = scripted
+    report = bench_openai.main(["--engine-dir", engine_dir, "--tokenizer", tokenizer.name_or_path,
+                                "--num-samples", "3", "--prompt-len", "constant:4", "--output-len", "constant:5",
+                                "--request-rate", "0", "--warm-up", "1", "--no-progress"])
+    for endpoint in ("openai", "generate"):
+        assert report[endpoint]["num_error_samples"] == 0 and report[endpoint]["num_output_tokens"] == 15, report
+        assert report[endpoint]["p50_time_to_first_token(ms)"] > 0
