@@ -32,6 +32,21 @@ def greedy_reference(model, prompt: list[int], num_new_tokens: int) -> list[int]
 
 
 @pytest.fixture(scope="session")
+def scripted(tmp_path_factory):
+    """(tokenizer, Script, engine dir) of the scripted tiny model and its byte-level BPE (scripted_model)."""
+    import transformers
+    from tests.samples.scripted_model import MAX_SEQ_LEN, Script, write_scripted_model, write_tokenizer
+    root = tmp_path_factory.mktemp("scripted")
+    write_tokenizer(str(root / "tokenizer"))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(root / "tokenizer"), local_files_only=True)
+    script = Script(tokenizer)
+    write_scripted_model(str(root / "hf"), script)
+    build_engine(root / "hf", root / "engine", tokens_per_block=8, max_batch_size=16, max_input_len=256,
+                 max_seq_len=MAX_SEQ_LEN, max_num_tokens=512)
+    return tokenizer, script, str(root / "engine")
+
+
+@pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory):
     """A word-level tokenizer over the tiny vocabulary: token i is the word `t{i}`."""
     import tokenizers

@@ -25,6 +25,7 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|
 VOCAB_SIZE = 300
 HIDDEN_SIZE = 320            # >= VOCAB_SIZE: one-hot embeddings
 LOGIT = 30.0                 # a successor's logit (others 0): p(any other token) < VOCAB_SIZE * e^-30
+MAX_SEQ_LEN = 1024         # the engine the tests build (long enough for a 900-token disconnect test)
 REPLY = "Hello 漢字 😀 world!"
 BRANCH = (".", "?")          # after REPLY, one of these (equal logits), then the end token
 
@@ -85,7 +86,7 @@ def write_scripted_model(directory: str, script: Script) -> None:
     import transformers
     config = transformers.LlamaConfig(vocab_size=VOCAB_SIZE, hidden_size=HIDDEN_SIZE, num_hidden_layers=1,
                                       num_attention_heads=4, num_key_value_heads=2, intermediate_size=32,
-                                      max_position_embeddings=1024, bos_token_id=1, eos_token_id=script.end_id,
+                                      max_position_embeddings=MAX_SEQ_LEN, bos_token_id=1, eos_token_id=script.end_id,
                                       pad_token_id=0, tie_word_embeddings=False)
     model = transformers.LlamaForCausalLM(config)
     with torch.no_grad():
