@@ -8,10 +8,12 @@ import json
 import threading
 import time
 
+from tqdm import tqdm
+
 from batch_manager.executor import (BatchingType, CapacitySchedulerPolicy, Executor, ExecutorConfig, KvCacheConfig,
                                     OutputConfig, Request, SchedulerConfig)
 from samples.benchmark.dataset import Sample
-from samples.benchmark.report import ProgressBar, RequestTiming, RunResult
+from samples.benchmark.report import RequestTiming, RunResult, progress_bar
 
 BATCHING_TYPES = {"IFB": BatchingType.INFLIGHT, "V1": BatchingType.STATIC}
 
@@ -35,7 +37,7 @@ def make_request(sample: Sample, streaming: bool) -> Request:
 class _Consumer:
     """Awaits every response of `ids` on its own thread, recording times as bench_ours does."""
 
-    def __init__(self, executor: Executor, start_s: float, progress: ProgressBar | None):
+    def __init__(self, executor: Executor, start_s: float, progress: tqdm | None):
         self.executor, self.start_s, self.progress = executor, start_s, progress
         self.timings: dict[int, RequestTiming] = {}
         self.token_events: list[tuple[float, int]] = []
@@ -79,7 +81,7 @@ class _Consumer:
             timing.end_s = now_s
             self.num_final += 1
             if self.progress is not None:
-                self.progress.update(self.num_final)
+                self.progress.update(1)
 
 
 def _serve(executor: Executor, requests: list[Request], delays_s: list[float], progress) -> _Consumer:
@@ -104,8 +106,8 @@ def run_executor(model_dir: str, samples: list[Sample], delays_s: list[float], a
         if args.warm_up > 0:
             _serve(executor, [make_request(samples[0], args.streaming)] * args.warm_up, [0.0] * args.warm_up, None)
             executor.get_latest_iteration_stats()
-        consumer = _serve(executor, [make_request(s, args.streaming) for s in samples], delays_s,
-                          ProgressBar(len(samples), "executor", not args.no_progress))
+        with progress_bar(len(samples), "executor", not args.no_progress) as progress:
+            consumer = _serve(executor, [make_request(s, args.streaming) for s in samples], delays_s, progress)
     timings = [consumer.timings[i] for i in sorted(consumer.timings)]
     total_s = max(t.end_s for t in timings)
     return RunResult("executor", timings, total_s, consumer.token_events, consumer.iteration_stats, args.streaming)

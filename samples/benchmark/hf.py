@@ -14,7 +14,7 @@ import time
 import torch
 
 from samples.benchmark.dataset import Sample
-from samples.benchmark.report import ProgressBar, RequestTiming, RunResult
+from samples.benchmark.report import RequestTiming, RunResult, progress_bar
 
 
 def load_hf_model(model_dir: str):
@@ -39,7 +39,7 @@ def run_hf(model_dir: str, samples: list[Sample], batch_size: int, pad_id: int =
     timings = [RequestTiming(enqueue_s=0.0) for _ in samples]
     token_events: list[tuple[float, int]] = []
     num_padded_tokens = 0
-    progress = ProgressBar(len(samples), "hf", show_progress)
+    progress = progress_bar(len(samples), "hf", show_progress)
     start_s = time.perf_counter()
     for first in range(0, len(samples), batch_size):
         batch = samples[first:first + batch_size]
@@ -54,8 +54,9 @@ def run_hf(model_dir: str, samples: list[Sample], batch_size: int, pad_id: int =
             t.num_output_tokens, t.first_token_s, t.end_s = s.output_len, end_s, end_s
         token_events.append((end_s, sum(s.output_len for s in batch)))
         num_padded_tokens += max_new_tokens * len(batch)
-        progress.update(first + len(batch))
+        progress.update(len(batch))
     total_s = time.perf_counter() - start_s
+    progress.close()
     return RunResult("hf", timings, total_s, token_events, extra={
         "hf_batch_size": batch_size,
         "padded_token_throughput(token/sec)": num_padded_tokens / total_s})

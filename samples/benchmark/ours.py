@@ -9,11 +9,12 @@ import threading
 import time
 
 import torch
+from tqdm import tqdm
 
 from batch_manager import (GptManager, InferenceRequest, KvCacheConfig, SchedulerPolicy,
                            TrtGptModelOptionalParams, TrtGptModelType, tensor_names)
 from samples.benchmark.dataset import Sample
-from samples.benchmark.report import ProgressBar, RequestTiming, RunResult
+from samples.benchmark.report import RequestTiming, RunResult, progress_bar
 
 MODEL_TYPES = {"IFB": TrtGptModelType.InflightFusedBatching, "UIFB": TrtGptModelType.InflightBatching,
                "V1": TrtGptModelType.V1}
@@ -24,7 +25,7 @@ class BenchmarkClient:
     """The four callbacks. They run on the manager's worker thread; the feeding thread only puts
     requests on `incoming` and reads results after `done` is set."""
 
-    def __init__(self, progress: ProgressBar | None = None):
+    def __init__(self, progress: tqdm | None = None):
         self.incoming: queue.Queue[InferenceRequest] = queue.Queue()
         self.lock = threading.Lock()
         self.start_s = time.perf_counter()
@@ -39,7 +40,7 @@ class BenchmarkClient:
     def now_s(self) -> float:
         return time.perf_counter() - self.start_s
 
-    def reset(self, num_expected: int, progress: ProgressBar | None) -> None:
+    def reset(self, num_expected: int, progress: tqdm | None) -> None:
         """Start a new measured phase (after the warm-up)."""
         with self.lock:
             self.start_s = time.perf_counter()
@@ -81,7 +82,7 @@ class BenchmarkClient:
                 timing.end_s = now_s
                 self.num_final += 1
                 if self.progress is not None:
-                    self.progress.update(self.num_final)
+                    self.progress.update(1)
                 if self.num_final >= self.num_expected:
                     self.done.set()
 
@@ -125,7 +126,8 @@ def run_ours(model_dir: str, samples: list[Sample], delays_s: list[float], args)
             for i in range(args.warm_up):
                 client.submit(make_request(WARM_UP_ID_BASE + i, samples[0], args.streaming))
             client.done.wait()
-        client.reset(len(samples), ProgressBar(len(samples), "ours", not args.no_progress))
+        progress = progress_bar(len(samples), "ours", not args.no_progress)
+        client.reset(len(samples), progress)
         next_s = 0.0
         for request_id, (sample, delay_s) in enumerate(zip(samples, delays_s)):
             client.submit(make_request(request_id, sample, args.streaming))
@@ -134,6 +136,7 @@ def run_ours(model_dir: str, samples: list[Sample], delays_s: list[float], args)
             if wait_s > 0:
                 time.sleep(wait_s)
         client.done.wait()
+        progress.close()
         total_s = max(t.end_s for t in client.timings.values())
     timings = [client.timings[i] for i in range(len(samples))]
     return RunResult("ours", timings, total_s, client.token_events, client.iteration_stats, args.streaming)

@@ -1,11 +1,12 @@
 """Benchmark results: per-request timings, the legacy gptManagerBenchmark metrics (same names),
-text and JSON reports, and a stderr progress bar. Used by samples.benchmark and samples.benchmark.hf."""
+text and JSON reports, and the stderr progress bar (tqdm). Used by samples.benchmark and samples.benchmark.hf."""
 from __future__ import annotations
 
 import math
 import sys
-import time
 from dataclasses import dataclass, field
+
+from tqdm import tqdm
 
 PERCENTILES = (50, 90, 99)
 
@@ -111,27 +112,8 @@ def format_text(name: str, values: dict) -> str:
     return "\n".join(lines)
 
 
-class ProgressBar:
-    """A one-line stderr progress bar; redrawn in place on a terminal, else a line per 10 %."""
-
-    def __init__(self, total: int, label: str, enabled: bool = True, width: int = 30):
-        self.total, self.label, self.enabled, self.width = total, label, enabled and total > 0, width
-        self.is_tty = sys.stderr.isatty()
-        self.start_s = time.perf_counter()
-        self.done = 0
-        self._last_decile = -1
-
-    def update(self, done: int) -> None:
-        self.done = done
-        if not self.enabled:
-            return
-        fraction = done / self.total
-        filled = int(fraction * self.width)
-        line = (f"{self.label} [{'#' * filled}{'.' * (self.width - filled)}] {done}/{self.total} "
-                f"{time.perf_counter() - self.start_s:.1f} s")
-        if self.is_tty:
-            sys.stderr.write("\r" + line + ("\n" if done >= self.total else ""))
-            sys.stderr.flush()
-        elif int(fraction * 10) > self._last_decile:
-            self._last_decile = int(fraction * 10)
-            sys.stderr.write(line + "\n")
+def progress_bar(total: int, label: str, enabled: bool = True) -> tqdm:
+    """tqdm on stderr counting finished requests; callers `update(1)` per final response and
+    `close()` at the end. Off when not enabled or nothing to count."""
+    return tqdm(total=total, desc=label, unit="req", file=sys.stderr, disable=not enabled or total <= 0,
+                dynamic_ncols=True)

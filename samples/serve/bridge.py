@@ -13,11 +13,13 @@ from dataclasses import dataclass
 from typing import Callable
 
 from batch_manager import GptManager, InferenceRequest, TrtGptModelType, tensor_names as tn
+from batch_manager.executor import QueueFullError
 from samples.serve.metrics import TritonMetrics
 
 logger = logging.getLogger(__name__)
 
 VALIDATION_ERROR_PREFIX = "Cannot process new request"  # GptManager's admission errors
+SHUTTING_DOWN = "the server is shutting down"
 
 
 @dataclass(frozen=True)
@@ -43,8 +45,9 @@ class _Handler:
 
 class ManagerBridge:
     def __init__(self, engine_dir: str, model_type: TrtGptModelType, max_beam_width: int, scheduler_policy,
-                 optional_params, metrics: TritonMetrics | None = None):
+                 optional_params, metrics: TritonMetrics | None = None, max_queue_size: int | None = None):
         self.metrics = metrics
+        self.max_queue_size = max_queue_size   # requests submitted, not yet fetched by the manager; None: unbounded
         self._incoming: queue.Queue[InferenceRequest] = queue.Queue()
         self._lock = threading.Lock()
         self._handlers: dict[int, _Handler] = {}   # request id -> its waiting handler
@@ -61,9 +64,13 @@ class ManagerBridge:
     def submit(self, make_request: Callable[[int], InferenceRequest], return_log_probs: bool,
                loop: asyncio.AbstractEventLoop) -> tuple[int, asyncio.Queue]:
         """Queue a request built with a fresh id; returns (id, queue of ResponseEvent). The request
-        is built before its handler is registered: a make_request that raises leaves nothing behind."""
+        is built before its handler is registered: a make_request that raises leaves nothing behind.
+        RuntimeError once closed; QueueFullError (a RuntimeError) with max_queue_size requests waiting,
+        as the Executor's enqueue_request."""
         if self.is_closed:
-            raise RuntimeError("the server is shutting down")
+            raise RuntimeError(SHUTTING_DOWN)
+        if self.max_queue_size is not None and self._incoming.qsize() >= self.max_queue_size:
+            raise QueueFullError(f"the request queue is full (max_queue_size={self.max_queue_size})")
         with self._lock:
             request_id = next(self._next_ids)
         request = make_request(request_id)
@@ -95,7 +102,7 @@ class ManagerBridge:
             self._stop_ids.update(handlers)
             self._cancelled_ids.update(handlers)
         for handler in handlers.values():
-            self._deliver(handler, ResponseEvent([], True, "the server is shutting down"))
+            self._deliver(handler, ResponseEvent([], True, SHUTTING_DOWN))
         self.manager.shutdown()
 
     # -- manager side (worker thread) -------------------------------------------------------------

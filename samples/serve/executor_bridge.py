@@ -12,7 +12,7 @@ from typing import Callable
 from batch_manager import InferenceRequest, tensor_names as tn
 from batch_manager.executor import Executor, ExecutorConfig, OutputConfig, Request, SamplingConfig
 from runtime.decoding import parse_word_list
-from samples.serve.bridge import ManagerBridge, ResponseEvent, _Handler
+from samples.serve.bridge import SHUTTING_DOWN, ManagerBridge, ResponseEvent, _Handler
 from samples.serve.metrics import TritonMetrics
 
 logger = logging.getLogger(__name__)
@@ -64,9 +64,10 @@ class ExecutorBridge:
 
     def submit(self, make_request: Callable[[int], InferenceRequest], return_log_probs: bool,
                loop: asyncio.AbstractEventLoop) -> tuple[int, asyncio.Queue]:
-        """ValueError (the body field first) for a request the Executor refuses: nothing is queued."""
+        """ValueError (the body field first) for a request the Executor refuses: nothing is queued.
+        RuntimeError once closed; QueueFullError past the ExecutorConfig's max_queue_size."""
         if self.is_closed:
-            raise RuntimeError("the server is shutting down")
+            raise RuntimeError(SHUTTING_DOWN)
         request = to_executor_request(make_request(0))
         events: asyncio.Queue = asyncio.Queue()
         with self._lock:   # registered before the consumer can see a response of the id
@@ -96,7 +97,7 @@ class ExecutorBridge:
             handlers, self._handlers = self._handlers, {}
         for request_id, handler in handlers.items():
             self.executor.cancel_request(request_id)
-            ManagerBridge._deliver(handler, ResponseEvent([], True, "the server is shutting down"))
+            ManagerBridge._deliver(handler, ResponseEvent([], True, SHUTTING_DOWN))
         self.executor.shutdown()
         self._consumer.join(10)
 

@@ -1,12 +1,13 @@
-"""Prometheus gauges fed from GptManager's per-iteration stats JSON, in the metric families and
-label names of the legacy Triton TensorRT-LLM backend (`nv_trt_llm_*_metrics`, labels `model`,
-`version` and one type label per family). Owned by samples.serve; updated on the worker thread."""
+"""Prometheus metrics of samples.serve: gauges fed from GptManager's per-iteration stats JSON, in the
+metric families and label names of the legacy Triton TensorRT-LLM backend (`nv_trt_llm_*_metrics`,
+labels `model`, `version` and one type label per family), updated on the worker thread; and
+request latency histograms and token counters (`LatencyMetrics`), observed by the HTTP handlers."""
 from __future__ import annotations
 
 import time
 
 import orjson
-from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 # family -> (help, type label, {label value: stats JSON key})
 REQUEST = ("nv_trt_llm_request_metrics", "TRT LLM request metrics", "request_type",
@@ -48,6 +49,7 @@ class TritonMetrics:
                 child = gauge.labels(**self.labels, **{type_label: label_value})
                 self._key_to_gauges.setdefault(key, []).append(child)
         self.last_stats: dict = {}
+        self.latency = LatencyMetrics(self.registry, self.labels)
 
     def update(self, stats_json: str | bytes) -> None:
         stats = orjson.loads(stats_json)
@@ -66,3 +68,61 @@ class TritonMetrics:
         if "Max KV cache blocks" in self.last_stats:
             for child in self._key_to_gauges["Free KV cache blocks"]:
                 child.set(self.last_stats["Max KV cache blocks"])
+
+
+# Buckets in seconds (vLLM's, for dashboards that compare the two).
+TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                  20.0, 40.0, 80.0)
+ITL_BUCKETS_S = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+                 0.75, 1.0, 2.5)
+E2E_BUCKETS_S = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0)
+
+
+class LatencyMetrics:
+    """Histograms of time to first token, inter-token latency and end-to-end latency, and counters
+    of prompt and generated tokens, for every engine request the handlers stream (the OpenAI
+    endpoints always do; /generate when "stream" is true). Times are taken on the handler's event
+    loop as each response arrives there: what a client sees, less the network."""
+
+    def __init__(self, registry: CollectorRegistry, labels: dict[str, str]):
+        names = list(labels)
+        self.ttft_s = Histogram("nv_trt_llm_time_to_first_token_seconds", "Time to first token (s)", names,
+                                buckets=TTFT_BUCKETS_S, registry=registry).labels(**labels)
+        self.itl_s = Histogram("nv_trt_llm_inter_token_latency_seconds", "Time between generated tokens (s)",
+                               names, buckets=ITL_BUCKETS_S, registry=registry).labels(**labels)
+        self.e2e_s = Histogram("nv_trt_llm_e2e_request_latency_seconds", "Request latency, submit to last token (s)",
+                               names, buckets=E2E_BUCKETS_S, registry=registry).labels(**labels)
+        self.prompt_tokens = Counter("nv_trt_llm_prompt_tokens", "Prompt tokens of requests that produced a token",
+                                     names, registry=registry).labels(**labels)
+        self.generated_tokens = Counter("nv_trt_llm_generation_tokens", "Generated tokens delivered", names,
+                                        registry=registry).labels(**labels)
+
+    def start(self, num_prompt_tokens: int) -> "RequestTimer":
+        return RequestTimer(self, num_prompt_tokens)
+
+
+class RequestTimer:
+    """One engine request's clock: `on_tokens` per response with tokens, `finish` once at its end
+    (not called for a request the client abandoned: its latency is not a served request's)."""
+
+    def __init__(self, metrics: LatencyMetrics, num_prompt_tokens: int):
+        self.metrics, self.num_prompt_tokens = metrics, num_prompt_tokens
+        self.start_s = time.perf_counter()
+        self.last_token_s: float | None = None
+
+    def on_tokens(self, num_tokens: int) -> None:
+        if num_tokens <= 0:
+            return
+        now_s = time.perf_counter()
+        if self.last_token_s is None:
+            self.metrics.ttft_s.observe(now_s - self.start_s)
+            self.metrics.prompt_tokens.inc(self.num_prompt_tokens)
+        else:   # a response with several tokens (draft tokens accepted): the gap split evenly
+            gap_s = (now_s - self.last_token_s) / num_tokens
+            for _ in range(num_tokens):
+                self.metrics.itl_s.observe(gap_s)
+        self.metrics.generated_tokens.inc(num_tokens)
+        self.last_token_s = now_s
+
+    def finish(self) -> None:
+        self.metrics.e2e_s.observe(time.perf_counter() - self.start_s)

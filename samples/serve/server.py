@@ -1,49 +1,64 @@
 """An asyncio HTTP server (aiohttp) that embeds a GptManager: what the batch manager is for.
 
-    python -m samples.serve [--engine-dir DIR] [--tokenizer DIR] [--host 127.0.0.1] [--port 8000]
-                            [--api gpt_manager|executor]
+    python -m samples.serve [--engine-dir DIR] [--tokenizer DIR|default] [--host H] [--port 8000]
+                            [--api gpt_manager|executor] [--api-key KEY] [--served-model-name NAME]
 
 POST /generate  {"input_ids": [...] | "text": "...", "max_new_tokens": 64, "stream": false, sampling...}
                 -> JSON, or server-sent events when "stream" is true; a bad body: 400
                    {"error": "<field or body>: <problem>"}, with nothing queued
-GET  /metrics   Prometheus gauges (the legacy Triton TensorRT-LLM backend's nv_trt_llm_* families)
+POST /v1/completions, /v1/chat/completions; GET /v1/models   OpenAI-compatible (needs --tokenizer;
+                see openai_server), errors {"error": {"message", "type", "param", "code"}}
+GET  /metrics   Prometheus: the legacy Triton TensorRT-LLM backend's nv_trt_llm_* gauges, latency
+                histograms (time to first token, inter-token, end to end) and token counters
 GET  /health    {"status": "ok", "active_requests": N}
 
 Handlers queue requests for the manager's get-requests callback (or, with --api executor, enqueue
-them into an Executor) and await their responses; a client that disconnects stops its request. The default model (random weights) is written on
-first run; its output tokens are meaningless.
+them into an Executor) and await their responses; a client that disconnects stops its request.
+With an API key (--api-key or $BATCH_MANAGER_API_KEY), /generate and /v1/* need the header
+`Authorization: Bearer KEY`; without one the server listens on loopback only unless --host says
+otherwise. The default model (random weights) is written on first run; its output tokens are
+meaningless.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import hmac
+import ipaddress
 import json
 import logging
+import os
 import signal
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from batch_manager import SchedulerPolicy, TrtGptModelType
+from batch_manager.executor import QueueFullError
 from samples.benchmark.ours import MODEL_TYPES, optional_params
 from samples.serve.bridge import ManagerBridge, ResponseEvent
-from samples.serve.metrics import TritonMetrics
-from samples.serve.params import GenerateParams, name_body_field, parse_generate_body
+from samples.serve.detokenizer import IncrementalDetokenizer
+from samples.serve.metrics import RequestTimer, TritonMetrics
+from samples.serve.openai_protocol import ModelInfo, OpenAIError
+from samples.serve.openai_server import CONTEXT as OPENAI_CONTEXT, add_routes as add_openai_routes, error_response
+from samples.serve.params import name_body_field, parse_generate_body
 
 logger = logging.getLogger(__name__)
 
 BRIDGE = web.AppKey("bridge", object)   # ManagerBridge or executor_bridge.ExecutorBridge
 SETTINGS = web.AppKey("settings", dict)
+API_KEY_ENV = "BATCH_MANAGER_API_KEY"
+DEFAULT_MAX_BODY_BYTES = 16 << 20       # a larger body: 413
 
 
 def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status)
 
 
-def _event_body(request_id: int, event: ResponseEvent, tokenizer, all_ids: list[int], previous_text: str) -> dict:
+def _event_body(request_id: int, event: ResponseEvent, text: str | None) -> dict:
     body = {"request_id": request_id, "output_ids": event.output_ids, "is_final": event.is_final}
-    if tokenizer is not None:
-        body["text"] = tokenizer.decode(all_ids, skip_special_tokens=True)[len(previous_text):]
+    if text is not None:
+        body["text"] = text
     if event.log_probs is not None:
         body["log_probs"], body["cum_log_prob"] = event.log_probs, event.cum_log_prob
     if event.beams is not None:
@@ -70,6 +85,8 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
         request_id, events = bridge.submit(params.to_request, params.return_log_probs, asyncio.get_running_loop())
     except ValueError as e:   # the Executor validates at enqueue
         return _error(400, str(e))
+    except QueueFullError as e:
+        return _error(429, str(e))
     except RuntimeError as e:
         return _error(503, str(e))
     try:
@@ -79,30 +96,37 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
                 return _error(400, name_body_field(first.error))
             return _error(500, first.error)
         if not params.is_streaming:
-            result = _event_body(request_id, first, tokenizer, first.output_ids, "")
+            text = tokenizer.decode(first.output_ids, skip_special_tokens=True) if tokenizer is not None else None
+            result = _event_body(request_id, first, text)
             result["num_output_tokens"] = len(first.output_ids)
             return web.json_response(result)
-        return await _stream(request, request_id, params, first, events, tokenizer)
+        latency = bridge.metrics.latency if bridge.metrics is not None else None
+        timer = latency.start(int(params.tensors["input_ids"].numel())) if latency is not None else None
+        return await _stream(request, request_id, first, events, tokenizer, timer)
     finally:  # normal end: a no-op; disconnect (cancellation, reset): the request is stopped
         bridge.cancel(request_id)
 
 
-async def _stream(request: web.Request, request_id: int, params: GenerateParams, event: ResponseEvent,
-                  events: asyncio.Queue, tokenizer) -> web.StreamResponse:
-    """Server-sent events: one `data: {...}` per response, the last with "is_final": true."""
+async def _stream(request: web.Request, request_id: int, event: ResponseEvent, events: asyncio.Queue, tokenizer,
+                  timer: RequestTimer | None) -> web.StreamResponse:
+    """Server-sent events: one `data: {...}` per response, the last with "is_final": true. "text"
+    is the incremental detokenization: "" while a multi-byte character is incomplete."""
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
-    all_ids: list[int] = []
-    text = ""
+    detokenizer = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
     while True:
         if event.error:
             await response.write(f"event: error\ndata: {json.dumps({'error': event.error})}\n\n".encode())
             break
-        all_ids.extend(event.output_ids)
-        body = _event_body(request_id, event, tokenizer, all_ids, text)
-        text += body.get("text", "")
-        await response.write(f"data: {json.dumps(body)}\n\n".encode())
+        if timer is not None:
+            timer.on_tokens(len(event.output_ids))
+        text = None
+        if detokenizer is not None:
+            text = detokenizer.add(event.output_ids) + (detokenizer.flush() if event.is_final else "")
+        await response.write(f"data: {json.dumps(_event_body(request_id, event, text))}\n\n".encode())
         if event.is_final:
+            if timer is not None:
+                timer.finish()
             break
         event = await events.get()
     await response.write_eof()
@@ -126,24 +150,81 @@ async def handle_metrics(request: web.Request) -> web.Response:
     return web.Response(body=generate_latest(bridge.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-def create_app(bridge: ManagerBridge, tokenizer=None, default_max_new_tokens: int = 64) -> web.Application:
-    app = web.Application()
+def _is_guarded(path: str) -> bool:
+    """The paths that spend the engine's time: the API key guards these (not /health, /metrics)."""
+    return path == "/generate" or path.startswith("/v1/")
+
+
+def _check_api_key(request: web.Request, api_key: str) -> str | None:
+    """The problem with the request's bearer token, or None when it is the key."""
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not token:
+        return "missing API key: send the header 'Authorization: Bearer <key>'"
+    if not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+        return "incorrect API key"
+    return None
+
+
+def make_middleware(api_key: str | None):
+    """The API key check (401), and OpenAI's error shape for every /v1/* error, aiohttp's own
+    included (404 unknown path, 405, 413)."""
+    @web.middleware
+    async def middleware(request: web.Request, handler):
+        is_openai = request.path.startswith("/v1/")
+        if api_key is not None and _is_guarded(request.path):
+            problem = _check_api_key(request, api_key)
+            if problem is not None:
+                if is_openai:
+                    return error_response(OpenAIError(401, problem, None, "invalid_api_key"))
+                return _error(401, problem)
+        try:
+            return await handler(request)
+        except OpenAIError as e:
+            return error_response(e)
+        except web.HTTPException as e:
+            if not is_openai or e.status < 400:
+                raise
+            message = f"{request.method} {request.path}: {e.reason}"
+            if e.status == 404 and OPENAI_CONTEXT not in request.app:
+                message += " (the OpenAI endpoints need a tokenizer: start the server with --tokenizer DIR)"
+            return error_response(OpenAIError(e.status, message))
+    return middleware
+
+
+def create_app(bridge: ManagerBridge, tokenizer=None, default_max_new_tokens: int = 64,
+               model_info: ModelInfo | None = None, api_key: str | None = None,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> web.Application:
+    """The routes; the OpenAI ones when model_info (which holds the tokenizer) is given."""
+    app = web.Application(middlewares=[make_middleware(api_key)], client_max_size=max_body_bytes)
     app[BRIDGE] = bridge
     app[SETTINGS] = {"tokenizer": tokenizer, "default_max_new_tokens": default_max_new_tokens}
     app.add_routes([web.post("/generate", handle_generate), web.get("/health", handle_health),
                     web.get("/metrics", handle_metrics)])
+    if model_info is not None:
+        add_openai_routes(app, model_info, bridge)
     return app
 
 
 async def start_server(bridge: ManagerBridge, host: str, port: int, tokenizer=None,
-                       default_max_new_tokens: int = 64) -> tuple[web.AppRunner, int]:
+                       default_max_new_tokens: int = 64, **app_options) -> tuple[web.AppRunner, int]:
     """Serve on host:port (0: a free port); returns (runner, the bound port). handler_cancellation
-    makes a client disconnect cancel its handler, which stops the request."""
-    runner = web.AppRunner(create_app(bridge, tokenizer, default_max_new_tokens), handler_cancellation=True)
+    makes a client disconnect cancel its handler, which stops the request. app_options: create_app's."""
+    app = create_app(bridge, tokenizer, default_max_new_tokens, **app_options)
+    runner = web.AppRunner(app, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
     return runner, runner.addresses[0][1]
+
+
+def model_info(model_dir: str, tokenizer, name: str) -> ModelInfo:
+    """The OpenAI endpoints' view of the model: its vocabulary and context from the engine or
+    checkpoint directory (no weights read), the end id from the tokenizer."""
+    from samples.benchmark.cli import model_limits
+    cfg, max_seq_len = model_limits(model_dir)
+    end_id = tokenizer.eos_token_id
+    return ModelInfo(name, tokenizer, cfg.vocab_size, max_seq_len,
+                     end_id if end_id is not None and 0 <= end_id < cfg.vocab_size else None)
 
 
 def make_bridge(args):
@@ -155,23 +236,82 @@ def make_bridge(args):
         from samples.serve.executor_bridge import ExecutorBridge
         config = executor_config(args)
         config.max_beam_width = args.max_beam_width
+        config.max_queue_size = args.max_queue_size
         return ExecutorBridge(args.engine_dir or default_model_dir(), config, metrics)
     return ManagerBridge(args.engine_dir or default_model_dir(), model_type, args.max_beam_width,
-                         SchedulerPolicy[args.scheduler_policy.upper()], optional_params(args), metrics)
+                         SchedulerPolicy[args.scheduler_policy.upper()], optional_params(args), metrics,
+                         args.max_queue_size)
 
 
 def load_tokenizer(directory: str | None):
+    """A local Hugging Face tokenizer directory; "default": the default model's (written on first use)."""
     if directory is None:
         return None
+    if directory == "default":
+        from samples.serve.default_tokenizer import default_tokenizer_dir
+        directory = default_tokenizer_dir()
     import transformers
     return transformers.AutoTokenizer.from_pretrained(directory, local_files_only=True)
+
+
+def tokenizer_dir_of(args) -> str | None:
+    """--tokenizer, else the model directory when it holds a tokenizer, else the default model's
+    tokenizer when serving the default model."""
+    if args.tokenizer is not None:
+        return args.tokenizer
+    if args.engine_dir is None:
+        return "default"
+    if any(os.path.exists(os.path.join(args.engine_dir, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+        return args.engine_dir
+    return None
+
+
+def resolve_host(args) -> tuple[str, str]:
+    """(host to bind, the start-up notice about keys and reachability)."""
+    if args.api_key is None:
+        if args.host is None:
+            return "127.0.0.1", (f"no API key (--api-key or ${API_KEY_ENV}): listening on loopback only; "
+                                 f"pass --host to listen elsewhere without one")
+        if not ipaddress.ip_address(_resolvable(args.host)).is_loopback:
+            return args.host, (f"no API key (--api-key or ${API_KEY_ENV}) and --host {args.host}: anyone who "
+                               f"can reach this address may use the server")
+        return args.host, f"no API key (--api-key or ${API_KEY_ENV}): listening on {args.host}"
+    host = args.host if args.host is not None else "0.0.0.0"
+    return host, f"API key set: /generate and /v1/* need 'Authorization: Bearer <key>'; listening on {host}"
+
+
+def _resolvable(host: str) -> str:
+    """An address literal for the loopback check ("localhost" is loopback; other names are not)."""
+    if host == "localhost":
+        return "127.0.0.1"
+    try:
+        ipaddress.ip_address(host)
+        return host
+    except ValueError:
+        return "0.0.0.0"
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engine-dir", help="engine or HF checkpoint directory (default: the random default model)")
-    p.add_argument("--tokenizer", help="a local tokenizer directory: enables \"text\" in requests and responses")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--tokenizer", help="a local Hugging Face tokenizer directory, or \"default\" (the default "
+                                       "model's): enables \"text\" and the OpenAI endpoints (default: the model "
+                                       "directory's tokenizer if it has one; the default model's with the default model)")
+    p.add_argument("--host", help="address to listen on (default: 127.0.0.1 without an API key, 0.0.0.0 with one)")
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
+                   help=f"bearer token required on /generate and /v1/* (default: ${API_KEY_ENV})")
+    p.add_argument("--served-model-name", help="the `model` of the OpenAI endpoints (default: the model "
+                                               "directory's name)")
+    p.add_argument("--max-queue-size", type=_positive_int, help="requests waiting for the engine beyond which new ones "
+                                                      "get 429 (default: unbounded)")
+    p.add_argument("--max-body-bytes", type=_positive_int, default=DEFAULT_MAX_BODY_BYTES, help="larger bodies get 413")
     p.add_argument("--port", type=int, default=8000, help="0: any free port (printed)")
     p.add_argument("--api", default="gpt_manager", choices=["gpt_manager", "executor"],
                    help="the front-end the handlers use: GptManager's callbacks or the Executor's queues")
@@ -185,14 +325,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-cache-free-gpu-mem-fraction", type=float)
     p.add_argument("--default-max-new-tokens", type=int, default=64)
     p.add_argument("--model-name", default="tensorrt_llm", help="the `model` label of the metrics")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="info logs every request (aiohttp's access log)")
     return p.parse_args(argv)
 
 
 async def _serve(args) -> None:
-    tokenizer = load_tokenizer(args.tokenizer)
+    from samples.default_model import default_model_dir
+    model_dir = args.engine_dir or default_model_dir()
+    tokenizer = load_tokenizer(tokenizer_dir_of(args))
+    name = args.served_model_name or os.path.basename(os.path.normpath(model_dir))
+    info = model_info(model_dir, tokenizer, name) if tokenizer is not None else None
+    host, notice = resolve_host(args)
     bridge = make_bridge(args)
-    runner, port = await start_server(bridge, args.host, args.port, tokenizer, args.default_max_new_tokens)
-    print(f"listening on http://{args.host}:{port}", flush=True)
+    runner, port = await start_server(bridge, host, args.port, tokenizer, args.default_max_new_tokens,
+                                      model_info=info, api_key=args.api_key, max_body_bytes=args.max_body_bytes)
+    logger.warning(notice)
+    logger.info("OpenAI endpoints: %s", f"model {name!r}" if info is not None else "off (no tokenizer)")
+    print(f"listening on http://{host}:{port}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -205,8 +355,9 @@ async def _serve(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(_serve(parse_args(argv)))
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(_serve(args))
 
 
 if __name__ == "__main__":

@@ -32,6 +32,21 @@ def greedy_reference(model, prompt: list[int], num_new_tokens: int) -> list[int]
 
 
 @pytest.fixture(scope="session")
+def scripted(tmp_path_factory):
+    """(tokenizer, Script, engine dir) of the scripted tiny model and its byte-level BPE (scripted_model)."""
+    import transformers
+    from tests.samples.scripted_model import MAX_SEQ_LEN, Script, write_scripted_model, write_tokenizer
+    root = tmp_path_factory.mktemp("scripted")
+    write_tokenizer(str(root / "tokenizer"))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(root / "tokenizer"), local_files_only=True)
+    script = Script(tokenizer)
+    write_scripted_model(str(root / "hf"), script)
+    build_engine(root / "hf", root / "engine", tokens_per_block=8, max_batch_size=16, max_input_len=256,
+                 max_seq_len=MAX_SEQ_LEN, max_num_tokens=512)
+    return tokenizer, script, str(root / "engine")
+
+
+@pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory):
     """A word-level tokenizer over the tiny vocabulary: token i is the word `t{i}`."""
     import tokenizers
@@ -50,7 +65,8 @@ class ServerThread:
     """samples.serve's app on 127.0.0.1 (a free port), served by an event loop on its own thread."""
 
     def __init__(self, engine_dir: str, tokenizer=None, num_kv_tokens: int | None = None, metrics=None,
-                 api: str = "gpt_manager"):
+                 api: str = "gpt_manager", max_queue_size: int | None = None, **app_options):
+        """app_options: create_app's (model_info for the OpenAI endpoints, api_key, max_body_bytes)."""
         from samples.serve.server import start_server
         from samples.serve.bridge import ManagerBridge
         from samples.serve.metrics import TritonMetrics
@@ -58,17 +74,19 @@ class ServerThread:
         if api == "executor":
             from batch_manager.executor import ExecutorConfig, KvCacheConfig as ExecutorKvCacheConfig
             from samples.serve.executor_bridge import ExecutorBridge
-            config = ExecutorConfig(kv_cache_config=ExecutorKvCacheConfig(max_tokens=num_kv_tokens))
+            config = ExecutorConfig(kv_cache_config=ExecutorKvCacheConfig(max_tokens=num_kv_tokens),
+                                    max_queue_size=max_queue_size)
             self.bridge = ExecutorBridge(engine_dir, config, metrics)
         else:
             params = TrtGptModelOptionalParams(kv_cache_config=KvCacheConfig(max_tokens=num_kv_tokens))
             self.bridge = ManagerBridge(engine_dir, TrtGptModelType.InflightFusedBatching, 1,
-                                        SchedulerPolicy.GUARANTEED_NO_EVICT, params, metrics)
+                                        SchedulerPolicy.GUARANTEED_NO_EVICT, params, metrics, max_queue_size)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="test-http-server", daemon=True)
         self.thread.start()
         self.runner, self.port = asyncio.run_coroutine_threadsafe(
-            start_server(self.bridge, "127.0.0.1", 0, tokenizer, default_max_new_tokens=8), self.loop).result(30)
+            start_server(self.bridge, "127.0.0.1", 0, tokenizer, default_max_new_tokens=8, **app_options),
+            self.loop).result(30)
         self.url = f"http://127.0.0.1:{self.port}"
 
     def stop(self) -> None:

@@ -1,0 +1,339 @@
+"""The OpenAI request bodies of samples.serve (/v1/completions, /v1/chat/completions) -> a
+`CompletionSpec`: prompts as token ids (text through the tokenizer, messages through its chat
+template) and, per choice, the sample's own /generate body (`engine_body`), which
+`params.parse_generate_body` turns into a request. Errors are `OpenAIError`s naming the field.
+
+Fields: model, prompt (text, texts, token ids or lists of them) or messages, max_tokens
+(max_completion_tokens), temperature, top_p, seed, stop, n, stream, stream_options.include_usage,
+logprobs (completions: 0; chat: true with top_logprobs 0), presence_penalty, frequency_penalty,
+logit_bias, user, and vLLM's extensions top_k, min_tokens, repetition_penalty, ignore_eos.
+Known OpenAI fields this server cannot honour are refused by name, never silently ignored."""
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import dataclass
+
+TYPE_OF_STATUS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                  413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16   # OpenAI's; chat's default is what the context has left
+MAX_CHOICES = 128                     # n times the number of prompts
+MAX_STOP_STRINGS = 16
+TOP_LOG_PROBS_REFUSED = ("the engine returns the sampled token's log prob only; top log probs are not "
+                         "supported yet")
+
+COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream", "stream_options",
+                 "presence_penalty", "frequency_penalty", "logit_bias", "user", "logprobs",
+                 "top_k", "min_tokens", "repetition_penalty", "ignore_eos"}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
+                               "tool_choice", "functions", "function_call", "parallel_tool_calls"}
+CHAT_ROLES = {"system", "developer", "user", "assistant"}
+
+
+class OpenAIError(Exception):
+    """An HTTP error in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": TYPE_OF_STATUS.get(self.status, "server_error"),
+                          "param": self.param, "code": self.code}}
+
+
+def bad(field: str, problem: str) -> OpenAIError:
+    return OpenAIError(400, f"{field}: {problem}", field)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the handlers need to know of the served model and its tokenizer."""
+    name: str                  # the `model` clients must send
+    tokenizer: object          # a transformers tokenizer
+    vocab_size: int            # the engine's (logit_bias ids are checked against it)
+    max_seq_len: int           # prompt + generated tokens, the engine's limit
+    end_id: int | None         # the tokenizer's end-of-sequence id, when inside the vocabulary
+
+
+@dataclass(frozen=True)
+class CompletionSpec:
+    is_chat: bool
+    prompts: tuple[tuple[int, ...], ...]   # token ids per prompt (chat: one)
+    n: int                                 # choices per prompt; choice index = prompt index * n + j
+    max_tokens: tuple[int, ...]            # per prompt
+    stream: bool
+    include_usage: bool                    # stream_options.include_usage
+    stop: tuple[str, ...]
+    logprobs: bool                         # the sampled token's log prob per token
+    seed: int                              # choice j draws with seed + j (a random seed when none was sent)
+    engine_fields: dict                    # sampling fields of the sample's /generate body
+
+    def engine_body(self, prompt_index: int, j: int) -> dict:
+        """The /generate body of choice j of a prompt: always streamed (text deltas, stop strings,
+        TTFT); choice j draws with seed + j (mod 2**64), as n requests with those seeds would."""
+        body = {**self.engine_fields, "input_ids": list(self.prompts[prompt_index]),
+                "max_new_tokens": self.max_tokens[prompt_index], "stream": True, "return_log_probs": self.logprobs}
+        body["seed"] = (self.seed + j) % (1 << 64)
+        return body
+
+
+# the /generate body field -> the OpenAI field, to name it in the engine's errors
+ENGINE_TO_OPENAI = {"max_new_tokens": "max_tokens", "embedding_bias": "logit_bias", "min_length": "min_tokens",
+                    "return_log_probs": "logprobs"}
+
+
+def _number(field: str, value, low: float, high: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not low <= value <= high:
+        raise bad(field, f"expected a number in [{low}, {high}], got {value!r:.80}")
+    return float(value)
+
+
+def _integer(field: str, value, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise bad(field, f"expected an integer in [{low}, {high}], got {value!r:.80}")
+    return value
+
+
+def _boolean(field: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise bad(field, f"expected true or false, got {value!r:.80}")
+    return value
+
+
+def _text(field: str, value) -> str:
+    if not isinstance(value, str):
+        raise bad(field, f"expected a string, got {value!r:.80}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:   # a lone surrogate ("\ud800" in the JSON)
+        raise bad(field, f"not valid Unicode text ({e.reason} at index {e.start})") from None
+    return value
+
+
+def _stop(value) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or len(stops) > MAX_STOP_STRINGS:
+        raise bad("stop", f"expected a string or a list of at most {MAX_STOP_STRINGS} strings, got {value!r:.80}")
+    for i, stop in enumerate(stops):
+        if not _text(f"stop[{i}]" if isinstance(value, list) else "stop", stop):
+            raise bad(f"stop[{i}]" if isinstance(value, list) else "stop", "empty string")
+    return tuple(stops)
+
+
+def _logit_bias(value, vocab_size: int) -> list[float]:
+    """{"token id": bias in [-100, 100]} -> a bias per vocabulary entry (the engine's embedding_bias)."""
+    if not isinstance(value, dict):
+        raise bad("logit_bias", f"expected an object of token id -> bias, got {value!r:.80}")
+    bias = [0.0] * vocab_size
+    for key, b in value.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and int(key) < vocab_size):
+            raise bad("logit_bias", f"key {key!r:.40}: expected a token id in [0, {vocab_size})")
+        bias[int(key)] = _number(f"logit_bias[{key}]", b, -100.0, 100.0)
+    return bias
+
+
+def _refuse_unsupported(body: dict, n: int) -> None:
+    """Known OpenAI fields whose only accepted values are the ones that change nothing."""
+    if body.get("echo", False) is not False:
+        raise bad("echo", "not supported (only false)")
+    if body.get("suffix") is not None:
+        raise bad("suffix", "not supported (only null)")
+    if body.get("best_of") not in (None, n):
+        raise bad("best_of", f"not supported (only null or equal to n={n}), got {body['best_of']!r:.40}")
+    for field in ("tools", "functions", "function_call"):
+        if body.get(field) is not None:
+            raise bad(field, "tool and function calling are not supported")
+    if body.get("tool_choice") not in (None, "none"):
+        raise bad("tool_choice", "tool calling is not supported (only \"none\")")
+    if body.get("parallel_tool_calls") not in (None, True, False):
+        raise bad("parallel_tool_calls", f"expected true or false, got {body['parallel_tool_calls']!r:.40}")
+    response_format = body.get("response_format")
+    if response_format is not None and response_format != {"type": "text"}:
+        raise bad("response_format", f"only {{\"type\": \"text\"}} is supported, got {response_format!r:.80}")
+
+
+def _sampling(body: dict, info: ModelInfo) -> dict:
+    """OpenAI's sampling fields -> the /generate body's. OpenAI samples by default (temperature 1,
+    top_p 1); temperature 0 is greedy. Penalties reach the engine as they are: its presence and
+    frequency penalties also count the prompt's tokens (TensorRT-LLM's semantics)."""
+    fields = {"temperature": _number("temperature", body.get("temperature", 1.0), 0.0, 2.0),
+              "top_p": _number("top_p", body.get("top_p", 1.0), 0.0, 1.0)}
+    top_k = _integer("top_k", body.get("top_k", -1), -1, 1 << 30)   # vLLM's -1 (or 0): every token
+    fields["top_k"] = max(top_k, 0)
+    for field in ("presence_penalty", "frequency_penalty"):
+        if body.get(field) is not None:
+            fields[field] = _number(field, body[field], -2.0, 2.0)
+    if body.get("repetition_penalty") is not None:
+        fields["repetition_penalty"] = _number("repetition_penalty", body["repetition_penalty"], 0.01, 100.0)
+    if body.get("min_tokens") is not None:
+        fields["min_length"] = _integer("min_tokens", body["min_tokens"], 0, info.max_seq_len)
+    if body.get("logit_bias") is not None:
+        fields["embedding_bias"] = _logit_bias(body["logit_bias"], info.vocab_size)
+    if not _boolean("ignore_eos", body.get("ignore_eos", False)) and info.end_id is not None:
+        fields["end_id"] = info.end_id
+    return fields
+
+
+def _log_probs(body: dict, is_chat: bool) -> bool:
+    if is_chat:
+        wanted = _boolean("logprobs", body.get("logprobs") or False)
+        top = body.get("top_logprobs")
+        if top is not None:
+            _integer("top_logprobs", top, 0, 20)
+            if not wanted:
+                raise bad("top_logprobs", "needs logprobs: true")
+            if top > 0:
+                raise bad("top_logprobs", f"{top}: {TOP_LOG_PROBS_REFUSED}; use 0")
+        return wanted
+    if body.get("logprobs") is None:
+        return False
+    top = _integer("logprobs", body["logprobs"], 0, 5)
+    if top > 0:
+        raise bad("logprobs", f"{top}: {TOP_LOG_PROBS_REFUSED}; use 0 for the sampled token's")
+    return True
+
+
+def _max_tokens(body: dict, is_chat: bool, prompts: list[list[int]], info: ModelInfo) -> tuple[int, ...]:
+    field = "max_completion_tokens" if is_chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    value = body.get(field)
+    if value is not None or not is_chat:
+        max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if value is None else _integer(field, value, 1, (1 << 31) - 1)
+        longest = max(len(p) for p in prompts)
+        if longest + max_tokens > info.max_seq_len:   # the engine would clamp it; OpenAI refuses
+            raise bad(field, f"{max_tokens} with a prompt of {longest} tokens exceeds the model's context of "
+                             f"{info.max_seq_len} tokens")
+        return (max_tokens,) * len(prompts)
+    room = info.max_seq_len - len(prompts[0])   # what the context has left
+    if room < 1:
+        raise bad("messages", f"the rendered conversation has {len(prompts[0])} tokens, the model's context "
+                              f"{info.max_seq_len}: no room for a reply")
+    return (room,)
+
+
+def _prompts(value, info: ModelInfo) -> list[list[int]]:
+    """prompt: a string, a list of strings, a list of token ids, or a list of such lists."""
+    def encode(field: str, text) -> list[int]:
+        ids = list(info.tokenizer.encode(_text(field, text), add_special_tokens=True))
+        if not ids:
+            raise bad(field, "the text has no tokens")
+        return ids
+
+    def token_ids(field: str, ids) -> list[int]:
+        if not ids:
+            raise bad(field, "empty prompt")
+        for i, t in enumerate(ids):
+            _integer(f"{field}[{i}]", t, 0, info.vocab_size - 1)
+        return ids
+
+    if isinstance(value, str):
+        return [encode("prompt", value)]
+    if not isinstance(value, list) or not value:
+        raise bad("prompt", f"expected a string, token ids, or a non-empty list of either, got {value!r:.80}")
+    if all(isinstance(v, str) for v in value):
+        return [encode(f"prompt[{i}]", v) for i, v in enumerate(value)]
+    if all(isinstance(v, list) for v in value):
+        return [token_ids(f"prompt[{i}]", v) for i, v in enumerate(value)]
+    return [token_ids("prompt", value)]
+
+
+def _messages(value) -> list[dict]:
+    """Chat messages with text content only -> the conversation the chat template renders."""
+    if not isinstance(value, list) or not value:
+        raise bad("messages", f"expected a non-empty list of messages, got {value!r:.80}")
+    conversation = []
+    for i, message in enumerate(value):
+        field = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise bad(field, f"expected an object with role and content, got {message!r:.80}")
+        unknown = set(message) - {"role", "content", "name"}
+        if unknown:
+            raise bad(field, f"unsupported keys {sorted(unknown)!r:.120} (text messages only: role, content, name)")
+        role = message.get("role")
+        if role not in CHAT_ROLES:
+            raise bad(f"{field}.role", f"expected one of {sorted(CHAT_ROLES)}, got {role!r:.40}")
+        content = message.get("content")
+        if isinstance(content, list):   # content parts: text only
+            texts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") != "text" or set(part) != {"type", "text"}:
+                    raise bad(f"{field}.content[{j}]", f"only {{\"type\": \"text\", \"text\": ...}} parts are "
+                                                       f"supported, got {part!r:.80}")
+                texts.append(_text(f"{field}.content[{j}].text", part["text"]))
+            content = "".join(texts)
+        conversation.append({"role": role, "content": _text(f"{field}.content", content)}
+                            | ({"name": _text(f"{field}.name", message["name"])} if "name" in message else {}))
+    return conversation
+
+
+def render_chat(conversation: list[dict], tokenizer) -> list[int]:
+    """The tokenizer's own chat template (tokenizer_config.json's chat_template), rendered with the
+    assistant's generation prompt; its text is tokenized without adding special tokens (the
+    template writes them)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise bad("messages", "the tokenizer has no chat template (tokenizer_config.json: chat_template)")
+    try:
+        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+    except Exception as e:   # the template's own raise_exception (roles must alternate, ...) or a Jinja error
+        raise bad("messages", f"the chat template refused the conversation: {e}") from None
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def parse_request(body, is_chat: bool, info: ModelInfo) -> CompletionSpec:
+    """Check an OpenAI request body; raise OpenAIError (400 naming the field, 404 for another model)."""
+    if not isinstance(body, dict):
+        raise bad("body", f"expected a JSON object, got {type(body).__name__}")
+    accepted = CHAT_FIELDS if is_chat else COMPLETION_FIELDS
+    unknown = sorted(set(body) - accepted)
+    if unknown:
+        raise bad(unknown[0], f"unknown field; accepted: {sorted(accepted)}")
+    model = _text("model", body.get("model"))
+    if model != info.name:
+        raise OpenAIError(404, f"model: {model!r:.80} is not served here; this server serves {info.name!r}",
+                          "model", "model_not_found")
+    n = _integer("n", body.get("n", 1), 1, MAX_CHOICES)
+    _refuse_unsupported(body, n)
+    if body.get("user") is not None:
+        _text("user", body["user"])
+    stream = _boolean("stream", body.get("stream", False))
+    options = body.get("stream_options")
+    if options is not None:
+        if not stream:
+            raise bad("stream_options", "only allowed with stream: true")
+        if not isinstance(options, dict) or set(options) - {"include_usage"}:
+            raise bad("stream_options", f"expected {{\"include_usage\": bool}}, got {options!r:.80}")
+    include_usage = _boolean("stream_options.include_usage", (options or {}).get("include_usage", False))
+    if is_chat:
+        prompts = [render_chat(_messages(body.get("messages")), info.tokenizer)]
+    else:
+        if "prompt" not in body:
+            raise bad("prompt", "required")
+        prompts = _prompts(body["prompt"], info)
+    if n * len(prompts) > MAX_CHOICES:
+        raise bad("n", f"{n} choices for each of {len(prompts)} prompts: more than {MAX_CHOICES} in all")
+    seed = body.get("seed")
+    if seed is not None:
+        seed = _integer("seed", seed, -(1 << 63), (1 << 64) - 1)
+    else:   # the engine's default seed is fixed: unseeded requests would all sample alike
+        seed = secrets.randbits(64)
+    return CompletionSpec(is_chat, tuple(map(tuple, prompts)), n, _max_tokens(body, is_chat, prompts, info), stream,
+                          include_usage, _stop(body.get("stop")), _log_probs(body, is_chat), seed,
+                          _sampling(body, info))
+
+
+def engine_field_to_openai(message: str, is_chat: bool) -> tuple[str, str]:
+    """(OpenAI field, message) for an error the sample's request path raised naming its own field
+    ("max_new_tokens: ..."): the field renamed to the one the client sent."""
+    field, sep, rest = message.partition(": ")
+    if not sep:
+        return "body", message
+    base = field.split("[")[0]
+    if base == "input_ids":
+        name = "messages" if is_chat else "prompt"
+    else:
+        name = ENGINE_TO_OPENAI.get(base, base)
+    return name, f"{name}: {rest}"
