@@ -30,6 +30,8 @@ class ResponseEvent:
     log_probs: list[float] | None = None   # per token of output_ids, when return_log_probs
     cum_log_prob: float | None = None
     beams: list[list[int]] | None = None   # every beam's output_ids, when beam_width > 1
+    # per token of output_ids, when num_top_log_probs k: (k log probs, descending; their k ids)
+    top_log_probs: list[tuple[list[float], list[int]]] | None = None
 
     @property
     def is_bad_request(self) -> bool:
@@ -138,8 +140,11 @@ class ManagerBridge:
         if handler.return_log_probs:
             log_probs = output[tn.OUTPUT_LOG_PROBS][0, 0].tolist()[:lengths[0]]
             cum_log_prob = float(output[tn.CUM_LOG_PROBS][0, 0])
+        tops = None
+        if tn.TOP_LOG_PROBS in output:
+            tops = list(zip(output[tn.TOP_LOG_PROBS][0, 0].tolist(), output[tn.TOP_LOG_PROB_IDS][0, 0].tolist()))
         self._deliver(handler, ResponseEvent(beams[0], is_final, "", log_probs, cum_log_prob,
-                                             beams if len(beams) > 1 else None))
+                                             beams if len(beams) > 1 else None, tops))
 
     def _poll_stop_signals(self) -> set[int]:
         with self._lock:

@@ -42,6 +42,7 @@ def to_executor_request(r: InferenceRequest) -> Request:
                    sampling_config=SamplingConfig(**sampling), end_id=scalar.get(tn.END_ID),
                    pad_id=scalar.get(tn.PAD_ID), embedding_bias=t.get(tn.EMBEDDING_BIAS),
                    output_config=OutputConfig(return_log_probs=bool(scalar.get(tn.RETURN_LOG_PROBS, False)),
+                                              num_top_log_probs=int(scalar.get(tn.NUM_TOP_LOG_PROBS, 0)),
                                               exclude_input_from_output=True), **words)
 
 
@@ -127,5 +128,8 @@ class ExecutorBridge:
         if handler.return_log_probs:
             log_probs = result.log_probs[0].tolist()[:len(beams[0])]
             cum_log_prob = float(result.cum_log_probs[0])
+        tops = None
+        if result.top_log_probs is not None:
+            tops = list(zip(result.top_log_probs[0].tolist(), result.top_log_prob_ids[0].tolist()))
         ManagerBridge._deliver(handler, ResponseEvent(beams[0], result.is_final, "", log_probs, cum_log_prob,
-                                                      beams if len(beams) > 1 else None))
+                                                      beams if len(beams) > 1 else None, tops))

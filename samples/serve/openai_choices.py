@@ -21,6 +21,7 @@ class TokenLogProb:
     token: str            # the token decoded alone (U+FFFD where it holds part of a character)
     log_prob: float
     text_offset: int      # characters of the choice's text before the token
+    top: tuple[tuple[str, float], ...] = ()   # top_logprobs k: the k most likely tokens (decoded) and log probs
 
 
 @dataclass(frozen=True)
@@ -145,8 +146,10 @@ class ChoiceRun:
         if not self.spec.logprobs or event.log_probs is None:
             return ()
         decode = self.info.tokenizer.decode
-        return tuple(TokenLogProb(decode([token]), log_prob, offset)
-                     for token, log_prob, offset in zip(event.output_ids, event.log_probs, offsets))
+        tops = event.top_log_probs or [((), ())] * len(event.output_ids)
+        return tuple(TokenLogProb(decode([token]), log_prob, offset,
+                                  tuple((decode([i]), v) for v, i in zip(values, ids)))
+                     for token, log_prob, offset, (values, ids) in zip(event.output_ids, event.log_probs, offsets, tops))
 
     def _bad_request(self, message: str) -> OpenAIError:
         field, message = engine_field_to_openai(message, self.spec.is_chat)

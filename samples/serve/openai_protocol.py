@@ -5,7 +5,7 @@ template) and, per choice, the sample's own /generate body (`engine_body`), whic
 
 Fields: model, prompt (text, texts, token ids or lists of them) or messages, max_tokens
 (max_completion_tokens), temperature, top_p, seed, stop, n, stream, stream_options.include_usage,
-logprobs (completions: 0; chat: true with top_logprobs 0), presence_penalty, frequency_penalty,
+logprobs (completions: 0-5; chat: true with top_logprobs 0-20), presence_penalty, frequency_penalty,
 logit_bias, user, and vLLM's extensions top_k, min_tokens, repetition_penalty, ignore_eos.
 Known OpenAI fields this server cannot honour are refused by name, never silently ignored."""
 from __future__ import annotations
@@ -19,8 +19,6 @@ TYPE_OF_STATUS = {400: "invalid_request_error", 401: "authentication_error", 404
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16   # OpenAI's; chat's default is what the context has left
 MAX_CHOICES = 128                     # n times the number of prompts
 MAX_STOP_STRINGS = 16
-TOP_LOG_PROBS_REFUSED = ("the engine returns the sampled token's log prob only; top log probs are not "
-                         "supported yet")
 
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream", "stream_options",
                  "presence_penalty", "frequency_penalty", "logit_bias", "user", "logprobs",
@@ -67,6 +65,7 @@ class CompletionSpec:
     include_usage: bool                    # stream_options.include_usage
     stop: tuple[str, ...]
     logprobs: bool                         # the sampled token's log prob per token
+    top_logprobs: int                      # and the k most likely tokens' (the engine's num_top_log_probs)
     seed: int                              # choice j draws with seed + j (a random seed when none was sent)
     engine_fields: dict                    # sampling fields of the sample's /generate body
 
@@ -75,13 +74,15 @@ class CompletionSpec:
         TTFT); choice j draws with seed + j (mod 2**64), as n requests with those seeds would."""
         body = {**self.engine_fields, "input_ids": list(self.prompts[prompt_index]),
                 "max_new_tokens": self.max_tokens[prompt_index], "stream": True, "return_log_probs": self.logprobs}
+        if self.top_logprobs:
+            body["num_top_log_probs"] = self.top_logprobs
         body["seed"] = (self.seed + j) % (1 << 64)
         return body
 
 
 # the /generate body field -> the OpenAI field, to name it in the engine's errors
 ENGINE_TO_OPENAI = {"max_new_tokens": "max_tokens", "embedding_bias": "logit_bias", "min_length": "min_tokens",
-                    "return_log_probs": "logprobs"}
+                    "return_log_probs": "logprobs", "num_top_log_probs": "top_logprobs"}
 
 
 def _number(field: str, value, low: float, high: float) -> float:
@@ -179,23 +180,19 @@ def _sampling(body: dict, info: ModelInfo) -> dict:
     return fields
 
 
-def _log_probs(body: dict, is_chat: bool) -> bool:
+def _log_probs(body: dict, is_chat: bool) -> tuple[bool, int]:
+    """-> (the sampled tokens' log probs wanted, k top log probs per token)."""
     if is_chat:
         wanted = _boolean("logprobs", body.get("logprobs") or False)
         top = body.get("top_logprobs")
         if top is not None:
-            _integer("top_logprobs", top, 0, 20)
+            top = _integer("top_logprobs", top, 0, 20)
             if not wanted:
                 raise bad("top_logprobs", "needs logprobs: true")
-            if top > 0:
-                raise bad("top_logprobs", f"{top}: {TOP_LOG_PROBS_REFUSED}; use 0")
-        return wanted
+        return wanted, top or 0
     if body.get("logprobs") is None:
-        return False
-    top = _integer("logprobs", body["logprobs"], 0, 5)
-    if top > 0:
-        raise bad("logprobs", f"{top}: {TOP_LOG_PROBS_REFUSED}; use 0 for the sampled token's")
-    return True
+        return False, 0
+    return True, _integer("logprobs", body["logprobs"], 0, 5)
 
 
 def _max_tokens(body: dict, is_chat: bool, prompts: list[list[int]], info: ModelInfo) -> tuple[int, ...]:
@@ -321,7 +318,7 @@ def parse_request(body, is_chat: bool, info: ModelInfo) -> CompletionSpec:
     else:   # the engine's default seed is fixed: unseeded requests would all sample alike
         seed = secrets.randbits(64)
     return CompletionSpec(is_chat, tuple(map(tuple, prompts)), n, _max_tokens(body, is_chat, prompts, info), stream,
-                          include_usage, _stop(body.get("stop")), _log_probs(body, is_chat), seed,
+                          include_usage, _stop(body.get("stop")), *_log_probs(body, is_chat), seed,
                           _sampling(body, info))
 
 

@@ -80,7 +80,8 @@ async def _complete(request: web.Request, is_chat: bool) -> web.StreamResponse:
     spec = parse_request(await read_json(request), is_chat, info)
     latency = bridge.metrics.latency if bridge.metrics is not None else None
     run = ChoiceRun(bridge, spec, info, latency)
-    shape = _Shape(is_chat, ("chatcmpl-" if is_chat else "cmpl-") + uuid.uuid4().hex, int(time.time()), info.name)
+    shape = _Shape(is_chat, ("chatcmpl-" if is_chat else "cmpl-") + uuid.uuid4().hex, int(time.time()), info.name,
+                   spec.top_logprobs)
     try:
         run.submit()
         first = await run.next_update()   # an error before the first token is still an HTTP status
@@ -131,8 +132,9 @@ def _usage(run: ChoiceRun) -> dict:
 class _Shape:
     """OpenAI's response and chunk objects for one request (completion or chat)."""
 
-    def __init__(self, is_chat: bool, response_id: str, created: int, model: str):
+    def __init__(self, is_chat: bool, response_id: str, created: int, model: str, top_logprobs: int = 0):
         self.is_chat, self.response_id, self.created, self.model = is_chat, response_id, created, model
+        self.top_logprobs = top_logprobs
 
     def _head(self, object_name: str) -> dict:
         return {"id": self.response_id, "object": object_name, "created": self.created, "model": self.model}
@@ -140,9 +142,11 @@ class _Shape:
     def log_probs(self, entries: list[TokenLogProb] | tuple[TokenLogProb, ...]) -> dict:
         if self.is_chat:
             return {"content": [{"token": e.token, "logprob": e.log_prob, "bytes": list(e.token.encode("utf-8")),
-                                 "top_logprobs": []} for e in entries]}
+                                 "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode("utf-8"))}
+                                                  for t, v in e.top]} for e in entries]}
         return {"tokens": [e.token for e in entries], "token_logprobs": [e.log_prob for e in entries],
-                "top_logprobs": None, "text_offset": [e.text_offset for e in entries]}
+                "top_logprobs": [dict(e.top) for e in entries] if self.top_logprobs else None,
+                "text_offset": [e.text_offset for e in entries]}
 
     def chunk(self, choices: list[dict]) -> dict:
         return self._head("chat.completion.chunk" if self.is_chat else "text_completion") | {"choices": choices}

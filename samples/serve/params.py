@@ -29,6 +29,8 @@ SCALAR_FIELDS = {
     "early_stopping": (tn.EARLY_STOPPING, "int", torch.int32),
     "no_repeat_ngram_size": (tn.NO_REPEAT_NGRAM_SIZE, "int", torch.int32),
     "return_log_probs": (tn.RETURN_LOG_PROBS, "bool", torch.bool),
+    "num_top_log_probs": (tn.NUM_TOP_LOG_PROBS, "int", torch.int32),
+    "min_p": (tn.MIN_P, "float", torch.float32),
 }
 WORD_LIST_FIELDS = {"stop_words": tn.STOP_WORDS_LIST, "bad_words": tn.BAD_WORDS_LIST}
 OTHER_FIELDS = {"input_ids", "text", "max_new_tokens", "stream", "embedding_bias"}

@@ -109,6 +109,33 @@ def test_log_probs_of_the_sampled_tokens(server, scripted):
     assert content[-1].logprob == pytest.approx(math.log(0.5), abs=1e-4) and content[-1].top_logprobs == []
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_top_log_probs_are_the_models_own(server, scripted, stream):
+    """The engine's num_top_log_probs: the scripted token leads with log prob ~0; at the two-way
+    branch the two successors share log 0.5 each."""
+    def completions():
+        kw = dict(model=MODEL, prompt=PROMPT, max_tokens=40, logprobs=2, seed=1)
+        if not stream:
+            return [client(server).completions.create(**kw).choices[0].logprobs]
+        return [c.choices[0].logprobs for c in client(server).completions.create(stream=True, **kw)
+                if c.choices and c.choices[0].logprobs]
+
+    parts = completions()
+    tokens = [t for lp in parts for t in lp.tokens]
+    tops = [t for lp in parts for t in lp.top_logprobs]
+    assert len(tops) == len(tokens) and all(len(t) == 2 for t in tops)
+    for token, top in zip(tokens[:-1], tops[:-1]):
+        assert token in top and top[token] == pytest.approx(0.0, abs=1e-4)
+    assert sorted(tops[-1].values()) == pytest.approx([math.log(0.5)] * 2, abs=1e-4)
+    chat = client(server).chat.completions.create(model=MODEL, messages=MESSAGES, logprobs=True, top_logprobs=3,
+                                                  seed=1)
+    for entry in chat.choices[0].logprobs.content:
+        assert len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob >= entry.top_logprobs[2].logprob
+        assert entry.logprob == pytest.approx(max(t.logprob for t in entry.top_logprobs), abs=1e-4)
+        assert entry.top_logprobs[0].bytes == list(entry.top_logprobs[0].token.encode("utf-8"))
+
+
 @pytest.mark.parametrize("stop, expected", [
     ("字 😀", "Hello 漢"),                 # across the byte tokens of two characters
     (["zz", "ld!"], "Hello 漢字 😀 wor"),   # across 'ld' and '!'; the first stop never occurs

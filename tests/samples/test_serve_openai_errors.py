@@ -33,7 +33,7 @@ def server(scripted, request):
     ({"n": 0}, "n", "[1, 128]"),
     ({"max_tokens": 0}, "max_tokens", "[1,"),
     ({"stop": ""}, "stop", "empty"),
-    ({"logprobs": 2}, "logprobs", "top log probs are not supported"),
+    ({"logprobs": 6}, "logprobs", "[0, 5]"),
     ({"prompt": []}, "prompt", "non-empty"),
     ({"prompt": [5, 300]}, "prompt[1]", "[0, 299]"),
     ({"prompt": "x" * 300}, "prompt", "max_input_len"),                 # the engine's limit, by its field
@@ -41,7 +41,7 @@ def server(scripted, request):
     ({"extra_body": {"echo": True}}, "echo", "not supported"),
     ({"extra_body": {"colour": 1}}, "colour", "unknown field"),
     ({"extra_body": {"logit_bias": {"301": 5}}}, "logit_bias", "token id"),
-    ({"stream": True, "logprobs": 1}, "logprobs", "top log probs"),     # refused before any event is sent
+    ({"stream": True, "logprobs": -1}, "logprobs", "[0, 5]"),        # refused before any event is sent
 ])
 def test_bad_completion_requests_are_400_naming_the_field(server, kwargs, param, words):
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, **kwargs}
@@ -58,7 +58,8 @@ def test_bad_completion_requests_are_400_naming_the_field(server, kwargs, param,
     ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages[0].content[0]"),
-    ({"logprobs": True, "top_logprobs": 3}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"max_completion_tokens": -1}, "max_completion_tokens"),
 ])
