@@ -169,8 +169,12 @@ class Transformer:
         q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
         v = qkv[:, cfg.q_size + cfg.kv_size:].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
         kernels.write_kv(k_cache, v_cache, k, v, step.slot_mapping)
-        out = torch.empty_like(q)
         window, sink = self.attention_window, self.sink_token_length
+        if not step.context_spans:  # generation only: token i is sequence i's one query
+            out = kernels.decode_attention(q, k_cache, v_cache, step.generation_block_tables,
+                                           step.generation_seq_lens, self.scale, window, sink)
+            return out.reshape(num_tokens, cfg.q_size)
+        out = torch.empty_like(q)
         if step.generation_seq_ids.numel():
             idx = step.generation_token_index
             out[idx] = kernels.decode_attention(q[idx], k_cache, v_cache, step.generation_block_tables,
