@@ -150,6 +150,9 @@ class Transformer:
 
     def _mlp_hidden(self, h: torch.Tensor, p: str) -> torch.Tensor:
         up = self._linear(h, p + "mlp_in")
+        if (self.native is not None and self.config.mlp_type == "gated" and self.act is F.silu
+                and up.stride(1) == 1 and up.shape[0] <= self.mlp_chunk_rows):
+            return self.native.silu_mul(up)
         if self.config.mlp_type == "gated":
             gate, up = up.chunk(2, dim=-1)
             return self.act(gate).mul_(up)

@@ -7,6 +7,7 @@
 //   bm_linear:  y[r, o] (+)= sum_k x[r, k] * w[o, k] (+ bias[o]);  x [rows, k] row stride ldx,
 //               w [n, k] contiguous (the checkpoint's own layout), y [rows, n] row stride ldy.
 //   bm_rms_norm: y[r, :] = x[r, :] * rsqrt(mean(x[r, :]^2) + eps) * w;  x, y [rows, h] strides ldx, ldy.
+//   bm_silu_mul: y[r, i] = silu(x[r, i]) * x[r, n + i] for i < n;  x [rows, 2n] stride ldx, y [rows, n] contiguous.
 //   bm_decode_attention: one query per sequence over the paged cache, as
 //               interface.KernelBackend.decode_attention: q, out [B, H, D] contiguous; k_cache,
 //               v_cache [num_blocks, tpb, kvH, D] contiguous; block_tables int32 [B, bt_stride];
@@ -108,6 +109,17 @@ extern "C" void bm_rms_norm(const float* x, int64_t rows, int64_t ldx, int64_t h
     const float inv = 1.f / sqrtf(sum / (float)h + eps);
 #pragma omp simd
     for (int64_t i = 0; i < h; ++i) yr[i] = xr[i] * inv * w[i];
+  }
+}
+
+extern "C" void bm_silu_mul(const float* x, int64_t rows, int64_t ldx, int64_t n, float* y, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * n >= 65536)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* gate = x + r * ldx;
+    const float* up = gate + n;
+    float* yr = y + r * n;
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) yr[i] = gate[i] / (1.f + expf(-gate[i])) * up[i];
   }
 }
 

@@ -1,7 +1,7 @@
-"""Native CPU kernels of the generation path (cpu_native.cpp): small-row linear, RMSNorm and paged
-decode attention in float32, compiled at run time with the system C++ compiler and loaded with
+"""Native CPU kernels of the generation path (cpu_native.cpp): small-row linear, RMSNorm, the gated
+MLP's silu(gate) * up and paged decode attention in float32, compiled at run time with the system C++ compiler and loaded with
 ctypes, the emulation backend's build-and-load path. Callers: runtime/linear.py (rows up to
-linear.NATIVE_MAX_ROWS), runtime/model.py (RMSNorm) and cpu_attention.py (decode attention);
+linear.NATIVE_MAX_ROWS), runtime/model.py (RMSNorm, silu * up) and cpu_attention.py (decode attention);
 each keeps its torch path for every other case, and tests hold these kernels to it.
 
 `native_ops()` is None where the kernels cannot run (no x86-64 AVX2/FMA, no compiler, or
@@ -34,6 +34,7 @@ _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_f
 _SIGNATURES = {
     "bm_linear": [_P, _I64, _I64, _P, _I64, _I64, _P, _P, _I64, _I32, _I32],
     "bm_rms_norm": [_P, _I64, _I64, _I64, _P, _F32, _P, _I64, _I32],
+    "bm_silu_mul": [_P, _I64, _I64, _I64, _P, _I32],
     "bm_decode_attention": [_P, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _F32, _I64, _I64, _P, _I32],
 }
 
@@ -94,7 +95,7 @@ class NativeCpuOps:
         for name, argtypes in _SIGNATURES.items():
             fn = getattr(self._lib, name)
             fn.argtypes, fn.restype = argtypes, None
-        self._linear, self._rms_norm = self._lib.bm_linear, self._lib.bm_rms_norm
+        self._linear, self._rms_norm, self._silu_mul = self._lib.bm_linear, self._lib.bm_rms_norm, self._lib.bm_silu_mul
         self._decode_attention = self._lib.bm_decode_attention
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -117,6 +118,14 @@ class NativeCpuOps:
         out = torch.empty(x.shape, dtype=torch.float32)
         self._rms_norm(x.data_ptr(), x.shape[0], x.stride(0), x.shape[1], weight.contiguous().data_ptr(), eps,
                        out.data_ptr(), out.stride(0), torch.get_num_threads())
+        return out
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, 2n] (gate | up, rows contiguous) -> silu(gate) * up [rows, n]: the gated MLP's hidden."""
+        assert x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1 and x.shape[1] % 2 == 0
+        rows, n = x.shape[0], x.shape[1] // 2
+        out = torch.empty(rows, n, dtype=torch.float32)
+        self._silu_mul(x.data_ptr(), rows, x.stride(0), n, out.data_ptr(), torch.get_num_threads())
         return out
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

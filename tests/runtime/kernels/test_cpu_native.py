@@ -49,6 +49,14 @@ def test_rms_norm_equals_f_rms_norm(ops):
         torch.testing.assert_close(ops.rms_norm(x, w, 1e-5), F.rms_norm(x, (h,), w, 1e-5), atol=1e-5, rtol=1e-5)
 
 
+def test_silu_mul_equals_the_gated_mlp_hidden(ops):
+    gen = torch.Generator().manual_seed(6)
+    for rows, n in ((1, 1536), (3, 37), (70, 1024)):   # 70 x 1024 takes the threaded branch
+        x = torch.randn(rows, 2 * n + 5, generator=gen)[:, :2 * n] * 4
+        gate, up = x.chunk(2, dim=-1)
+        torch.testing.assert_close(ops.silu_mul(x), F.silu(gate) * up, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 2), (4, 4), (6, 1)])
 @pytest.mark.parametrize("window,sink", [(None, 0), (10, 0), (10, 4), (1, 0)])
 def test_decode_attention_equals_the_reference(ops, num_heads, num_kv_heads, window, sink):
