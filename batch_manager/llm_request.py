@@ -13,6 +13,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from runtime.token_record import TokenRecord
+
 
 class RequestState(enum.IntEnum):
     WAITING = 0      # admitted, holds no KV blocks (new, or paused)
@@ -56,7 +58,6 @@ class LlmRequest:
     client_id: Any = None   # the Executor request's, handed to logits post-processors
 
     state: RequestState = RequestState.WAITING
-    generated: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_sent_tokens: int = 0   # generated tokens already streamed
     context_chunk_size: int | None = None  # tokens of the next step when a context is chunked; None = all
@@ -66,18 +67,41 @@ class LlmRequest:
     finish_reason: FinishReason | None = None
     error: str | None = None
     log_probs: list[float] = field(default_factory=list)
+    top_log_probs: list[tuple] = field(default_factory=list)   # per generated token: (k log probs, k ids)
     cum_log_prob: float = 0.0     # includes the end token's log prob, which has no log_probs entry
     has_decoder_state: bool = False  # the executor opened its decoder state (released when it ends)
-    # Beam search (beam_width > 1): the output beams, best first; `generated` mirrors live beam 0,
-    # `live_beam_tokens` holds every live beam's tokens (the inputs of its next step).
+    # The one record of its tokens (prompt, generated tokens per live beam; `generated` is live
+    # beam 0, or the best output once a beam search finished); the decoder reads it.
+    record: TokenRecord = field(init=False)
+    # Beam search (beam_width > 1): the output beams, best first.
     beam_tokens: list[list[int]] = field(default_factory=list)
-    live_beam_tokens: list[list[int]] = field(default_factory=list)
     beam_log_probs: list[list[float]] = field(default_factory=list)
     beam_cum_log_probs: list[float] = field(default_factory=list)
     num_live_beams: int = 1       # KV holders of the request: beam b > 0 is (request_id, b)
     pending_block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) before its next forward
+    # Draft tokens (beam width 1): those to verify in the next forward (the request's own
+    # draft_input_ids before its first token, then the drafter's), the most one step may carry
+    # (what the KV reservation counts), and counters for the stats.
+    draft_tokens: list[int] = field(default_factory=list)
+    draft_logits: Any = None               # float32 [D, V] of the request's own drafts, or None
+    draft_acceptance_threshold: float | None = None
+    max_draft_len: int = 0
+    guide: Any = None   # guided decoding: Future of the compiled grammar; the request waits until it is done
+    num_draft_tokens_proposed: int = 0
+    num_draft_tokens_accepted: int = 0
     context_logits: Any = None             # float32 [prompt_len, V] when requested
     generation_logits: list[Any] = field(default_factory=list)  # float32 [V] per generated token
+
+    def __post_init__(self):
+        self.record = TokenRecord(self.prompt)
+
+    @property
+    def generated(self) -> list[int]:
+        return self.record.beams[0]
+
+    @generated.setter
+    def generated(self, tokens: list[int]) -> None:
+        self.record.beams[0] = tokens
 
     @property
     def end_id(self) -> int | None:
@@ -97,6 +121,11 @@ class LlmRequest:
         return len(self.prompt) + self.max_new_tokens
 
     @property
+    def num_tokens_with_drafts(self) -> int:
+        """What its next step writes KV for when it carries its drafts."""
+        return self.num_tokens + len(self.draft_tokens)
+
+    @property
     def num_tokens_to_compute(self) -> int:
         return self.num_tokens - self.num_computed_tokens
 
@@ -112,7 +141,7 @@ class LlmRequest:
         """Tokens [start, stop) of live beam `beam` (prompt + that beam's generated tokens)."""
         if self.num_live_beams == 1:
             return self.token_slice(start, stop)
-        return (self.prompt + self.live_beam_tokens[beam])[start:stop]
+        return self.record.sequence(beam)[start:stop]
 
     def token_slice(self, start: int, stop: int) -> list[int]:
         n = len(self.prompt)
@@ -128,8 +157,11 @@ class LlmRequest:
         self.state = new
 
     def pause(self) -> None:
-        """Drop the KV cache; the request resumes later by recomputing all its tokens."""
+        """Drop the KV cache; the request resumes later by recomputing all its tokens (the
+        drafter's drafts go; its own draft_input_ids stay until its first token)."""
         self.set_state(RequestState.WAITING)
+        if self.generated:
+            self.draft_tokens = []
         self.num_computed_tokens = 0
         self.num_pauses += 1
 

@@ -30,6 +30,9 @@ class IterationStats:
     num_paused: int
     num_empty_generation_slots: int = 0
     micro_batch_id: int = 0
+    # Cumulative draft tokens verified and accepted; None when drafts are off (keys left out).
+    num_draft_tokens_proposed: int | None = None
+    num_draft_tokens_accepted: int | None = None
 
 
 def stats_json(s: IterationStats, is_static_batching: bool) -> str:
@@ -57,4 +60,7 @@ def stats_json(s: IterationStats, is_static_batching: bool) -> str:
         d.update({"Scheduled Requests": s.num_scheduled, "Context Requests": s.num_context,
                   "Generation Requests": s.num_generation, "Total Context Tokens": s.num_context_tokens,
                   "MicroBatch ID": s.micro_batch_id, "Paused Requests": s.num_paused})
+    if s.num_draft_tokens_proposed is not None:
+        d.update({"Draft Tokens Proposed": s.num_draft_tokens_proposed,
+                  "Draft Tokens Accepted": s.num_draft_tokens_accepted})
     return orjson.dumps(d).decode()

@@ -7,17 +7,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from runtime.token_record import BeamOutputs, TokenRecord
+
 
 @dataclass(frozen=True)
 class NewRequest:
     """What the executor's per-request stores (decoder state) open from, on a request's first step."""
     decoding_params: Any                 # runtime.decoding.params.DecodingParams (validated)
-    prompt: tuple[int, ...]
+    record: TokenRecord                  # the request's tokens: the scheduler writes, the decoder reads
     max_new_tokens: int
     return_generation_logits: bool = False
     logits_post_processor: Callable | None = None
     use_batched_post_processor: bool = False
     client_id: Any = None                # the Executor request's client_id, handed to post-processors
+    draft_logits: Any = None             # float32 [D, V]: the external drafts' distribution, when given
+    draft_acceptance_threshold: float | None = None
+    guide: Any = None                    # guided decoding: the compiled grammar (runtime.decoding.guided.Template)
 
 
 @dataclass(frozen=True)
@@ -31,6 +36,8 @@ class ScheduledRequest:
     block_copies: tuple[tuple[int, int], ...] = ()   # (src, dst) KV blocks to copy before its forward
     return_context_logits: bool = False        # the whole prompt runs in this step; its logits are wanted
     new: NewRequest | None = None              # set on the request's first step only
+    num_draft_tokens: int = 0                  # the last D of token_ids are drafts (beam width 1, last chunk):
+                                               # logits are wanted after each of the last D + 1 tokens
 
     @property
     def num_beams(self) -> int:
@@ -38,8 +45,12 @@ class ScheduledRequest:
 
     @property
     def num_step_tokens(self) -> int:
-        """New tokens of each beam."""
+        """New tokens of each beam (drafts included)."""
         return len(self.token_ids[0])
+
+    @property
+    def drafts(self) -> tuple[int, ...]:
+        return self.token_ids[0][len(self.token_ids[0]) - self.num_draft_tokens:] if self.num_draft_tokens else ()
 
 
 @dataclass(frozen=True)
@@ -63,17 +74,6 @@ class ScheduledStep:
 
 
 @dataclass(frozen=True)
-class BeamOutputs:
-    """A beam-search request after its step."""
-    parents: tuple[int, ...]                     # per live beam: the previous beam it continues
-    live_tokens: tuple[tuple[int, ...], ...]     # per live beam: every generated token (next inputs)
-    tokens: tuple[tuple[int, ...], ...]          # the output beams, best first (final once finished)
-    log_probs: tuple[tuple[float, ...], ...]
-    cum_log_probs: tuple[float, ...]
-    generation_logits: tuple = ()                # per output beam: float32 [V] rows, when gathered
-
-
-@dataclass(frozen=True)
 class RequestResult:
     """One scheduled request's outcome; a request that ran a non-final context chunk decodes nothing."""
     request_id: int
@@ -85,6 +85,8 @@ class RequestResult:
     beams: BeamOutputs | None = None       # beam search
     context_logits: Any = None             # float32 [prompt_len, V] when requested
     finish_reason: str | None = None       # "end_id" | "stop_words" | "length" when it finished
+    num_accepted_draft_tokens: int = 0     # drafts among new_tokens: their KV (computed this step) is kept
+    new_top_log_probs: tuple = ()          # per new token: (k log probs, k ids), when asked
 
 
 @dataclass(frozen=True)

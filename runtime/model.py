@@ -36,7 +36,8 @@ class StepLayout:
     input_ids: torch.Tensor            # int64 [T]
     position_ids: torch.Tensor         # int64 [T]
     slot_mapping: torch.Tensor         # int64 [T]: block_id * tokens_per_block + offset
-    last_token_index: torch.Tensor     # int64 [S]: index in T of each sequence's last new token
+    logits_token_index: torch.Tensor   # int64 [L]: tokens whose logits are `logits` (each sequence's last
+                                       # num_logits new tokens, in order; L = S without drafts)
     generation_seq_ids: torch.Tensor   # int64 [G]: sequences with exactly one new token
     generation_token_index: torch.Tensor  # int64 [G]: their token index in T
     generation_block_tables: torch.Tensor  # int32 [G, max_blocks]
@@ -108,7 +109,7 @@ class Transformer:
         return weight * h.to(x.dtype)
 
     def forward(self, step: StepLayout, kv_pool: torch.Tensor, kernels) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """kv_pool [num_layers, 2, num_blocks, tpb, kvH, D] -> (last-token logits float32 [S, V],
+        """kv_pool [num_layers, 2, num_blocks, tpb, kvH, D] -> (logits float32 [L, V],
         context logits float32 [C, V] or None)."""
         cfg, w = self.config, self.w
         x = w["embed_tokens"][step.input_ids]  # [T, H]
@@ -125,7 +126,7 @@ class Transformer:
             x = self.linears[p + "out"].add_to(attn, x)  # x may be updated in place
             h = self._norm(x, p + "post_norm")
             x = self._mlp(h, p, residual=x)
-        logits = self._logits(x[step.last_token_index])
+        logits = self._logits(x[step.logits_token_index])
         context_logits = None
         if step.context_logits_index is not None:
             context_logits = self._logits(x[step.context_logits_index])

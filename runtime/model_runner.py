@@ -9,9 +9,12 @@
                                       past ceil((past + new) / tokens_per_block) are ignored
   position_ids          int32 [T]     optional; default past_length + offset within the step
   return_context_logits bool  [S]     optional; sequences whose every new token's logits are returned
+  num_logits            int32 [S]     optional (default 1 each): logits of each sequence's last n new
+                                      tokens, 1 <= n <= its input length (a token + D drafts: D + 1)
 
 Outputs:
-  logits                float32 [S, V]  logits of each sequence's last new token
+  logits                float32 [L, V]  logits of each sequence's last num_logits new tokens, packed in
+                                        sequence order (L = S without num_logits)
   context_logits        float32 [C, V]  only when asked: the flagged sequences' tokens, packed
 
 A sequence's new K/V are written to the cache before attention; a step may mix any number of
@@ -36,7 +39,7 @@ from .kernels import get_kernels
 from .model import StepLayout, Transformer
 
 REQUIRED_INPUTS = ("input_ids", "input_lengths", "past_lengths", "block_tables")
-OPTIONAL_INPUTS = ("position_ids", "return_context_logits")
+OPTIONAL_INPUTS = ("position_ids", "return_context_logits", "num_logits")
 
 
 def effective_window(model_window: int | None, max_attention_window: int | None) -> int | None:
@@ -158,10 +161,21 @@ class ModelRunner:
             context_logits_index = torch.cat([torch.arange(starts_list[s], starts_list[s] + lengths_list[s])
                                               for s in flagged])
 
+        logits_token_index = starts + lengths - 1
+        num_logits = inputs.get("num_logits")
+        if num_logits is not None:
+            num_logits = num_logits.to("cpu", torch.int64)
+            if num_logits.shape != (num_seqs,) or bool((num_logits < 1).any()) or bool((num_logits > lengths).any()):
+                raise ValueError(f"num_logits: expected {num_seqs} values in [1, input_lengths], got "
+                                 f"{num_logits.tolist()} (input_lengths {lengths_list})")
+            first = starts + lengths - num_logits           # each sequence's first token with logits
+            offset = torch.arange(int(num_logits.sum())) - torch.repeat_interleave(
+                torch.cumsum(num_logits, 0) - num_logits, num_logits)
+            logits_token_index = torch.repeat_interleave(first, num_logits) + offset
         dev = self.device
         return StepLayout(
             input_ids=input_ids.to(dev), position_ids=position_ids.to(dev), slot_mapping=slots.to(dev),
-            last_token_index=(starts + lengths - 1).to(dev),
+            logits_token_index=logits_token_index.to(dev),
             generation_seq_ids=generation_seq_ids.to(dev),
             generation_token_index=starts[generation_seq_ids].to(dev),
             generation_block_tables=block_tables[generation_seq_ids].to(dev),
@@ -191,7 +205,7 @@ def _check_inputs(inputs: dict[str, torch.Tensor]) -> None:
     unknown = set(inputs) - set(REQUIRED_INPUTS) - set(OPTIONAL_INPUTS)
     if unknown:
         raise ValueError(f"forward inputs: unknown names {sorted(unknown)}")
-    for name in ("input_ids", "input_lengths", "past_lengths", "position_ids"):
+    for name in ("input_ids", "input_lengths", "past_lengths", "position_ids", "num_logits"):
         t = inputs.get(name)
         if t is not None and (t.dim() != 1 or t.dtype not in (torch.int32, torch.int64)):
             raise ValueError(f"{name}: expected a 1-D int32 tensor, got {t.dtype} {list(t.shape)}")

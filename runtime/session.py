@@ -16,12 +16,13 @@ import torch
 
 from .beam_blocks import beam_holder, fork_beams, free_beams, prepare_beam_writes
 from .config import ModelConfig
-from .decoding import Decoder, DecodeState
+from .decoding import DecodeOutcome, Decoder, DecodeState
 from .decoding import DecodingParams, parse_word_list
 from .engine import Engine
 from .kv_cache_manager import KvCacheManager
 from .model_runner import ModelRunner
 from .step_inputs import SequenceStep, pack_step
+from .token_record import BeamOutputs, TokenRecord
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +84,7 @@ class SamplingConfig:
     length_penalty: Sequence[float] | float | None = None
     early_stopping: Sequence[int] | int | None = None
     no_repeat_ngram_size: Sequence[int] | int | None = None
+    min_p: Sequence[float] | float | None = None
 
     def decoding_params(self, batch_size: int, end_id: int, vocab_size: int,
                         normalize_log_probs: bool = True) -> list[DecodingParams]:
@@ -95,7 +97,8 @@ class SamplingConfig:
                   "top_p_decay": ("top_p_decay", 1.0), "top_p_min": ("top_p_min", 1e-6),
                   "top_p_reset_ids": ("top_p_reset_id", -1),
                   "beam_search_diversity_rate": ("diversity_rate", 0.0), "length_penalty": ("length_penalty", 0.0),
-                  "early_stopping": ("early_stopping", 1), "no_repeat_ngram_size": ("no_repeat_ngram_size", 0)}
+                  "early_stopping": ("early_stopping", 1), "no_repeat_ngram_size": ("no_repeat_ngram_size", 0),
+                  "min_p": ("min_p", 0.0)}
         columns = {param: _per_sequence(name, getattr(self, name), batch_size, default)
                    for name, (param, default) in fields.items()}
         result = []
@@ -150,6 +153,32 @@ class GenerationOutput:
     generation_logits: torch.Tensor | None = None
     # (ids [batch, beam, max_seq_len], step, all_finished) -> None, after every generation step
     on_token_generated: Callable[[torch.Tensor, int, bool], None] | None = None
+
+
+class _Output:
+    """One sequence's outputs besides its tokens (which its TokenRecord holds): width 1 gathers
+    each token's log prob and logits; beam search keeps its latest BeamOutputs."""
+
+    def __init__(self):
+        self.log_probs: list[float] = []
+        self.logits: list[torch.Tensor] = []
+        self.cum_log_prob = 0.0
+        self.beam_outputs: BeamOutputs | None = None
+
+    def add(self, outcome: DecodeOutcome) -> None:
+        if outcome.beams is not None:
+            self.beam_outputs = outcome.beams
+            return
+        self.log_probs += outcome.log_probs
+        self.logits += outcome.logits
+        self.cum_log_prob = outcome.cum_log_prob
+
+    def beams(self, record: TokenRecord) -> list[tuple]:
+        """The output beams, best first, as (tokens, log_probs, cum_log_prob, logits)."""
+        b = self.beam_outputs
+        if b is None:
+            return [(record.beams[0], self.log_probs, self.cum_log_prob, self.logits)]
+        return list(zip(b.tokens, b.log_probs, b.cum_log_probs, b.generation_logits or [()] * len(b.tokens)))
 
 
 class GptSession:
@@ -215,8 +244,10 @@ class GptSession:
         params = self._with_inputs(sampling.decoding_params(batch, inputs.end_id, vocab), inputs, vocab)
 
         build = self.engine.build_config
-        states = [DecodeState(params[i], prompts[i], max_new_tokens, build.gather_generation_logits)
+        records = [TokenRecord(p) for p in prompts]
+        states = [DecodeState(params[i], records[i], max_new_tokens, build.gather_generation_logits)
                   for i in range(batch)]
+        outputs = [_Output() for _ in range(batch)]
         kv = KvCacheManager(self.runner.num_blocks, build.tokens_per_block)
         allocated = all([kv.allocate(i, len(p)) for i, p in enumerate(prompts)])
         assert allocated, "the pool holds max_batch_size x max_beam_width full sequences"
@@ -226,21 +257,24 @@ class GptSession:
         logits = self._context(prompts, kv, context_logits)
         running, num_beams = list(range(batch)), [1] * batch   # num_beams[i]: block tables sequence i holds
         for step in range(max_new_tokens):
-            self.decoder.step([states[i] for i in running], logits)
-            self._write_ids(out_ids, states, running, inputs.pad_id)
-            for i in running:
+            outcomes = self.decoder.step([states[i] for i in running], logits)
+            for i, outcome in zip(running, outcomes):
+                outputs[i].add(outcome)
+                records[i].apply(outcome.tokens, outcome.beams, states[i].is_finished)
+                self._write_ids(out_ids[i], prompts[i], [b[0] for b in outputs[i].beams(records[i])], inputs.pad_id)
                 if states[i].is_finished:
                     free_beams(kv, i, num_beams[i])
-                else:
-                    fork_beams(kv, i, num_beams[i], states[i].parents)
-                    num_beams[i] = len(states[i].parents)
+                elif outcome.beams is not None:
+                    fork_beams(kv, i, num_beams[i], list(outcome.beams.parents))
+                    num_beams[i] = len(outcome.beams.parents)
             running = [i for i in running if not states[i].is_finished]
             if output.on_token_generated is not None:
                 output.on_token_generated(out_ids, step, not running)
             if not running:
                 break
             logits = self._generation_step(states, running, kv)
-        self._write_outputs(output, out_ids, states, prompts, max_new_tokens, vocab)
+        self._write_outputs(output, out_ids, [o.beams(r) for o, r in zip(outputs, records)], prompts,
+                            max_new_tokens, vocab)
         output.context_logits = context_logits
 
     def _with_inputs(self, params: list[DecodingParams], inputs: GenerationInput, vocab: int) -> list[DecodingParams]:
@@ -279,41 +313,41 @@ class GptSession:
         sequences = []
         for i in running:
             s = states[i]
-            position = len(s.prompt) + s.num_generated - 1   # of the last token (live beams are equally long)
+            position = len(s.record.prompt) + s.num_generated - 1   # of the last token (beams are equally long)
             prepare_beam_writes(kv, i, s.num_rows, position, copies)
-            sequences += [SequenceStep([h.tokens[-1]], position, kv.block_table(beam_holder(i, b)))
-                          for b, h in enumerate(s.beams)]
+            sequences += [SequenceStep([tokens[-1]], position, kv.block_table(beam_holder(i, b)))
+                          for b, tokens in enumerate(s.record.beams)]
         if copies:
             self.runner.copy_blocks([src for src, _ in copies], [dst for _, dst in copies])
         return self.runner.forward(pack_step(sequences))["logits"]
 
     @staticmethod
-    def _write_ids(out_ids: torch.Tensor, states: list[DecodeState], rows: list[int], pad_id: int) -> None:
-        """out_ids[i, beam] = prompt, the beam's generated tokens, pad_id (beams reorder every step)."""
-        for i in rows:
-            s = states[i]
-            n = len(s.prompt)
-            for beam, h in enumerate(s.outputs()):
-                out_ids[i, beam, :n] = torch.tensor(s.prompt, dtype=torch.int32)
-                out_ids[i, beam, n:n + len(h.tokens)] = torch.tensor(h.tokens, dtype=torch.int32)
-                out_ids[i, beam, n + len(h.tokens):] = pad_id
+    def _write_ids(out_ids: torch.Tensor, prompt: list[int], beams: list[list[int]], pad_id: int) -> None:
+        """out_ids [beam, max_seq_len] = prompt, each beam's generated tokens, pad_id (beams reorder)."""
+        n = len(prompt)
+        out_ids[:, :n] = torch.tensor(prompt, dtype=torch.int32)
+        for beam, tokens in enumerate(beams):
+            out_ids[beam, n:n + len(tokens)] = torch.tensor(tokens, dtype=torch.int32)
+            out_ids[beam, n + len(tokens):] = pad_id
 
-    def _write_outputs(self, output: GenerationOutput, out_ids: torch.Tensor, states: list[DecodeState],
+    @staticmethod
+    def _write_outputs(output: GenerationOutput, out_ids: torch.Tensor, beams: list[list[tuple]],
                        prompts: list[list[int]], max_new_tokens: int, vocab: int) -> None:
+        """beams[i]: sequence i's output beams as (tokens, log_probs, cum_log_prob, logits)."""
         batch, beam_width = out_ids.shape[:2]
         lengths = torch.zeros(batch, beam_width, dtype=torch.int32)
         log_probs = torch.zeros(batch, beam_width, max_new_tokens)
         cum_log_probs = torch.zeros(batch, beam_width)
-        gather = states[0].gather_generation_logits
+        gather = any(logits for rows in beams for *_, logits in rows)
         generation_logits = torch.zeros(batch, beam_width, max_new_tokens, vocab) if gather else None
-        for i, s in enumerate(states):
+        for i, rows in enumerate(beams):
             lengths[i] = len(prompts[i])
-            for beam, h in enumerate(s.outputs()):
-                lengths[i, beam] = len(prompts[i]) + len(h.tokens)
-                log_probs[i, beam, :len(h.log_probs)] = torch.tensor(h.log_probs)
-                cum_log_probs[i, beam] = h.cum_log_prob
-                if gather and h.logits:
-                    generation_logits[i, beam, :len(h.logits)] = torch.stack(h.logits).cpu()
+            for beam, (tokens, lps, cum, logits) in enumerate(rows):
+                lengths[i, beam] = len(prompts[i]) + len(tokens)
+                log_probs[i, beam, :len(lps)] = torch.tensor(lps)
+                cum_log_probs[i, beam] = cum
+                if logits:
+                    generation_logits[i, beam, :len(logits)] = torch.stack(logits)
         output.ids, output.lengths = out_ids, lengths
         output.log_probs, output.cum_log_probs = log_probs, cum_log_probs
         output.generation_logits = generation_logits

@@ -16,18 +16,20 @@ class SequenceStep:
     token_ids: Sequence[int]
     past_length: int                # tokens of the sequence already in the KV cache
     block_table: Sequence[int]      # KV block ids in token order (RELEASED = -1 entries allowed: never read)
-    return_context_logits: bool = False   # logits of every new token wanted (else the last one's only)
+    return_context_logits: bool = False   # logits of every new token wanted (as context_logits)
+    num_logits: int = 1             # logits of the last n new tokens (a token + D drafts: D + 1)
 
 
 def pack_step(sequences: Sequence[SequenceStep]) -> dict[str, torch.Tensor]:
     """-> ModelRunner.forward inputs: input_ids int32 [T], input_lengths int32 [S], past_lengths int32 [S],
-    block_tables int32 [S, max blocks] (rows padded with 0), return_context_logits bool [S] only when any."""
+    block_tables int32 [S, max blocks] (rows padded with 0); return_context_logits bool [S] and
+    num_logits int32 [S] only when some sequence asks."""
     if not sequences:
         raise ValueError("pack_step: sequences must not be empty")
     # NOTE: plain lists, then one C-level conversion through array('i') per field: several times
     # faster than torch.tensor on (nested) Python lists. The tensors share the arrays' memory.
     token_ids: list[int] = []
-    lengths, past, flags = [], [], []
+    lengths, past, flags, num_logits = [], [], [], []
     width = max(len(s.block_table) for s in sequences)
     tables: list[int] = []
     for s in sequences:
@@ -37,6 +39,7 @@ def pack_step(sequences: Sequence[SequenceStep]) -> dict[str, torch.Tensor]:
         lengths.append(len(s.token_ids))
         past.append(s.past_length)
         flags.append(s.return_context_logits)
+        num_logits.append(s.num_logits)
         tables += s.block_table
         if len(s.block_table) < width:
             tables += [0] * (width - len(s.block_table))
@@ -45,6 +48,8 @@ def pack_step(sequences: Sequence[SequenceStep]) -> dict[str, torch.Tensor]:
               "block_tables": _int32("block_table", tables).view(len(sequences), width)}
     if any(flags):
         inputs["return_context_logits"] = torch.tensor(flags, dtype=torch.bool)
+    if any(n != 1 for n in num_logits):
+        inputs["num_logits"] = _int32("num_logits", num_logits)
     return inputs
 
 

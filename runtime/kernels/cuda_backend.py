@@ -215,6 +215,35 @@ class CudaKernels:
                              normalize_log_probs.to(torch.bool).contiguous(), tokens, log_probs)
         return tokens, log_probs
 
+    def apply_token_bitmask(self, logits, rows, bitmask) -> None:
+        if self._use_reference(logits):
+            return self._reference.apply_token_bitmask(logits, rows, bitmask)
+        _check_logits(logits)
+        target = _columns_contiguous(logits)
+        self.decoding.apply_token_bitmask(target, _int64(rows),
+                                          bitmask.to(target.device, torch.int32).contiguous())
+        if target is not logits:
+            logits.copy_(target)
+
+    def apply_min_p(self, logits, rows, min_p) -> None:
+        if self._use_reference(logits):
+            return self._reference.apply_min_p(logits, rows, min_p)
+        _check_logits(logits)
+        target = _columns_contiguous(logits)
+        self.decoding.apply_min_p(target, _int64(rows), _float32(min_p))
+        if target is not logits:
+            logits.copy_(target)
+
+    def top_log_probs(self, logits, k):
+        if self._use_reference(logits):
+            return self._reference.top_log_probs(logits, k)
+        _check_logits(logits)
+        logits = _columns_contiguous(logits)
+        values = torch.empty(logits.shape[0], k, dtype=torch.float32, device=logits.device)
+        ids = torch.empty(logits.shape[0], k, dtype=torch.int64, device=logits.device)
+        self.decoding.top_log_probs(logits, k, values, ids)
+        return values, ids
+
     def beam_candidates(self, log_probs, running_scores, num_candidates, diversity_rate):
         if self._use_reference(log_probs):
             return self._reference.beam_candidates(log_probs, running_scores, num_candidates, diversity_rate)

@@ -102,6 +102,18 @@ class KernelBackend(Protocol):
         top_k_top_p_mask tokens exceeds u * total. The log prob is under that renormalised
         distribution where normalize_log_probs is set, else over the whole vocabulary."""
 
+    def apply_token_bitmask(self, logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+        """Guided decoding, in place: in logits[rows] (rows int64 [n]) -inf for every token v whose
+        bit (v % 32) of bitmask[i, v // 32] (int32 [n, >= ceil(V / 32)], llguidance's layout) is clear."""
+
+    def apply_min_p(self, logits: torch.Tensor, rows: torch.Tensor, min_p: torch.Tensor) -> None:
+        """min-p, in place: in logits[rows], -inf where exp(x - row max) < min_p[i] (float32 [n]);
+        the top token always stays."""
+
+    def top_log_probs(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (values float32 [R, k], ids int64 [R, k]): each row's k largest log-softmax values,
+        descending, ties to the lower id (1 <= k <= V)."""
+
     def beam_candidates(self, log_probs: torch.Tensor, running_scores: torch.Tensor, num_candidates: int,
                         diversity_rate: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One request's beam step: log_probs float32 [num_beams, V] (processed, log-softmaxed),

@@ -343,6 +343,46 @@ class DecodingLaunchers:
         self._vectors(num_rows, torch.bool, normalize=normalize)
         self._per_row("sample_tokens", logits, (tokens, log_probs), (top_k, top_p, uniforms, normalize))
 
+    def apply_token_bitmask(self, logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+        """logits float32 [R, V] in place: rows int64 [n], bitmask int32 [n, words >= ceil(V / 32)] (contiguous)."""
+        self._logits("logits", logits)
+        n, vocab = rows.shape[0], logits.shape[1]
+        self._vectors(n, torch.int64, rows=rows)
+        self._check("bitmask", bitmask, torch.int32, 2)
+        assert bitmask.shape[0] == n and bitmask.shape[1] * 32 >= vocab and bitmask.is_contiguous(), \
+            f"bitmask: shape {list(bitmask.shape)} for {n} rows of {vocab} tokens"
+        if n and vocab:
+            self._kernel("apply_token_bitmask")(
+                (n,), (decoding_block(vocab, self.config),),
+                (c_ptr(logits), c_ptr(rows), c_ptr(bitmask), c_int(bitmask.shape[1]), c_int(vocab),
+                 c_long_long(logits.stride(0))), shared_mem=0, stream=self._stream(logits.device))
+
+    def apply_min_p(self, logits: torch.Tensor, rows: torch.Tensor, min_p: torch.Tensor) -> None:
+        """logits float32 [R, V] in place: rows int64 [n], min_p float32 [n]."""
+        self._logits("logits", logits)
+        n, vocab = rows.shape[0], logits.shape[1]
+        self._vectors(n, torch.int64, rows=rows)
+        self._vectors(n, torch.float32, min_p=min_p)
+        if n and vocab:
+            self._kernel("apply_min_p")(
+                (n,), (decoding_block(vocab, self.config),),
+                (c_ptr(logits), c_ptr(rows), c_ptr(min_p), c_int(vocab), c_long_long(logits.stride(0))),
+                shared_mem=0, stream=self._stream(logits.device))
+
+    def top_log_probs(self, logits: torch.Tensor, k: int, values: torch.Tensor, ids: torch.Tensor) -> None:
+        """logits float32 [R, V] -> values float32 [R, k], ids int64 [R, k] (contiguous), 1 <= k <= V."""
+        self._logits("logits", logits)
+        num_rows, vocab = logits.shape
+        assert 1 <= k <= vocab, f"k: {k} outside [1, {vocab}]"
+        self._check("values", values, torch.float32, 2)
+        self._check("ids", ids, torch.int64, 2)
+        assert values.shape == ids.shape == (num_rows, k) and values.is_contiguous() and ids.is_contiguous()
+        if num_rows:
+            self._kernel("top_log_probs")(
+                (num_rows,), (decoding_block(vocab, self.config),),
+                (c_ptr(values), c_ptr(ids), c_ptr(logits), c_int(k), c_int(vocab), c_long_long(logits.stride(0))),
+                shared_mem=0, stream=self._stream(logits.device))
+
     def beam_candidates(self, log_probs: torch.Tensor, running_scores: torch.Tensor, num_candidates: int,
                         diversity_rate: float, scores: torch.Tensor, parents: torch.Tensor,
                         tokens: torch.Tensor) -> None:

@@ -50,3 +50,6 @@ class TorchKernels:
     top_k_top_p_mask = staticmethod(torch_decoder.top_k_top_p_mask)
     sample = staticmethod(torch_decoder.sample)
     beam_candidates = staticmethod(torch_decoder.beam_candidates)
+    apply_token_bitmask = staticmethod(torch_decoder.apply_token_bitmask)
+    apply_min_p = staticmethod(torch_decoder.apply_min_p)
+    top_log_probs = staticmethod(torch_decoder.top_log_probs)

@@ -35,7 +35,7 @@ def test_a_context_step_then_a_generation_step():
     assert num_paused == 0 and step.generation_requests == ()
     (r,) = step.context_requests
     assert (r.request_id, r.token_ids, r.past_length, r.block_tables) == (7, ((5, 6, 7, 8, 9, 10),), 0, ((0, 1),))
-    assert r.is_last_chunk and r.new is not None and r.new.prompt == (5, 6, 7, 8, 9, 10)
+    assert r.is_last_chunk and r.new is not None and r.new.record.prompt == [5, 6, 7, 8, 9, 10]
     scheduler.update(step, StepResult((RequestResult(7, new_tokens=(11,), new_log_probs=(-0.5,), cum_log_prob=-0.5),)))
     state = scheduler.get(7)
     assert (state.generated, state.log_probs, state.num_computed_tokens, state.state) == \
@@ -96,7 +96,7 @@ def test_beams_fork_their_tables_after_the_first_decode():
                         log_probs=((-0.1,), (-0.2,)), cum_log_probs=(-0.1, -0.2))
     scheduler.update(step, StepResult((RequestResult(1, beams=beams),)))
     r = scheduler.get(1)
-    assert (r.num_live_beams, r.live_beam_tokens, r.generated) == (2, [[20], [21]], [20])
+    assert (r.num_live_beams, r.record.beams, r.generated) == (2, [[20], [21]], [20])
     step, _ = scheduler.schedule()
     (scheduled,) = step.generation_requests
     assert scheduled.token_ids == ((20,), (21,)) and scheduled.past_length == 6
