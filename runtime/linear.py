@@ -28,9 +28,9 @@ there, wherever kernels/cpu_native.py can run (float32; BATCH_MANAGER_CPU_NATIVE
 off), inputs of at most NATIVE_MAX_ROWS rows go to the native kernel, which multiplies by the
 [out, in] weight as stored; larger ones to the impl above. NOTE: that [out, in] weight is the
 engine's own tensor (the runner keeps the engine), so the native path adds no copy. Measured
-(samples.microbench.linear, every weight of the default model per pass, 2 threads, best pass,
-ms native / oneDNN): 1 row 5.6 / 6.6, 4 rows 6.3 / 8.1, 8 rows 9.2 / 9.7, 16 rows 14.3 / 13.7,
-64 rows 48.7 / 36.6: the kernel is a dot product per (row, output) tile, bound by the weight
+(samples.microbench.linear, every weight of the default model per pass, 2 threads, best of 15,
+ms native / oneDNN): 1 row 7.4 / 8.5, 4 rows 8.8 / 9.9, 8 rows 11.7 / 12.0, 12 rows 14.4 / 13.8,
+16 rows 16.6 / 15.7, 64 rows 46.3 / 39.7: the kernel is a dot product per (row, output) tile, bound by the weight
 stream up to a few rows and by its FMA issue rate beyond; oneDNN's blocked GEMM wins from 16.
 """
 from __future__ import annotations
