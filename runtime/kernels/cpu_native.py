@@ -1,14 +1,15 @@
-"""Native CPU kernels of the generation path (cpu_native.cpp): small-row linear, RMSNorm, the gated
-MLP's silu(gate) * up and paged decode attention in float32, compiled at run time with the system C++ compiler and loaded with
-ctypes, the emulation backend's build-and-load path. Callers: runtime/linear.py (rows up to
-linear.NATIVE_MAX_ROWS), runtime/model.py (RMSNorm, silu * up) and cpu_attention.py (decode attention);
-each keeps its torch path for every other case, and tests hold these kernels to it.
+"""Native CPU kernels of the generation path (cpu_native.cpp): small-row linear, RMSNorm, the
+gated MLP's silu(gate) * up and paged decode attention in float32, compiled at run time with the
+system C++ compiler and loaded with ctypes, the emulation backend's build-and-load path. Callers:
+runtime/linear.py (rows up to linear.NATIVE_MAX_ROWS), runtime/model.py (RMSNorm, silu * up) and
+cpu_attention.py (decode attention); each keeps its torch path for every other case, and tests
+hold these kernels to it.
 
 `native_ops()` is None where the kernels cannot run (no x86-64 AVX2/FMA, no compiler, or
-BATCH_MANAGER_CPU_NATIVE=0); callers then stay on torch. Build cache: one library per sha256
-of (source, flags, compiler version, CPU model and flags) in $BATCH_MANAGER_EMU_CACHE/.. or
-~/.cache/batch_manager/native; written under a temporary name and renamed. The first build
-takes about a second; later processes only load.
+BATCH_MANAGER_CPU_NATIVE=0); callers then stay on torch. Build cache: one library per sha256 of
+(source, flags, compiler version, CPU model and flags) in `native/` beside the emu backend's
+cache directory (by default ~/.cache/batch_manager/native); written under a temporary name and
+renamed. The first build takes about a second; later processes only load.
 """
 from __future__ import annotations
 
