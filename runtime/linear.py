@@ -29,9 +29,10 @@ off), inputs of at most NATIVE_MAX_ROWS rows go to the native kernel, which mult
 [out, in] weight as stored; larger ones to the impl above. NOTE: that [out, in] weight is the
 engine's own tensor (the runner keeps the engine), so the native path adds no copy. Measured
 (samples.microbench.linear, every weight of the default model per pass, 2 threads, best of 15,
-ms native / oneDNN): 1 row 7.4 / 8.5, 4 rows 8.8 / 9.9, 8 rows 11.7 / 12.0, 12 rows 14.4 / 13.8,
-16 rows 16.6 / 15.7, 64 rows 46.3 / 39.7: the kernel is a dot product per (row, output) tile, bound by the weight
-stream up to a few rows and by its FMA issue rate beyond; oneDNN's blocked GEMM wins from 16.
+ms native / oneDNN): 1 row 6.6 / 7.9, 4 rows 7.8 / 9.3, 8 rows 9.5 / 10.9, 12 rows 12.0 / 12.7,
+16 rows 13.8 / 14.8, 64 rows 40.5 / 38.9: the kernel is a dot product per (row, output) tile,
+bound by the weight stream up to a few rows and by its FMA issue rate beyond; oneDNN's blocked
+GEMM wins at 64.
 """
 from __future__ import annotations
 
@@ -43,8 +44,8 @@ import torch.nn.functional as F
 from .kernels.cpu_native import native_ops
 
 CPU_IMPLS = ("onednn", "w_xt")
-# Rows up to which the native kernel runs (above, oneDNN's blocked GEMM wins: samples.microbench.linear).
-NATIVE_MAX_ROWS = 8
+# Rows up to which the native kernel runs (oneDNN's blocked GEMM wins at 64: samples.microbench.linear).
+NATIVE_MAX_ROWS = 16
 # Rows of one oneDNN call: longer inputs run in chunks of this many rows (the MLP chunks its
 # rows by the same count), so the number of distinct kernel shapes does not grow with
 # max_num_tokens.
