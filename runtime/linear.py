@@ -22,6 +22,17 @@ pads rows to 43 buckets and runs inputs above MAX_KERNEL_ROWS in chunks (`kernel
 Rejected: powers of two up to 64 (1.46x at 34 rows); w_xt throughout (0.85/1.39/1.29/1.04x);
 oneDNN cache capacities of 4 (env vars that must precede the first oneDNN call; measured in a
 second process against w_xt as the common yardstick: 1.61/1.24/1.15/1.00x).
+
+Generation steps of a few sequences are a matrix-vector product bound by reading the weights:
+there, wherever kernels/cpu_native.py can run (float32; BATCH_MANAGER_CPU_NATIVE=0 turns it
+off), inputs of at most NATIVE_MAX_ROWS rows go to the native kernel, which multiplies by the
+[out, in] weight as stored; larger ones to the impl above. NOTE: that [out, in] weight is the
+engine's own tensor (the runner keeps the engine), so the native path adds no copy. Measured
+(samples.microbench.linear, every weight of the default model per pass, 2 threads, best of 15,
+ms native / oneDNN): 1 row 6.6 / 7.9, 4 rows 7.8 / 9.3, 8 rows 9.5 / 10.9, 12 rows 12.0 / 12.7,
+16 rows 13.8 / 14.8, 64 rows 40.5 / 38.9: the kernel is a dot product per (row, output) tile,
+bound by the weight stream up to a few rows and by its FMA issue rate beyond; oneDNN's blocked
+GEMM wins at 64.
 """
 from __future__ import annotations
 
@@ -30,7 +41,11 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from .kernels.cpu_native import native_ops
+
 CPU_IMPLS = ("onednn", "w_xt")
+# Rows up to which the native kernel runs (oneDNN's blocked GEMM wins at 64: samples.microbench.linear).
+NATIVE_MAX_ROWS = 16
 # Rows of one oneDNN call: longer inputs run in chunks of this many rows (the MLP chunks its
 # rows by the same count), so the number of distinct kernel shapes does not grow with
 # max_num_tokens.
@@ -94,6 +109,9 @@ class Linear:
                 raise ValueError(f"impl: expected one of {CPU_IMPLS}, got {self.impl!r}")
             if self.impl == "onednn" and not onednn_available(weight.dtype):
                 raise ValueError(f"impl: oneDNN linear is not available for {weight.dtype} in this torch build")
+        # rows <= NATIVE_MAX_ROWS: the native kernel on [out, in] (where it runs); more: impl.
+        self.native = native_ops() if device.type == "cpu" and weight.dtype == torch.float32 else None
+        self.plain = weight.contiguous() if self.native is not None else None
         # NOTE: oneDNN's reordered weight replaces the original (same byte count); nothing else
         # may read it as an [out, in] matrix.
         self.weight = (torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
@@ -101,6 +119,8 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in] -> [rows, out] (on CPU's w_xt path a transposed view of [out, rows])."""
+        if self.native is not None and x.shape[0] <= NATIVE_MAX_ROWS:
+            return self.native.linear(x if x.stride(1) == 1 else x.contiguous(), self.plain, self.bias)
         if self.impl == "onednn":
             return self._onednn(x)
         if self.impl == "linear":
@@ -109,6 +129,14 @@ class Linear:
         if self.bias is not None:
             y += self.bias[:, None]
         return y.t()
+
+    def add_to(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + self(x), written into `residual` where the native kernel can (one pass, no
+        temporary), else a new tensor. residual [rows, out]; returns the sum."""
+        if (self.native is not None and x.shape[0] <= NATIVE_MAX_ROWS and residual.dtype == torch.float32
+                and residual.stride(1) == 1):
+            return self.native.linear(x if x.stride(1) == 1 else x.contiguous(), self.plain, self.bias, out=residual)
+        return residual + self(x)
 
     def _onednn(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in] -> [rows, out] through calls of bucketed row counts (zero rows padded)."""

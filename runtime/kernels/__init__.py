@@ -3,7 +3,7 @@
 
 `get_kernels(name)` returns a backend object:
   "torch"  plain torch (torch_backend.py): the reference of every op, with the CPU fast paths of
-           attention (cpu_attention.py) switched on
+           attention (cpu_attention.py, float32 decode attention in cpu_native.py) switched on
   "cuda"   cuda_src/ kernels through CuPy RawModule on torch's current stream (cuda_backend.py)
   "emu"    the same sources compiled for the CPU with g++ and a shim; slow, for tests (emu_backend.py)
 The name comes from configuration (ModelRunner / GptSession `kernels=`,
@@ -46,7 +46,7 @@ def get_kernels(name: str | None = None) -> KernelBackend:
         raise KernelBackendError(f"kernel backend: unknown {name!r} (from {origin}); "
                                  f"known: {', '.join(KNOWN_BACKENDS)}")
     if name == "torch":
-        return TorchKernels(fast_paths=True)
+        return TorchKernels(fast_paths=True, native=True)
     if name == "cuda":
         if not _cuda_available():
             raise KernelBackendError(f"kernel backend 'cuda' (from {origin}) is unavailable: it needs a CUDA "

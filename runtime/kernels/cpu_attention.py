@@ -1,7 +1,8 @@
 """CPU fast paths of decode and context attention, owned by the `torch` backend that runners get
-(TorchKernels(fast_paths=True)): decode rows grouped by length, gathers into per-thread reusable
-workspaces, and a decode plan per step reused by every layer. Every result equals the plain
-reference of torch_attention.py, which stays the definition.
+(TorchKernels(fast_paths=True)): float32 decode attention in the native kernel (cpu_native.py)
+where it runs, reading the cached blocks in place; otherwise decode rows grouped by length,
+gathers into per-thread reusable workspaces, and a decode plan per step reused by every layer.
+Every result equals the plain reference of torch_attention.py, which stays the definition.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .cpu_native import native_ops
 from .torch_attention import alibi_mask, block_ids, compute_dtype, dense_attention, visible
 
 # Fixed cost of one more attention call (gather K, gather V, SDPA), in block-rows: the work of
@@ -66,8 +68,10 @@ class _DecodeGroup:
 class CpuAttention:
     """Decode and context attention with per-thread state: gather workspaces and the last plan."""
 
-    def __init__(self):
+    def __init__(self, use_native: bool = False):
+        """use_native: float32 decode attention through the native kernel when it can run here."""
         self._threads = threading.local()
+        self._native = native_ops() if use_native else None
 
     def _thread_state(self) -> dict:
         return self._threads.__dict__
@@ -103,7 +107,11 @@ class CpuAttention:
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                          window: int | None, sink: int = 0, alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
-        """torch_attention.decode_attention, one call per length group of the step's plan."""
+        """torch_attention.decode_attention: natively for float32 CPU caches (without ALiBi), else
+        one call per length group of the step's plan."""
+        if (self._native is not None and alibi_slopes is None and q.dtype == k_cache.dtype == torch.float32
+                and q.device.type == "cpu" and k_cache.is_contiguous() and v_cache.is_contiguous()):
+            return self._native.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, window, sink)
         plan = self._decode_plan(block_tables, seq_lens, k_cache.shape[1], window, sink, alibi_slopes, q.device)
         if len(plan) == 1:
             return self._decode_rows(q, k_cache, v_cache, plan[0], scale)

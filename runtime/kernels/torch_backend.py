@@ -1,7 +1,8 @@
 """The `torch` kernel backend: every operation of interface.KernelBackend in plain torch, bound
 from the reference functions of torch_attention.py and torch_decoder.py (the oracle in tests).
 With `fast_paths` (what get_kernels("torch") builds: the CPU default) decode and context
-attention go through cpu_attention.py instead, with equal results.
+attention go through cpu_attention.py instead, with equal results; with `native` too (also the
+default), float32 decode attention runs in the native kernel of cpu_native.py where it can.
 """
 from __future__ import annotations
 
@@ -14,10 +15,11 @@ from .cpu_attention import CpuAttention
 class TorchKernels:
     name = "torch"
 
-    def __init__(self, fast_paths: bool = False):
+    def __init__(self, fast_paths: bool = False, native: bool = False):
         """fast_paths: decode and context attention through CpuAttention (length groups, per-thread
-        workspaces, per-step plans); off, every op is the plain reference."""
-        self._fast = CpuAttention() if fast_paths else None
+        workspaces, per-step plans); off, every op is the plain reference. native (with
+        fast_paths): float32 decode attention in the native CPU kernel where it runs."""
+        self._fast = CpuAttention(use_native=native) if fast_paths else None
 
     @property
     def has_fast_paths(self) -> bool:

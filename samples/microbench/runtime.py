@@ -1,5 +1,5 @@
-"""Benchmark the runtime's ModelRunner: context and generation throughput against the machine's
-fp32 matmul roofline, measured in the same run.
+"""Benchmark the runtime's ModelRunner: context and generation steps against the bounds of this
+machine, measured in the same run: the fp32 matmul roofline and the read bandwidth.
 
     python -m samples.bench_runtime [--model DIR] [--batch-sizes 1,8,64] [--threads N] [--json OUT]
 
@@ -8,6 +8,12 @@ Context: one packed step of `batch` fresh prompts of --prompt-len tokens. Genera
 count every matmul (2 per weight per token; the lm_head only for the tokens whose logits are
 computed: each sequence's last token) plus attention (4 * keys * num_heads * head_dim per token
 per layer: QK^T and PV).
+
+Bounds of a step: streaming (the bytes a step must read from memory: every matmul weight, the
+layers' and the lm_head's, plus the cached keys and values it attends to; the embedding is a
+gather of a few rows and is not counted) divided by the best read bandwidth of a plain sum over
+a 256 MiB tensor; and the matmul roofline (the step's FLOPs at the best torch.mm rate). `share`
+is the larger bound over the measured step: 100 % is the machine's limit.
 """
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ from samples.default_model import default_model_dir
 
 # (m, k, n): the model's MLP-input matmul at several token counts, and a big square one.
 MATMUL_SHAPES = [(m, 512, 1536) for m in (64, 128, 256, 512, 1024)] + [(2048, 2048, 2048)]
+READ_BYTES = 256 << 20  # far above the last-level cache: a read of it streams from memory
 
 
 def matmul_gflops(m: int, k: int, n: int, reps: int) -> float:
@@ -51,6 +58,26 @@ def step_flops(cfg: ModelConfig, batch: int, new_tokens: int, past: int) -> floa
     keys = batch * sum(past + j + 1 for j in range(new_tokens))  # keys seen, summed over queries
     attention = 4 * keys * cfg.q_size * cfg.num_layers
     return 2.0 * layer_matmul_params(cfg) * tokens + attention + 2.0 * cfg.vocab_size * cfg.hidden_size * batch
+
+
+def read_bandwidth_gbs(reps: int) -> float:
+    """Best GB/s of a plain sum over READ_BYTES of float32 (the torch threads in use)."""
+    data = torch.ones(READ_BYTES // 4)
+    data.sum()
+    best_s = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        data.sum()
+        best_s = min(best_s, time.perf_counter() - start)
+    return READ_BYTES / best_s / 1e9
+
+
+def step_bytes(cfg: ModelConfig, batch: int, new_tokens: int, past: int, itemsize: int) -> dict[str, int]:
+    """Bytes one step must read from memory: the matmul weights (layers and lm_head, each once per
+    step whatever the batch) and the cached keys and values its queries attend to."""
+    weights = (layer_matmul_params(cfg) + cfg.vocab_size * cfg.hidden_size) * itemsize
+    kv = batch * (past + new_tokens) * cfg.num_layers * 2 * cfg.kv_size * itemsize
+    return {"weight_bytes": weights, "kv_bytes": kv}
 
 
 def step_inputs(tokens: torch.Tensor, past: int, block_tables: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -90,11 +117,21 @@ def bench_batch(runner: ModelRunner, batch: int, args) -> list[dict]:
     new_tokens = torch.randint(3, cfg.vocab_size, (batch, 1), generator=gen, dtype=torch.int32)
     generation = (time_step(runner, step_inputs(new_tokens, args.past_len, block_tables), args.warmup,
                             args.iters * 4), step_flops(cfg, batch, 1, args.past_len), batch)
-    for phase, (seconds, flops, tokens) in (("context", context), ("generation", generation)):
+    itemsize = runner.engine.dtype.itemsize
+    streamed = (step_bytes(cfg, batch, args.prompt_len, 0, itemsize), step_bytes(cfg, batch, 1, args.past_len, itemsize))
+    for phase, (seconds, flops, tokens), nbytes in zip(("context", "generation"), (context, generation), streamed):
         gflops = flops / seconds / 1e9
         rows.append(dict(batch=batch, phase=phase, step_ms=seconds * 1e3, tokens_per_s=tokens / seconds,
-                         gflops=gflops))
+                         gflops=gflops, flops=flops, **nbytes))
     return rows
+
+
+def with_bounds(row: dict, roofline_gflops: float, read_gbs: float) -> dict:
+    """row + the step's streaming and matmul bounds (ms) and the share of the larger one."""
+    stream_ms = (row["weight_bytes"] + row["kv_bytes"]) / (read_gbs * 1e9) * 1e3
+    matmul_ms = row["flops"] / (roofline_gflops * 1e9) * 1e3
+    return dict(row, roofline_fraction=row["gflops"] / roofline_gflops, stream_bound_ms=stream_ms,
+                matmul_bound_ms=matmul_ms, share_of_bound=max(stream_ms, matmul_ms) / row["step_ms"])
 
 
 def parse_args() -> argparse.Namespace:
@@ -129,26 +166,33 @@ def main() -> None:
 
     with torch.inference_mode():
         matmul = measure_matmul(reps=max(5, args.iters))
+        read_gbs = read_bandwidth_gbs(reps=max(5, args.iters))
         blocks_per_seq = -(-(max(args.prompt_len, args.past_len) + 1) // args.tokens_per_block)
         runner = ModelRunner(engine, num_blocks=max(batch_sizes) * blocks_per_seq)
         results = [bench_batch(runner, batch, args) for batch in batch_sizes]
         # NOTE: measured before and after the model, best kept: a busy machine only lowers the peak.
         again = measure_matmul(reps=max(5, args.iters))
+        read_gbs = max(read_gbs, read_bandwidth_gbs(reps=max(5, args.iters)))
     matmul = {name: max(g, again[name]) for name, g in matmul.items()}
     roofline = max(matmul.values())
     print("fp32 matmul GFLOP/s (m x k x n): " + ", ".join(f"{name} {g:.1f}" for name, g in matmul.items())
           + f"; roofline (best) {roofline:.1f}")
-    rows = [dict(r, roofline_fraction=r["gflops"] / roofline) for batch_rows in results for r in batch_rows]
+    print(f"read bandwidth (sum over {READ_BYTES >> 20} MiB, best): {read_gbs:.1f} GB/s")
+    rows = [with_bounds(r, roofline, read_gbs) for batch_rows in results for r in batch_rows]
 
-    print(f"\n{'batch':>5}  {'phase':<10}  {'step ms':>9}  {'tokens/s':>10}  {'GFLOP/s':>8}  {'of roofline':>11}")
+    print(f"\n{'batch':>5}  {'phase':<10}  {'step ms':>9}  {'tokens/s':>10}  {'GFLOP/s':>8}  {'of roofline':>11}  "
+          f"{'MB read':>8}  {'stream ms':>9}  {'matmul ms':>9}  {'share':>6}")
     for r in rows:
         print(f"{r['batch']:>5}  {r['phase']:<10}  {r['step_ms']:>9.1f}  {r['tokens_per_s']:>10.1f}  "
-              f"{r['gflops']:>8.1f}  {r['roofline_fraction']:>10.1%}")
+              f"{r['gflops']:>8.1f}  {r['roofline_fraction']:>10.1%}  "
+              f"{(r['weight_bytes'] + r['kv_bytes']) / 1e6:>8.1f}  {r['stream_bound_ms']:>9.2f}  "
+              f"{r['matmul_bound_ms']:>9.2f}  {r['share_of_bound']:>6.1%}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model_dir": model_dir, "model": cfg.to_dict(), "num_params": cfg.num_params(),
                        "threads": torch.get_num_threads(), "prompt_len": args.prompt_len,
                        "past_len": args.past_len, "matmul_gflops": matmul, "roofline_gflops": roofline,
+                       "read_bandwidth_gbs": read_gbs,
                        "results": rows}, f, indent=2)
 
 

@@ -1,0 +1,169 @@
+"""Native CPU kernels of the generation path (cpu_native.cpp): small-row linear, RMSNorm, the
+gated MLP's silu(gate) * up and paged decode attention in float32, compiled at run time with the
+system C++ compiler and loaded with ctypes, the emulation backend's build-and-load path. Callers:
+runtime/linear.py (rows up to linear.NATIVE_MAX_ROWS), runtime/model.py (RMSNorm, silu * up) and
+cpu_attention.py (decode attention); each keeps its torch path for every other case, and tests
+hold these kernels to it.
+
+`native_ops()` is None where the kernels cannot run (no x86-64 AVX2/FMA, no compiler, or
+BATCH_MANAGER_CPU_NATIVE=0); callers then stay on torch. Build cache: one library per sha256 of
+(source, flags, compiler version, CPU model and flags) in `native/` beside the emu backend's
+cache directory (by default ~/.cache/batch_manager/native); written under a temporary name and
+renamed. The first build takes about a second; later processes only load.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+ENV_VAR = "BATCH_MANAGER_CPU_NATIVE"  # "0" turns the native kernels off (A/B runs, debugging)
+SOURCE = Path(__file__).with_name("cpu_native.cpp")
+CXX_FLAGS = ("-std=c++17", "-O3", "-march=native", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared")
+
+_P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+_SIGNATURES = {
+    "bm_linear": [_P, _I64, _I64, _P, _I64, _I64, _P, _P, _I64, _I32, _I32],
+    "bm_rms_norm": [_P, _I64, _I64, _I64, _P, _F32, _P, _I64, _I32],
+    "bm_silu_mul": [_P, _I64, _I64, _I64, _P, _I32],
+    "bm_decode_attention": [_P, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _F32, _I64, _I64, _P, _I32],
+}
+
+
+def _cpu_identity() -> str:
+    """The CPU's model name and feature flags (-march=native compiles for them)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [line for line in f if line.startswith(("model name", "flags"))][:2]
+        return "".join(lines)
+    except OSError:
+        return platform.processor()
+
+
+def _cpu_supported() -> bool:
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    flags = _cpu_identity()
+    return " avx2" in flags and " fma" in flags
+
+
+def build(directory: Path | None = None) -> Path:
+    """Compile cpu_native.cpp into the cache (once per source, flags, compiler and CPU); its path."""
+    from . import emu_backend  # its compiler and cache helpers (imported late: it imports the backends)
+    source = SOURCE.read_text()
+    key = "\0".join([source, " ".join(CXX_FLAGS), emu_backend.compiler_version(), _cpu_identity()])
+    digest = hashlib.sha256(key.encode()).hexdigest()[:24]
+    directory = directory or emu_backend.cache_dir().parent / "native"
+    library = directory / f"cpu-native-{digest}.so"
+    if library.exists():
+        return library
+    directory.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(suffix=".so", prefix=f".cpu-native-{digest}-", dir=directory)
+    os.close(fd)
+    try:
+        done = subprocess.run([emu_backend.CXX, *CXX_FLAGS, str(SOURCE), "-o", tmp_name],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"cpu native kernels: {emu_backend.CXX} failed ({done.returncode}):\n"
+                               f"{done.stderr[-4000:]}")
+        os.replace(tmp_name, library)
+    finally:
+        Path(tmp_name).unlink(missing_ok=True)
+    logger.info("cpu native kernels: built %s", library)
+    return library
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class NativeCpuOps:
+    """The loaded library; every method takes float32 CPU tensors and checks the layout it needs."""
+
+    def __init__(self, library: Path):
+        # NOTE: torch is imported first, so the library's libgomp.so.1 binds to torch's OpenMP runtime.
+        self._lib = ctypes.CDLL(str(library))
+        for name, argtypes in _SIGNATURES.items():
+            fn = getattr(self._lib, name)
+            fn.argtypes, fn.restype = argtypes, None
+        self._linear, self._rms_norm, self._silu_mul = self._lib.bm_linear, self._lib.bm_rms_norm, self._lib.bm_silu_mul
+        self._decode_attention = self._lib.bm_decode_attention
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """x [rows, in] (rows contiguous), weight [out, in] contiguous, bias [out] or None ->
+        [rows, out]. With `out` (float32 [rows, out], rows contiguous) the product is ADDED into it."""
+        assert x.dtype == weight.dtype == torch.float32 and x.stride(1) == 1 and weight.is_contiguous()
+        rows, (n, k) = x.shape[0], weight.shape
+        accumulate = out is not None
+        if out is None:
+            out = torch.empty(rows, n, dtype=torch.float32)
+        assert out.shape == (rows, n) and out.stride(1) == 1 and x.shape[1] == k
+        self._linear(x.data_ptr(), rows, x.stride(0), weight.data_ptr(), n, k, _ptr(bias), out.data_ptr(),
+                     out.stride(0), int(accumulate), torch.get_num_threads())
+        return out
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x [rows, h] (rows contiguous), weight [h] -> x * rsqrt(mean(x^2) + eps) * weight."""
+        assert x.dtype == weight.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1
+        out = torch.empty(x.shape, dtype=torch.float32)
+        self._rms_norm(x.data_ptr(), x.shape[0], x.stride(0), x.shape[1], weight.contiguous().data_ptr(), eps,
+                       out.data_ptr(), out.stride(0), torch.get_num_threads())
+        return out
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, 2n] (gate | up, rows contiguous) -> silu(gate) * up [rows, n]: the gated MLP's hidden."""
+        assert x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1 and x.shape[1] % 2 == 0
+        rows, n = x.shape[0], x.shape[1] // 2
+        out = torch.empty(rows, n, dtype=torch.float32)
+        self._silu_mul(x.data_ptr(), rows, x.stride(0), n, out.data_ptr(), torch.get_num_threads())
+        return out
+
+    def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                         window: int | None, sink: int = 0) -> torch.Tensor:
+        """interface.KernelBackend.decode_attention for float32 caches, reading the blocks in place."""
+        assert q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+        assert k_cache.is_contiguous() and v_cache.is_contiguous()
+        q = q.contiguous()
+        batch, num_heads, head_dim = q.shape
+        _, tokens_per_block, num_kv_heads, _ = k_cache.shape
+        tables = block_tables.to(torch.int32).contiguous()
+        lens = seq_lens.to(torch.int64).contiguous()
+        out = torch.empty_like(q)
+        self._decode_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+                               tables.shape[1], lens.data_ptr(), batch, num_heads, num_kv_heads, head_dim,
+                               tokens_per_block, scale, -1 if window is None else window, sink, out.data_ptr(),
+                               torch.get_num_threads())
+        return out
+
+
+def native_ops() -> NativeCpuOps | None:
+    """The kernels (built and loaded once per process); None where they cannot run here or while
+    BATCH_MANAGER_CPU_NATIVE=0. Callers capture the answer when they are built."""
+    if os.environ.get(ENV_VAR, "").strip() == "0":
+        return None
+    return _load()
+
+
+@functools.lru_cache(maxsize=None)
+def _load() -> NativeCpuOps | None:
+    from . import emu_backend
+    if not _cpu_supported() or not emu_backend.compiler_available():
+        logger.info("cpu native kernels: unavailable (needs x86-64 AVX2/FMA and %s); using torch", emu_backend.CXX)
+        return None
+    try:
+        return NativeCpuOps(build())
+    except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+        logger.warning("cpu native kernels: build failed, using torch: %s", error)
+        return None

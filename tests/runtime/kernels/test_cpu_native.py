@@ -1,0 +1,145 @@
+"""The native CPU kernels (cpu_native.py) against their torch definitions: small-row linear
+(F.linear), RMSNorm (F.rms_norm), paged decode attention (torch_attention.decode_attention); the
+routing of runtime.linear and the torch backend to them; a whole model with and without them."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import runtime.linear as linear_module
+from runtime import Engine, ModelRunner
+from runtime.kernels import cpu_native, get_kernels, torch_attention
+from runtime.linear import NATIVE_MAX_ROWS, Linear
+from tests.factories import make_checkpoint
+
+pytestmark = pytest.mark.skipif(cpu_native.native_ops() is None, reason="native CPU kernels cannot run here")
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def ops() -> cpu_native.NativeCpuOps:
+    return cpu_native.native_ops()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 13])
+@pytest.mark.parametrize("n,k", [(48, 40), (53, 37), (7, 3), (768, 512)])
+def test_linear_equals_f_linear(ops, rows, n, k):
+    """Every tile shape (rows % 4, outputs % tile) and a k that is no multiple of 8."""
+    gen = torch.Generator().manual_seed(rows * 1000 + n)
+    x, w, b = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+    torch.testing.assert_close(ops.linear(x, w, b), F.linear(x, w, b), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(ops.linear(x, w, None), F.linear(x, w), atol=1e-4, rtol=1e-5)
+
+
+def test_linear_accumulates_into_strided_rows(ops):
+    gen = torch.Generator().manual_seed(1)
+    x, w = torch.randn(6, 40, generator=gen), torch.randn(24, 40, generator=gen)
+    wide = torch.randn(6, 50, generator=gen)
+    out, before = wide[:, 3:27], wide.clone()  # row stride 50
+    ops.linear(x[:, :], w, None, out=out)
+    torch.testing.assert_close(wide[:, 3:27], before[:, 3:27] + F.linear(x, w), atol=1e-4, rtol=1e-5)
+    assert torch.equal(wide[:, :3], before[:, :3]) and torch.equal(wide[:, 27:], before[:, 27:])
+
+
+def test_rms_norm_equals_f_rms_norm(ops):
+    gen = torch.Generator().manual_seed(2)
+    for rows, h in ((1, 512), (5, 37), (300, 256)):   # 300 x 256 takes the threaded branch
+        x, w = torch.randn(rows, h + 3, generator=gen)[:, :h], torch.randn(h, generator=gen)
+        torch.testing.assert_close(ops.rms_norm(x, w, 1e-5), F.rms_norm(x, (h,), w, 1e-5), atol=1e-5, rtol=1e-5)
+
+
+def test_silu_mul_equals_the_gated_mlp_hidden(ops):
+    gen = torch.Generator().manual_seed(6)
+    for rows, n in ((1, 1536), (3, 37), (70, 1024)):   # 70 x 1024 takes the threaded branch
+        x = torch.randn(rows, 2 * n + 5, generator=gen)[:, :2 * n] * 4
+        gate, up = x.chunk(2, dim=-1)
+        torch.testing.assert_close(ops.silu_mul(x), F.silu(gate) * up, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 2), (4, 4), (6, 1)])
+@pytest.mark.parametrize("window,sink", [(None, 0), (10, 0), (10, 4), (1, 0)])
+def test_decode_attention_equals_the_reference(ops, num_heads, num_kv_heads, window, sink):
+    gen = torch.Generator().manual_seed(num_heads * 10 + num_kv_heads)
+    num_blocks, tpb, head_dim = 24, 16, 32
+    k_cache = torch.randn(num_blocks, tpb, num_kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(num_blocks, tpb, num_kv_heads, head_dim, generator=gen)
+    tables = torch.randperm(num_blocks, generator=gen)[:20].view(4, 5).int()
+    seq_lens = torch.tensor([1, 37, 64, 80])
+    if window is not None:  # blocks wholly outside every window and the sinks: released
+        tables[3, 1:3] = -1
+    q = torch.randn(4, num_heads, head_dim, generator=gen)
+    want = torch_attention.decode_attention(q, k_cache, v_cache, tables.clamp(min=0), seq_lens, 0.2, window, sink)
+    got = ops.decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.2, window, sink)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_the_default_torch_backend_attends_natively_and_equally():
+    gen = torch.Generator().manual_seed(3)
+    k_cache, v_cache = torch.randn(8, 4, 2, 16, generator=gen), torch.randn(8, 4, 2, 16, generator=gen)
+    tables, seq_lens = torch.tensor([[3, 1, 4], [0, 2, 5]], dtype=torch.int32), torch.tensor([9, 5])
+    q = torch.randn(2, 4, 16, generator=gen)
+    backend = get_kernels("torch")
+    assert backend._fast._native is not None
+    torch.testing.assert_close(backend.decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.25, None),
+                               torch_attention.decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.25, None))
+    assert "decode_plan" not in backend._fast._thread_state()  # the native kernel answered
+
+
+def test_linear_routes_small_row_counts_to_the_native_kernel(monkeypatch):
+    gen = torch.Generator().manual_seed(4)
+    weight, bias = torch.randn(24, 40, generator=gen), torch.randn(24, generator=gen)
+    linear = Linear(weight, bias, CPU)
+    calls = []
+    native_linear = linear.native.linear
+    monkeypatch.setattr(linear.native, "linear", lambda x, *a, **kw: calls.append(x.shape[0]) or native_linear(x, *a, **kw))
+    x = torch.randn(2 * NATIVE_MAX_ROWS, 40, generator=gen)
+    for rows in range(1, 2 * NATIVE_MAX_ROWS + 1):
+        torch.testing.assert_close(linear(x[:rows]), F.linear(x[:rows], weight, bias), atol=1e-4, rtol=1e-5)
+    assert calls == list(range(1, NATIVE_MAX_ROWS + 1))
+    column_major = x[:5].t().contiguous().t()  # w_xt outputs are such views
+    torch.testing.assert_close(linear(column_major), F.linear(x[:5], weight, bias), atol=1e-4, rtol=1e-5)
+    residual = torch.randn(3, 24, generator=gen)
+    expected = residual + F.linear(x[:3], weight, bias)
+    torch.testing.assert_close(linear.add_to(x[:3], residual), expected, atol=1e-4, rtol=1e-5)
+    many = torch.randn(NATIVE_MAX_ROWS + 1, 24, generator=gen)
+    torch.testing.assert_close(linear.add_to(x[:NATIVE_MAX_ROWS + 1], many.clone()),
+                               many + F.linear(x[:NATIVE_MAX_ROWS + 1], weight, bias), atol=1e-4, rtol=1e-5)
+
+
+def test_the_switch_turns_the_native_kernels_off(monkeypatch):
+    monkeypatch.setenv(cpu_native.ENV_VAR, "0")
+    assert cpu_native.native_ops() is None
+    assert Linear(torch.ones(4, 4), None, CPU).native is None
+    assert get_kernels("torch")._fast._native is None
+    assert Linear(torch.ones(4, 4, dtype=torch.bfloat16), None, CPU).native is None
+    monkeypatch.delenv(cpu_native.ENV_VAR)
+    assert Linear(torch.ones(4, 4, dtype=torch.bfloat16), None, CPU).native is None  # float32 only
+    assert linear_module.native_ops() is not None
+
+
+def test_a_model_step_equals_itself_without_the_native_kernels(tmp_path, monkeypatch):
+    """Context, then generation at batch 1 and 3 (native linear, norm and attention) against the
+    same model built with the switch off."""
+    make_checkpoint(tmp_path, "llama")
+    engine = Engine.from_dir(tmp_path, tokens_per_block=4)
+    native = ModelRunner(engine, num_blocks=16)
+    monkeypatch.setenv(cpu_native.ENV_VAR, "0")
+    plain = ModelRunner(engine, num_blocks=16)
+    assert native.model.native is not None and plain.model.native is None
+    gen = torch.Generator().manual_seed(5)
+    vocab = engine.model_config.vocab_size
+    tables = torch.arange(15, dtype=torch.int32).view(3, 5)
+    prompt = torch.randint(0, vocab, (3 * 6,), generator=gen, dtype=torch.int32)
+    steps = [dict(input_ids=prompt, input_lengths=torch.full((3,), 6, dtype=torch.int32),
+                  past_lengths=torch.zeros(3, dtype=torch.int32), block_tables=tables)]
+    for past in (6, 7):
+        steps.append(dict(input_ids=torch.randint(0, vocab, (3,), generator=gen, dtype=torch.int32),
+                          input_lengths=torch.ones(3, dtype=torch.int32),
+                          past_lengths=torch.full((3,), past, dtype=torch.int32), block_tables=tables))
+    steps.append(dict(input_ids=torch.randint(0, vocab, (1,), generator=gen, dtype=torch.int32),
+                      input_lengths=torch.ones(1, dtype=torch.int32), past_lengths=torch.tensor([8], dtype=torch.int32),
+                      block_tables=tables[:1]))
+    for inputs in steps:
+        torch.testing.assert_close(native.forward(inputs)["logits"], plain.forward(inputs)["logits"],
+                                   atol=1e-4, rtol=1e-4)
