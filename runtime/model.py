@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from .config import ModelConfig
 from .linear import Linear
+from .lora import LoraStepPlan
 from .rope import apply_rope, rope_cos_sin, rope_inv_freq
 from .weights import Weights
 
@@ -44,6 +45,9 @@ class StepLayout:
     context_spans: list[tuple[int, int, int, int]]  # host: (seq, token_start, num_tokens, past_len)
     block_tables: torch.Tensor         # int32 [S, max_blocks]
     context_logits_index: torch.Tensor | None  # int64 [C]: tokens whose logits are returned
+    lora: LoraStepPlan | None = None   # the step's adapters and their token rows
+    prompt_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None  # (token index int64 [P], rows [P, H]):
+                                       # prompt-tuning rows that replace those tokens' embeddings
 
 
 class Transformer:
@@ -108,6 +112,8 @@ class Transformer:
         context logits float32 [C, V] or None)."""
         cfg, w = self.config, self.w
         x = w["embed_tokens"][step.input_ids]  # [T, H]
+        if step.prompt_embeddings is not None:
+            x[step.prompt_embeddings[0]] = step.prompt_embeddings[1]
         cos = sin = None
         if cfg.position_embedding == "learned":
             x = x + w["position_embeddings"][step.position_ids]
@@ -116,11 +122,11 @@ class Transformer:
         for layer in range(cfg.num_layers):
             p = f"layers.{layer}."
             h = self._norm(x, p + "input_norm")
-            qkv = self._linear(h, p + "qkv")
+            qkv = self._linear(h, p + "qkv", step.lora)
             attn = self._attention(qkv, cos, sin, step, kv_pool[layer, 0], kv_pool[layer, 1], kernels)
-            x = x + self._linear(attn, p + "out")
+            x = x + self._linear(attn, p + "out", step.lora)
             h = self._norm(x, p + "post_norm")
-            x = x + self._mlp(h, p)
+            x = x + self._mlp(h, p, step.lora)
         logits = self._logits(x[step.logits_token_index])
         context_logits = None
         if step.context_logits_index is not None:
@@ -130,27 +136,32 @@ class Transformer:
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self._norm(x, "final_norm")).float().contiguous()
 
-    def _linear(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
-        """x [T, in] -> [T, out] through the weight (and bias) stored under `prefix`."""
-        return self.linears[prefix](x)
+    def _linear(self, x: torch.Tensor, prefix: str, lora: LoraStepPlan | None = None,
+                row_start: int = 0) -> torch.Tensor:
+        """x [T, in] -> [T, out] through the weight (and bias) stored under `prefix`, plus the
+        LoRA products of the adapters of x's rows (tokens row_start.. of the step)."""
+        y = self.linears[prefix](x)
+        if lora is not None:
+            lora.apply(prefix, x, y, row_start)
+        return y
 
-    def _mlp(self, h: torch.Tensor, p: str) -> torch.Tensor:
+    def _mlp(self, h: torch.Tensor, p: str, lora: LoraStepPlan | None = None) -> torch.Tensor:
         rows = self.mlp_chunk_rows
         if rows is None or h.shape[0] <= rows:
-            return self._mlp_rows(h, p)
+            return self._mlp_rows(h, p, lora)
         out = torch.empty_like(h)
         for start in range(0, h.shape[0], rows):
-            out[start:start + rows] = self._mlp_rows(h[start:start + rows], p)
+            out[start:start + rows] = self._mlp_rows(h[start:start + rows], p, lora, start)
         return out
 
-    def _mlp_rows(self, h: torch.Tensor, p: str) -> torch.Tensor:
-        up = self._linear(h, p + "mlp_in")
+    def _mlp_rows(self, h: torch.Tensor, p: str, lora: LoraStepPlan | None = None, row_start: int = 0) -> torch.Tensor:
+        up = self._linear(h, p + "mlp_in", lora, row_start)
         if self.config.mlp_type == "gated":
             gate, up = up.chunk(2, dim=-1)
             up = self.act(gate) * up
         else:
             up = self.act(up)
-        return self._linear(up, p + "mlp_out")
+        return self._linear(up, p + "mlp_out", lora, row_start)
 
     def _attention(self, qkv: torch.Tensor, cos, sin, step: StepLayout, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, kernels) -> torch.Tensor:
