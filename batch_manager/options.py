@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 
 class TrtGptModelType(enum.IntEnum):
@@ -67,3 +67,5 @@ class TrtGptModelOptionalParams:
     # per beam: list of ints], stream, client_ids), once per step for the requests that set
     # InferenceRequest.use_batched_logits_post_processor; applied before sampling.
     logits_post_processor_batched: Callable | None = None
+    # batch_manager.lora.PeftCacheManagerConfig: bounds of the LoRA adapter cache (None: defaults)
+    peft_cache_manager_config: Any = None

@@ -10,7 +10,7 @@ from __future__ import annotations
 from runtime.beam_blocks import beam_holder, fork_beams
 from runtime.kv_cache_manager import KvCacheManager
 
-from .capacity_scheduler import CapacityScheduler, free_request_blocks
+from .capacity_scheduler import CapacityScheduler
 from .llm_request import FinishReason, LlmRequest, RequestState
 from .micro_batch_scheduler import MicroBatchScheduler
 from .step import NewRequest, RequestResult, ScheduledRequest, ScheduledStep, StepResult
@@ -44,8 +44,12 @@ class Scheduler:
         return list(self._requests.values())
 
     def add(self, r: LlmRequest) -> None:
+        """Admit `r`; one whose adapter the PEFT cache refuses ends at once with that error."""
         assert r.request_id not in self._requests, f"request {r.request_id} is active already"
         self._requests[r.request_id] = r
+        error = self.capacity.register(r)
+        if error is not None:
+            r.finish(FinishReason.ERROR, error)
 
     def stop(self, request_id: int) -> None:
         """End a request with what it has; its blocks go in `pop_finished`."""
@@ -77,7 +81,7 @@ class Scheduler:
         still running; they are returned for their final responses."""
         done = [r for r in self._requests.values() if r.is_finished and r.request_id not in in_flight_ids]
         for r in done:
-            free_request_blocks(self.kv, r)
+            self.capacity.end(r)
             del self._requests[r.request_id]
             if r.has_decoder_state:
                 self._released_ids.append(r.request_id)
@@ -94,12 +98,14 @@ class Scheduler:
         in_flight = frozenset(r for r in requests if r.request_id in in_flight_ids)
         capacity = self.capacity.schedule(requests, in_flight)
         batch = self.micro_batch.schedule(capacity.fitting, max_batch_size)
+        adapter_loads, adapter_evictions = self.capacity.take_adapter_changes()
         step = ScheduledStep(
             iteration=self._num_steps,
             context_requests=tuple(self._scheduled(r) for r in batch.context_requests),
             generation_requests=tuple(self._scheduled(r) for r in batch.generation_requests),
             separate_context_forward=self.separate_context_forward,
-            released_request_ids=tuple(self._released_ids))
+            released_request_ids=tuple(self._released_ids),
+            adapter_loads=adapter_loads, adapter_evictions=adapter_evictions)
         self._released_ids = []
         self._num_steps += 1
         return step, len(capacity.paused)
@@ -114,7 +120,7 @@ class Scheduler:
         if not r.has_decoder_state:
             r.has_decoder_state = True
             new = NewRequest(r.decoding, r.record, r.max_new_tokens, r.return_generation_logits,
-                             r.logits_post_processor, r.use_batched_post_processor, r.client_id)
+                             r.logits_post_processor, r.use_batched_post_processor, r.client_id, r.prompt_table)
         return ScheduledRequest(
             request_id=r.request_id,
             token_ids=tuple(tuple(r.beam_token_slice(b, past, past + n)) for b in beams),
@@ -123,7 +129,7 @@ class Scheduler:
             is_last_chunk=past + n == r.num_tokens, block_copies=copies,
             # Whole-prompt logits: such a request is never chunked and reuses no prefix.
             return_context_logits=r.return_context_logits and r.context_logits is None and past == 0,
-            new=new)
+            new=new, lora_task_id=None if r.lora is None else r.lora.task_id)
 
     def update(self, step: ScheduledStep, result: StepResult) -> None:
         """Advance each scheduled request by the tokens it computed, register its newly full
@@ -141,7 +147,7 @@ class Scheduler:
             r.num_computed_tokens += scheduled.num_step_tokens
             if self.kv.enable_block_reuse:
                 self.kv.store_computed_blocks(
-                    r.request_id, r.token_slice(self.kv.num_stored_tokens(r.request_id), r.num_computed_tokens),
+                    r.request_id, r.reuse_token_slice(self.kv.num_stored_tokens(r.request_id), r.num_computed_tokens),
                     r.num_computed_tokens)
             if scheduled.is_last_chunk:
                 self._record(r, res)

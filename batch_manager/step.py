@@ -20,6 +20,7 @@ class NewRequest:
     logits_post_processor: Callable | None = None
     use_batched_post_processor: bool = False
     client_id: Any = None                # the Executor request's client_id, handed to post-processors
+    prompt_table: Any = None             # float32 [T, hidden] (prompt tuning): the executor keeps it until release
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class ScheduledRequest:
     block_copies: tuple[tuple[int, int], ...] = ()   # (src, dst) KV blocks to copy before its forward
     return_context_logits: bool = False        # the whole prompt runs in this step; its logits are wanted
     new: NewRequest | None = None              # set on the request's first step only
+    lora_task_id: int | None = None            # its LoRA adapter (resident in the runtime's store), or None
 
     @property
     def num_beams(self) -> int:
@@ -51,6 +53,10 @@ class ScheduledStep:
     generation_requests: tuple[ScheduledRequest, ...]
     separate_context_forward: bool = False           # InflightBatching: context and generation apart
     released_request_ids: tuple[int, ...] = ()       # ended since the last step: free their stores first
+    # The PEFT cache's changes since the last step, applied before the forward: evictions (task
+    # ids) first, then loads ((task id, runtime.lora.LoraAdapter): a reference, not a copy).
+    adapter_evictions: tuple[int, ...] = ()
+    adapter_loads: tuple[tuple[int, Any], ...] = ()
 
     @property
     def requests(self) -> tuple[ScheduledRequest, ...]:

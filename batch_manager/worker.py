@@ -228,6 +228,7 @@ class Worker:
         if not self.front_end.has_stats:
             return
         kv, cpu, gpu, pinned = self.scheduler.kv, *self.memory_usage
+        peft = self.scheduler.capacity.peft_cache
         is_v1 = self.config.model_type == TrtGptModelType.V1
         num_scheduled = len(step.requests)
         if is_v1 and step.context_requests:  # a new static batch: its slots stay until all finish
@@ -243,5 +244,7 @@ class Worker:
             num_context_tokens=sum(r.num_step_tokens * r.num_beams for r in step.context_requests),
             num_generation_tokens=len(step.generation_requests), num_paused=num_paused,
             num_empty_generation_slots=max(0, self._static_batch_size - num_scheduled) if is_v1 else 0,
-            micro_batch_id=(step.iteration + 1) % 2 if self._forward_pool is not None else 0)
+            micro_batch_id=(step.iteration + 1) % 2 if self._forward_pool is not None else 0,
+            num_lora_adapters=peft.num_cached if peft is not None else 0,
+            num_lora_evictions=peft.num_evictions if peft is not None else 0)
         self.front_end.report_stats(stats, frozenset(r.request_id for r in step.requests), self.scheduler, finished)

@@ -67,3 +67,14 @@ def virtual_tokens(inputs: dict[str, torch.Tensor], input_ids: torch.Tensor, len
                          f"[0, {vocab_size} + its prompt table's {int(sizes[seq])} rows)")
     rows = table[(offsets[seqs] + row).to(table.device)]
     return input_ids.masked_fill(is_virtual, 0), (index, rows)
+
+
+def per_sequence_tables(table, batch_size: int, hidden_size: int) -> list[torch.Tensor | None]:
+    """GptSession's GenerationInput.prompt_embedding_table: None, [T, hidden] for every sequence or
+    [batch, T, hidden] one each -> a float32 table (or None) per sequence."""
+    name = "GenerationInput.prompt_embedding_table"
+    if table is None:
+        return [None] * batch_size
+    if isinstance(table, torch.Tensor) and table.dim() == 3 and table.shape[0] == batch_size and batch_size > 1:
+        return [check_prompt_table(t, hidden_size, name) for t in table]
+    return [check_prompt_table(table, hidden_size, name)] * batch_size

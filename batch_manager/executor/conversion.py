@@ -13,10 +13,13 @@ from runtime.decoding import DecodingParams
 
 from .. import tensor_names as tn
 from ..llm_request import FinishReason as CoreFinishReason
+from runtime.prompt_tuning import check_prompt_table
+
 from ..llm_request import LlmRequest
+from ..lora import adapter_ref
 from ..responses import response_tensors
-from ..validation import AdmissionLimits, RequestError, check_decoding, check_prompt, make_llm_request
-from .request import FinishReason, OutputConfig, Request, Result, SamplingConfig
+from ..validation import AdmissionLimits, RequestError, cache_salt, check_decoding, check_prompt, make_llm_request
+from .request import FinishReason, LoraConfig, OutputConfig, PromptTuningConfig, Request, Result, SamplingConfig
 
 # DecodingParams field -> (SamplingConfig field, default when None).
 _SAMPLING_FIELDS = {
@@ -33,7 +36,8 @@ _NAMES.update(end_id="end_id", embedding_bias="embedding_bias")
 _FIELD_NAMES = {"max_new_tokens": "max_tokens", "pad_id": "pad_id",
                 "return_context_logits": "output_config.return_context_logits",
                 "return_generation_logits": "output_config.return_generation_logits"}
-_UNSUPPORTED = ("external_draft_tokens_config", "prompt_tuning_config", "lora_config")
+_UNSUPPORTED = ("external_draft_tokens_config",)
+_LORA_NAMES = ("lora_config.task_id", "lora_config.weights", "lora_config.config")
 
 
 @dataclass(frozen=True)
@@ -53,7 +57,9 @@ def to_llm_request(request: Request, request_id: int, limits: AdmissionLimits, n
         if getattr(request, name) is not None:
             raise RequestError(f"{name}: not supported by this version")
     prompt = _token_ids("input_token_ids", request.input_token_ids)
-    check_prompt(prompt, limits, "input_token_ids")
+    table = _prompt_table(request.prompt_tuning_config, limits)
+    check_prompt(prompt, limits, "input_token_ids", 0 if table is None else table.shape[0])
+    lora = _lora(request.lora_config, limits)
     if request.max_tokens is None:
         raise RequestError("max_tokens: missing (required)")
     max_tokens = _int("max_tokens", request.max_tokens)
@@ -72,8 +78,33 @@ def to_llm_request(request: Request, request_id: int, limits: AdmissionLimits, n
         output_flags=lambda: {name: bool(getattr(output, name)) for name in
                               ("return_log_probs", "return_context_logits", "return_generation_logits")},
         is_streaming=bool(request.streaming), logits_post_processor=post_processor,
-        use_batched_post_processor=use_batched, priority=float(priority), client_id=request.client_id)
+        use_batched_post_processor=use_batched, priority=float(priority), client_id=request.client_id,
+        lora=lora, prompt_table=table, cache_salt=cache_salt(lora, table))
     return r, OutputOptions(bool(output.exclude_input_from_output), bool(request.return_all_generated_tokens))
+
+
+def _lora(config, limits: AdmissionLimits):
+    if config is None:
+        return None
+    if not isinstance(config, LoraConfig):
+        raise RequestError(f"lora_config: expected a LoraConfig, got {type(config).__name__}")
+    try:
+        return adapter_ref(config.task_id, config.weights, config.config, limits.model_config,
+                           limits.peft_cache_config, _LORA_NAMES)
+    except ValueError as e:
+        raise RequestError(str(e)) from None
+
+
+def _prompt_table(config, limits: AdmissionLimits):
+    if config is None:
+        return None
+    if not isinstance(config, PromptTuningConfig):
+        raise RequestError(f"prompt_tuning_config: expected a PromptTuningConfig, got {type(config).__name__}")
+    try:
+        return check_prompt_table(config.embedding_table, limits.model_config.hidden_size,
+                                  "prompt_tuning_config.embedding_table")
+    except ValueError as e:
+        raise RequestError(str(e)) from None
 
 
 def _int(name: str, value) -> int:
