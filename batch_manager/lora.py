@@ -70,6 +70,8 @@ def make_peft_cache(config: PeftCacheManagerConfig | None, cfg: ModelConfig, dty
     """The cache for `config` (defaults when None); memory_budget_bytes: what the KV pool's
     fraction applies to (free GPU memory, or the host KV budget on CPU)."""
     config = config if config is not None else PeftCacheManagerConfig()
+    if not isinstance(config, PeftCacheManagerConfig):
+        raise ValueError(f"peft_cache_manager_config: expected a PeftCacheManagerConfig, got {type(config).__name__}")
     _check(config)
     host = config.num_host_module_layer or (config.host_cache_size or DEFAULT_HOST_CACHE_BYTES)
     device = config.num_device_module_layer
