@@ -8,7 +8,8 @@ alpha / sqrt(r) with rsLoRA) already folded into B; rows are zero-padded at the 
 The model fuses q/k/v into one `qkv` linear and gate/up into one `mlp_in` linear; a module adds
 its B A x to a column range of one of the four linears of a layer (`LoraModule`). An adapter is
 kept per linear as one concatenated A [R, Hi] and a block-placed B [Ho_linear, R] (zeros outside
-each module's block), so one linear costs two matmuls per adapter whatever its modules.
+each module's block), so one linear costs two matmuls per adapter whatever its modules. The
+runtime's store of resident adapters and the per-step computation: runtime.lora_step.
 """
 from __future__ import annotations
 
@@ -142,81 +143,3 @@ def _linear_out_features(cfg: ModelConfig, linear: str) -> int:
     return {"qkv": cfg.q_size + 2 * cfg.kv_size, "out": cfg.hidden_size,
             "mlp_in": 2 * i if cfg.mlp_type == "gated" else i, "mlp_out": cfg.hidden_size}[linear]
 
-
-class LoraWeightStore:
-    """task id -> LoraAdapter resident on the runner's device (in its dtype): what the scheduler's
-    PEFT cache made resident, loaded and evicted by the step's fields. Builds each step's plan."""
-
-    def __init__(self, device: torch.device, dtype: torch.dtype):
-        self.device, self.dtype = device, dtype
-        self._adapters: dict[int, LoraAdapter] = {}
-
-    def __contains__(self, task_id: int) -> bool:
-        return task_id in self._adapters
-
-    def __len__(self) -> int:
-        return len(self._adapters)
-
-    def load(self, task_id: int, adapter: LoraAdapter) -> None:
-        self._adapters[task_id] = adapter.to(self.device, self.dtype)
-
-    def evict(self, task_id: int) -> None:
-        self._adapters.pop(task_id, None)
-
-    def plan(self, task_ids: list[int], starts: list[int], lengths: list[int]) -> "LoraStepPlan | None":
-        """task_ids [S] (-1: no adapter), token starts and counts [S] -> the step's plan (None when
-        no sequence has an adapter). ValueError for a task id that is not resident."""
-        token_ids_of: dict[int, list[int]] = {}
-        for seq, task_id in enumerate(task_ids):
-            if task_id < 0:
-                continue
-            if task_id not in self._adapters:
-                raise ValueError(f"lora_task_ids: task {task_id} (sequence {seq}) is not loaded in the runtime")
-            token_ids_of.setdefault(task_id, []).extend(range(starts[seq], starts[seq] + lengths[seq]))
-        if not token_ids_of:
-            return None
-        return LoraStepPlan([(self._adapters[t], rows) for t, rows in token_ids_of.items()], self.device)
-
-
-class LoraStepPlan:
-    """One step's adapters and their token rows. `apply` adds each adapter's B A x to the rows of
-    its tokens: the base matmul ran once for all rows; here two small matmuls per adapter present
-    in the step (a loop over the step's distinct adapters, never over requests or tokens)."""
-
-    def __init__(self, groups: list[tuple[LoraAdapter, list[int]]], device: torch.device):
-        self._groups = groups            # (adapter, sorted token indices of its sequences)
-        self._device = device
-        self._ranges: dict[tuple[int, int], list[tuple[LoraAdapter, slice | torch.Tensor]]] = {}
-
-    def _rows(self, row_start: int, num_rows: int) -> list[tuple[LoraAdapter, slice | torch.Tensor]]:
-        """The groups' rows within [row_start, row_start + num_rows), relative to row_start: a slice
-        when contiguous, else an int64 index [n] on the device (cached per range)."""
-        key = (row_start, num_rows)
-        cached = self._ranges.get(key)
-        if cached is None:
-            cached = []
-            stop = row_start + num_rows
-            for adapter, rows in self._groups:
-                local = [r - row_start for r in rows if row_start <= r < stop]
-                if not local:
-                    continue
-                if local[-1] - local[0] + 1 == len(local):
-                    cached.append((adapter, slice(local[0], local[-1] + 1)))
-                else:
-                    cached.append((adapter, torch.tensor(local, dtype=torch.int64, device=self._device)))
-            self._ranges[key] = cached
-        return cached
-
-    def apply(self, prefix: str, x: torch.Tensor, y: torch.Tensor, row_start: int = 0) -> None:
-        """y [n, out] += B A x [n, in] for the rows of each adapter that has factors for the linear
-        `prefix` ("layers.{l}.{linear}"); x and y hold tokens [row_start, row_start + n) of the step.
-        y is changed in place (also a strided view)."""
-        for adapter, rows in self._rows(row_start, x.shape[0]):
-            factors = adapter.factors.get(prefix)
-            if factors is None:
-                continue
-            a, b = factors
-            if isinstance(rows, slice):
-                y[rows].add_(torch.mm(torch.mm(x[rows], a.t()), b.t()))
-            else:
-                y.index_add_(0, rows, torch.mm(torch.mm(x.index_select(0, rows), a.t()), b.t()))

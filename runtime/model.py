@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from .config import ModelConfig
 from .linear import Linear
-from .lora import LoraStepPlan
+from .lora_step import LoraStepPlan
 from .rope import apply_rope, rope_cos_sin, rope_inv_freq
 from .weights import Weights
 

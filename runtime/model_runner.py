@@ -12,7 +12,7 @@
   num_logits            int32 [S]     optional (default 1 each): logits of each sequence's last n new
                                       tokens, 1 <= n <= its input length (a token + D drafts: D + 1)
   lora_task_ids         int64 [S]     optional: each sequence's LoRA adapter (-1: none), resident in
-                                      `lora_store` (runtime.lora)
+                                      `lora_store` (runtime.lora_step)
   prompt_embedding_table float [P, H] optional, with the two below (runtime.prompt_tuning): the
   prompt_table_offsets  int32 [S]     step's prompt tables stacked, each sequence's first row (-1:
   prompt_vocab_sizes    int32 [S]     none) and row count; an id vocab_size + j takes row j
@@ -41,7 +41,7 @@ import torch
 
 from .engine import Engine
 from .kernels import get_kernels
-from .lora import LoraWeightStore
+from .lora_step import LoraWeightStore
 from .model import StepLayout, Transformer
 from .prompt_tuning import TABLE_INPUTS, virtual_tokens
 

@@ -1,6 +1,6 @@
 """The runtime side of LoRA and prompt tuning: the PEFT directory loader (rows, scaling, refusals),
-the grouped per-step computation against a per-token reference (non-adjacent sequences of one
-adapter, MLP row chunks), and the runner's checks of its LoRA and prompt-table inputs."""
+the grouped per-step computation (batched and looped) against a per-token reference (interleaved
+sequences, MLP row chunks), and the runner's checks of its LoRA and prompt-table inputs."""
 from __future__ import annotations
 
 import json
@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from runtime import Engine, ModelRunner
-from runtime.lora import LORA_MODULE_IDS, LoraStepPlan, adapter_from_tensors
+from runtime.lora import LORA_MODULE_IDS, adapter_from_tensors
+from runtime.lora_step import LoraWeightStore
 from runtime.peft_adapter import load_peft_adapter
 from runtime.step_inputs import SequenceStep, pack_step
 from tests.factories import make_checkpoint
@@ -54,34 +55,51 @@ def test_peft_directory_refusals(llama, tmp_path):
             load_peft_adapter(tmp_path)
 
 
-def test_grouped_products_equal_a_per_token_reference(llama):
-    """Adapter 0 on tokens 0-2 and 7-9 (non-adjacent), adapter 1 on 3-6, none on 10-11; applied
+@pytest.mark.parametrize("sizes, batched", [((6, 4), True), ((12, 1, 1), False), ((8,), False),
+                                            ((3, 3, 2), True)])
+def test_grouped_products_equal_a_per_token_reference(llama, sizes, batched):
+    """Adapters of different ranks (one without the q/k/v linear) on sequences that interleave, one
+    more sequence without an adapter; batched (padded bmm) or looped per the rows' shares; applied
     whole and in row chunks (the MLP's) of 5."""
     root, _, _ = llama
     cfg = Engine.from_dir(root / "hf").model_config
     gen = torch.Generator().manual_seed(0)
-    adapters = []
-    for rank in (2, 6):
-        rows = [(LORA_MODULE_IDS["attn_k"], 0, rank), (LORA_MODULE_IDS["attn_v"], 0, rank)]
-        config = torch.tensor(rows, dtype=torch.int32)
-        adapters.append(adapter_from_tensors(torch.randn(2, rank * (64 + 32), generator=gen), config, cfg, 64))
-    rows_of = [[0, 1, 2, 7, 8, 9], [3, 4, 5, 6]]
-    plan = LoraStepPlan(list(zip(adapters, rows_of)), torch.device("cpu"))
-    x = torch.randn(12, 64, generator=gen)
-    base = torch.randn(12, 128, generator=gen)
+    store = LoraWeightStore(torch.device("cpu"), torch.float32)
+    for task_id, rank in enumerate((2, 6, 3)):
+        module = LORA_MODULE_IDS["attn_dense"] if task_id == 2 else LORA_MODULE_IDS["attn_k"]
+        config = torch.tensor([(module, 0, rank), (LORA_MODULE_IDS["attn_v"], 0, rank)], dtype=torch.int32)
+        store.load(task_id, adapter_from_tensors(torch.randn(2, rank * (64 + 64), generator=gen), config, cfg, 64))
+    # Sequences: adapter i's share split in two, interleaved with the others, then one without.
+    seq_tasks, seq_lengths = [], []
+    for half in (0, 1):
+        for task_id, size in enumerate(sizes):
+            n = size // 2 if half == 0 else size - size // 2
+            if n:
+                seq_tasks.append(task_id)
+                seq_lengths.append(n)
+    seq_tasks.append(-1)
+    seq_lengths.append(2)
+    starts = [sum(seq_lengths[:i]) for i in range(len(seq_lengths))]
+    plan = store.plan(seq_tasks, starts, seq_lengths)
+    num_tokens = sum(seq_lengths)
+    assert (type(plan._range(0, num_tokens)).__name__ == "_Batched") == batched
+    x = torch.randn(num_tokens, 64, generator=gen)
+    base = torch.randn(num_tokens, 128, generator=gen)
     expected = base.clone()
-    for adapter, rows in zip(adapters, rows_of):
-        a, b = adapter.factors["layers.0.qkv"]
-        for t in rows:
-            expected[t] += b @ (a @ x[t])
+    for seq, task_id in enumerate(seq_tasks):
+        factors = store[task_id].factors.get("layers.0.qkv") if task_id >= 0 else None
+        if factors is not None:
+            a, b = factors
+            for t in range(starts[seq], starts[seq] + seq_lengths[seq]):
+                expected[t] += b @ (a @ x[t])
     whole = base.clone()
     plan.apply("layers.0.qkv", x, whole)
     torch.testing.assert_close(whole, expected)
     chunked = base.clone()
-    for start in range(0, 12, 5):
+    for start in range(0, num_tokens, 5):
         plan.apply("layers.0.qkv", x[start:start + 5], chunked[start:start + 5], start)
     torch.testing.assert_close(chunked, expected)
-    assert torch.equal(whole[10:], base[10:])
+    assert torch.equal(whole[-2:], base[-2:])
     untouched = base.clone()
     plan.apply("layers.1.qkv", x, untouched)   # no factors for layer 1
     assert torch.equal(untouched, base)
