@@ -33,7 +33,7 @@ def setup(request, tmp_path_factory):
     fam = family(arch)
     models = {None: base,
               1: make_peft_adapter(base, root / "a1", 4, 8, ALL_TARGETS[fam], seed=1),
-              2: make_peft_adapter(base, root / "a2", 8, 32, SOME_TARGETS[fam], seed=2, use_rslora=True)}
+              2: make_peft_adapter(base, root / "a2", 8, 16, SOME_TARGETS[fam], seed=2, use_rslora=True)}
     adapters = {1: load_peft_adapter(root / "a1"), 2: load_peft_adapter(root / "a2")}
     return str(root / "engine"), models, adapters
 
