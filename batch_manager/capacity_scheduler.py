@@ -109,7 +109,9 @@ class CapacityScheduler:
     def _worst_case_blocks(self, r: LlmRequest) -> int:
         if r.beam_width > 1:
             return max_beam_blocks(self.kv, r.beam_width, r.max_num_tokens)
-        return self.kv.max_blocks_held(r.prompt_len, r.max_num_tokens)
+        # Drafts never take a request past max_num_tokens (the scheduler clips them); a window
+        # counts the longest step, drafts included.
+        return self.kv.max_blocks_held(r.prompt_len + r.max_draft_len, r.max_num_tokens)
 
     def _admission_cost(self, r: LlmRequest) -> int:
         """Free blocks admitting `r` takes out of the promise: its worst case, less the cached
@@ -138,7 +140,7 @@ class CapacityScheduler:
         live beam, with a private copy of the block each beam writes)."""
         if r.num_live_beams == 1:
             self.kv.release_invisible_blocks(r.request_id, r.num_computed_tokens)
-            return self.kv.allocate(r.request_id, r.num_tokens)
+            return self.kv.allocate(r.request_id, r.num_tokens_with_drafts)
         for b in range(r.num_live_beams):
             holder = beam_holder(r.request_id, b)
             self.kv.release_invisible_blocks(holder, r.num_computed_tokens)
@@ -189,9 +191,9 @@ class StaticBatchScheduler(CapacityScheduler):
             return super().schedule(requests, in_flight)
         budget, admissible = self.max_num_tokens, []
         for r in waiting_by_priority(requests):
-            if admissible and r.num_tokens > budget:
+            if admissible and r.num_tokens_with_drafts > budget:
                 break
-            budget -= r.num_tokens
+            budget -= r.num_tokens_with_drafts
             admissible.append(r)
         return super().schedule(admissible, in_flight)
 
@@ -223,7 +225,7 @@ class MaxUtilizationScheduler(CapacityScheduler):
             return out
         for r in waiting_by_priority(requests):
             prefix = self.kv.find_cached_prefix(_reusable_tokens(r))
-            cost = (r.num_live_beams * self.kv.blocks_for_tokens(r.num_tokens) - len(prefix)
+            cost = (r.num_live_beams * self.kv.blocks_for_tokens(r.num_tokens_with_drafts) - len(prefix)
                     + sum(1 for b in prefix if self.kv.is_free(b)))
             if num_holding >= self.max_num_requests or cost > self.kv.num_free_blocks or \
                     not self._can_start_adapter(r):

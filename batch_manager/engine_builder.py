@@ -16,11 +16,12 @@ from runtime import Engine, ModelRunner
 from runtime.kv_cache_manager import KvCacheManager
 
 from .capacity_scheduler import make_capacity_scheduler
+from .guided_decoding import GuidedDecodingConfig
 from .kv_sizing import host_budget_bytes, num_kv_blocks
 from .lora import PeftCacheManagerConfig, make_peft_cache
 from .micro_batch_scheduler import MicroBatchScheduler
 from .model_executor import ModelExecutor
-from .options import KvCacheConfig, SchedulerPolicy, TrtGptModelOptionalParams, TrtGptModelType
+from .options import DecodingConfig, KvCacheConfig, SchedulerPolicy, TrtGptModelOptionalParams, TrtGptModelType
 from .scheduler import Scheduler
 from .validation import AdmissionLimits
 from .worker import Worker, WorkerConfig
@@ -91,6 +92,13 @@ def build_engine_core(engine_dir, model_type: TrtGptModelType, max_beam_width: i
     """Everything that touches the engine; call it on the worker thread (see `start_worker`)."""
     kv_config = params.kv_cache_config
     _check_kv_cache_config(kv_config)
+    max_draft_tokens = _non_negative("TrtGptModelOptionalParams.max_draft_tokens", params.max_draft_tokens)
+    decoding = params.decoding_config or DecodingConfig()
+    _non_negative("DecodingConfig.prompt_lookup_num_tokens", decoding.prompt_lookup_num_tokens)
+    if _non_negative("DecodingConfig.max_matching_ngram_size", decoding.max_matching_ngram_size) < 1 \
+            and decoding.prompt_lookup_num_tokens:
+        raise ValueError(f"DecodingConfig.max_matching_ngram_size: must be >= 1 with prompt lookup, "
+                         f"got {decoding.max_matching_ngram_size}")
     engine = Engine.from_dir(engine_dir)
     build = engine.build_config
     max_batch_size = _positive("max_batch_size", params.max_batch_size, build.max_batch_size)
@@ -121,12 +129,18 @@ def build_engine_core(engine_dir, model_type: TrtGptModelType, max_beam_width: i
         vocab_size=engine.model_config.vocab_size, max_input_len=build.max_input_len,
         max_seq_len=build.max_seq_len, max_beam_width=max_beam_width, max_num_blocks=num_blocks,
         tokens_per_block=build.tokens_per_block, gather_context_logits=build.gather_context_logits,
-        gather_generation_logits=build.gather_generation_logits, model_config=engine.model_config,
+        gather_generation_logits=build.gather_generation_logits, max_draft_tokens=max_draft_tokens,
+        max_batch_size=max_batch_size,
+        guides=_grammar_compiler(params.guided_decoding_config, engine.model_config.vocab_size),
+        model_config=engine.model_config,
         peft_cache_config=params.peft_cache_manager_config or PeftCacheManagerConfig())
     config = WorkerConfig(model_type=model_type, max_num_sequences=max_num_sequences,
-                          enable_trt_overlap=enable_trt_overlap)
+                          enable_trt_overlap=enable_trt_overlap,
+                          uses_drafts=bool(max_draft_tokens or decoding.prompt_lookup_num_tokens))
     scheduler = Scheduler(kv, capacity, MicroBatchScheduler(max_batch_size, max_num_tokens, enable_chunked_context),
-                          separate_context_forward=model_type != TrtGptModelType.InflightFusedBatching)
+                          separate_context_forward=model_type != TrtGptModelType.InflightFusedBatching,
+                          prompt_lookup_num_tokens=decoding.prompt_lookup_num_tokens,
+                          max_matching_ngram_size=decoding.max_matching_ngram_size)
     return EngineCore(scheduler, ModelExecutor(runner, params.logits_post_processor_batched), limits, config)
 
 
@@ -135,6 +149,20 @@ def _check_kv_cache_config(kv: KvCacheConfig) -> None:
         value = getattr(kv, name)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < low):
             raise ValueError(f"KvCacheConfig.{name}: must be an integer >= {low} or None, got {value!r}")
+
+
+def _grammar_compiler(config, vocab_size: int):
+    if config is None:
+        return None
+    if not isinstance(config, GuidedDecodingConfig):
+        raise ValueError(f"guided_decoding_config: expected a GuidedDecodingConfig, got {type(config).__name__}")
+    return config.build_compiler(vocab_size)
+
+
+def _non_negative(name: str, value) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{name}: must be an integer >= 0, got {value!r}")
+    return value
 
 
 def _positive(name: str, value, default: int) -> int:

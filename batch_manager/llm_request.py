@@ -73,6 +73,7 @@ class LlmRequest:
     finish_reason: FinishReason | None = None
     error: str | None = None
     log_probs: list[float] = field(default_factory=list)
+    top_log_probs: list[tuple] = field(default_factory=list)   # per generated token: (k log probs, k ids)
     cum_log_prob: float = 0.0     # includes the end token's log prob, which has no log_probs entry
     has_decoder_state: bool = False  # the executor opened its decoder state (released when it ends)
     holds_adapter: bool = False      # its adapter is pinned on the device (while it holds KV blocks)
@@ -85,6 +86,16 @@ class LlmRequest:
     beam_cum_log_probs: list[float] = field(default_factory=list)
     num_live_beams: int = 1       # KV holders of the request: beam b > 0 is (request_id, b)
     pending_block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) before its next forward
+    # Draft tokens (beam width 1): those to verify in the next forward (the request's own
+    # draft_input_ids before its first token, then the drafter's), the most one step may carry
+    # (what the KV reservation counts), and counters for the stats.
+    draft_tokens: list[int] = field(default_factory=list)
+    draft_logits: Any = None               # float32 [D, V] of the request's own drafts, or None
+    draft_acceptance_threshold: float | None = None
+    max_draft_len: int = 0
+    guide: Any = None   # guided decoding: Future of the compiled grammar; the request waits until it is done
+    num_draft_tokens_proposed: int = 0
+    num_draft_tokens_accepted: int = 0
     context_logits: Any = None             # float32 [prompt_len, V] when requested
     generation_logits: list[Any] = field(default_factory=list)  # float32 [V] per generated token
 
@@ -115,6 +126,11 @@ class LlmRequest:
     def max_num_tokens(self) -> int:
         """Worst-case length: prompt + max_new_tokens (what GUARANTEED_NO_EVICT reserves)."""
         return len(self.prompt) + self.max_new_tokens
+
+    @property
+    def num_tokens_with_drafts(self) -> int:
+        """What its next step writes KV for when it carries its drafts."""
+        return self.num_tokens + len(self.draft_tokens)
 
     @property
     def num_tokens_to_compute(self) -> int:
@@ -159,8 +175,11 @@ class LlmRequest:
         self.state = new
 
     def pause(self) -> None:
-        """Drop the KV cache; the request resumes later by recomputing all its tokens."""
+        """Drop the KV cache; the request resumes later by recomputing all its tokens (the
+        drafter's drafts go; its own draft_input_ids stay until its first token)."""
         self.set_state(RequestState.WAITING)
+        if self.generated:
+            self.draft_tokens = []
         self.num_computed_tokens = 0
         self.num_pauses += 1
 

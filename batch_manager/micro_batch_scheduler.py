@@ -45,10 +45,13 @@ class MicroBatchScheduler:
         num_sequences = 0  # a beam-search request runs one sequence per live beam
         for r in fitting:
             k = r.num_live_beams
-            if r.state == RequestState.GENERATION and num_sequences + k <= limit \
-                    and num_tokens + k <= self.max_num_tokens:
+            if r.state != RequestState.GENERATION or num_sequences + k > limit:
+                continue
+            if num_tokens + k + len(r.draft_tokens) > self.max_num_tokens:
+                r.draft_tokens = []   # no room for its drafts this step: one token, as without them
+            if num_tokens + k <= self.max_num_tokens:
                 batch.generation_requests.append(r)
-                num_tokens += k
+                num_tokens += k + len(r.draft_tokens)
                 num_sequences += k
         for r in fitting:
             k = r.num_live_beams
@@ -56,11 +59,13 @@ class MicroBatchScheduler:
                 continue
             n, budget = r.num_tokens_to_compute, self.max_num_tokens - num_tokens
             r.context_chunk_size = None
-            if n > budget and self.enable_chunked_context and budget > 0 and not r.return_context_logits and k == 1:
-                r.context_chunk_size = n = budget
-            if n * k <= budget or batch.num_requests == 0:
+            cost = n + len(r.draft_tokens)   # drafts ride on the last chunk (beam width 1)
+            if cost > budget and self.enable_chunked_context and budget > 0 and not r.return_context_logits \
+                    and k == 1 and n > 1:
+                r.context_chunk_size = cost = min(budget, n - 1)
+            if cost * k <= budget or batch.num_requests == 0:
                 batch.context_requests.append(r)
-                batch.num_context_tokens += n * k
-                num_tokens += n * k
+                batch.num_context_tokens += cost * k
+                num_tokens += cost * k
                 num_sequences += k
         return batch

@@ -72,18 +72,20 @@ class ModelExecutor:
         if copies:
             self.runner.copy_blocks([src for src, _ in copies], [dst for _, dst in copies])
         outputs = self.runner.forward(pack_step([
-            SequenceStep(tokens, r.past_length, table, r.return_context_logits, lora_task_id=r.lora_task_id,
-                         prompt_table=self._prompt_table(r, tokens))
+            SequenceStep(tokens, r.past_length, table, r.return_context_logits, 1 + r.num_draft_tokens,
+                         lora_task_id=r.lora_task_id, prompt_table=self._prompt_table(r, tokens))
             for r in group for tokens, table in zip(r.token_ids, r.block_tables)]))
         rows, decoded, first_row = [], [], 0
         context_logits, first_token = {}, 0
         for r in group:
+            num_rows = r.num_beams * (1 + r.num_draft_tokens)   # logits after the last token and each draft
             if r.is_last_chunk:
-                rows += range(first_row, first_row + r.num_beams)
+                rows += range(first_row, first_row + num_rows)
                 decoded.append(r)
-            first_row += r.num_beams
-            if r.return_context_logits:   # flagged sequences' logits, packed in order
-                context_logits[r.request_id] = outputs["context_logits"][first_token:first_token + r.num_step_tokens]
+            first_row += num_rows
+            if r.return_context_logits:   # flagged sequences' logits, packed in order (the prompt's only)
+                num_prompt = r.num_step_tokens - r.num_draft_tokens
+                context_logits[r.request_id] = outputs["context_logits"][first_token:first_token + num_prompt]
                 first_token += r.num_step_tokens * r.num_beams
         by_id = {}
         if decoded:

@@ -50,6 +50,15 @@ class KvCacheConfig:
 
 
 @dataclass
+class DecodingConfig:
+    """The built-in drafter: prompt lookup proposes up to `prompt_lookup_num_tokens` draft tokens
+    per generation step of every greedy request (beam width 1), continuing the most recent earlier
+    match of its last n tokens (n = max_matching_ngram_size down to 1); 0 turns it off."""
+    prompt_lookup_num_tokens: int = 0
+    max_matching_ngram_size: int = 3
+
+
+@dataclass
 class TrtGptModelOptionalParams:
     kv_cache_config: KvCacheConfig = field(default_factory=KvCacheConfig)
     max_num_sequences: int | None = None   # None = max_batch_size
@@ -69,3 +78,6 @@ class TrtGptModelOptionalParams:
     logits_post_processor_batched: Callable | None = None
     # batch_manager.lora.PeftCacheManagerConfig: bounds of the LoRA adapter cache (None: defaults)
     peft_cache_manager_config: Any = None
+    max_draft_tokens: int = 0              # longest draft_input_ids a request may bring (0: drafts refused)
+    decoding_config: DecodingConfig | None = None
+    guided_decoding_config: Any = None     # batch_manager.guided_decoding.GuidedDecodingConfig

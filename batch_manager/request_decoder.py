@@ -37,6 +37,9 @@ class RequestDecoder:
 
     def open(self, request_id: int, new: NewRequest) -> None:
         state = DecodeState(new.decoding_params, new.record, new.max_new_tokens, new.return_generation_logits)
+        state.draft_logits, state.draft_acceptance_threshold = new.draft_logits, new.draft_acceptance_threshold
+        if new.guide is not None:
+            state.guide = new.guide.start()
         self._entries[request_id] = _Entry(state, new.logits_post_processor, new.use_batched_post_processor,
                                            new.client_id)
 
@@ -45,13 +48,14 @@ class RequestDecoder:
             self._entries.pop(request_id, None)
 
     def decode(self, requests: list[ScheduledRequest], logits: torch.Tensor) -> dict[int, RequestResult]:
-        """logits float32 [sum of live beams, V], the requests' rows in order: one step for each."""
+        """logits float32 [rows, V], the requests' rows in order (one per live beam, or 1 + D for a
+        request with D drafts): one step for each."""
         entries = [self._entries[r.request_id] for r in requests]
         spans, start = [], 0
-        for e in entries:
-            spans.append((start, start + e.state.num_rows))
-            start += e.state.num_rows
-        assert start == logits.shape[0], "one logits row per live beam"
+        for r, e in zip(requests, entries):
+            spans.append((start, start + e.state.num_rows + r.num_draft_tokens))
+            start = spans[-1][1]
+        assert start == logits.shape[0], "one logits row per live beam (and per draft)"
         with torch.inference_mode():  # the runtime's outputs are inference tensors
             failures = self._post_process(requests, entries, logits, spans)
         results = {r.request_id: RequestResult(r.request_id, error=failures[r.request_id])
@@ -60,12 +64,13 @@ class RequestDecoder:
         if keep:
             if len(keep) < len(requests):
                 logits = logits[[row for i in keep for row in range(*spans[i])]]
-            outcomes = self.decoder.step([entries[i].state for i in keep], logits)
+            outcomes = self.decoder.step([entries[i].state for i in keep], logits, [requests[i].drafts for i in keep])
             for i, o in zip(keep, outcomes):
                 results[requests[i].request_id] = RequestResult(
                     requests[i].request_id, new_tokens=o.tokens, new_log_probs=o.log_probs,
                     new_generation_logits=o.logits, cum_log_prob=o.cum_log_prob,
-                    beams=o.beams, finish_reason=o.finish_reason)
+                    beams=o.beams, finish_reason=o.finish_reason, num_accepted_draft_tokens=o.num_accepted_drafts,
+                    new_top_log_probs=o.top_log_probs)
         self.release(r.request_id for r in requests if r.request_id in failures or
                      self._entries[r.request_id].state.is_finished)
         return results
@@ -73,37 +78,43 @@ class RequestDecoder:
     def _post_process(self, requests, entries: list[_Entry], logits: torch.Tensor, spans) -> dict[int, str]:
         """Per-request post-processors, fn(request_id, logits [beams, V], token_ids [per beam],
         stream, client_id), then the batched one over every request that asked for it; both may
-        modify the logits in place or return new ones. -> request id -> error, for those that raised."""
+        modify the logits in place or return new ones. A request with drafts is handed each of its
+        positions in turn (logits [1, V], its tokens and the drafts before that position), as if
+        they had been generated one by one. -> request id -> error, for those that raised."""
         failures: dict[int, str] = {}
 
-        def token_ids(e: _Entry) -> list[list[int]]:
-            return [e.state.record.sequence(b) for b in range(e.state.num_rows)]
+        def positions(r: ScheduledRequest, e: _Entry, lo: int, hi: int) -> list[tuple[torch.Tensor, list]]:
+            if not r.num_draft_tokens:
+                return [(logits[lo:hi], [e.state.record.sequence(b) for b in range(e.state.num_rows)])]
+            sequence = e.state.record.sequence(0)
+            return [(logits[lo + j:lo + j + 1], [sequence + list(r.drafts[:j])]) for j in range(hi - lo)]
 
         for r, e, (lo, hi) in zip(requests, entries, spans):
             if e.post_processor is None:
                 continue
-            view = logits[lo:hi]
             try:
-                _write_back(view, e.post_processor(r.request_id, view, token_ids(e), None, e.client_id))
+                for view, token_ids in positions(r, e, lo, hi):
+                    _write_back(view, e.post_processor(r.request_id, view, token_ids, None, e.client_id))
             except Exception as exc:  # noqa: BLE001 - user code fails only its own request
                 logger.exception("logits post-processor of request %s raised", r.request_id)
                 failures[r.request_id] = f"logits post-processor raised: {exc!r}"
         batched = [i for i, (r, e) in enumerate(zip(requests, entries))
                    if e.use_batched_post_processor and r.request_id not in failures]
         if batched and self.batched_post_processor is not None:
-            views = [logits[spans[i][0]:spans[i][1]] for i in batched]
+            calls = [(i, view, token_ids) for i in batched
+                     for view, token_ids in positions(requests[i], entries[i], *spans[i])]
             try:
-                outputs = self.batched_post_processor([requests[i].request_id for i in batched], views,
-                                                      [token_ids(entries[i]) for i in batched],
-                                                      None, [entries[i].client_id for i in batched])
-                for view, output in zip(views, outputs or []):
+                outputs = self.batched_post_processor([requests[i].request_id for i, _, _ in calls],
+                                                      [view for _, view, _ in calls],
+                                                      [token_ids for _, _, token_ids in calls],
+                                                      None, [entries[i].client_id for i, _, _ in calls])
+                for (_, view, _), output in zip(calls, outputs or []):
                     _write_back(view, output)
             except Exception as exc:  # noqa: BLE001 - fails the requests it was called for
                 logger.exception("batched logits post-processor raised")
                 for i in batched:
                     failures[requests[i].request_id] = f"batched logits post-processor raised: {exc!r}"
         return failures
-
 
 def _write_back(view: torch.Tensor, output) -> None:
     if isinstance(output, torch.Tensor) and output is not view:

@@ -13,15 +13,14 @@ def response_tensors(r: LlmRequest, exclude_input_in_output: bool) -> list[Named
     (generated only with exclude_input_in_output). Beam width 1: every tensor has beam dim 1."""
     if r.beam_width > 1:
         return _beam_response_tensors(r, exclude_input_in_output)
+    start = r.num_sent_tokens if r.is_streaming else 0
     if r.is_streaming:
-        start = r.num_sent_tokens
         tokens = r.generated[start:]
-        log_probs = r.log_probs[start:] if r.return_log_probs else None
-        generation_logits = r.generation_logits[start:]
     else:
         tokens = r.generated if exclude_input_in_output else r.prompt + r.generated
-        log_probs = r.log_probs if r.return_log_probs else None
-        generation_logits = r.generation_logits
+    log_probs = r.log_probs[start:] if r.return_log_probs else None
+    generation_logits = r.generation_logits[start:]
+    top_log_probs = r.top_log_probs[start:]
     num_generated = len(r.generated) - (r.num_sent_tokens if r.is_streaming else 0)
     r.num_sent_tokens = len(r.generated)
 
@@ -40,9 +39,15 @@ def response_tensors(r: LlmRequest, exclude_input_in_output: bool) -> list[Named
         generation_logits_t = torch.zeros(1, 1, 0, 1, dtype=torch.float32)
     else:
         generation_logits_t = torch.zeros(1, 1, 1, 1, dtype=torch.float32)
-    return [NamedTensor(output_ids, tn.OUTPUT_IDS), NamedTensor(sequence_length, tn.SEQUENCE_LENGTH),
-            NamedTensor(output_log_probs, tn.OUTPUT_LOG_PROBS), NamedTensor(cum_log_probs, tn.CUM_LOG_PROBS),
-            NamedTensor(context_logits, tn.CONTEXT_LOGITS), NamedTensor(generation_logits_t, tn.GENERATION_LOGITS)]
+    tensors = [NamedTensor(output_ids, tn.OUTPUT_IDS), NamedTensor(sequence_length, tn.SEQUENCE_LENGTH),
+               NamedTensor(output_log_probs, tn.OUTPUT_LOG_PROBS), NamedTensor(cum_log_probs, tn.CUM_LOG_PROBS),
+               NamedTensor(context_logits, tn.CONTEXT_LOGITS), NamedTensor(generation_logits_t, tn.GENERATION_LOGITS)]
+    k = r.decoding.num_top_log_probs if r.decoding is not None else 0
+    if k:   # [1, 1, generated, k]
+        values = torch.tensor([v for v, _ in top_log_probs], dtype=torch.float32).view(1, 1, -1, k)
+        ids = torch.tensor([i for _, i in top_log_probs], dtype=torch.int32).view(1, 1, -1, k)
+        tensors += [NamedTensor(values, tn.TOP_LOG_PROBS), NamedTensor(ids, tn.TOP_LOG_PROB_IDS)]
+    return tensors
 
 
 def _context_logits(r: LlmRequest) -> torch.Tensor:

@@ -13,6 +13,7 @@ from runtime.kv_cache_manager import KvCacheManager
 from .capacity_scheduler import CapacityScheduler
 from .llm_request import FinishReason, LlmRequest, RequestState
 from .micro_batch_scheduler import MicroBatchScheduler
+from .prompt_lookup import propose_drafts
 from .step import NewRequest, RequestResult, ScheduledRequest, ScheduledStep, StepResult
 
 _FINISH_REASONS = {"end_id": FinishReason.END_ID, "stop_words": FinishReason.STOP_WORDS,
@@ -21,11 +22,17 @@ _FINISH_REASONS = {"end_id": FinishReason.END_ID, "stop_words": FinishReason.STO
 
 class Scheduler:
     def __init__(self, kv_cache_manager: KvCacheManager, capacity: CapacityScheduler,
-                 micro_batch: MicroBatchScheduler, separate_context_forward: bool = False):
+                 micro_batch: MicroBatchScheduler, separate_context_forward: bool = False,
+                 prompt_lookup_num_tokens: int = 0, max_matching_ngram_size: int = 3):
         self.kv, self.capacity, self.micro_batch = kv_cache_manager, capacity, micro_batch
         self.separate_context_forward = separate_context_forward
+        # The built-in drafter (prompt lookup) for greedy requests of beam width 1; 0 = off.
+        self.prompt_lookup_num_tokens = prompt_lookup_num_tokens
+        self.max_matching_ngram_size = max_matching_ngram_size
         self._requests: dict[int, LlmRequest] = {}   # admission order
         self._released_ids: list[int] = []          # ended with a decoder state: freed by the next step
+        self.num_draft_tokens_proposed = 0          # cumulative: drafts sent to verification
+        self.num_draft_tokens_accepted = 0
         self._num_steps = 0
 
     @property
@@ -46,10 +53,17 @@ class Scheduler:
     def add(self, r: LlmRequest) -> None:
         """Admit `r`; one whose adapter the PEFT cache refuses ends at once with that error."""
         assert r.request_id not in self._requests, f"request {r.request_id} is active already"
+        if self._uses_drafter(r):
+            r.max_draft_len = max(r.max_draft_len, self.prompt_lookup_num_tokens)
+        # Drafts never take a request past max_new_tokens: D <= what is left after one more token.
+        del r.draft_tokens[max(0, r.max_new_tokens - 1):]
         self._requests[r.request_id] = r
         error = self.capacity.register(r)
         if error is not None:
             r.finish(FinishReason.ERROR, error)
+
+    def _uses_drafter(self, r: LlmRequest) -> bool:
+        return bool(self.prompt_lookup_num_tokens) and r.beam_width == 1 and r.decoding.is_greedy
 
     def stop(self, request_id: int) -> None:
         """End a request with what it has; its blocks go in `pop_finished`."""
@@ -94,8 +108,10 @@ class Scheduler:
         """-> (the step, requests paused to make room). Requests in `in_flight_ids` (their
         forward runs: overlap) keep their blocks and are not scheduled; `max_batch_size` lowers
         the micro-batch limit for this step."""
-        requests = list(self._requests.values())
+        requests = self._ready(list(self._requests.values()))
         in_flight = frozenset(r for r in requests if r.request_id in in_flight_ids)
+        if self.prompt_lookup_num_tokens:
+            self._propose_drafts(r for r in requests if r.state == RequestState.GENERATION and r not in in_flight)
         capacity = self.capacity.schedule(requests, in_flight)
         batch = self.micro_batch.schedule(capacity.fitting, max_batch_size)
         adapter_loads, adapter_evictions = self.capacity.take_adapter_changes()
@@ -110,23 +126,51 @@ class Scheduler:
         self._num_steps += 1
         return step, len(capacity.paused)
 
+    @staticmethod
+    def _ready(requests: list[LlmRequest]) -> list[LlmRequest]:
+        """The requests that may be scheduled: a guided request waits until its grammar is
+        compiled (off this thread), and one whose guide failed to compile ends with that error."""
+        ready = []
+        for r in requests:
+            if r.guide is not None and r.state == RequestState.WAITING:
+                if not r.guide.done():
+                    continue
+                if r.guide.exception() is not None:
+                    r.finish(FinishReason.ERROR, str(r.guide.exception()))
+                    continue
+            ready.append(r)
+        return ready
+
+    def _propose_drafts(self, requests) -> None:
+        for r in requests:
+            if self._uses_drafter(r):
+                room = r.max_new_tokens - len(r.generated) - 1
+                r.draft_tokens = propose_drafts(r.record.sequence(0), min(room, self.prompt_lookup_num_tokens),
+                                                self.max_matching_ngram_size) if room > 0 else []
+
     def _scheduled(self, r: LlmRequest) -> ScheduledRequest:
         past = r.num_computed_tokens
         n = r.context_chunk_size or r.num_tokens_to_compute
         r.context_chunk_size = None
+        is_last_chunk = past + n == r.num_tokens
+        drafts = tuple(r.draft_tokens) if is_last_chunk else ()
+        r.num_draft_tokens_proposed += len(drafts)
+        self.num_draft_tokens_proposed += len(drafts)
         beams = range(r.num_live_beams)
         copies, r.pending_block_copies = tuple(r.pending_block_copies), []
         new = None
         if not r.has_decoder_state:
             r.has_decoder_state = True
             new = NewRequest(r.decoding, r.record, r.max_new_tokens, r.return_generation_logits,
-                             r.logits_post_processor, r.use_batched_post_processor, r.client_id, r.prompt_table)
+                             r.logits_post_processor, r.use_batched_post_processor, r.client_id,
+                             r.draft_logits, r.draft_acceptance_threshold,
+                             None if r.guide is None else r.guide.result(), prompt_table=r.prompt_table)
         return ScheduledRequest(
             request_id=r.request_id,
-            token_ids=tuple(tuple(r.beam_token_slice(b, past, past + n)) for b in beams),
+            token_ids=tuple(tuple(r.beam_token_slice(b, past, past + n)) + drafts for b in beams),
             past_length=past,
             block_tables=tuple(tuple(self.kv.block_table(beam_holder(r.request_id, b))) for b in beams),
-            is_last_chunk=past + n == r.num_tokens, block_copies=copies,
+            is_last_chunk=is_last_chunk, block_copies=copies, num_draft_tokens=len(drafts),
             # Whole-prompt logits: such a request is never chunked and reuses no prefix.
             return_context_logits=r.return_context_logits and r.context_logits is None and past == 0,
             new=new, lora_task_id=None if r.lora is None else r.lora.task_id)
@@ -144,13 +188,21 @@ class Scheduler:
             if res.error is not None:
                 r.finish(FinishReason.ERROR, res.error)
                 continue
-            r.num_computed_tokens += scheduled.num_step_tokens
+            # Rejected drafts: their KV is rolled back (never counted computed, never registered).
+            accepted = res.num_accepted_draft_tokens
+            r.num_computed_tokens += scheduled.num_step_tokens - scheduled.num_draft_tokens + accepted
+            if scheduled.is_last_chunk:
+                self._record(r, res)
+                r.draft_tokens = []   # verified, or (no room this step) stale: the drafter proposes anew
+            if scheduled.num_draft_tokens:
+                r.num_draft_tokens_accepted += accepted
+                self.num_draft_tokens_accepted += accepted
+                if not r.is_finished:
+                    self.kv.truncate(r.request_id, r.num_tokens)
             if self.kv.enable_block_reuse:
                 self.kv.store_computed_blocks(
                     r.request_id, r.reuse_token_slice(self.kv.num_stored_tokens(r.request_id), r.num_computed_tokens),
                     r.num_computed_tokens)
-            if scheduled.is_last_chunk:
-                self._record(r, res)
 
     def _record(self, r: LlmRequest, res: RequestResult) -> None:
         if res.context_logits is not None:
@@ -159,6 +211,7 @@ class Scheduler:
         beams = res.beams
         if beams is None:
             r.log_probs += res.new_log_probs
+            r.top_log_probs += res.new_top_log_probs
             r.generation_logits += res.new_generation_logits
             r.cum_log_prob = res.cum_log_prob
         else:

@@ -32,6 +32,9 @@ class IterationStats:
     micro_batch_id: int = 0
     num_lora_adapters: int = 0      # adapters in the PEFT cache (host level)
     num_lora_evictions: int = 0     # adapters dropped from the cache so far
+    # Cumulative draft tokens verified and accepted; None when drafts are off (keys left out).
+    num_draft_tokens_proposed: int | None = None
+    num_draft_tokens_accepted: int | None = None
 
 
 def stats_json(s: IterationStats, is_static_batching: bool) -> str:
@@ -61,4 +64,7 @@ def stats_json(s: IterationStats, is_static_batching: bool) -> str:
         d.update({"Scheduled Requests": s.num_scheduled, "Context Requests": s.num_context,
                   "Generation Requests": s.num_generation, "Total Context Tokens": s.num_context_tokens,
                   "MicroBatch ID": s.micro_batch_id, "Paused Requests": s.num_paused})
+    if s.num_draft_tokens_proposed is not None:
+        d.update({"Draft Tokens Proposed": s.num_draft_tokens_proposed,
+                  "Draft Tokens Accepted": s.num_draft_tokens_accepted})
     return orjson.dumps(d).decode()

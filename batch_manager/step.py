@@ -20,6 +20,9 @@ class NewRequest:
     logits_post_processor: Callable | None = None
     use_batched_post_processor: bool = False
     client_id: Any = None                # the Executor request's client_id, handed to post-processors
+    draft_logits: Any = None             # float32 [D, V]: the external drafts' distribution, when given
+    draft_acceptance_threshold: float | None = None
+    guide: Any = None                    # guided decoding: the compiled grammar (runtime.decoding.guided.Template)
     prompt_table: Any = None             # float32 [T, hidden] (prompt tuning): the executor keeps it until release
 
 
@@ -35,6 +38,8 @@ class ScheduledRequest:
     return_context_logits: bool = False        # the whole prompt runs in this step; its logits are wanted
     new: NewRequest | None = None              # set on the request's first step only
     lora_task_id: int | None = None            # its LoRA adapter (resident in the runtime's store), or None
+    num_draft_tokens: int = 0                  # the last D of token_ids are drafts (beam width 1, last chunk):
+                                               # logits are wanted after each of the last D + 1 tokens
 
     @property
     def num_beams(self) -> int:
@@ -42,8 +47,12 @@ class ScheduledRequest:
 
     @property
     def num_step_tokens(self) -> int:
-        """New tokens of each beam."""
+        """New tokens of each beam (drafts included)."""
         return len(self.token_ids[0])
+
+    @property
+    def drafts(self) -> tuple[int, ...]:
+        return self.token_ids[0][len(self.token_ids[0]) - self.num_draft_tokens:] if self.num_draft_tokens else ()
 
 
 @dataclass(frozen=True)
@@ -82,6 +91,8 @@ class RequestResult:
     beams: BeamOutputs | None = None       # beam search
     context_logits: Any = None             # float32 [prompt_len, V] when requested
     finish_reason: str | None = None       # "end_id" | "stop_words" | "length" when it finished
+    num_accepted_draft_tokens: int = 0     # drafts among new_tokens: their KV (computed this step) is kept
+    new_top_log_probs: tuple = ()          # per new token: (k log probs, k ids), when asked
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,10 @@ TOP_P_DECAY = "top_p_decay"
 TOP_P_MIN = "top_p_min"
 TOP_P_RESET_IDS = "top_p_reset_ids"
 BEAM_SEARCH_DIVERSITY_RATE = "beam_search_diversity_rate"
+# Beyond the seeds:
+MIN_P = "min_p"
+NUM_TOP_LOG_PROBS = "num_top_log_probs"
+NUM_RETURN_SEQUENCES = "num_return_sequences"
 
 OUTPUT_IDS = "output_ids"
 SEQUENCE_LENGTH = "sequence_length"
@@ -43,6 +47,8 @@ OUTPUT_LOG_PROBS = "output_log_probs"
 CUM_LOG_PROBS = "cum_log_probs"
 CONTEXT_LOGITS = "context_logits"
 GENERATION_LOGITS = "generation_logits"
+TOP_LOG_PROBS = "top_log_probs"          # float32 [1, 1, generated, k], when num_top_log_probs is set
+TOP_LOG_PROB_IDS = "top_log_prob_ids"    # int32 [1, 1, generated, k]
 
 # wire name -> InferenceRequest property name (where they differ, the legacy binding's spelling)
 INPUT_NAME_TO_PROPERTY = {
@@ -58,6 +64,7 @@ INPUT_NAME_TO_PROPERTY = {
     LORA_TASK_ID: "lora_task_id", LORA_WEIGHTS: "lora_weights", LORA_CONFIG: "lora_config",
     NO_REPEAT_NGRAM_SIZE: "no_repeat_ngram_size", INPUT_LENGTHS: "input_lengths",
     TOP_P_DECAY: "top_p_decay", TOP_P_MIN: "top_p_min", TOP_P_RESET_IDS: "top_p_reset_ids",
-    BEAM_SEARCH_DIVERSITY_RATE: "beam_search_diversity_rate",
+    BEAM_SEARCH_DIVERSITY_RATE: "beam_search_diversity_rate", MIN_P: "min_p", NUM_TOP_LOG_PROBS: "num_top_log_probs",
+    NUM_RETURN_SEQUENCES: "num_return_sequences",
 }
 INPUT_NAMES = frozenset(INPUT_NAME_TO_PROPERTY)

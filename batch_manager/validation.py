@@ -14,6 +14,7 @@ from runtime.prompt_tuning import check_prompt_table, table_digest
 
 from . import tensor_names as tn
 from .inference_request import InferenceRequest
+from .guided_decoding import check_guide
 from .llm_request import LlmRequest
 from .lora import PeftCacheManagerConfig, adapter_ref, tensor_int
 from .peft_cache import AdapterRef
@@ -24,7 +25,7 @@ _INT_DTYPES = (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8, t
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 # Accepted and validated, but not implemented by this version: a request that sets them is refused.
-_UNSUPPORTED = (tn.POSITION_IDS, tn.DRAFT_INPUT_IDS, tn.DRAFT_LOGITS)
+_UNSUPPORTED = (tn.POSITION_IDS,)
 
 
 class RequestError(ValueError):
@@ -43,6 +44,9 @@ class AdmissionLimits:
     gather_generation_logits: bool
     model_config: Any = None     # runtime ModelConfig: LoRA modules and the prompt table's hidden size
     peft_cache_config: PeftCacheManagerConfig = field(default_factory=PeftCacheManagerConfig)
+    max_draft_tokens: int = 0    # longest draft a request may bring (0: drafts refused)
+    guides: Any = None           # the engine's GrammarCompiler when guided decoding is configured
+    max_batch_size: int = 1 << 30    # sequences one step may run: a request's beams or samples must fit
 
 
 def _tensor(name: str, value) -> torch.Tensor:
@@ -152,6 +156,9 @@ def _decoding_params(tensors: dict, limits: AdmissionLimits, normalize_log_probs
         top_p_decay=_scalar(tensors, tn.TOP_P_DECAY, "float", 1.0),
         top_p_min=_scalar(tensors, tn.TOP_P_MIN, "float", 1e-6),
         top_p_reset_id=_scalar(tensors, tn.TOP_P_RESET_IDS, "int", -1),
+        min_p=_scalar(tensors, tn.MIN_P, "float", 0.0),
+        num_top_log_probs=_scalar(tensors, tn.NUM_TOP_LOG_PROBS, "int", 0),
+        num_return_sequences=_scalar(tensors, tn.NUM_RETURN_SEQUENCES, "int", 1),
         min_length=_scalar(tensors, tn.MIN_LENGTH, "int", 0),
         repetition_penalty=_scalar(tensors, tn.REPETITION_PENALTY, "float", 1.0),
         presence_penalty=_scalar(tensors, tn.PRESENCE_PENALTY, "float", 0.0),
@@ -221,7 +228,10 @@ def to_llm_request(request: InferenceRequest, limits: AdmissionLimits, arrival_i
         output_flags=lambda: {field: _scalar(tensors, name, "bool", False) for field, name in flag_names.items()},
         is_streaming=bool(request.is_streaming), logits_post_processor=request.logits_post_processor,
         use_batched_post_processor=bool(getattr(request, "use_batched_logits_post_processor", False)),
-        arrival_index=arrival_index, lora=lora, prompt_table=table, cache_salt=cache_salt(lora, table))
+        drafts=lambda: _drafts(tensors, limits), arrival_index=arrival_index,
+        guide=lambda: check_guide(getattr(request, "guided_decoding_params", None), limits.guides,
+                                  "guided_decoding_params"),
+        lora=lora, prompt_table=table, cache_salt=cache_salt(lora, table))
 
 
 def _lora(tensors: dict, limits: AdmissionLimits) -> AdapterRef | None:
@@ -258,7 +268,53 @@ def cache_salt(lora: AdapterRef | None, table) -> bytes | None:
     return task + b"|" + (b"" if table is None else table_digest(table))
 
 
-_FIELD_NAMES = {"max_new_tokens": tn.MAX_NEW_TOKENS, "pad_id": tn.PAD_ID,
+def _drafts(tensors: dict, limits: AdmissionLimits) -> tuple[list[int], torch.Tensor | None]:
+    """draft_input_ids int [1, D] or [D] and the optional draft_logits float [D, V] or [1, D, V]."""
+    if tn.DRAFT_INPUT_IDS not in tensors:
+        if tn.DRAFT_LOGITS in tensors:
+            raise RequestError(f"{tn.DRAFT_LOGITS}: given without {tn.DRAFT_INPUT_IDS}")
+        return [], None
+    t = _tensor(tn.DRAFT_INPUT_IDS, tensors[tn.DRAFT_INPUT_IDS])
+    if t.dtype not in _INT_DTYPES:
+        raise RequestError(f"{tn.DRAFT_INPUT_IDS}: expected int32, got {t.dtype}")
+    if t.dim() == 2 and t.shape[0] == 1:
+        t = t[0]
+    if t.dim() != 1:
+        raise RequestError(f"{tn.DRAFT_INPUT_IDS}: expected shape [1, D] or [D], got {list(tensors[tn.DRAFT_INPUT_IDS].shape)}")
+    draft_logits = None
+    if tn.DRAFT_LOGITS in tensors:
+        draft_logits = _tensor(tn.DRAFT_LOGITS, tensors[tn.DRAFT_LOGITS])
+        if draft_logits.dtype not in _FLOAT_DTYPES:
+            raise RequestError(f"{tn.DRAFT_LOGITS}: expected a float32 tensor, got {draft_logits.dtype}")
+        if draft_logits.dim() == 3 and draft_logits.shape[0] == 1:
+            draft_logits = draft_logits[0]
+    return check_drafts(t.tolist(), draft_logits, limits, tn.DRAFT_INPUT_IDS, tn.DRAFT_LOGITS)
+
+
+def check_drafts(drafts: list[int], draft_logits: torch.Tensor | None, limits: AdmissionLimits, name: str,
+                 logits_name: str) -> tuple[list[int], torch.Tensor | None]:
+    """The draft checks both front-ends share -> (drafts, draft_logits float32 [D, V] on the CPU)."""
+    if not drafts:
+        raise RequestError(f"{name}: must not be empty")
+    if len(drafts) > limits.max_draft_tokens:
+        hint = " (set max_draft_tokens to accept drafts)" if not limits.max_draft_tokens else ""
+        raise RequestError(f"{name}: {len(drafts)} draft tokens exceed max_draft_tokens={limits.max_draft_tokens}{hint}")
+    bad = [t for t in drafts if not 0 <= t < limits.vocab_size]
+    if bad:
+        raise RequestError(f"{name}: token ids must be in [0, {limits.vocab_size}), got {bad[0]}")
+    if draft_logits is None:
+        return drafts, None
+    if tuple(draft_logits.shape) != (len(drafts), limits.vocab_size):
+        raise RequestError(f"{logits_name}: expected shape [{len(drafts)}, {limits.vocab_size}] (one row per draft "
+                           f"token), got {list(draft_logits.shape)}")
+    draft_logits = draft_logits.detach().to("cpu", torch.float32).clone()
+    if not bool(torch.isfinite(draft_logits).all()):
+        raise RequestError(f"{logits_name}: must be finite (NaN or inf found)")
+    return drafts, draft_logits
+
+
+_FIELD_NAMES = {"max_new_tokens": tn.MAX_NEW_TOKENS, "pad_id": tn.PAD_ID, "draft_input_ids": tn.DRAFT_INPUT_IDS,
+                "num_return_sequences": tn.NUM_RETURN_SEQUENCES, "beam_width": tn.BEAM_WIDTH,
                 "return_context_logits": tn.RETURN_CONTEXT_LOGITS,
                 "return_generation_logits": tn.RETURN_GENERATION_LOGITS}
 
@@ -266,7 +322,8 @@ _FIELD_NAMES = {"max_new_tokens": tn.MAX_NEW_TOKENS, "pad_id": tn.PAD_ID,
 def make_llm_request(request_id, prompt: list[int], max_new_tokens: int, limits: AdmissionLimits, *,
                      pad_id: Callable[[], int], decoding: Callable[[], DecodingParams],
                      output_flags: Callable[[], dict[str, bool]], names: dict[str, str] = _FIELD_NAMES,
-                     **fields) -> LlmRequest:
+                     drafts: Callable[[], tuple[list[int], Any]] = lambda: ([], None),
+                     guide: Callable[[], Any] = lambda: None, **fields) -> LlmRequest:
     """The checks both front-ends share, after their own parsing (the prompt is checked by
     `check_prompt`). `pad_id`, `decoding` and `output_flags` (return_log_probs,
     return_context_logits, return_generation_logits) are read when their turn comes, so the first
@@ -282,6 +339,17 @@ def make_llm_request(request_id, prompt: list[int], max_new_tokens: int, limits:
     pad = pad_id()
     check_range(names["pad_id"], pad, -(1 << 31), (1 << 31) - 1)   # written into int32 output_ids
     params = decoding()
+    num_sequences = params.num_sequences   # beams, or independent samples (they share KV like beams)
+    if num_sequences > limits.max_batch_size:
+        field = names["num_return_sequences" if params.num_return_sequences > 1 else "beam_width"]
+        raise RequestError(f"{field}: {num_sequences} sequences exceed max_batch_size {limits.max_batch_size}")
+    draft_tokens, draft_logits = drafts()
+    if draft_tokens and num_sequences > 1:
+        raise RequestError(f"{names['draft_input_ids']}: draft tokens need beam width 1, got {params.beam_width}"
+                           + (f" and num_return_sequences {params.num_return_sequences}"
+                              if params.num_return_sequences > 1 else ""))
+    if draft_tokens:
+        fields.update(draft_tokens=draft_tokens, draft_logits=draft_logits, max_draft_len=len(draft_tokens))
     fields.update(output_flags())
     if fields["return_context_logits"] and not limits.gather_context_logits:
         raise RequestError(f"{names['return_context_logits']}: true, but the engine was not built with "
@@ -290,10 +358,14 @@ def make_llm_request(request_id, prompt: list[int], max_new_tokens: int, limits:
         raise RequestError(f"{names['return_generation_logits']}: true, but the engine was not built with "
                            "gather_generation_logits")
     need_blocks = -(-(len(prompt) + max_new_tokens) // limits.tokens_per_block)
-    if params.beam_width > 1:  # each beam's own table plus one copy-on-write block (beam_blocks.max_beam_blocks)
-        need_blocks = params.beam_width * (need_blocks + 1)
+    if num_sequences > 1:  # each beam's own table plus one copy-on-write block (beam_blocks.max_beam_blocks)
+        need_blocks = num_sequences * (need_blocks + 1)
     if need_blocks > limits.max_num_blocks:
         raise RequestError(f"{names['max_new_tokens']}: prompt {len(prompt)} + {max_new_tokens} new tokens need "
                            f"{need_blocks} KV blocks; the whole pool has {limits.max_num_blocks}")
+    try:   # last: its grammar starts compiling (off this thread) only for an otherwise valid request
+        fields["guide"] = guide()
+    except ValueError as e:
+        raise RequestError(str(e)) from None
     return LlmRequest(request_id=request_id, prompt=prompt, max_new_tokens=max_new_tokens, pad_id=pad,
-                      beam_width=params.beam_width, decoding=params, **fields)
+                      beam_width=num_sequences, decoding=params, **fields)

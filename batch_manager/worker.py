@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 # Idle poll interval: bounds the latency an idle manager adds to a new request (~0.5 ms) while
 # keeping an idle worker near 0 % CPU.
 IDLE_SLEEP_S = 0.0005
+WAITING_SLEEP_S = 0.005   # active requests, none of them schedulable yet
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class WorkerConfig:
     model_type: TrtGptModelType
     max_num_sequences: int
     enable_trt_overlap: bool = False
+    uses_drafts: bool = False   # draft tokens accepted or proposed: the stats report them
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,9 @@ class Worker:
                 step, num_paused = self.scheduler.schedule()
                 self.scheduler.update(step, self.executor.execute(step))
                 self._send_responses(step)
+                if not step.requests:   # all waiting (for a grammar to compile, say): poll, do not spin
+                    self._stop_requested.wait(WAITING_SLEEP_S)
+                    continue
             else:
                 step, num_paused = self._overlapped_step()
             self._send_stats(step, num_paused)
@@ -246,5 +251,8 @@ class Worker:
             num_empty_generation_slots=max(0, self._static_batch_size - num_scheduled) if is_v1 else 0,
             micro_batch_id=(step.iteration + 1) % 2 if self._forward_pool is not None else 0,
             num_lora_adapters=peft.num_cached if peft is not None else 0,
-            num_lora_evictions=peft.num_evictions if peft is not None else 0)
+            num_lora_evictions=peft.num_evictions if peft is not None else 0,
+            **({"num_draft_tokens_proposed": self.scheduler.num_draft_tokens_proposed,
+                "num_draft_tokens_accepted": self.scheduler.num_draft_tokens_accepted}
+               if self.config.uses_drafts else {}))
         self.front_end.report_stats(stats, frozenset(r.request_id for r in step.requests), self.scheduler, finished)

@@ -9,6 +9,10 @@
 // with n_sink = min(sink, lo). Partition p covers j in [p * partition_size, (p + 1) * partition_size);
 // only blocks holding a visible key are read, so other block-table entries may be negative.
 //
+// ALiBi (alibi_slopes != NULL): the logit of query head h for the key at position pos gains
+// alibi_slopes[h] * (pos - (L - 1)), added after the scale (BLOOM's bias, in its relative form:
+// <= 0 for every visible key, so the running maximum stays near the largest score).
+//
 // Launch contract
 //   decode_attention_partition:
 //     grid (num_partitions, num_kv_heads, batch), block (NUM_THREADS), dynamic shared memory
@@ -20,6 +24,7 @@
 //     q       storage_t [batch, num_heads, head_dim]                       contiguous
 //     k/v     storage_t [num_blocks, tokens_per_block, num_kv_heads, head_dim] contiguous (one layer)
 //     block_tables int32 [batch, table_stride]; seq_lens int32 [batch] (>= 1)
+//     alibi_slopes float32 [num_heads] or NULL (no ALiBi)
 //     num_partitions == 1: writes out storage_t [batch, num_heads, head_dim] directly.
 //     num_partitions > 1:  writes part_acc float32 [batch, num_heads, num_partitions, head_dim]
 //                          (unnormalised sum of p * v), part_max / part_sum float32
@@ -41,8 +46,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) decode_attention_parti
     storage_t* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_max,
     float* __restrict__ part_sum, const storage_t* __restrict__ q, const storage_t* __restrict__ k_cache,
     const storage_t* __restrict__ v_cache, const int* __restrict__ block_tables, const int* __restrict__ seq_lens,
-    int num_heads, int num_kv_heads, int head_dim, int tokens_per_block, int table_stride, int partition_size,
-    int tile_size, float scale, int window, int sink) {
+    const float* __restrict__ alibi_slopes, int num_heads, int num_kv_heads, int head_dim, int tokens_per_block,
+    int table_stride, int partition_size, int tile_size, float scale, int window, int sink) {
   const int partition = blockIdx.x, kv_head = blockIdx.y, seq = blockIdx.z;
   const int num_partitions = gridDim.x;
   const int group = num_heads / num_kv_heads;
@@ -107,12 +112,15 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) decode_attention_parti
       const int jj = base + threadIdx.x / THREADS_PER_KEY;
       const bool valid = jj < n;
       const storage_t* k_row = k_cache + (valid ? rows[jj] : 0);
+      const int j = begin + tile + jj;
+      const float distance = (float)((j < n_sink ? j : lo + (j - n_sink)) - (seq_len - 1));  // key - query pos
       for (int h = 0; h < group; ++h) {
         float dot = 0.0f;
         if (valid)
           for (int d = key_lane; d < head_dim; d += THREADS_PER_KEY)
             dot += q_s[h * head_dim + d] * load_float(k_row + d);
         dot = group_reduce_sum(dot, THREADS_PER_KEY);
+        if (alibi_slopes != nullptr) dot += alibi_slopes[first_head + h] * distance;
         if (valid && key_lane == 0) probs[h * tile_size + jj] = dot;
       }
     }

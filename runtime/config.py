@@ -19,15 +19,16 @@ _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "hal
 
 
 # Block variants the model implements: ModelConfig field -> accepted values. An architecture that
-# needs another value (parallel residual, interleaved or partial rotary, ALiBi) adds it here and
-# its branch in model.py / rope.py.
+# needs another value adds it here and its branch in model.py / rope.py (rotary_fraction, a
+# number, is checked in ModelConfig.validated).
 VARIANT_VALUES: dict[str, tuple[Any, ...]] = {
-    "position_embedding": ("learned", "rope"),
-    "rotary_style": (None, "neox"),
-    "rotary_fraction": (None, 1.0),
+    "position_embedding": ("learned", "rope", "alibi"),
+    "rotary_style": (None, "neox", "interleaved"),
     "norm_type": ("layernorm", "rmsnorm"),
     "mlp_type": ("gelu", "gated"),
-    "residual": ("sequential",),
+    "residual": ("sequential", "parallel", "parallel_shared_norm"),
+    "embedding_norm": (False, True),
+    "lm_head_bias": (False, True),
 }
 
 
@@ -68,11 +69,16 @@ class ModelConfig:
     norm_eps: float
     mlp_type: str                   # "gelu" (fc -> act -> proj) | "gated" (silu(gate) * up -> down)
     activation: str                 # "gelu_new" | "gelu" | "silu" | "relu" ...
-    position_embedding: str         # "learned" | "rope"
+    position_embedding: str         # "learned" | "rope" | "alibi" (a per-head linear bias on the
+                                    # attention scores: + slope_h * (key_pos - query_pos))
     rope: RopeConfig | None         # set exactly with rotary positions, as are the two fields below
-    rotary_style: str | None        # "neox": rotate the halves [0, d/2) and [d/2, d) of each head
-    rotary_fraction: float | None   # share of head_dim that rotates (the rest passes through)
+    rotary_style: str | None        # pairs of the rotated dims r = rotary_dim: "neox" (i, i + r/2)
+                                    # (rotate halves), "interleaved" (2i, 2i + 1)
+    rotary_fraction: float | None   # share of head_dim that rotates: the first rotary_dim dims of
+                                    # each head; the rest passes through
     residual: str                   # "sequential": x += attn(norm1(x)); x += mlp(norm2(x))
+                                    # "parallel": x += attn(norm1(x)) + mlp(norm2(x))
+                                    # "parallel_shared_norm": h = norm1(x); x += attn(h) + mlp(h)
     qkv_bias: bool
     out_bias: bool
     mlp_bias: bool
@@ -81,6 +87,21 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     pad_token_id: int | None = None
+    embedding_norm: bool = False    # a LayerNorm right after the token embedding
+    lm_head_bias: bool = False      # the output projection has a bias [V] (also when tied)
+
+    @property
+    def rotary_dim(self) -> int | None:
+        """Rotated dims of each head: int(head_dim * rotary_fraction), as transformers computes it
+        (rounded first so that a fraction stored as rotary_dim / head_dim gives rotary_dim back)."""
+        if self.rotary_fraction is None:
+            return None
+        return int(round(self.head_dim * self.rotary_fraction, 6))
+
+    @property
+    def has_post_norm(self) -> bool:
+        """Whether each layer has a second norm (post_norm) before its MLP."""
+        return self.residual != "parallel_shared_norm"
 
     @property
     def q_size(self) -> int:
@@ -136,6 +157,12 @@ class ModelConfig:
             if (getattr(self, name) is not None) != is_rotary:
                 raise ConfigError(f"{name}: must be set exactly when position_embedding is 'rope', "
                                   f"got {getattr(self, name)!r} with {self.position_embedding!r}")
+        if is_rotary:
+            fraction = self.rotary_fraction
+            if not (isinstance(fraction, (int, float)) and not isinstance(fraction, bool) and 0 < fraction <= 1) \
+                    or self.rotary_dim < 2 or self.rotary_dim % 2:
+                raise ConfigError(f"rotary_fraction: must be in (0, 1] and rotate an even number (>= 2) of the "
+                                  f"{self.head_dim} head dims, got {fraction!r}")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"num_key_value_heads: {self.num_kv_heads} does not divide "
                               f"num_attention_heads {self.num_heads}")

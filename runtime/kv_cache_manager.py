@@ -164,6 +164,19 @@ class KvCacheManager:
                 released += 1
         return released
 
+    def truncate(self, holder: Hashable, num_tokens: int) -> int:
+        """Drop the holder's table entries past those covering `num_tokens` tokens (KV written for
+        rejected draft tokens: never registered for reuse, as only computed tokens are). Returns
+        how many blocks were freed."""
+        blocks = self._holder_to_blocks.get(holder, [])
+        keep = self.blocks_for_tokens(num_tokens)
+        assert len(self._holder_to_hashes.get(holder, ())) <= keep, "a registered block cannot be rolled back"
+        dropped = [b for b in blocks[keep:] if b != RELEASED]
+        del blocks[keep:]
+        for b in reversed(dropped):
+            self._unref(b)
+        return len(dropped)
+
     # -- prefix reuse -------------------------------------------------------------------------------
 
     def find_cached_prefix(self, token_ids: Sequence[int]) -> list[int]:

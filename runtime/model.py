@@ -3,7 +3,8 @@
 Computes a packed step (`StepLayout`, built by the model runner) over the paged KV pool. Every
 weight is applied once per layer to all tokens of all sequences (fused QKV, fused gate/up);
 attention splits into the batched generation path (one query per sequence) and the context
-path (one call per context sequence).
+path (one call per context sequence). Block variants come from ModelConfig fields only (positions,
+rotary style and fraction, residual, norms, embedding norm, biases), never from the architecture.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .alibi import alibi_slopes
 from .config import ModelConfig
 from .linear import Linear
 from .lora_step import LoraStepPlan
@@ -74,8 +76,11 @@ class Transformer:
         # step's (tens of MB) is a fresh page-faulted mmap per layer. Measured 3.08 -> 2.47 s per
         # 6400-token context step on the default model (512 and 2048 rows: 2.56 and 2.61 s).
         self.mlp_chunk_rows = 1024 if device.type == "cpu" else None
-        self.inv_freq = (rope_inv_freq(config.rope, config.head_dim).to(device)
+        self.inv_freq = (rope_inv_freq(config.rope, config.rotary_dim).to(device)
                          if config.position_embedding == "rope" else None)
+        # float32 [num_heads]: the ALiBi slope of each query head (None without ALiBi). The kernels
+        # bias by cache positions (a key's index in its sequence), which position_ids do not change.
+        self.alibi_slopes = alibi_slopes(config.num_heads).to(device) if config.position_embedding == "alibi" else None
         self.linears = {}
         for name in [n for n in self.w if n.endswith((".qkv.weight", ".out.weight", ".mlp_in.weight",
                                                        ".mlp_out.weight"))]:
@@ -84,7 +89,8 @@ class Transformer:
             self.w[name] = self.linears[prefix].weight
         # Tied embeddings keep their [V, H] table for the lookup; the head gets its own prepared
         # copy where the CPU kernel reorders it.
-        self.lm_head = Linear(self.w.get("lm_head", self.w["embed_tokens"]), None, device, linear_impl)
+        self.lm_head = Linear(self.w.get("lm_head", self.w["embed_tokens"]), self.w.get("lm_head.bias"), device,
+                              linear_impl)
         if "lm_head" in self.w or self.lm_head.weight is not self.w["embed_tokens"]:
             self.w["lm_head"] = self.lm_head.weight
 
@@ -114,19 +120,25 @@ class Transformer:
         x = w["embed_tokens"][step.input_ids]  # [T, H]
         if step.prompt_embeddings is not None:
             x[step.prompt_embeddings[0]] = step.prompt_embeddings[1]
+        if cfg.embedding_norm:
+            x = self._norm(x, "embed_norm")
         cos = sin = None
         if cfg.position_embedding == "learned":
             x = x + w["position_embeddings"][step.position_ids]
-        else:
-            cos, sin = rope_cos_sin(self.inv_freq, step.position_ids, self.dtype)
+        elif cfg.position_embedding == "rope":
+            cos, sin = rope_cos_sin(self.inv_freq, step.position_ids, self.dtype, cfg.rotary_style)
         for layer in range(cfg.num_layers):
             p = f"layers.{layer}."
             h = self._norm(x, p + "input_norm")
             qkv = self._linear(h, p + "qkv", step.lora)
             attn = self._attention(qkv, cos, sin, step, kv_pool[layer, 0], kv_pool[layer, 1], kernels)
-            x = x + self._linear(attn, p + "out", step.lora)
-            h = self._norm(x, p + "post_norm")
-            x = x + self._mlp(h, p, step.lora)
+            attn = self._linear(attn, p + "out", step.lora)
+            if cfg.residual == "sequential":
+                x = x + attn
+                x = x + self._mlp(self._norm(x, p + "post_norm"), p, step.lora)
+            else:  # parallel: both branches read the layer's input
+                mlp_input = h if cfg.residual == "parallel_shared_norm" else self._norm(x, p + "post_norm")
+                x = x + attn + self._mlp(mlp_input, p, step.lora)
         logits = self._logits(x[step.logits_token_index])
         context_logits = None
         if step.context_logits_index is not None:
@@ -173,16 +185,16 @@ class Transformer:
         # visible share of a small generation step on CPU).
         qk = qkv[:, :cfg.q_size + cfg.kv_size].view(num_tokens, num_qk_heads, cfg.head_dim)
         if cos is not None:
-            qk = apply_rope(qk, cos, sin)
+            qk = apply_rope(qk, cos, sin, cfg.rotary_style)
         q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
         v = qkv[:, cfg.q_size + cfg.kv_size:].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
         kernels.write_kv(k_cache, v_cache, k, v, step.slot_mapping)
         out = torch.empty_like(q)
-        window, sink = self.attention_window, self.sink_token_length
+        window, sink, slopes = self.attention_window, self.sink_token_length, self.alibi_slopes
         if step.generation_seq_ids.numel():
             idx = step.generation_token_index
             out[idx] = kernels.decode_attention(q[idx], k_cache, v_cache, step.generation_block_tables,
-                                                step.generation_seq_lens, self.scale, window, sink)
+                                                step.generation_seq_lens, self.scale, window, sink, slopes)
         for seq, start, n, past_len in step.context_spans:
             qs = q[start:start + n]
             if past_len == 0:  # NOTE: a fresh prompt attends to the keys just computed: no gather
@@ -190,8 +202,8 @@ class Transformer:
                 if qs.device.type == "cpu":  # attention math in float32 on CPU, as in the kernels
                     qs, ks, vs = qs.float(), ks.float(), vs.float()
                 out[start:start + n] = kernels.dense_attention(qs, ks, vs, 0, self.scale, window,
-                                                               sink).to(q.dtype)
+                                                               sink, slopes).to(q.dtype)
             else:
                 out[start:start + n] = kernels.context_attention(qs, k_cache, v_cache, step.block_tables[seq],
-                                                                 past_len, self.scale, window, sink)
+                                                                 past_len, self.scale, window, sink, slopes)
         return out.view(num_tokens, cfg.q_size)

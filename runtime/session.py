@@ -85,6 +85,7 @@ class SamplingConfig:
     length_penalty: Sequence[float] | float | None = None
     early_stopping: Sequence[int] | int | None = None
     no_repeat_ngram_size: Sequence[int] | int | None = None
+    min_p: Sequence[float] | float | None = None
 
     def decoding_params(self, batch_size: int, end_id: int, vocab_size: int,
                         normalize_log_probs: bool = True) -> list[DecodingParams]:
@@ -97,7 +98,8 @@ class SamplingConfig:
                   "top_p_decay": ("top_p_decay", 1.0), "top_p_min": ("top_p_min", 1e-6),
                   "top_p_reset_ids": ("top_p_reset_id", -1),
                   "beam_search_diversity_rate": ("diversity_rate", 0.0), "length_penalty": ("length_penalty", 0.0),
-                  "early_stopping": ("early_stopping", 1), "no_repeat_ngram_size": ("no_repeat_ngram_size", 0)}
+                  "early_stopping": ("early_stopping", 1), "no_repeat_ngram_size": ("no_repeat_ngram_size", 0),
+                  "min_p": ("min_p", 0.0)}
         columns = {param: _per_sequence(name, getattr(self, name), batch_size, default)
                    for name, (param, default) in fields.items()}
         result = []

@@ -2,10 +2,13 @@
 
 Canonical names (what the model uses; engine directories store exactly these):
   embed_tokens [V, H]; position_embeddings [P, H] (learned positions only);
-  layers.{i}.input_norm.{weight,bias}; layers.{i}.qkv.{weight,bias} [q + 2 kv, H] (fused);
-  layers.{i}.out.{weight,bias} [H, q]; layers.{i}.post_norm.{weight,bias};
+  embed_norm.{weight,bias} [H] (embedding_norm only);
+  layers.{i}.input_norm.{weight,bias}; layers.{i}.qkv.{weight,bias} [q + 2 kv, H] (fused: all query
+  heads, then all key heads, then all value heads); layers.{i}.out.{weight,bias} [H, q];
+  layers.{i}.post_norm.{weight,bias} (absent with a parallel residual sharing one norm);
   layers.{i}.mlp_in.{weight,bias} [I or 2 I (gate then up), H]; layers.{i}.mlp_out.{weight,bias} [H, I];
-  final_norm.{weight,bias}; lm_head [V, H] (absent when tied to embed_tokens).
+  final_norm.{weight,bias}; lm_head [V, H] (absent when tied to embed_tokens); lm_head.bias [V]
+  (lm_head_bias only, tied or not).
 Weights come from safetensors only: pickle files are never opened. Each architecture's reader
 (runtime.models) maps its HF names onto these.
 """
@@ -40,14 +43,20 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes["position_embeddings"] = (cfg.max_position_embeddings, h)
     if not cfg.tie_word_embeddings:
         shapes["lm_head"] = (v, h)
+    if cfg.lm_head_bias:
+        shapes["lm_head.bias"] = (v,)
+    if cfg.embedding_norm:
+        shapes["embed_norm.weight"] = (h,)
+        if has_norm_bias:
+            shapes["embed_norm.bias"] = (h,)
     mlp_in = 2 * i if cfg.mlp_type == "gated" else i
     for layer in range(cfg.num_layers):
         p = f"layers.{layer}."
-        shapes[p + "input_norm.weight"] = (h,)
-        shapes[p + "post_norm.weight"] = (h,)
-        if has_norm_bias:
-            shapes[p + "input_norm.bias"] = (h,)
-            shapes[p + "post_norm.bias"] = (h,)
+        norms = ("input_norm", "post_norm") if cfg.has_post_norm else ("input_norm",)
+        for norm in norms:
+            shapes[p + norm + ".weight"] = (h,)
+            if has_norm_bias:
+                shapes[p + norm + ".bias"] = (h,)
         shapes[p + "qkv.weight"] = (qkv, h)
         shapes[p + "out.weight"] = (h, cfg.q_size)
         shapes[p + "mlp_in.weight"] = (mlp_in, h)
@@ -108,6 +117,16 @@ class TensorSource:
             return handle.get_tensor(name)
         except (SafetensorError, OSError, ValueError, RuntimeError) as e:
             raise WeightError(f"tensor {name!r} in {path}: cannot read: {e}") from None
+
+
+def per_head_qkv(tensor: torch.Tensor, num_heads: int, head_dim: int, name: str, directory: str) -> torch.Tensor:
+    """A fused QKV weight [num_heads * 3 * head_dim, ...] (or bias) laid out per head as [q_h, k_h, v_h]
+    (GPT-NeoX, BLOOM, Falcon without multi-query) -> the canonical [all q, all k, all v] rows."""
+    if tensor.shape[0] != 3 * num_heads * head_dim:
+        raise WeightError(f"{directory}: tensor {name!r} has shape {list(tensor.shape)}, expected "
+                          f"{3 * num_heads * head_dim} rows from the config")
+    rest = tensor.shape[1:]
+    return tensor.reshape(num_heads, 3, head_dim, *rest).transpose(0, 1).reshape(3 * num_heads * head_dim, *rest)
 
 
 def fused(src: TensorSource, name_to_shape: dict[str, tuple[int, ...]]) -> torch.Tensor:

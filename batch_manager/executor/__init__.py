@@ -1,7 +1,8 @@
 """The Executor API (names of `tensorrt_llm.bindings.executor`) over the engine core."""
 from ..options import SchedulerConfig
-from .config import (BatchingType, CapacitySchedulerPolicy, ExecutorConfig, KvCacheConfig, LogitsPostProcessorConfig,
+from .config import (BatchingType, CapacitySchedulerPolicy, DecodingConfig, ExecutorConfig, KvCacheConfig, LogitsPostProcessorConfig,
                      ModelType, ParallelConfig, PeftCacheConfig)
+from ..guided_decoding import GuidedDecodingConfig, GuidedDecodingParams, GuideType
 from .executor import Executor
 from .kv_events import KvCacheEvent, KvCacheEventType
 from .queues import QueueFullError
@@ -9,7 +10,7 @@ from .request import (ExternalDraftTokensConfig, FinishReason, LoraConfig, Outpu
                       Response, Result, SamplingConfig)
 from .stats import IterationStats, RequestStage, RequestStats, RequestStatsPerIteration
 
-__all__ = ["SchedulerConfig", "BatchingType", "CapacitySchedulerPolicy", "ExecutorConfig", "KvCacheConfig",
+__all__ = ["GuidedDecodingConfig", "GuidedDecodingParams", "GuideType", "SchedulerConfig", "BatchingType", "CapacitySchedulerPolicy", "DecodingConfig", "ExecutorConfig", "KvCacheConfig",
            "LogitsPostProcessorConfig", "ModelType", "ParallelConfig", "PeftCacheConfig", "Executor", "KvCacheEvent",
            "KvCacheEventType", "QueueFullError", "ExternalDraftTokensConfig", "FinishReason", "LoraConfig",
            "OutputConfig", "PromptTuningConfig", "Request", "Response", "Result", "SamplingConfig", "IterationStats",

@@ -9,10 +9,10 @@ from typing import Any, Callable
 
 from ..options import KvCacheConfig as _CoreKvCacheConfig
 from ..lora import PeftCacheManagerConfig
-from ..options import SchedulerConfig, SchedulerPolicy, TrtGptModelOptionalParams, TrtGptModelType
+from ..options import DecodingConfig, SchedulerConfig, SchedulerPolicy, TrtGptModelOptionalParams, TrtGptModelType
 
 CapacitySchedulerPolicy = SchedulerPolicy
-__all__ = ["BatchingType", "CapacitySchedulerPolicy", "ExecutorConfig", "KvCacheConfig", "LogitsPostProcessorConfig",
+__all__ = ["BatchingType", "CapacitySchedulerPolicy", "DecodingConfig", "ExecutorConfig", "KvCacheConfig", "LogitsPostProcessorConfig",
            "ModelType", "ParallelConfig", "PeftCacheConfig", "SchedulerConfig", "core_params"]
 
 
@@ -72,6 +72,9 @@ class ExecutorConfig:
     logits_post_processor_config: LogitsPostProcessorConfig | None = None
     kernel_backend: str | None = None      # as TrtGptModelOptionalParams.kernel_backend
     device: str | None = None              # as TrtGptModelOptionalParams.device
+    max_draft_tokens: int = 0              # longest ExternalDraftTokensConfig.tokens (0: drafts refused)
+    decoding_config: DecodingConfig | None = None   # the prompt-lookup drafter
+    guided_decoding_config: Any = None     # batch_manager.guided_decoding.GuidedDecodingConfig
 
 
 def _non_negative_int(name: str, value: Any, allow_none: bool = False) -> None:
@@ -111,6 +114,7 @@ def core_params(config: ExecutorConfig) -> tuple[TrtGptModelType, SchedulerPolic
         scheduler_config=config.scheduler_config, kernel_backend=config.kernel_backend, device=config.device,
         device_ids=parallel.device_ids if parallel is not None else None,
         logits_post_processor_batched=post.processor_batched if post is not None else None,
-        peft_cache_manager_config=config.peft_cache_config)
+        max_draft_tokens=config.max_draft_tokens, decoding_config=config.decoding_config,
+        guided_decoding_config=config.guided_decoding_config, peft_cache_manager_config=config.peft_cache_config)
     policy = SchedulerPolicy(config.scheduler_config.capacity_scheduler_policy)
     return model_type, policy, params

@@ -5,21 +5,24 @@ same response tensors GptManager sends)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
 from runtime.decoding import DecodingParams
 
 from .. import tensor_names as tn
+from ..guided_decoding import check_guide
 from ..llm_request import FinishReason as CoreFinishReason
 from runtime.prompt_tuning import check_prompt_table
 
 from ..llm_request import LlmRequest
 from ..lora import adapter_ref
 from ..responses import response_tensors
-from ..validation import AdmissionLimits, RequestError, cache_salt, check_decoding, check_prompt, make_llm_request
-from .request import FinishReason, LoraConfig, OutputConfig, PromptTuningConfig, Request, Result, SamplingConfig
+from ..validation import (AdmissionLimits, RequestError, cache_salt, check_decoding, check_drafts, check_prompt,
+                          make_llm_request)
+from .request import (ExternalDraftTokensConfig, FinishReason, LoraConfig, OutputConfig, PromptTuningConfig, Request,
+                      Result, SamplingConfig)
 
 # DecodingParams field -> (SamplingConfig field, default when None).
 _SAMPLING_FIELDS = {
@@ -29,14 +32,16 @@ _SAMPLING_FIELDS = {
     "diversity_rate": ("beam_search_diversity_rate", 0.0), "repetition_penalty": ("repetition_penalty", 1.0),
     "length_penalty": ("length_penalty", 0.0), "early_stopping": ("early_stopping", 1),
     "no_repeat_ngram_size": ("no_repeat_ngram_size", 0), "presence_penalty": ("presence_penalty", 0.0),
-    "frequency_penalty": ("frequency_penalty", 0.0),
+    "frequency_penalty": ("frequency_penalty", 0.0), "min_p": ("min_p", 0.0),
+    "num_return_sequences": ("num_return_sequences", 1),
 }
 _NAMES = {field: f"sampling_config.{name}" for field, (name, _) in _SAMPLING_FIELDS.items()}
-_NAMES.update(end_id="end_id", embedding_bias="embedding_bias")
-_FIELD_NAMES = {"max_new_tokens": "max_tokens", "pad_id": "pad_id",
+_NAMES.update(end_id="end_id", embedding_bias="embedding_bias", num_top_log_probs="output_config.num_top_log_probs")
+_FIELD_NAMES = {"max_new_tokens": "max_tokens", "pad_id": "pad_id", "draft_input_ids": "external_draft_tokens_config",
+                "num_return_sequences": "sampling_config.num_return_sequences",
+                "beam_width": "sampling_config.beam_width",
                 "return_context_logits": "output_config.return_context_logits",
                 "return_generation_logits": "output_config.return_generation_logits"}
-_UNSUPPORTED = ("external_draft_tokens_config",)
 _LORA_NAMES = ("lora_config.task_id", "lora_config.weights", "lora_config.config")
 
 
@@ -53,9 +58,6 @@ def to_llm_request(request: Request, request_id: int, limits: AdmissionLimits, n
     """ValueError (RequestError) naming the field and the value for bad input."""
     if not isinstance(request, Request):
         raise RequestError(f"request: expected an executor Request, got {type(request).__name__}")
-    for name in _UNSUPPORTED:
-        if getattr(request, name) is not None:
-            raise RequestError(f"{name}: not supported by this version")
     prompt = _token_ids("input_token_ids", request.input_token_ids)
     table = _prompt_table(request.prompt_tuning_config, limits)
     check_prompt(prompt, limits, "input_token_ids", 0 if table is None else table.shape[0])
@@ -79,8 +81,37 @@ def to_llm_request(request: Request, request_id: int, limits: AdmissionLimits, n
                               ("return_log_probs", "return_context_logits", "return_generation_logits")},
         is_streaming=bool(request.streaming), logits_post_processor=post_processor,
         use_batched_post_processor=use_batched, priority=float(priority), client_id=request.client_id,
-        lora=lora, prompt_table=table, cache_salt=cache_salt(lora, table))
+        lora=lora, prompt_table=table, cache_salt=cache_salt(lora, table),
+        drafts=lambda: _drafts(request.external_draft_tokens_config, limits),
+        guide=lambda: check_guide(request.guided_decoding_params, limits.guides, "guided_decoding_params"),
+        draft_acceptance_threshold=_threshold(request.external_draft_tokens_config))
     return r, OutputOptions(bool(output.exclude_input_from_output), bool(request.return_all_generated_tokens))
+
+
+def _drafts(config, limits: AdmissionLimits) -> tuple[list[int], Any]:
+    if config is None:
+        return [], None
+    if not isinstance(config, ExternalDraftTokensConfig):
+        raise RequestError(f"external_draft_tokens_config: expected an ExternalDraftTokensConfig, "
+                           f"got {type(config).__name__}")
+    tokens = _token_ids("external_draft_tokens_config.tokens", config.tokens)
+    logits = config.logits
+    if logits is not None and (not isinstance(logits, torch.Tensor) or not logits.is_floating_point()):
+        raise RequestError(f"external_draft_tokens_config.logits: expected a float tensor [D, V], "
+                           f"got {type(logits).__name__}")
+    return check_drafts(tokens, logits, limits, "external_draft_tokens_config.tokens",
+                        "external_draft_tokens_config.logits")
+
+
+def _threshold(config) -> float | None:
+    value = getattr(config, "acceptance_threshold", None)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < float("inf"):
+        raise RequestError(f"external_draft_tokens_config.acceptance_threshold: must be a finite number >= 0, "
+                           f"got {value!r}")
+    return float(value)
+
 
 
 def _lora(config, limits: AdmissionLimits):
@@ -162,7 +193,9 @@ def _decoding_params(request: Request, limits: AdmissionLimits, normalize_log_pr
             bias = bias[0]
         if bias.dtype.is_floating_point:   # shape and finiteness: DecodingParams.validate
             bias = bias.to(torch.float32).clone()
+    output = request.output_config
     return DecodingParams(**values, end_id=request.end_id, normalize_log_probs=normalize_log_probs,
+                          num_top_log_probs=getattr(output, "num_top_log_probs", 0),
                           bad_words=_words("bad_words", request.bad_words, limits.vocab_size),
                           stop_words=_words("stop_words", request.stop_words, limits.vocab_size),
                           embedding_bias=bias)
@@ -205,6 +238,9 @@ def to_result(r: LlmRequest, is_final: bool, options: OutputOptions) -> Result:
         result.context_logits = tensors[tn.CONTEXT_LOGITS][0]
     if r.return_generation_logits:
         result.generation_logits = tensors[tn.GENERATION_LOGITS][0]
+    if tn.TOP_LOG_PROBS in tensors:
+        result.top_log_probs = tensors[tn.TOP_LOG_PROBS][0]
+        result.top_log_prob_ids = tensors[tn.TOP_LOG_PROB_IDS][0]
     return result
 
 

@@ -27,12 +27,14 @@ class SamplingConfig:
     older names of `seed` and `min_tokens`."""
     FIELDS = ("beam_width", "top_k", "top_p", "top_p_min", "top_p_reset_ids", "top_p_decay", "seed", "temperature",
               "min_tokens", "beam_search_diversity_rate", "repetition_penalty", "length_penalty",
-              "early_stopping", "no_repeat_ngram_size", "presence_penalty", "frequency_penalty")
+              "early_stopping", "no_repeat_ngram_size", "presence_penalty", "frequency_penalty", "min_p",
+              "num_return_sequences")
 
     def __init__(self, beam_width=1, top_k=None, top_p=None, top_p_min=None, top_p_reset_ids=None,
                  top_p_decay=None, seed=None, temperature=None, min_tokens=None, beam_search_diversity_rate=None,
                  repetition_penalty=None, length_penalty=None, early_stopping=None, no_repeat_ngram_size=None,
-                 presence_penalty=None, frequency_penalty=None, **older_names):
+                 presence_penalty=None, frequency_penalty=None, min_p=None, num_return_sequences=None,
+                 **older_names):
         seed = _alias(older_names, "random_seed", "seed", seed)
         min_tokens = _alias(older_names, "min_length", "min_tokens", min_tokens)
         _no_more(older_names, "SamplingConfig")
@@ -54,6 +56,7 @@ class OutputConfig:
     return_context_logits: bool = False
     return_generation_logits: bool = False
     exclude_input_from_output: bool = False
+    num_top_log_probs: int = 0   # per generated token, the k most likely ids and their log probs
 
 
 @dataclass
@@ -87,13 +90,14 @@ class Request:
     BATCHED_POST_PROCESSOR_NAME = "batched"
     FIELDS = ("input_token_ids", "max_tokens", "streaming", "sampling_config", "output_config", "end_id", "pad_id",
               "bad_words", "stop_words", "embedding_bias", "external_draft_tokens_config", "prompt_tuning_config",
-              "lora_config", "logits_post_processor_name", "client_id", "return_all_generated_tokens", "priority")
+              "lora_config", "logits_post_processor_name", "client_id", "return_all_generated_tokens", "priority",
+              "guided_decoding_params")
 
     def __init__(self, input_token_ids, max_tokens=None, streaming=False, sampling_config=None, output_config=None,
                  end_id=None, pad_id=None, bad_words=None, stop_words=None, embedding_bias=None,
                  external_draft_tokens_config=None, prompt_tuning_config=None, lora_config=None,
                  logits_post_processor_name=None, client_id=None, return_all_generated_tokens=False,
-                 priority=0.5, **older_names):
+                 priority=0.5, guided_decoding_params=None, **older_names):
         max_tokens = _alias(older_names, "max_new_tokens", "max_tokens", max_tokens)
         _no_more(older_names, "Request")
         sampling_config = SamplingConfig() if sampling_config is None else sampling_config
@@ -139,6 +143,8 @@ class Result:
     log_probs: Any = None
     context_logits: Any = None
     generation_logits: Any = None
+    top_log_probs: Any = None       # float32 [beams, n, k], with OutputConfig.num_top_log_probs
+    top_log_prob_ids: Any = None    # int32 [beams, n, k]
     sequence_index: int = 0
     decoding_iter: int = 0
 

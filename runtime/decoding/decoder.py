@@ -4,12 +4,18 @@ operations. Owns nothing across steps; each request's progress lives in its `Dec
 its tokens in its `TokenRecord` (read here; its owner applies the returned `DecodeOutcome`s).
 GptSession and the batch manager's model executor both drive it.
 
-Rows: `step(states, logits)` takes logits float32 [R, V] whose rows are the states' live beams in
-order (state i contributes `states[i].num_rows` rows: 1 on its first step, its beam width after).
-Randomness: the draw for a request's token t of beam b is `rng.uniforms(seed, t, b)`.
+Rows: `step(states, logits, drafts)` takes logits float32 [R, V] whose rows are the states' live
+beams in order (state i contributes `states[i].num_rows` rows: 1 on its first step, its beam width
+after), or, for a state with D draft tokens (beam width 1), D + 1 rows: the logits after its last
+token and after each draft. Row j is processed (penalties, bans, min length, top-p decay) as if
+drafts[:j] had been generated one by one; the accepted drafts and one token of the model's are
+appended (speculative.py has the acceptance rules).
+Randomness: the draw for a request's token t of beam b is `rng.uniforms(seed, t, b)`; draft
+acceptance tests draw from stream `ACCEPT_STREAM` at the draft's position.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +23,9 @@ import torch
 from ..token_record import BeamOutputs, TokenRecord
 from .beam_search import BeamSearch, Hypothesis
 from .params import DecodingParams
+from .guided import Guide, bitmask_words
+from .samples import Samples
+from .speculative import DraftVerifier
 
 
 class DecodeState:
@@ -34,10 +43,17 @@ class DecodeState:
         self.cum_log_prob = 0.0
         self.search = (BeamSearch(params.beam_width, params.length_penalty, params.early_stopping,
                                   params.diversity_rate, max_new_tokens) if params.is_beam_search else None)
+        self.samples = (Samples(params.num_return_sequences, params.random_seed, params.top_p,
+                                gather_generation_logits) if params.num_return_sequences > 1 else None)
         # Beam search: the live hypotheses (log probs, scores, gathered logits) of the bank.
         self.live = [Hypothesis([], [], 0.0, 0.0, [] if gather_generation_logits else None)]
         self.top_p = params.top_p
         self.finish_reason: str | None = None  # "end_id" | "stop_words" | "length"
+        # External drafts of a sampled request: their draft model's logits [D, V] (else a draft is
+        # taken as certain: q one-hot), and TensorRT-LLM's constant acceptance threshold if set.
+        self.draft_logits: torch.Tensor | None = None
+        self.draft_acceptance_threshold: float | None = None
+        self.guide: Guide | None = None   # guided decoding: the grammar's matcher state (guided.py)
 
     @property
     def num_rows(self) -> int:
@@ -71,60 +87,101 @@ class DecodeOutcome:
     cum_log_prob: float = 0.0           # includes an end token's log prob
     beams: BeamOutputs | None = None    # beam search
     finish_reason: str | None = None
+    num_accepted_drafts: int = 0        # drafts among `tokens` (their KV, computed this step, is kept)
+    # num_top_log_probs k: per token of `tokens`, (k log probs, descending; their k token ids)
+    top_log_probs: tuple[tuple[tuple[float, ...], tuple[int, ...]], ...] = ()
 
 
 @dataclass
 class _Rows:
-    """Row bookkeeping of one step: row -> (state, beam) and each state's first row."""
+    """Row bookkeeping of one step: row -> (state, beam, draft offset j) and each state's first row."""
     state_of_row: list[DecodeState]
     beam_of_row: list[int]
+    offset_of_row: list[int]          # j: the row follows drafts[:j] of its state (0 without drafts)
+    drafts_of_row: list[tuple[int, ...]]
     first_row: list[int]
+
+    def sequence(self, r: int) -> list[int]:
+        """Prompt + generated tokens the row's logits follow (drafts included)."""
+        drafts = self.drafts_of_row[r][:self.offset_of_row[r]]
+        return self.state_of_row[r].record.sequence(self.beam_of_row[r]) + list(drafts)
+
+    def num_generated(self, r: int) -> int:
+        return self.state_of_row[r].num_generated + self.offset_of_row[r]
 
 
 class Decoder:
     def __init__(self, kernels):
         self.kernels = kernels
+        self.verifier = DraftVerifier(kernels)
 
     @torch.inference_mode()  # the runner's outputs are inference tensors, modified in place here
-    def step(self, states: list[DecodeState], logits: torch.Tensor) -> list[DecodeOutcome]:
-        """Process and select one token per live beam of every state (see module doc) -> each
-        state's outcome, in order. logits may be modified in place."""
-        rows = self._rows(states)
+    def step(self, states: list[DecodeState], logits: torch.Tensor,
+             drafts: list[tuple[int, ...]] | None = None) -> list[DecodeOutcome]:
+        """Process and select the tokens of every state (see module doc) -> each state's outcome,
+        in order. drafts[i]: state i's draft tokens this step (empty: none). logits may be
+        modified in place."""
+        drafts = drafts or [()] * len(states)
+        rows = self._rows(states, drafts)
         outcomes: list[DecodeOutcome | None] = [None] * len(states)
-        assert logits.shape[0] == len(rows.state_of_row), "one logits row per live beam"
-        raw = logits.clone() if any(s.gather_generation_logits for s in states) else None
+        assert logits.shape[0] == len(rows.state_of_row), "one logits row per live beam (and per draft)"
+        wants_raw = any(s.gather_generation_logits or s.params.num_top_log_probs for s in states)
+        raw = logits.clone() if wants_raw else None
+        tops = self._top_log_probs(states, drafts, raw, rows)
         self._apply_penalties(logits, rows)
         self._apply_bans(logits, rows)
-        single = [i for i, s in enumerate(states) if s.search is None]
+        self._apply_min_p(logits, rows)
+        self._apply_guides(states, drafts, logits, rows)
+        single = [i for i, s in enumerate(states) if s.search is None and s.samples is None]
         greedy = [i for i in single if states[i].params.is_greedy]
-        sampled = [i for i in single if not states[i].params.is_greedy]
+        sampled = [i for i in single if not states[i].params.is_greedy and not drafts[i]]
         if greedy:
-            index = torch.tensor([rows.first_row[i] for i in greedy], device=logits.device)
-            tokens, log_probs = self.kernels.greedy(logits[index])
-            self._accept(states, greedy, tokens.tolist(), log_probs.tolist(), raw, rows, outcomes)
+            # one row per request, or 1 + D with drafts
+            spans = [range(rows.first_row[i], rows.first_row[i] + 1 + len(drafts[i])) for i in greedy]
+            index = torch.tensor([r for span in spans for r in span], device=logits.device)
+            tokens, log_probs = (t.tolist() for t in self.kernels.greedy(logits[index]))
+            start = 0
+            for i in greedy:
+                n = 1 + len(drafts[i])
+                chosen = tokens[start:start + n]
+                picks = [(token, lp, j < len(drafts[i]) and token == drafts[i][j])
+                         for j, (token, lp) in enumerate(zip(chosen, log_probs[start:start + n]))]
+                outcomes[i] = self._accept(states[i], picks, raw, rows.first_row[i], tops.get(i))
+                start += n
         if sampled:
-            self._sample(states, sampled, logits, raw, rows, outcomes)
+            self._sample(states, sampled, logits, raw, rows, outcomes, tops)
         for i, state in enumerate(states):
-            if state.search is not None:
+            if state.search is None and not state.params.is_greedy and drafts[i]:
+                first = rows.first_row[i]
+                picks = self.verifier.verify(state, drafts[i], logits[first:first + len(drafts[i]) + 1])
+                outcomes[i] = self._accept(state, picks, raw, first, tops.get(i))
+                state.draft_logits = None   # they described the request's external drafts only
+            elif state.search is not None:
                 outcomes[i] = self._beam_step(state, logits, raw, rows.first_row[i])
+            elif state.samples is not None:
+                outcomes[i] = self._samples_step(state, logits, raw, rows.first_row[i])
         return outcomes
 
     @staticmethod
-    def _rows(states: list[DecodeState]) -> _Rows:
-        state_of_row, beam_of_row, first_row = [], [], []
-        for s in states:
+    def _rows(states: list[DecodeState], drafts: list[tuple[int, ...]]) -> _Rows:
+        rows = _Rows([], [], [], [], [])
+        for s, d in zip(states, drafts):
             assert not s.is_finished, "a finished request has no rows"
-            first_row.append(len(state_of_row))
-            state_of_row += [s] * s.num_rows
-            beam_of_row += range(s.num_rows)
-        return _Rows(state_of_row, beam_of_row, first_row)
+            assert not d or (s.search is None and s.samples is None and s.num_rows == 1), "drafts need one sequence"
+            rows.first_row.append(len(rows.state_of_row))
+            n = s.num_rows + len(d)
+            rows.state_of_row += [s] * n
+            rows.beam_of_row += range(s.num_rows) if not d else [0] * n
+            rows.offset_of_row += range(n) if d else [0] * n
+            rows.drafts_of_row += [tuple(d)] * n
+        return rows
 
     def _apply_penalties(self, logits: torch.Tensor, rows: _Rows) -> None:
         picked = [r for r, s in enumerate(rows.state_of_row) if s.params.needs_penalties]
         if not picked:
             return
         device = logits.device
-        sequences = [rows.state_of_row[r].record.sequence(rows.beam_of_row[r]) for r in picked]
+        sequences = [rows.sequence(r) for r in picked]
         max_len = max(len(seq) for seq in sequences)
         token_ids = torch.tensor([seq + [0] * (max_len - len(seq)) for seq in sequences], dtype=torch.int64)
         params = [rows.state_of_row[r].params for r in picked]
@@ -147,8 +204,56 @@ class Decoder:
             column([p.presence_penalty for p in params], torch.float32),
             column([p.frequency_penalty for p in params], torch.float32),
             column([p.min_length for p in params], torch.int64),
-            column([rows.state_of_row[r].num_generated for r in picked], torch.int64),
+            column([rows.num_generated(r) for r in picked], torch.int64),
             column([-1 if p.end_id is None else p.end_id for p in params], torch.int64))
+
+    def _top_log_probs(self, states, drafts, raw, rows: _Rows) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """state index -> (values [rows, k], ids [rows, k]) of the raw logits, for the states that
+        want num_top_log_probs k (one kernel call per distinct k)."""
+        by_k: dict[int, list[int]] = {}
+        for i, s in enumerate(states):
+            if s.params.num_top_log_probs:
+                by_k.setdefault(s.params.num_top_log_probs, []).append(i)
+        out = {}
+        for k, picked in by_k.items():
+            spans = [range(rows.first_row[i], rows.first_row[i] + states[i].num_rows + len(drafts[i])) for i in picked]
+            values, ids = self.kernels.top_log_probs(raw[torch.tensor([r for span in spans for r in span],
+                                                                      device=raw.device)], k)
+            start = 0
+            for i, span in zip(picked, spans):
+                out[i] = (values[start:start + len(span)], ids[start:start + len(span)])
+                start += len(span)
+        return out
+
+    def _apply_min_p(self, logits: torch.Tensor, rows: _Rows) -> None:
+        """min-p on the rows of sampled requests (it cannot change a greedy pick)."""
+        picked = [r for r, s in enumerate(rows.state_of_row) if s.params.min_p > 0 and not s.params.is_greedy]
+        if picked:
+            device = logits.device
+            self.kernels.apply_min_p(logits, torch.tensor(picked, device=device),
+                                     torch.tensor([rows.state_of_row[r].params.min_p for r in picked],
+                                                  dtype=torch.float32, device=device))
+
+    def _apply_guides(self, states, drafts, logits: torch.Tensor, rows: _Rows) -> None:
+        """Guided requests: -inf for every token their grammar does not allow next (per live beam,
+        and per draft position as if the drafts before it were accepted)."""
+        guided = [i for i, s in enumerate(states) if s.guide is not None]
+        if not guided:
+            return
+        picked = [r for i in guided
+                  for r in range(rows.first_row[i], rows.first_row[i] + states[i].num_rows + len(drafts[i]))]
+        bitmask = torch.full((len(picked), bitmask_words(logits.shape[1])), -1, dtype=torch.int32)
+        start = 0
+        for i in guided:
+            s = states[i]
+            if drafts[i]:
+                s.guide.fill_bitmask(bitmask, start, 0, tuple(drafts[i]))
+            else:
+                for beam in range(s.num_rows):
+                    s.guide.fill_bitmask(bitmask, start + beam, beam)
+            start += s.num_rows + len(drafts[i])
+        self.kernels.apply_token_bitmask(logits, torch.tensor(picked, device=logits.device),
+                                         bitmask.to(logits.device))
 
     def _apply_bans(self, logits: torch.Tensor, rows: _Rows) -> None:
         ban_rows, ban_tokens = [], []
@@ -156,7 +261,7 @@ class Decoder:
             p = s.params
             if not p.bad_words and not p.no_repeat_ngram_size:
                 continue
-            sequence = s.record.sequence(rows.beam_of_row[r])
+            sequence = rows.sequence(r)
             banned = set()
             for word in p.bad_words:
                 n = len(word)
@@ -170,7 +275,7 @@ class Decoder:
             self.kernels.ban_tokens(logits, torch.tensor(ban_rows, device=logits.device),
                                     torch.tensor(ban_tokens, device=logits.device))
 
-    def _sample(self, states, picked: list[int], logits, raw, rows: _Rows, outcomes: list) -> None:
+    def _sample(self, states, picked: list[int], logits, raw, rows: _Rows, outcomes: list, tops: dict) -> None:
         device = logits.device
         chosen = [states[i] for i in picked]
         index = torch.tensor([rows.first_row[i] for i in picked], device=device)
@@ -186,29 +291,46 @@ class Decoder:
             torch.tensor([s.top_p for s in chosen], dtype=torch.float32, device=device),
             draws,
             torch.tensor([s.params.normalize_log_probs for s in chosen], device=device))
-        self._accept(states, picked, tokens.tolist(), log_probs.tolist(), raw, rows, outcomes)
+        for i, token, log_prob in zip(picked, tokens.tolist(), log_probs.tolist()):
+            outcomes[i] = self._accept(states[i], [(token, log_prob, False)], raw, rows.first_row[i], tops.get(i))
 
     @staticmethod
-    def _accept(states, picked: list[int], tokens: list[int], log_probs: list[float], raw, rows: _Rows,
-                outcomes: list) -> None:
-        for i, token, log_prob in zip(picked, tokens, log_probs):
-            state = states[i]
-            generated = state.record.beams[0]
-            reason = state.ends_beam(generated, token)
+    def _accept(state: DecodeState, picks: list[tuple[int, float, bool]], raw, first_row: int,
+                top: tuple[torch.Tensor, torch.Tensor] | None = None) -> DecodeOutcome:
+        """Append picks[j] = (token, log prob, it equals draft j) in order, as if generated one by
+        one, until one ends the request or is not an accepted draft (the model's own token)."""
+        generated = state.record.beams[0]
+        tokens: list[int] = []
+        log_probs: list[float] = []
+        logits: list[torch.Tensor] = []
+        p = state.params
+        for j, (token, log_prob, is_accepted_draft) in enumerate(picks):
+            reason = state.ends_beam(generated + tokens if tokens else generated, token)
+            if state.guide is not None and state.guide.ends(0, token):
+                reason = "end_id"   # the grammar is complete: its stop token ends the request
             state.cum_log_prob += log_prob
             if reason == "end_id":
                 state.finish_reason = reason
-                outcomes[i] = DecodeOutcome(cum_log_prob=state.cum_log_prob, finish_reason=reason)
-                continue
-            p = state.params
+                break
+            tokens.append(token)
+            log_probs.append(log_prob)
+            if state.guide is not None:
+                state.guide.consume(0, [token])
+            if raw is not None and state.gather_generation_logits:
+                logits.append(raw[first_row + j].cpu())
             if p.top_p_decay != 1.0 or p.top_p_reset_id >= 0:
                 state.top_p = p.top_p if token == p.top_p_reset_id else max(state.top_p * p.top_p_decay, p.top_p_min)
-            if reason is None and len(generated) + 1 >= state.max_new_tokens:
+            if reason is None and len(generated) + len(tokens) >= state.max_new_tokens:
                 reason = "length"
             state.finish_reason = reason
-            outcomes[i] = DecodeOutcome((token,), (log_prob,), () if raw is None or not state.gather_generation_logits
-                                        else (raw[rows.first_row[i]].cpu(),), state.cum_log_prob,
-                                        finish_reason=reason)
+            if reason is not None or not is_accepted_draft:
+                break
+        num_accepted = sum(1 for _ in itertools.takewhile(lambda pick: pick[2], picks[:len(tokens)]))
+        tops = () if top is None else tuple(zip((tuple(v) for v in top[0][:len(tokens)].tolist()),
+                                                (tuple(i) for i in top[1][:len(tokens)].tolist())))
+        return DecodeOutcome(tuple(tokens), tuple(log_probs), tuple(logits), state.cum_log_prob,
+                             finish_reason=state.finish_reason, num_accepted_drafts=num_accepted,
+                             top_log_probs=tops)
 
     def _beam_step(self, state: DecodeState, logits, raw, first_row: int) -> DecodeOutcome:
         span = slice(first_row, first_row + state.num_rows)
@@ -218,23 +340,41 @@ class Decoder:
         candidates = self.kernels.beam_candidates(log_probs, running, search.num_candidates, search.diversity_rate)
         step_log_probs = log_probs[candidates[1], candidates[2]].tolist()
         histories = state.live
+        guide = state.guide
         parents = search.step(candidates, step_log_probs, histories,
-                              lambda parent, token: state.ends_beam(histories[parent].tokens, token) is not None,
+                              lambda parent, token: (state.ends_beam(histories[parent].tokens, token) is not None
+                                                     or (guide is not None and guide.ends(parent, token))),
                               None if raw is None or not state.gather_generation_logits else raw[span])
         state.live = search.live
+        if guide is not None and parents:
+            guide.fork(parents, [h.tokens[-1] for h in state.live])
         if search.done:
             best = search.final(state.live)[0]
             state.finish_reason = (state.ends_beam(best.tokens[:-1], best.tokens[-1]) if best.tokens else None) \
                 or "length"
         outputs = [_without_end(h, state.params.end_id)
                    for h in (search.final(state.live) if state.is_finished else state.live)]
-        beams = BeamOutputs(
-            parents=tuple(parents), live_tokens=() if state.is_finished else tuple(tuple(h.tokens) for h in state.live),
-            tokens=tuple(tuple(h.tokens) for h in outputs), log_probs=tuple(tuple(h.log_probs) for h in outputs),
-            cum_log_probs=tuple(h.cum_log_prob for h in outputs),
-            generation_logits=tuple(tuple(row.cpu() for row in h.logits) for h in outputs)
-            if outputs[0].logits is not None else ())
-        return DecodeOutcome(beams=beams, finish_reason=state.finish_reason)
+        return DecodeOutcome(beams=_beam_outputs(parents, state.live, outputs, state.is_finished),
+                             finish_reason=state.finish_reason)
+
+    def _samples_step(self, state: DecodeState, logits, raw, first_row: int) -> DecodeOutcome:
+        """num_return_sequences: each live sequence draws its own token (samples.py)."""
+        samples = state.samples
+        parents = samples.step(self.kernels, state, logits, raw, first_row)
+        if samples.done:
+            state.finish_reason = next(r for r in reversed(samples.reasons) if r is not None)
+        live = [samples.outputs[i] for i in samples.live]
+        return DecodeOutcome(beams=_beam_outputs(parents, live, samples.outputs, state.is_finished),
+                             finish_reason=state.finish_reason)
+
+
+def _beam_outputs(parents, live: list[Hypothesis], outputs: list[Hypothesis], finished: bool) -> BeamOutputs:
+    return BeamOutputs(
+        parents=tuple(parents), live_tokens=() if finished else tuple(tuple(h.tokens) for h in live),
+        tokens=tuple(tuple(h.tokens) for h in outputs), log_probs=tuple(tuple(h.log_probs) for h in outputs),
+        cum_log_probs=tuple(h.cum_log_prob for h in outputs),
+        generation_logits=tuple(tuple(row.cpu() for row in h.logits) for h in outputs)
+        if outputs[0].logits is not None else ())
 
 
 def _without_end(h: Hypothesis, end_id: int | None) -> Hypothesis:

@@ -14,6 +14,13 @@ Semantics, chosen to match TensorRT-LLM (the system this runtime clones) and sta
   the smallest most-probable prefix of those whose mass reaches p (Hugging Face's warpers: p is
   relative to the top-k mass). top_p decays after each step, p <- max(p * top_p_decay, top_p_min),
   and resets to its initial value when the sampled token is top_p_reset_id.
+- min_p (Nguyen et al. 2024) removes the tokens whose probability is below min_p times the top
+  token's, after temperature and the penalties, before top-k / top-p.
+- num_top_log_probs k: with each generated token, the k most likely tokens and their log probs
+  under the model's own distribution (the raw logits' log softmax, before any processing, as the
+  OpenAI API reports them); beam width 1 and one sequence.
+- num_return_sequences n: n independent samples sharing the prompt's KV; sample i draws as a
+  request with seed random_seed + i would (runtime/decoding/samples.py).
 - Log probs are taken after processing: normalize_log_probs renormalises over the tokens top-k /
   top-p kept (the distribution actually sampled); otherwise over the whole vocabulary. Greedy and
   beam search keep the whole vocabulary either way. The end token's log prob counts in
@@ -95,6 +102,9 @@ class DecodingParams:
     top_p_decay: float = 1.0
     top_p_min: float = 1e-6
     top_p_reset_id: int = -1
+    min_p: float = 0.0
+    num_top_log_probs: int = 0
+    num_return_sequences: int = 1     # independent samples of the prompt (beam width 1; samples.py)
     min_length: int = 0
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
@@ -113,6 +123,11 @@ class DecodingParams:
     @property
     def is_beam_search(self) -> bool:
         return self.beam_width > 1
+
+    @property
+    def num_sequences(self) -> int:
+        """Output sequences: the beams, or the independent samples."""
+        return max(self.beam_width, self.num_return_sequences)
 
     @property
     def is_greedy(self) -> bool:
@@ -134,7 +149,8 @@ class DecodingParams:
         def fail(name: str, what: str):
             raise ValueError(f"{(names or {}).get(name, name)}: {getattr(self, name)!r} {what}")
 
-        bounds = dict(_BOUNDS, beam_width=(1, max_beam_width), top_p_reset_id=(-1, vocab_size - 1))
+        bounds = dict(_BOUNDS, beam_width=(1, max_beam_width), top_p_reset_id=(-1, vocab_size - 1),
+                      num_top_log_probs=(0, min(64, vocab_size)))
         for name, (low, high, *open_ends) in bounds.items():
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -144,6 +160,10 @@ class DecodingParams:
             low_open, high_open = (open_ends + [False, False])[:2]
             if value < low or value > high or (low_open and value == low) or (high_open and value == high):
                 fail(name, f"outside {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}")
+        if self.num_return_sequences > 1 and self.beam_width > 1:
+            fail("num_return_sequences", f"needs beam width 1, got {self.beam_width}")
+        if self.num_top_log_probs and self.num_sequences > 1:
+            fail("num_top_log_probs", f"needs beam width 1, got {self.beam_width}")
         if self.end_id is not None and not (isinstance(self.end_id, int) and 0 <= self.end_id < vocab_size):
             fail("end_id", f"outside [0, {vocab_size}) (None: no end id)")
         if self.embedding_bias is not None:
@@ -161,7 +181,8 @@ _BOUNDS = {
     "top_p_min": (0.0, 1.0, True), "min_length": (0, 1 << 30), "repetition_penalty": (0.0, 1e4, True),
     "presence_penalty": (-1e4, 1e4), "frequency_penalty": (-1e4, 1e4), "no_repeat_ngram_size": (0, 1 << 20),
     "length_penalty": (-1e4, 1e4), "early_stopping": (-(1 << 31), (1 << 31) - 1), "diversity_rate": (0.0, 1e4),
-    "random_seed": (0, (1 << 64) - 1),
+    "random_seed": (0, (1 << 64) - 1), "min_p": (0.0, 1.0), "num_top_log_probs": (0, 64),
+    "num_return_sequences": (1, 64),
 }
 _INTEGER_FIELDS = {"beam_width", "top_k", "top_p_reset_id", "min_length", "no_repeat_ngram_size",
-                   "early_stopping", "random_seed"}
+                   "early_stopping", "random_seed", "num_top_log_probs", "num_return_sequences"}

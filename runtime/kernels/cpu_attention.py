@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .torch_attention import block_ids, compute_dtype, dense_attention, visible
+from .torch_attention import alibi_mask, block_ids, compute_dtype, dense_attention, visible
 
 # Fixed cost of one more attention call (gather K, gather V, SDPA), in block-rows: the work of
 # gathering and attending one block of one sequence. Estimated from a CPU profile (default model,
@@ -59,7 +59,8 @@ class _DecodeGroup:
     block_ids: torch.Tensor    # int64 [n * nb]: the blocks to gather
     num_rows: int
     num_tokens: int            # keys gathered per row
-    mask: torch.Tensor         # bool [n, 1, 1, num_tokens]: the keys each row's query sees
+    mask: torch.Tensor         # bool [n, 1, 1, num_tokens]: the keys each row's query sees; with ALiBi
+                               # additive, float32 [n, H, 1, num_tokens] (-inf where hidden)
 
 
 class CpuAttention:
@@ -101,9 +102,9 @@ class CpuAttention:
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                         window: int | None, sink: int = 0) -> torch.Tensor:
+                         window: int | None, sink: int = 0, alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
         """torch_attention.decode_attention, one call per length group of the step's plan."""
-        plan = self._decode_plan(block_tables, seq_lens, k_cache.shape[1], window, sink, q.device)
+        plan = self._decode_plan(block_tables, seq_lens, k_cache.shape[1], window, sink, alibi_slopes, q.device)
         if len(plan) == 1:
             return self._decode_rows(q, k_cache, v_cache, plan[0], scale)
         out = torch.empty_like(q)
@@ -112,11 +113,13 @@ class CpuAttention:
         return out
 
     def _decode_plan(self, block_tables: torch.Tensor, seq_lens: torch.Tensor, tokens_per_block: int,
-                     window: int | None, sink: int, device: torch.device) -> list[_DecodeGroup]:
+                     window: int | None, sink: int, alibi_slopes: torch.Tensor | None,
+                     device: torch.device) -> list[_DecodeGroup]:
         """The row groups, block ids and masks of a decode call. Every layer of a step asks for the
         same plan, so the thread's last one is reused while its inputs are equal."""
         lens = seq_lens.tolist()
-        key = (lens, tokens_per_block, window, sink, device)
+        slopes = None if alibi_slopes is None else alibi_slopes.tolist()
+        key = (lens, tokens_per_block, window, sink, slopes, device)
         state = self._thread_state()
         memo = state.get("decode_plan")
         if (memo is not None and memo[0] == key and memo[1].shape == block_tables.shape
@@ -130,10 +133,13 @@ class CpuAttention:
             index = None if len(groups) == 1 else torch.tensor(rows, device=device)
             tables = block_tables if index is None else block_tables[index]
             num_tokens = max(lens[r] for r in rows)
-            query_pos = torch.tensor([lens[r] - 1 for r in rows], device=device)
-            mask = visible(query_pos, torch.arange(num_tokens, device=device), window, sink)  # [n, L]
+            query_pos = torch.tensor([lens[r] - 1 for r in rows], device=device)[:, None]  # [n, 1]
+            key_pos = torch.arange(num_tokens, device=device)
+            mask = visible(query_pos, key_pos, window, sink)  # [n, 1, L]
+            mask = (mask[:, None] if alibi_slopes is None
+                    else alibi_mask(mask, query_pos, key_pos, alibi_slopes, torch.float32))  # [n, 1 | H, 1, L]
             plan.append(_DecodeGroup(index, block_ids(tables, num_tokens, tokens_per_block), len(rows),
-                                     num_tokens, mask[:, None, None, :]))
+                                     num_tokens, mask))
         state["decode_plan"] = (key, block_tables.clone(), plan)
         return plan
 
@@ -144,16 +150,17 @@ class CpuAttention:
         # [n, kvH, L, D] views of the gathered keys and values (SDPA takes the strides as they are)
         k = self._gather(k_cache, group.block_ids, group.num_rows, group.num_tokens, 0).to(dtype).transpose(1, 2)
         v = self._gather(v_cache, group.block_ids, group.num_rows, group.num_tokens, 1).to(dtype).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q.to(dtype)[:, :, None, :], k, v, attn_mask=group.mask, scale=scale,
+        mask = group.mask if group.mask.dtype == torch.bool else group.mask.to(dtype)
+        out = F.scaled_dot_product_attention(q.to(dtype)[:, :, None, :], k, v, attn_mask=mask, scale=scale,
                                              enable_gqa=True)  # [n, H, 1, D]
         return out[:, :, 0].to(q.dtype)
 
     def context_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_table: torch.Tensor, past_len: int, scale: float,
-                          window: int | None, sink: int = 0) -> torch.Tensor:
+                          window: int | None, sink: int = 0, alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
         """torch_attention.context_attention with the keys and values gathered into workspaces."""
         total = past_len + q.shape[0]
         dtype = compute_dtype(q)
         k = self.gather_kv(k_cache, block_table[None], total, workspace_slot=0)[0].to(dtype)  # [total, kvH, D]
         v = self.gather_kv(v_cache, block_table[None], total, workspace_slot=1)[0].to(dtype)
-        return dense_attention(q.to(dtype), k, v, past_len, scale, window, sink).to(q.dtype)
+        return dense_attention(q.to(dtype), k, v, past_len, scale, window, sink, alibi_slopes).to(q.dtype)

@@ -123,27 +123,34 @@ class CudaKernels:
         self.launchers.copy_blocks(kv_pool, src_block_ids.to(torch.int64).contiguous(),
                                    dst_block_ids.to(torch.int64).contiguous())
 
-    def decode_attention(self, q, k_cache, v_cache, block_tables, seq_lens, scale, window, sink=0):
+    def decode_attention(self, q, k_cache, v_cache, block_tables, seq_lens, scale, window, sink=0, alibi_slopes=None):
         if self._use_reference(q):
-            return self._reference.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, window, sink)
+            return self._reference.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, window, sink,
+                                                    alibi_slopes)
         if window is not None and (_as_int(window) is None or window <= 0):
             raise ValueError(f"window: must be None or a positive int, got {window!r}")
         if _as_int(sink) is None or sink < 0:
             raise ValueError(f"sink: must be a non-negative int, got {sink!r}")
         if q.dtype != k_cache.dtype:
             raise ValueError(f"q: dtype {q.dtype} differs from the cache's {k_cache.dtype}")
+        if alibi_slopes is not None:
+            if alibi_slopes.shape != (q.shape[1],):
+                raise ValueError(f"alibi_slopes: expected one slope per query head, shape [{q.shape[1]}], got "
+                                 f"{list(alibi_slopes.shape)}")
+            alibi_slopes = alibi_slopes.to(q.device, torch.float32).contiguous()
         q = q.contiguous()
         out = torch.empty_like(q)
         self.launchers.decode_attention(out, q, k_cache, v_cache, block_tables.to(torch.int32).contiguous(),
                                         seq_lens.to(torch.int32).contiguous(), scale, _as_int(window or 0),
-                                        _as_int(sink))
+                                        _as_int(sink), alibi_slopes)
         return out
 
-    def context_attention(self, q, k_cache, v_cache, block_table, past_len, scale, window, sink=0):
-        return self._reference.context_attention(q, k_cache, v_cache, block_table, past_len, scale, window, sink)
+    def context_attention(self, q, k_cache, v_cache, block_table, past_len, scale, window, sink=0, alibi_slopes=None):
+        return self._reference.context_attention(q, k_cache, v_cache, block_table, past_len, scale, window, sink,
+                                                 alibi_slopes)
 
-    def dense_attention(self, q, k, v, past_len, scale, window, sink=0):
-        return self._reference.dense_attention(q, k, v, past_len, scale, window, sink)
+    def dense_attention(self, q, k, v, past_len, scale, window, sink=0, alibi_slopes=None):
+        return self._reference.dense_attention(q, k, v, past_len, scale, window, sink, alibi_slopes)
 
     # ---- decoding ops: float32 logits (see cuda_src/sampling.cu for the algorithms) ------------------
     def uniforms(self, seeds, steps, beams):
@@ -214,6 +221,35 @@ class CudaKernels:
         self.decoding.sample(logits, _int64(top_k), _float32(top_p), _float32(uniforms),
                              normalize_log_probs.to(torch.bool).contiguous(), tokens, log_probs)
         return tokens, log_probs
+
+    def apply_token_bitmask(self, logits, rows, bitmask) -> None:
+        if self._use_reference(logits):
+            return self._reference.apply_token_bitmask(logits, rows, bitmask)
+        _check_logits(logits)
+        target = _columns_contiguous(logits)
+        self.decoding.apply_token_bitmask(target, _int64(rows),
+                                          bitmask.to(target.device, torch.int32).contiguous())
+        if target is not logits:
+            logits.copy_(target)
+
+    def apply_min_p(self, logits, rows, min_p) -> None:
+        if self._use_reference(logits):
+            return self._reference.apply_min_p(logits, rows, min_p)
+        _check_logits(logits)
+        target = _columns_contiguous(logits)
+        self.decoding.apply_min_p(target, _int64(rows), _float32(min_p))
+        if target is not logits:
+            logits.copy_(target)
+
+    def top_log_probs(self, logits, k):
+        if self._use_reference(logits):
+            return self._reference.top_log_probs(logits, k)
+        _check_logits(logits)
+        logits = _columns_contiguous(logits)
+        values = torch.empty(logits.shape[0], k, dtype=torch.float32, device=logits.device)
+        ids = torch.empty(logits.shape[0], k, dtype=torch.int64, device=logits.device)
+        self.decoding.top_log_probs(logits, k, values, ids)
+        return values, ids
 
     def beam_candidates(self, log_probs, running_scores, num_candidates, diversity_rate):
         if self._use_reference(log_probs):

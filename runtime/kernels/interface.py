@@ -9,6 +9,9 @@ KV layouts shared by every backend:
   window:           None or w > 0; a query at position p sees keys at positions (p - w, p]
   sink:             s >= 0 sink tokens (StreamingLLM): keys at positions < s stay visible to every
                     later query even outside the window (only meaningful with a window)
+  alibi_slopes:     None or float32 [H] (the query heads): the score of query head h at position p
+                    for the key at position k gains slope_h * (k - p) (ALiBi, runtime/alibi.py);
+                    positions are the absolute cache positions, whatever the window
   A block-table entry whose block holds no key visible to any query of the call may be negative
   (its block was released); kernels never read such blocks.
 Decoding ops are row-wise: a row's result depends on that row's inputs only (batch invariance).
@@ -39,21 +42,23 @@ class KernelBackend(Protocol):
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                         window: int | None, sink: int = 0) -> torch.Tensor:
+                         window: int | None, sink: int = 0, alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
         """Paged attention of one query per sequence, at position seq_lens - 1. q [B, H, D] (the
         cache's dtype) -> [B, H, D]; H is a multiple of kv_heads (GQA/MQA). seq_lens int [B]
         counts the cached tokens including the query's own (already written); block_tables
-        int32 [B, max_blocks]. softmax(scale * q.k) over the visible keys, times v."""
+        int32 [B, max_blocks]. softmax(scale * q.k (+ the ALiBi bias)) over the visible keys, times v."""
 
     def context_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_table: torch.Tensor, past_len: int, scale: float,
-                          window: int | None, sink: int = 0) -> torch.Tensor:
+                          window: int | None, sink: int = 0, alibi_slopes: torch.Tensor | None = None
+                          ) -> torch.Tensor:
         """One sequence's queries at positions past_len .. past_len + n - 1, whose keys (the n new
         ones included) are in the cache: q [n, H, D] -> [n, H, D]; block_table int32 [max_blocks].
         Causal (bottom-right aligned), limited by window and sink."""
 
     def dense_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past_len: int, scale: float,
-                        window: int | None, sink: int = 0) -> torch.Tensor:
+                        window: int | None, sink: int = 0, alibi_slopes: torch.Tensor | None = None
+                        ) -> torch.Tensor:
         """Attention over keys already at hand: q [n, H, D] at positions past_len .., k, v
         [past_len + n, kv_heads, D] -> [n, H, D] in q's dtype (the caller picks the math dtype).
         A fresh prompt attends to its just-computed keys through this, without a gather."""
@@ -101,6 +106,18 @@ class KernelBackend(Protocol):
         The draw: the first token, in id order, whose cumulative weight exp(logit - max) over the
         top_k_top_p_mask tokens exceeds u * total. The log prob is under that renormalised
         distribution where normalize_log_probs is set, else over the whole vocabulary."""
+
+    def apply_token_bitmask(self, logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+        """Guided decoding, in place: in logits[rows] (rows int64 [n]) -inf for every token v whose
+        bit (v % 32) of bitmask[i, v // 32] (int32 [n, >= ceil(V / 32)], llguidance's layout) is clear."""
+
+    def apply_min_p(self, logits: torch.Tensor, rows: torch.Tensor, min_p: torch.Tensor) -> None:
+        """min-p, in place: in logits[rows], -inf where exp(x - row max) < min_p[i] (float32 [n]);
+        the top token always stays."""
+
+    def top_log_probs(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (values float32 [R, k], ids int64 [R, k]): each row's k largest log-softmax values,
+        descending, ties to the lower id (1 <= k <= V)."""
 
     def beam_candidates(self, log_probs: torch.Tensor, running_scores: torch.Tensor, num_candidates: int,
                         diversity_rate: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -162,9 +162,9 @@ class KvLaunchers:
 
     def decode_attention(self, out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, window: int,
-                         sink: int) -> None:
+                         sink: int, alibi_slopes: torch.Tensor | None = None) -> None:
         """out, q [B, H, D]; caches [num_blocks, tpb, kvH, D]; block_tables int32 [B, W]; seq_lens
-        int32 [B] (>= 1); window 0 = none. All contiguous."""
+        int32 [B] (>= 1); window 0 = none; alibi_slopes float32 [H] or None. All contiguous."""
         dtype = k_cache.dtype
         for name, t, rank in (("out", out, 3), ("q", q, 3), ("k_cache", k_cache, 4), ("v_cache", v_cache, 4)):
             self._check(name, t, dtype, rank)
@@ -178,6 +178,9 @@ class KvLaunchers:
         assert block_tables.shape[0] == batch and seq_lens.shape == (batch,)
         assert block_tables.is_contiguous() and seq_lens.is_contiguous()
         assert window >= 0 and sink >= 0
+        if alibi_slopes is not None:
+            self._check("alibi_slopes", alibi_slopes, torch.float32, 1)
+            assert alibi_slopes.shape == (num_heads,) and alibi_slopes.is_contiguous(), alibi_slopes.shape
         if batch == 0:
             return
         group = num_heads // num_kv_heads
@@ -196,7 +199,8 @@ class KvLaunchers:
         kernel = self._function(dtype, "decode_attention_partition")
         kernel((num_partitions, num_kv_heads, batch), (self.config.attention_threads,),
                (c_ptr(out), c_ptr(part_acc), c_ptr(part_max), c_ptr(part_sum), c_ptr(q), c_ptr(k_cache),
-                c_ptr(v_cache), c_ptr(block_tables), c_ptr(seq_lens), c_int(num_heads), c_int(num_kv_heads),
+                c_ptr(v_cache), c_ptr(block_tables), c_ptr(seq_lens), c_ptr(alibi_slopes), c_int(num_heads),
+                c_int(num_kv_heads),
                 c_int(head_dim), c_int(tokens_per_block), c_int(block_tables.shape[1]), c_int(partition_size),
                 c_int(tile_size), c_float(scale), c_int(window), c_int(sink)),
                shared_mem=decode_smem_bytes(group, head_dim, tile_size), stream=stream)
@@ -342,6 +346,46 @@ class DecodingLaunchers:
         self._vectors(num_rows, torch.float32, top_p=top_p, uniforms=uniforms, log_probs=log_probs)
         self._vectors(num_rows, torch.bool, normalize=normalize)
         self._per_row("sample_tokens", logits, (tokens, log_probs), (top_k, top_p, uniforms, normalize))
+
+    def apply_token_bitmask(self, logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+        """logits float32 [R, V] in place: rows int64 [n], bitmask int32 [n, words >= ceil(V / 32)] (contiguous)."""
+        self._logits("logits", logits)
+        n, vocab = rows.shape[0], logits.shape[1]
+        self._vectors(n, torch.int64, rows=rows)
+        self._check("bitmask", bitmask, torch.int32, 2)
+        assert bitmask.shape[0] == n and bitmask.shape[1] * 32 >= vocab and bitmask.is_contiguous(), \
+            f"bitmask: shape {list(bitmask.shape)} for {n} rows of {vocab} tokens"
+        if n and vocab:
+            self._kernel("apply_token_bitmask")(
+                (n,), (decoding_block(vocab, self.config),),
+                (c_ptr(logits), c_ptr(rows), c_ptr(bitmask), c_int(bitmask.shape[1]), c_int(vocab),
+                 c_long_long(logits.stride(0))), shared_mem=0, stream=self._stream(logits.device))
+
+    def apply_min_p(self, logits: torch.Tensor, rows: torch.Tensor, min_p: torch.Tensor) -> None:
+        """logits float32 [R, V] in place: rows int64 [n], min_p float32 [n]."""
+        self._logits("logits", logits)
+        n, vocab = rows.shape[0], logits.shape[1]
+        self._vectors(n, torch.int64, rows=rows)
+        self._vectors(n, torch.float32, min_p=min_p)
+        if n and vocab:
+            self._kernel("apply_min_p")(
+                (n,), (decoding_block(vocab, self.config),),
+                (c_ptr(logits), c_ptr(rows), c_ptr(min_p), c_int(vocab), c_long_long(logits.stride(0))),
+                shared_mem=0, stream=self._stream(logits.device))
+
+    def top_log_probs(self, logits: torch.Tensor, k: int, values: torch.Tensor, ids: torch.Tensor) -> None:
+        """logits float32 [R, V] -> values float32 [R, k], ids int64 [R, k] (contiguous), 1 <= k <= V."""
+        self._logits("logits", logits)
+        num_rows, vocab = logits.shape
+        assert 1 <= k <= vocab, f"k: {k} outside [1, {vocab}]"
+        self._check("values", values, torch.float32, 2)
+        self._check("ids", ids, torch.int64, 2)
+        assert values.shape == ids.shape == (num_rows, k) and values.is_contiguous() and ids.is_contiguous()
+        if num_rows:
+            self._kernel("top_log_probs")(
+                (num_rows,), (decoding_block(vocab, self.config),),
+                (c_ptr(values), c_ptr(ids), c_ptr(logits), c_int(k), c_int(vocab), c_long_long(logits.stride(0))),
+                shared_mem=0, stream=self._stream(logits.device))
 
     def beam_candidates(self, log_probs: torch.Tensor, running_scores: torch.Tensor, num_candidates: int,
                         diversity_rate: float, scores: torch.Tensor, parents: torch.Tensor,

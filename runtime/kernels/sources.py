@@ -20,6 +20,7 @@ KERNEL_SOURCES = {
     "logits_processing.cu": ("apply_penalties", "ban_tokens"),
     "sampling.cu": ("greedy_tokens", "log_softmax_rows", "sample_tokens"),
     "beam_search.cu": ("beam_topk_per_beam", "beam_select"),
+    "token_filters.cu": ("apply_token_bitmask", "apply_min_p", "top_log_probs"),
 }
 _INCLUDE_PRELUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]+"prelude\.cuh"[ \t]*$', re.M)
 _SIGNATURE = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?(\w+)\s*\(([^)]*)\)')

@@ -23,6 +23,15 @@ def visible(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None, 
     return mask
 
 
+def alibi_mask(mask: torch.Tensor, query_pos: torch.Tensor, key_pos: torch.Tensor, alibi_slopes: torch.Tensor,
+               dtype: torch.dtype) -> torch.Tensor:
+    """An additive mask [..., H, num_queries, num_keys] in `dtype` from a visibility mask [...,
+    num_queries, num_keys]: slope_h * (key_pos - query_pos) where visible, -inf elsewhere."""
+    distance = (key_pos[..., None, :] - query_pos[..., :, None]).to(torch.float32)  # [..., nq, nk]
+    bias = alibi_slopes.to(torch.float32)[:, None, None] * distance[..., None, :, :]  # [..., H, nq, nk]
+    return bias.masked_fill(~mask[..., None, :, :], float("-inf")).to(dtype)
+
+
 def block_ids(block_tables: torch.Tensor, num_tokens: int, tokens_per_block: int) -> torch.Tensor:
     """int64 [B * nb]: the blocks holding each row's first num_tokens tokens, row-major.
     Released blocks (negative ids) hold only invisible keys: block 0 is read in their place."""
@@ -51,7 +60,8 @@ def copy_blocks(kv_pool: torch.Tensor, src_block_ids: torch.Tensor, dst_block_id
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     seq_lens: torch.Tensor, scale: float, window: int | None, sink: int = 0) -> torch.Tensor:
+                     seq_lens: torch.Tensor, scale: float, window: int | None, sink: int = 0,
+                     alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     """One padded call: every row gathers as many keys as the longest row; the mask hides the
     padding, the keys outside the window and the future."""
     if q.shape[0] == 0:
@@ -61,29 +71,34 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     k = gather_kv(k_cache, block_tables, num_tokens).to(dtype).transpose(1, 2)  # [B, kvH, L, D]
     v = gather_kv(v_cache, block_tables, num_tokens).to(dtype).transpose(1, 2)
     query_pos = (seq_lens.to(q.device) - 1)[:, None]  # [B, 1]
-    mask = visible(query_pos, torch.arange(num_tokens, device=q.device), window, sink)  # [B, 1, L]
-    out = F.scaled_dot_product_attention(q.to(dtype)[:, :, None, :], k, v, attn_mask=mask[:, None], scale=scale,
+    key_pos = torch.arange(num_tokens, device=q.device)
+    mask = visible(query_pos, key_pos, window, sink)  # [B, 1, L]
+    mask = mask[:, None] if alibi_slopes is None else alibi_mask(mask, query_pos, key_pos, alibi_slopes, dtype)
+    out = F.scaled_dot_product_attention(q.to(dtype)[:, :, None, :], k, v, attn_mask=mask, scale=scale,
                                          enable_gqa=True)  # [B, H, 1, D]
     return out[:, :, 0].to(q.dtype)
 
 
 def context_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                      past_len: int, scale: float, window: int | None, sink: int = 0) -> torch.Tensor:
+                      past_len: int, scale: float, window: int | None, sink: int = 0,
+                      alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     total = past_len + q.shape[0]
     dtype = compute_dtype(q)
     k = gather_kv(k_cache, block_table[None], total)[0].to(dtype)  # [total, kvH, D]
     v = gather_kv(v_cache, block_table[None], total)[0].to(dtype)
-    return dense_attention(q.to(dtype), k, v, past_len, scale, window, sink).to(q.dtype)
+    return dense_attention(q.to(dtype), k, v, past_len, scale, window, sink, alibi_slopes).to(q.dtype)
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past_len: int, scale: float,
-                    window: int | None, sink: int = 0) -> torch.Tensor:
+                    window: int | None, sink: int = 0, alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     total = k.shape[0]
     qt, kt, vt = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, H, n | total, D]
-    if past_len == 0 and window is None:
+    if past_len == 0 and window is None and alibi_slopes is None:
         out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
     else:
-        query_pos = torch.arange(past_len, total, device=q.device)
-        mask = visible(query_pos, torch.arange(total, device=q.device), window, sink)  # [n, total]
+        query_pos, key_pos = torch.arange(past_len, total, device=q.device), torch.arange(total, device=q.device)
+        mask = visible(query_pos, key_pos, window, sink)  # [n, total]
+        if alibi_slopes is not None:
+            mask = alibi_mask(mask, query_pos, key_pos, alibi_slopes, q.dtype)  # [H, n, total]
         out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1)

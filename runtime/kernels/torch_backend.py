@@ -29,15 +29,15 @@ class TorchKernels:
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                         window: int | None, sink: int = 0) -> torch.Tensor:
+                         window: int | None, sink: int = 0, alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
         attend = torch_attention.decode_attention if self._fast is None else self._fast.decode_attention
-        return attend(q, k_cache, v_cache, block_tables, seq_lens, scale, window, sink)
+        return attend(q, k_cache, v_cache, block_tables, seq_lens, scale, window, sink, alibi_slopes)
 
     def context_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_table: torch.Tensor, past_len: int, scale: float,
-                          window: int | None, sink: int = 0) -> torch.Tensor:
+                          window: int | None, sink: int = 0, alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
         attend = torch_attention.context_attention if self._fast is None else self._fast.context_attention
-        return attend(q, k_cache, v_cache, block_table, past_len, scale, window, sink)
+        return attend(q, k_cache, v_cache, block_table, past_len, scale, window, sink, alibi_slopes)
 
     uniforms = staticmethod(torch_decoder.uniforms)
     apply_penalties = staticmethod(torch_decoder.apply_penalties)
@@ -48,3 +48,6 @@ class TorchKernels:
     top_k_top_p_mask = staticmethod(torch_decoder.top_k_top_p_mask)
     sample = staticmethod(torch_decoder.sample)
     beam_candidates = staticmethod(torch_decoder.beam_candidates)
+    apply_token_bitmask = staticmethod(torch_decoder.apply_token_bitmask)
+    apply_min_p = staticmethod(torch_decoder.apply_min_p)
+    top_log_probs = staticmethod(torch_decoder.top_log_probs)

@@ -229,3 +229,36 @@ def _sample_masked(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tenso
         return tokens, normalised
     full = token_logits - torch.logsumexp(logits, dim=-1)
     return tokens, torch.where(normalize_log_probs, normalised, full)
+
+
+# byte value -> its 8 bits, low bit first, as "banned" flags (a clear bit bans the token)
+_BANNED_BITS = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1) == 0
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Guided decoding: logits float32 [R, V], in rows `rows` (int64 [n]) -inf for every token v
+    whose bit (v % 32) of bitmask[i, v // 32] (int32 [n, >= ceil(V / 32)]) is clear."""
+    vocab = logits.shape[1]
+    # little-endian words: byte k of word w holds the bits of tokens 32w + 8k .. 32w + 8k + 7
+    as_bytes = bitmask.contiguous().view(torch.uint8).to(device="cpu", dtype=torch.int64)
+    banned = _BANNED_BITS[as_bytes].reshape(bitmask.shape[0], -1)[:, :vocab].to(logits.device)
+    sub = logits.index_select(0, rows)
+    sub.masked_fill_(banned, NEG_INF)
+    logits.index_copy_(0, rows, sub)
+
+
+def apply_min_p(logits: torch.Tensor, rows: torch.Tensor, min_p: torch.Tensor) -> None:
+    """min-p: in rows `rows` (int64 [n]), -inf for tokens whose probability is below min_p[i]
+    (float32 [n]) times the row's top probability: exp(x - max) < min_p. A row of -inf stays."""
+    sub = logits[rows]
+    row_max = sub.max(dim=-1, keepdim=True).values
+    drop = (torch.exp(sub - row_max) < min_p[:, None]) & torch.isfinite(row_max)
+    logits[rows] = sub.masked_fill(drop, NEG_INF)
+
+
+def top_log_probs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (values float32 [R, k], ids int64 [R, k]): each row's k largest log-softmax values,
+    descending, ties to the lower id."""
+    log_probs = torch.log_softmax(logits, dim=-1)
+    values, ids = log_probs.sort(dim=-1, descending=True, stable=True)
+    return values[:, :k].contiguous(), ids[:, :k].contiguous()

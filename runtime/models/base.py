@@ -45,17 +45,37 @@ def token_ids(hf: dict[str, Any]) -> dict[str, int | None]:
     return {name: _first_id(hf.get(name)) for name in ("bos_token_id", "eos_token_id", "pad_token_id")}
 
 
-def rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
+def _rope_parameters(hf: dict[str, Any]) -> dict[str, Any]:
     # transformers < 5 writes rope_theta + rope_scaling; >= 5 writes rope_parameters.
     params = hf.get("rope_parameters")
     if isinstance(params, dict) and "rope_theta" not in params and len(params) and \
             all(isinstance(v, dict) for v in params.values()):
         raise ConfigError("rope_parameters: per-layer-type rope parameters are not supported")
-    scaling = dict(params) if isinstance(params, dict) else dict(hf.get("rope_scaling") or {})
-    theta = float(scaling.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    return dict(params) if isinstance(params, dict) else dict(hf.get("rope_scaling") or {})
+
+
+def rotary_fraction_from_hf(hf: dict[str, Any], *legacy_keys: str, default: float = 1.0) -> float:
+    """The share of head_dim that rotates: rope_parameters' partial_rotary_factor (transformers >= 5),
+    else the top-level `partial_rotary_factor` or one of `legacy_keys` (e.g. GPT-NeoX's rotary_pct),
+    else the architecture's `default`."""
+    keys = ("partial_rotary_factor", *legacy_keys)
+    value = _rope_parameters(hf).get("partial_rotary_factor")
+    name = "rope_parameters.partial_rotary_factor"
+    if value is None:
+        name = next((k for k in keys if hf.get(k) is not None), keys[0])
+        value = hf.get(name, default)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 1:
+        raise ConfigError(f"config.json: {name} must be in (0, 1], got {value!r}")
+    return float(value)
+
+
+def rope_from_hf(hf: dict[str, Any], *legacy_theta_keys: str) -> RopeConfig:
+    """Theta and scaling of the rotary embedding; `legacy_theta_keys` name older spellings of
+    rope_theta (e.g. GPT-NeoX's rotary_emb_base). The rotated share is rotary_fraction_from_hf's."""
+    scaling = _rope_parameters(hf)
+    theta = next((hf[k] for k in ("rope_theta", *legacy_theta_keys) if hf.get(k) is not None), 10000.0)
+    theta = float(scaling.get("rope_theta", theta))
     kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if float(scaling.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise ConfigError("rope_parameters: partial_rotary_factor != 1 is not supported")
     if kind == "default":
         return RopeConfig(theta=theta)
     factor = float(scaling.get("factor", 1.0))

@@ -12,7 +12,8 @@ from .base import Architecture, positive_int, token_ids
 
 VARIANT = MappingProxyType(dict(
     position_embedding="learned", rope=None, rotary_style=None, rotary_fraction=None, norm_type="layernorm",
-    mlp_type="gelu", residual="sequential", qkv_bias=True, out_bias=True, mlp_bias=True, sliding_window=None))
+    mlp_type="gelu", residual="sequential", qkv_bias=True, out_bias=True, mlp_bias=True, sliding_window=None,
+    embedding_norm=False, lm_head_bias=False))
 
 
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:

@@ -8,14 +8,18 @@ from typing import Any
 
 from ..config import ConfigError, ModelConfig
 from ..weights import TensorSource, Weights, fused
-from .base import Architecture, positive_int, rope_from_hf, token_ids
+from .base import Architecture, positive_int, rope_from_hf, rotary_fraction_from_hf, token_ids
 
 VARIANT = MappingProxyType(dict(position_embedding="rope", rotary_style="neox", rotary_fraction=1.0,
-                                norm_type="rmsnorm", mlp_type="gated", residual="sequential"))
+                                norm_type="rmsnorm", mlp_type="gated", residual="sequential", embedding_norm=False,
+                                lm_head_bias=False))
 
 
 def config_from_hf(hf: dict[str, Any], architecture: str = "llama", **fields: Any) -> ModelConfig:
     """A LLaMA-style config.json -> ModelConfig named `architecture`; `fields` replace mapped ones."""
+    if "rotary_fraction" not in fields and rotary_fraction_from_hf(hf) != 1.0:
+        # NOTE: transformers' LLaMA would build partial frequencies and then rotate the whole head.
+        raise ConfigError("rope_parameters: partial_rotary_factor != 1 is not supported")
     hidden = positive_int(hf, "hidden_size")
     heads = positive_int(hf, "num_attention_heads")
     window = hf.get("sliding_window")

@@ -1,7 +1,8 @@
 """The architecture registry: name / HF `model_type` / HF `architectures` -> `Architecture`.
 
-Holds the built-in entries (GPT-2, LLaMA, Mistral, Qwen2) and any registered later; engine loading
-and `ModelConfig.from_dict` look entries up here, so adding an architecture is one new module.
+Holds the built-in entries (GPT-2, LLaMA, Mistral, Qwen2, GPT-J, GPT-NeoX, BLOOM, Falcon, Phi, Phi-3)
+and any registered later; engine loading and `ModelConfig.from_dict` look entries up here, so adding
+an architecture is one new module.
 """
 from __future__ import annotations
 
@@ -9,8 +10,13 @@ from typing import Any
 
 from ..config import ConfigError, ModelConfig
 from .base import Architecture
+from .bloom import BLOOM
+from .falcon import FALCON
 from .gpt2 import GPT2
+from .gpt_neox import GPT_NEOX
+from .gptj import GPTJ
 from .llama import LLAMA, MISTRAL, QWEN2
+from .phi import PHI, PHI3
 
 _NAME_TO_ARCHITECTURE: dict[str, Architecture] = {}
 
@@ -61,5 +67,5 @@ def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     return lookup_hf(hf).config_from_hf(hf)
 
 
-for _arch in (GPT2, LLAMA, MISTRAL, QWEN2):
+for _arch in (GPT2, LLAMA, MISTRAL, QWEN2, GPTJ, GPT_NEOX, BLOOM, FALCON, PHI, PHI3):
     register(_arch)

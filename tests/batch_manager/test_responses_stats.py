@@ -143,10 +143,22 @@ V1_KEYS = {"Scheduled Requests", "Context Requests", "Total Generation Tokens", 
            "Empty Generation Slots"}
 
 
-def make_stats() -> IterationStats:
-    """Every field a distinct value, so a key wired to the wrong field shows."""
-    names = [f.name for f in dataclasses.fields(IterationStats)]
+DRAFT_FIELDS = ("num_draft_tokens_proposed", "num_draft_tokens_accepted")
+
+
+def make_stats(with_drafts: bool = False) -> IterationStats:
+    """Every field a distinct value, so a key wired to the wrong field shows (the draft counters
+    only when drafts are on: None leaves their keys out)."""
+    names = [f.name for f in dataclasses.fields(IterationStats) if with_drafts or f.name not in DRAFT_FIELDS]
     return IterationStats(**{name: 100 + i for i, name in enumerate(names)})
+
+
+def test_stats_json_draft_keys_only_when_drafts_are_on():
+    s = make_stats(with_drafts=True)
+    d = json.loads(stats_json(s, is_static_batching=False))
+    assert (d["Draft Tokens Proposed"], d["Draft Tokens Accepted"]) == (s.num_draft_tokens_proposed,
+                                                                        s.num_draft_tokens_accepted)
+    assert "Draft Tokens Proposed" not in json.loads(stats_json(make_stats(), is_static_batching=False))
 
 
 def test_stats_json_in_flight_keys_and_values():

@@ -21,7 +21,11 @@ from runtime.weights import TensorSource, Weights, expected_shapes, fused
 from tests.factories import make_checkpoint, step_inputs
 
 RUNTIME = Path(__file__).resolve().parents[2] / "runtime"
-SHARED_MODULES = ("config.py", "weights.py", "model.py", "rope.py", "engine.py", "model_runner.py", "session.py")
+SHARED_MODULES = ("config.py", "weights.py", "model.py", "rope.py", "alibi.py", "engine.py", "model_runner.py",
+                  "session.py")
+# The entries whose tiny checkpoints tests.factories makes (the first release's architectures); the
+# later ones have theirs in tests/runtime/arch_factories.py and their own tests (test_more_architectures.py).
+FACTORY_ARCHS = ("gpt2", "llama", "mistral", "qwen2")
 
 # ModelConfig as engine.json recorded it before the registry (format version 1, first release).
 V1_MODEL_FIELDS = {"architecture", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
@@ -49,7 +53,7 @@ EXPECTED = {
 def checkpoints(tmp_path_factory):
     """arch -> tiny factory checkpoint dir, for every registered architecture."""
     paths = {}
-    for seed, arch in enumerate(supported_architectures()):
+    for seed, arch in enumerate(FACTORY_ARCHS):
         paths[arch] = tmp_path_factory.mktemp(arch)
         make_checkpoint(paths[arch], arch, seed=seed)
     return paths
@@ -69,11 +73,17 @@ def hf_config(directory) -> dict:
 
 
 def test_builtin_entries_are_the_supported_architectures():
-    assert SUPPORTED_ARCHITECTURES == ("gpt2", "llama", "mistral", "qwen2") == supported_architectures()
-    assert set(EXPECTED) == set(SUPPORTED_ARCHITECTURES)
+    assert SUPPORTED_ARCHITECTURES == ("gpt2", "llama", "mistral", "qwen2", "gptj", "gpt_neox", "bloom", "falcon",
+                                       "phi", "phi3") == supported_architectures()
+    assert set(EXPECTED) == set(FACTORY_ARCHS)
+    from tests.runtime.arch_factories import hf_config
+    from tests.runtime.test_more_architectures import EXPECTED as MORE_EXPECTED
+    covered = {fields["architecture"] for fields in MORE_EXPECTED.values()}
+    assert covered | set(FACTORY_ARCHS) == set(SUPPORTED_ARCHITECTURES)
+    assert {hf_config(case).model_type for case in MORE_EXPECTED} == covered
 
 
-@pytest.mark.parametrize("arch", supported_architectures())
+@pytest.mark.parametrize("arch", FACTORY_ARCHS)
 def test_entry_maps_its_config_and_loads_its_checkpoint(checkpoints, arch):
     hf = hf_config(checkpoints[arch])
     entry = lookup_hf(hf)
@@ -101,11 +111,12 @@ def test_lookup_by_hf_class_name_when_model_type_is_absent(checkpoints):
 
 
 def test_unknown_architecture_is_a_config_error_naming_it():
-    with pytest.raises(ConfigError, match=r"model_type='falcon'.*\['FalconForCausalLM'\].*"
-                                          r"supported: gpt2, llama, mistral, qwen2"):
-        model_config_from_hf({"model_type": "falcon", "architectures": ["FalconForCausalLM"]})
-    with pytest.raises(ConfigError, match="architecture: unsupported 'falcon'; supported: gpt2, llama"):
-        lookup("falcon")
+    with pytest.raises(ConfigError, match=r"model_type='mamba'.*\['MambaForCausalLM'\].*"
+                                          r"supported: gpt2, llama, mistral, qwen2, gptj, gpt_neox, bloom, falcon, "
+                                          r"phi, phi3"):
+        model_config_from_hf({"model_type": "mamba", "architectures": ["MambaForCausalLM"]})
+    with pytest.raises(ConfigError, match="architecture: unsupported 'mamba'; supported: gpt2, llama"):
+        lookup("mamba")
     with pytest.raises(ConfigError, match="architecture: unsupported None"):
         ModelConfig.from_dict({"vocab_size": 8})
 
@@ -115,14 +126,14 @@ def test_register_refuses_a_taken_name_or_class_name():
         register(lookup("llama"))
     with pytest.raises(ValueError, match=r"hf_class_names: \['LlamaForCausalLM'\] already read by 'llama'"):
         register(dataclasses.replace(lookup("llama"), name="llama_copy"))
-    with pytest.raises(ValueError, match="name: architecture 'falcon' is not registered"):
-        unregister("falcon")
+    with pytest.raises(ValueError, match="name: architecture 'mamba' is not registered"):
+        unregister("mamba")
     assert supported_architectures() == SUPPORTED_ARCHITECTURES
 
 
 # --- engine.json written before the variant fields ---------------------------------------------
 
-@pytest.mark.parametrize("arch", supported_architectures())
+@pytest.mark.parametrize("arch", FACTORY_ARCHS)  # the architectures engine.json files of that release can hold
 def test_engine_json_without_variant_fields_takes_the_architecture_values(checkpoints, tmp_path, arch):
     built = build_engine(checkpoints[arch], tmp_path, max_seq_len=64, tokens_per_block=16)
     data = json.loads((tmp_path / "engine.json").read_text())
@@ -136,9 +147,12 @@ def test_engine_json_without_variant_fields_takes_the_architecture_values(checkp
 
 
 @pytest.mark.parametrize("field,value,message", [
-    ("residual", "parallel", "residual: unsupported 'parallel'; supported: 'sequential'"),
+    ("residual", "post_norm", "residual: unsupported 'post_norm'; supported: 'sequential', 'parallel', "
+                              "'parallel_shared_norm'"),
     ("rotary_style", "gptj", "rotary_style: unsupported 'gptj'"),
-    ("rotary_fraction", 0.25, "rotary_fraction: unsupported 0.25"),
+    ("rotary_fraction", 0.1, r"rotary_fraction: must be in \(0, 1\] and rotate an even number .* got 0.1"),
+    ("rotary_fraction", 1.5, r"rotary_fraction: must be in \(0, 1\]"),
+    ("position_embedding", "alibi", "rope: must be set exactly when position_embedding is 'rope'"),
     ("norm_type", "batchnorm", "norm_type: unsupported 'batchnorm'"),
     ("rotary_style", None, "rotary_style: must be set exactly when position_embedding is 'rope'"),
     ("position_embedding", "learned", "rope: must be set exactly when position_embedding is 'rope'"),

@@ -73,3 +73,24 @@ def test_packed_step_runs_on_the_model_runner(tmp_path):
     runner.forward(pack_step([SequenceStep(prompt[:5], 0, [2, 0])]))
     last = runner.forward(pack_step([SequenceStep(prompt[5:], 5, [2, 0])]))["logits"]
     torch.testing.assert_close(last, full["context_logits"][-1:], atol=1e-4, rtol=1e-4)
+
+
+def test_num_logits_returns_the_last_n_positions_of_each_sequence(tmp_path):
+    """A token + D drafts asks for D + 1 logits rows; they equal the context logits of the same
+    positions, packed in sequence order next to a plain sequence's single row."""
+    from runtime import Engine, ModelRunner
+    from tests.factories import make_checkpoint
+    make_checkpoint(tmp_path, "llama")
+    runner = ModelRunner(Engine.from_dir(tmp_path, tokens_per_block=4), num_blocks=8)
+    a, b = [3, 4, 5, 6, 7, 8], [9, 10, 11]
+    inputs = pack_step([SequenceStep(a, 0, [0, 1], num_logits=3), SequenceStep(b, 0, [2])])
+    assert inputs["num_logits"].tolist() == [3, 1]
+    out = runner.forward(inputs)
+    full_a = runner.forward(pack_step([SequenceStep(a, 0, [4, 5], return_context_logits=True)]))["context_logits"]
+    full_b = runner.forward(pack_step([SequenceStep(b, 0, [6], return_context_logits=True)]))["context_logits"]
+    assert out["logits"].shape[0] == 4
+    torch.testing.assert_close(out["logits"][:3], full_a[-3:], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out["logits"][3:], full_b[-1:], atol=1e-4, rtol=1e-4)
+    assert "num_logits" not in pack_step([SequenceStep(b, 0, [2])])
+    with pytest.raises(ValueError, match="num_logits"):
+        runner.forward(dict(inputs, num_logits=torch.tensor([7, 1], dtype=torch.int32)))

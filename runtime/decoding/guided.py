@@ -1,0 +1,144 @@
+"""Guided decoding through llguidance: grammars (JSON schema, regex, Lark / GBNF) compiled into
+token matchers off the worker's thread, and each request's matcher state, whose next-token
+bitmask the decoder applies to the processed logits before choosing.
+
+Compilation: `GrammarCompiler.compile` returns a Future at once; a small thread pool builds the
+matcher (llguidance compiles the lexer and grammar for the tokenizer) and an LRU cache keyed by
+(type, guide text) hands the same compiled template to later requests, each of which works on its
+own deep copy. A bad guide fails its Future with a ValueError naming the field.
+
+Ends: when the grammar is complete only the tokenizer's stop tokens are allowed; the decoder ends
+the request there (finish reason "end_id", the stop token not output), whatever the request's end
+id. Beam search keeps one matcher per live beam (forked with the beams); draft tokens are fed to
+the matcher to mask each verification row, then rolled back, and only the accepted tokens stay.
+"""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+# GuideType value -> llguidance grammar format
+GRAMMAR_FORMATS = {"json": "json_schema", "json_schema": "json_schema", "regex": "regex",
+                   "ebnf_grammar": "grammar"}
+ANY_JSON_OBJECT = '{"type": "object"}'
+
+
+def _llguidance():
+    try:
+        import llguidance
+        import llguidance.torch  # noqa: F401 - the bitmask helpers
+    except ImportError as e:   # pragma: no cover - a dependency of the package
+        raise RuntimeError("guided decoding needs the llguidance package (pip install llguidance)") from e
+    return llguidance
+
+
+def make_tokenizer(tokenizer_str: str, vocab_size: int, stop_token_ids: list[int] | None = None):
+    """An llguidance tokenizer from a Hugging Face tokenizer.json text, over the model's vocabulary
+    (ids past the tokenizer's are never allowed)."""
+    llguidance = _llguidance()
+    eos = stop_token_ids[0] if stop_token_ids else None
+    try:
+        return llguidance.LLTokenizer(tokenizer_str, n_vocab=vocab_size, eos_token=eos)
+    except Exception as e:  # noqa: BLE001 - llguidance's own error types
+        raise ValueError(f"GuidedDecodingConfig.tokenizer_str: not a usable tokenizer.json ({e})") from None
+
+
+class GrammarCompiler:
+    """Compiles guides into matcher templates on `max_workers` threads, caching `cache_size`."""
+
+    def __init__(self, tokenizer, stop_token_ids: list[int] | None = None, max_workers: int = 2,
+                 cache_size: int = 256):
+        self.tokenizer = tokenizer
+        self.stop_token_ids = frozenset(stop_token_ids or [tokenizer.eos_token])
+        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar")
+        self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._lock = threading.Lock()
+        self.cache_size = cache_size
+
+    def compile(self, guide_type: str, guide: str | None) -> Future:
+        """-> Future of a compiled matcher template (ValueError naming the field on a bad guide)."""
+        text = ANY_JSON_OBJECT if guide_type == "json" and not guide else guide
+        key = (guide_type, text)
+        with self._lock:
+            future = self._cache.get(key)
+            if future is not None:
+                self._cache.move_to_end(key)
+                return future
+            future = self._pool.submit(self._compile, guide_type, text)
+            self._cache[key] = future
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return future
+
+    def _compile(self, guide_type: str, text: str):
+        llguidance = _llguidance()
+        try:
+            grammar = llguidance.grammar_from(GRAMMAR_FORMATS[guide_type], text)
+            matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+        except Exception as e:  # noqa: BLE001 - a guide that does not parse
+            raise ValueError(f"guided_decoding_params.guide: cannot compile the {guide_type} guide ({e})") from None
+        if matcher.is_error():
+            raise ValueError(f"guided_decoding_params.guide: cannot compile the {guide_type} guide "
+                             f"({matcher.get_error()})")
+        return Template(matcher, self.stop_token_ids)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class Template:
+    """A compiled guide; `start()` gives a request its own matcher state."""
+
+    def __init__(self, matcher, stop_token_ids: frozenset[int]):
+        self.matcher, self.stop_token_ids = matcher, stop_token_ids
+
+    def start(self) -> "Guide":
+        return Guide([self.matcher.deep_copy()], self.stop_token_ids)
+
+
+class Guide:
+    """A request's matcher state, one matcher per live beam."""
+
+    def __init__(self, matchers: list, stop_token_ids: frozenset[int]):
+        self.matchers, self.stop_token_ids = matchers, stop_token_ids
+
+    def fill_bitmask(self, bitmask: torch.Tensor, first: int, beam: int, drafts: tuple[int, ...] = ()) -> None:
+        """bitmask int32 [rows, words]: row first + j <- the tokens allowed after drafts[:j], for
+        j = 0..len(drafts) (past a draft the grammar refuses, rows stay all-allowed: that draft is
+        rejected at its own row anyway)."""
+        llguidance = _llguidance()
+        matcher = self.matchers[beam]
+        consumed = 0
+        for j in range(len(drafts) + 1):
+            llguidance.torch.fill_next_token_bitmask(matcher, bitmask, first + j)
+            # try_consume_tokens leaves the matcher as it was for a refused token (consume_token
+            # would put it in its error state)
+            if j == len(drafts) or matcher.try_consume_tokens([drafts[j]]) != 1:
+                break
+            consumed += 1
+        if consumed:
+            matcher.rollback(consumed)
+
+    def ends(self, beam: int, token: int) -> bool:
+        """Whether `token` is a stop token the grammar allows now (the guide is complete)."""
+        return token in self.stop_token_ids and self.matchers[beam].is_accepting()
+
+    def consume(self, beam: int, tokens) -> None:
+        for token in tokens:
+            self.matchers[beam].consume_token(token)
+
+    def fork(self, parents: list[int], tokens: list[int]) -> None:
+        """Beam search: new live beam b continues beam parents[b] with tokens[b]."""
+        matchers = []
+        for parent, token in zip(parents, tokens):
+            m = self.matchers[parent].deep_copy()
+            m.consume_token(token)
+            matchers.append(m)
+        self.matchers = matchers
+
+
+def bitmask_words(vocab_size: int) -> int:
+    return -(-vocab_size // 32)
