@@ -3,6 +3,7 @@ from . import tensor_names
 from .gpt_manager import GptManager
 from .inference_request import InferenceRequest, NamedTensor
 from .llm_request import LlmRequest, RequestState
+from .lora import PeftCacheManagerConfig, load_peft_adapter
 from .options import (CapacitySchedulerPolicy, DecodingConfig, KvCacheConfig, SchedulerConfig, SchedulerPolicy,
                       TrtGptModelOptionalParams, TrtGptModelType)
 from .guided_decoding import GuidedDecodingConfig, GuidedDecodingParams, GuideType
@@ -12,6 +13,7 @@ from .micro_batch_scheduler import MicroBatchScheduler
 from .scheduler import Scheduler
 
 __all__ = ["GuidedDecodingConfig", "GuidedDecodingParams", "GuideType", "tensor_names", "GptManager", "InferenceRequest", "NamedTensor", "LlmRequest", "RequestState",
+           "PeftCacheManagerConfig", "load_peft_adapter",
            "CapacitySchedulerPolicy", "DecodingConfig", "KvCacheConfig", "SchedulerConfig", "SchedulerPolicy",
            "TrtGptModelOptionalParams", "TrtGptModelType", "CapacityScheduler", "GuaranteedNoEvictScheduler",
            "MaxUtilizationScheduler", "MicroBatchScheduler", "StaticBatchScheduler", "Scheduler"]

@@ -3,13 +3,14 @@
 policy to change it."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from runtime.beam_blocks import beam_holder, free_beams, max_beam_blocks, prepare_beam_writes
 from runtime.kv_cache_manager import KvCacheManager
 
 from .llm_request import LlmRequest, RequestState
 from .options import SchedulerPolicy
+from .peft_cache import PeftCache
 
 
 @dataclass
@@ -29,12 +30,55 @@ class CapacityScheduler:
     window the shared blocks are kept in reserve (`kv.num_extra_refs`) and reuse earns no credit.
 
     Requests in `in_flight` (their forward is running: overlap) hold their blocks untouched.
+
+    LoRA: a request starts only when its adapter can be made resident in the PEFT cache (evicting
+    idle adapters); otherwise it waits at the head of the queue, like a request whose blocks do
+    not fit. It keeps its adapter pinned while it holds blocks.
     """
 
-    def __init__(self, kv_cache_manager: KvCacheManager, max_num_requests: int):
+    def __init__(self, kv_cache_manager: KvCacheManager, max_num_requests: int, peft_cache: PeftCache | None = None):
         self.kv = kv_cache_manager
         self.max_num_requests = max_num_requests
+        self.peft_cache = peft_cache
         self._num_starts = 0
+
+    # -- adapters (the PEFT cache) -------------------------------------------------------------------
+
+    def register(self, r: LlmRequest) -> str | None:
+        """A newly admitted request: its adapter joins the cache. -> the error refusing it, or None."""
+        if r.lora is None:
+            return None
+        if self.peft_cache is None:
+            return "lora_task_id: this manager has no PEFT cache"
+        error = self.peft_cache.register(r.lora)
+        if error is None:
+            r.lora = replace(r.lora, payload=None)   # the cache holds the weights now
+            instance = self.peft_cache.instance(r.lora.task_id)
+            r.cache_salt = (r.cache_salt or b"") + b"#" + instance.to_bytes(8, "little")
+        else:
+            r.lora = None
+        return error
+
+    def release(self, r: LlmRequest) -> None:
+        """`r` stops holding KV blocks (paused or ended): free them and unpin its adapter."""
+        free_request_blocks(self.kv, r)
+        if r.holds_adapter:
+            self.peft_cache.release(r.lora.task_id)
+            r.holds_adapter = False
+
+    def end(self, r: LlmRequest) -> None:
+        """`r` ended: release it and its claim on the cached adapter."""
+        self.release(r)
+        if r.lora is not None:
+            self.peft_cache.unregister(r.lora.task_id)
+            r.lora = None
+
+    def take_adapter_changes(self) -> tuple[tuple, tuple[int, ...]]:
+        """(loads, evictions) for the runtime's adapter store since the last step."""
+        return self.peft_cache.take_changes() if self.peft_cache is not None else ((), ())
+
+    def _can_start_adapter(self, r: LlmRequest) -> bool:
+        return r.lora is None or self.peft_cache.can_acquire(r.lora.task_id)
 
     def schedule(self, requests: list[LlmRequest], in_flight: frozenset[LlmRequest] = frozenset()) -> CapacityOutput:
         """`requests`: active (unfinished) requests in admission order."""
@@ -48,7 +92,7 @@ class CapacityScheduler:
                 available -= self.kv.num_extra_refs
             for r in waiting_by_priority(requests):
                 cost = self._admission_cost(r)
-                if num_holding >= self.max_num_requests or cost > available:
+                if num_holding >= self.max_num_requests or cost > available or not self._can_start_adapter(r):
                     break
                 available -= cost
                 num_holding += 1
@@ -80,6 +124,10 @@ class CapacityScheduler:
 
     def _start(self, r: LlmRequest) -> None:
         """Admit `r`: it starts holding blocks, beginning with its cached prefix."""
+        if r.lora is not None:
+            ok = self.peft_cache.acquire(r.lora.task_id)
+            assert ok, f"request {r.request_id}: adapter {r.lora.task_id} was checked resident-able"
+            r.holds_adapter = True
         r.set_state(RequestState.CONTEXT)
         r.start_index = self._num_starts
         self._num_starts += 1
@@ -119,7 +167,7 @@ def waiting_by_priority(requests: list[LlmRequest]) -> list[LlmRequest]:
 def _reusable_tokens(r: LlmRequest) -> list[int]:
     """Tokens whose cached KV `r` may reuse: none when it wants the logits of its whole prompt, or
     when it resumes several beams (each recomputes its own sequence)."""
-    return [] if r.return_context_logits or r.num_live_beams > 1 else r.token_slice(0, r.num_tokens)
+    return [] if r.return_context_logits or r.num_live_beams > 1 else r.reuse_token_slice(0, r.num_tokens)
 
 
 class GuaranteedNoEvictScheduler(CapacityScheduler):
@@ -130,8 +178,9 @@ class StaticBatchScheduler(CapacityScheduler):
     """GUARANTEED_NO_EVICT that admits new requests only once the previous batch has finished;
     with `max_num_tokens`, a batch's prompts also fit one context step (V1's lockstep batches)."""
 
-    def __init__(self, kv_cache_manager: KvCacheManager, max_num_requests: int, max_num_tokens: int | None = None):
-        super().__init__(kv_cache_manager, max_num_requests)
+    def __init__(self, kv_cache_manager: KvCacheManager, max_num_requests: int, max_num_tokens: int | None = None,
+                 peft_cache: PeftCache | None = None):
+        super().__init__(kv_cache_manager, max_num_requests, peft_cache)
         self.max_num_tokens = max_num_tokens
 
     def can_admit(self, running: list[LlmRequest]) -> bool:
@@ -164,7 +213,7 @@ class MaxUtilizationScheduler(CapacityScheduler):
             r = running.pop(0)
             while not self._grow(r):
                 victim = running.pop() if running else r
-                free_request_blocks(self.kv, victim)
+                self.release(victim)
                 victim.pause()
                 num_holding -= 1
                 out.paused.append(victim)
@@ -178,7 +227,8 @@ class MaxUtilizationScheduler(CapacityScheduler):
             prefix = self.kv.find_cached_prefix(_reusable_tokens(r))
             cost = (r.num_live_beams * self.kv.blocks_for_tokens(r.num_tokens_with_drafts) - len(prefix)
                     + sum(1 for b in prefix if self.kv.is_free(b)))
-            if num_holding >= self.max_num_requests or cost > self.kv.num_free_blocks:
+            if num_holding >= self.max_num_requests or cost > self.kv.num_free_blocks or \
+                    not self._can_start_adapter(r):
                 break
             self._start(r)
             num_holding += 1
@@ -189,11 +239,12 @@ class MaxUtilizationScheduler(CapacityScheduler):
 
 
 def make_capacity_scheduler(policy: SchedulerPolicy, kv_cache_manager: KvCacheManager, max_num_requests: int,
-                            static_max_num_tokens: int | None = None) -> CapacityScheduler:
+                            static_max_num_tokens: int | None = None,
+                            peft_cache: PeftCache | None = None) -> CapacityScheduler:
     if policy == SchedulerPolicy.MAX_UTILIZATION:
-        return MaxUtilizationScheduler(kv_cache_manager, max_num_requests)
+        return MaxUtilizationScheduler(kv_cache_manager, max_num_requests, peft_cache)
     if policy == SchedulerPolicy.STATIC_BATCH:
-        return StaticBatchScheduler(kv_cache_manager, max_num_requests, static_max_num_tokens)
+        return StaticBatchScheduler(kv_cache_manager, max_num_requests, static_max_num_tokens, peft_cache)
     if policy == SchedulerPolicy.GUARANTEED_NO_EVICT:
-        return GuaranteedNoEvictScheduler(kv_cache_manager, max_num_requests)
+        return GuaranteedNoEvictScheduler(kv_cache_manager, max_num_requests, peft_cache)
     raise ValueError(f"scheduler policy: unknown {policy!r}")

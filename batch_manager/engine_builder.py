@@ -17,7 +17,8 @@ from runtime.kv_cache_manager import KvCacheManager
 
 from .capacity_scheduler import make_capacity_scheduler
 from .guided_decoding import GuidedDecodingConfig
-from .kv_sizing import num_kv_blocks
+from .kv_sizing import host_budget_bytes, num_kv_blocks
+from .lora import PeftCacheManagerConfig, make_peft_cache
 from .micro_batch_scheduler import MicroBatchScheduler
 from .model_executor import ModelExecutor
 from .options import DecodingConfig, KvCacheConfig, SchedulerPolicy, TrtGptModelOptionalParams, TrtGptModelType
@@ -105,6 +106,9 @@ def build_engine_core(engine_dir, model_type: TrtGptModelType, max_beam_width: i
     max_num_sequences = _positive("max_num_sequences", params.max_num_sequences, max_batch_size)
     device = torch.device(params.device or ("cuda" if params.device_ids else "cpu"))
     num_blocks = num_kv_blocks(engine, kv_config, max_num_sequences, device)
+    memory_budget = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else host_budget_bytes()
+    peft_cache = make_peft_cache(params.peft_cache_manager_config, engine.model_config, engine.dtype.itemsize,
+                                 memory_budget)
     runner = ModelRunner(engine, num_blocks, kernels=params.kernel_backend, device=device,
                          max_attention_window=kv_config.max_attention_window,
                          sink_token_length=kv_config.sink_token_length)
@@ -117,16 +121,19 @@ def build_engine_core(engine_dir, model_type: TrtGptModelType, max_beam_width: i
                        "(static lockstep batches)")
         enable_chunked_context = enable_trt_overlap = False
     if model_type == TrtGptModelType.V1:  # static lockstep batches, whatever the policy
-        capacity = make_capacity_scheduler(SchedulerPolicy.STATIC_BATCH, kv, max_batch_size, max_num_tokens)
+        capacity = make_capacity_scheduler(SchedulerPolicy.STATIC_BATCH, kv, max_batch_size, max_num_tokens,
+                                           peft_cache)
     else:
-        capacity = make_capacity_scheduler(policy, kv, max_num_sequences)
+        capacity = make_capacity_scheduler(policy, kv, max_num_sequences, peft_cache=peft_cache)
     limits = AdmissionLimits(
         vocab_size=engine.model_config.vocab_size, max_input_len=build.max_input_len,
         max_seq_len=build.max_seq_len, max_beam_width=max_beam_width, max_num_blocks=num_blocks,
         tokens_per_block=build.tokens_per_block, gather_context_logits=build.gather_context_logits,
         gather_generation_logits=build.gather_generation_logits, max_draft_tokens=max_draft_tokens,
         max_batch_size=max_batch_size,
-        guides=_grammar_compiler(params.guided_decoding_config, engine.model_config.vocab_size))
+        guides=_grammar_compiler(params.guided_decoding_config, engine.model_config.vocab_size),
+        model_config=engine.model_config,
+        peft_cache_config=params.peft_cache_manager_config or PeftCacheManagerConfig())
     config = WorkerConfig(model_type=model_type, max_num_sequences=max_num_sequences,
                           enable_trt_overlap=enable_trt_overlap,
                           uses_drafts=bool(max_draft_tokens or decoding.prompt_lookup_num_tokens))

@@ -10,6 +10,7 @@ a resumed request recomputes prompt + generated tokens as one context.
 from __future__ import annotations
 
 import enum
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -56,6 +57,11 @@ class LlmRequest:
     arrival_index: int = 0  # admission order, for FIFO scheduling and pause priority
     priority: float = 0.5   # in [0, 1]: admitted first when higher, paused first when lower
     client_id: Any = None   # the Executor request's, handed to logits post-processors
+    lora: Any = None        # batch_manager.peft_cache.AdapterRef: its LoRA adapter, or None
+    prompt_table: Any = None   # float32 [T, hidden]: prompt ids vocab_size + j take row j (prompt tuning)
+    # Its cached KV differs from another request's for the same tokens (an adapter, a prompt
+    # table): block reuse keys its blocks by this too (see reuse_token_slice).
+    cache_salt: bytes | None = None
 
     state: RequestState = RequestState.WAITING
     num_computed_tokens: int = 0
@@ -70,6 +76,7 @@ class LlmRequest:
     top_log_probs: list[tuple] = field(default_factory=list)   # per generated token: (k log probs, k ids)
     cum_log_prob: float = 0.0     # includes the end token's log prob, which has no log_probs entry
     has_decoder_state: bool = False  # the executor opened its decoder state (released when it ends)
+    holds_adapter: bool = False      # its adapter is pinned on the device (while it holds KV blocks)
     # The one record of its tokens (prompt, generated tokens per live beam; `generated` is live
     # beam 0, or the best output once a beam search finished); the decoder reads it.
     record: TokenRecord = field(init=False)
@@ -150,6 +157,17 @@ class LlmRequest:
         if start >= n:
             return self.generated[start - n:stop - n]
         return self.prompt[start:] + self.generated[:stop - n]
+
+    def reuse_token_slice(self, start: int, stop: int) -> list[int]:
+        """token_slice as block reuse keys it: with a cache salt the first token becomes a negative
+        key (real ids are >= 0) derived from the salt, so the whole chain of block hashes differs
+        from any request with another salt or none."""
+        tokens = self.token_slice(start, stop)
+        if self.cache_salt is not None and start == 0 and tokens:
+            digest = hashlib.blake2b(self.cache_salt + tokens[0].to_bytes(8, "little", signed=True),
+                                     digest_size=8).digest()
+            tokens[0] = -1 - (int.from_bytes(digest, "little") >> 2)
+        return tokens
 
     def set_state(self, new: RequestState) -> None:
         if new not in _ALLOWED[self.state]:

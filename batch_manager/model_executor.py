@@ -1,7 +1,8 @@
 """The model executor: `execute(ScheduledStep) -> StepResult`, the only module of the manager that
 touches the runtime. Pure in the scheduler's sense: it reads the frozen step and writes nothing
-but its own stores (the decoder states, keyed by request id), so it may run on another thread
-(overlap) while the scheduler works on the other micro-batch.
+but its own stores (the decoder states and prompt tables, keyed by request id; the runner's LoRA
+weights, keyed by task id), so it may run on another thread (overlap) while the scheduler works on
+the other micro-batch.
 """
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ class ModelExecutor:
         # with each forward group (a tuple of ScheduledRequests) before its forward; what it raises
         # fails exactly that group's requests, as a failing model step would.
         self.fault_injector: Callable[[tuple[ScheduledRequest, ...]], None] | None = None
+        self._prompt_tables: dict[int, object] = {}   # request id -> float32 [T, hidden] (prompt tuning)
+        self._vocab_size = runner.model_config.vocab_size
 
     def memory_usage(self) -> tuple[int, int, int]:
         """Bytes of runtime memory (weights + KV pool) on the CPU, the GPU, and pinned."""
@@ -41,9 +44,17 @@ class ModelExecutor:
         """Every forward group of the step, then a decoder step for the requests that computed
         all their tokens. A group that fails (forward, block copy, fault) fails only its requests."""
         self.decoder.release(step.released_request_ids)
+        for request_id in step.released_request_ids:
+            self._prompt_tables.pop(request_id, None)
+        for task_id in step.adapter_evictions:
+            self.runner.lora_store.evict(task_id)
+        for task_id, adapter in step.adapter_loads:
+            self.runner.lora_store.load(task_id, adapter)
         for r in step.requests:
             if r.new is not None:
                 self.decoder.open(r.request_id, r.new)
+                if r.new.prompt_table is not None:
+                    self._prompt_tables[r.request_id] = r.new.prompt_table
         results: list[RequestResult] = []
         for group in step.forward_groups:
             try:
@@ -61,7 +72,8 @@ class ModelExecutor:
         if copies:
             self.runner.copy_blocks([src for src, _ in copies], [dst for _, dst in copies])
         outputs = self.runner.forward(pack_step([
-            SequenceStep(tokens, r.past_length, table, r.return_context_logits, 1 + r.num_draft_tokens)
+            SequenceStep(tokens, r.past_length, table, r.return_context_logits, 1 + r.num_draft_tokens,
+                         lora_task_id=r.lora_task_id, prompt_table=self._prompt_table(r, tokens))
             for r in group for tokens, table in zip(r.token_ids, r.block_tables)]))
         rows, decoded, first_row = [], [], 0
         context_logits, first_token = {}, 0
@@ -89,3 +101,7 @@ class ModelExecutor:
             results.append(result)
         return results
 
+    def _prompt_table(self, r: ScheduledRequest, tokens) -> object:
+        """The request's prompt table when this step's tokens include virtual ids (a context step)."""
+        table = self._prompt_tables.get(r.request_id)
+        return table if table is not None and max(tokens) >= self._vocab_size else None

@@ -10,7 +10,7 @@ from __future__ import annotations
 from runtime.beam_blocks import beam_holder, fork_beams
 from runtime.kv_cache_manager import KvCacheManager
 
-from .capacity_scheduler import CapacityScheduler, free_request_blocks
+from .capacity_scheduler import CapacityScheduler
 from .llm_request import FinishReason, LlmRequest, RequestState
 from .micro_batch_scheduler import MicroBatchScheduler
 from .prompt_lookup import propose_drafts
@@ -51,12 +51,16 @@ class Scheduler:
         return list(self._requests.values())
 
     def add(self, r: LlmRequest) -> None:
+        """Admit `r`; one whose adapter the PEFT cache refuses ends at once with that error."""
         assert r.request_id not in self._requests, f"request {r.request_id} is active already"
         if self._uses_drafter(r):
             r.max_draft_len = max(r.max_draft_len, self.prompt_lookup_num_tokens)
         # Drafts never take a request past max_new_tokens: D <= what is left after one more token.
         del r.draft_tokens[max(0, r.max_new_tokens - 1):]
         self._requests[r.request_id] = r
+        error = self.capacity.register(r)
+        if error is not None:
+            r.finish(FinishReason.ERROR, error)
 
     def _uses_drafter(self, r: LlmRequest) -> bool:
         return bool(self.prompt_lookup_num_tokens) and r.beam_width == 1 and r.decoding.is_greedy
@@ -91,7 +95,7 @@ class Scheduler:
         still running; they are returned for their final responses."""
         done = [r for r in self._requests.values() if r.is_finished and r.request_id not in in_flight_ids]
         for r in done:
-            free_request_blocks(self.kv, r)
+            self.capacity.end(r)
             del self._requests[r.request_id]
             if r.has_decoder_state:
                 self._released_ids.append(r.request_id)
@@ -110,12 +114,14 @@ class Scheduler:
             self._propose_drafts(r for r in requests if r.state == RequestState.GENERATION and r not in in_flight)
         capacity = self.capacity.schedule(requests, in_flight)
         batch = self.micro_batch.schedule(capacity.fitting, max_batch_size)
+        adapter_loads, adapter_evictions = self.capacity.take_adapter_changes()
         step = ScheduledStep(
             iteration=self._num_steps,
             context_requests=tuple(self._scheduled(r) for r in batch.context_requests),
             generation_requests=tuple(self._scheduled(r) for r in batch.generation_requests),
             separate_context_forward=self.separate_context_forward,
-            released_request_ids=tuple(self._released_ids))
+            released_request_ids=tuple(self._released_ids),
+            adapter_loads=adapter_loads, adapter_evictions=adapter_evictions)
         self._released_ids = []
         self._num_steps += 1
         return step, len(capacity.paused)
@@ -158,7 +164,7 @@ class Scheduler:
             new = NewRequest(r.decoding, r.record, r.max_new_tokens, r.return_generation_logits,
                              r.logits_post_processor, r.use_batched_post_processor, r.client_id,
                              r.draft_logits, r.draft_acceptance_threshold,
-                             None if r.guide is None else r.guide.result())
+                             None if r.guide is None else r.guide.result(), prompt_table=r.prompt_table)
         return ScheduledRequest(
             request_id=r.request_id,
             token_ids=tuple(tuple(r.beam_token_slice(b, past, past + n)) + drafts for b in beams),
@@ -167,7 +173,7 @@ class Scheduler:
             is_last_chunk=is_last_chunk, block_copies=copies, num_draft_tokens=len(drafts),
             # Whole-prompt logits: such a request is never chunked and reuses no prefix.
             return_context_logits=r.return_context_logits and r.context_logits is None and past == 0,
-            new=new)
+            new=new, lora_task_id=None if r.lora is None else r.lora.task_id)
 
     def update(self, step: ScheduledStep, result: StepResult) -> None:
         """Advance each scheduled request by the tokens it computed, register its newly full
@@ -195,7 +201,7 @@ class Scheduler:
                     self.kv.truncate(r.request_id, r.num_tokens)
             if self.kv.enable_block_reuse:
                 self.kv.store_computed_blocks(
-                    r.request_id, r.token_slice(self.kv.num_stored_tokens(r.request_id), r.num_computed_tokens),
+                    r.request_id, r.reuse_token_slice(self.kv.num_stored_tokens(r.request_id), r.num_computed_tokens),
                     r.num_computed_tokens)
 
     def _record(self, r: LlmRequest, res: RequestResult) -> None:

@@ -30,6 +30,8 @@ class IterationStats:
     num_paused: int
     num_empty_generation_slots: int = 0
     micro_batch_id: int = 0
+    num_lora_adapters: int = 0      # adapters in the PEFT cache (host level)
+    num_lora_evictions: int = 0     # adapters dropped from the cache so far
     # Cumulative draft tokens verified and accepted; None when drafts are off (keys left out).
     num_draft_tokens_proposed: int | None = None
     num_draft_tokens_accepted: int | None = None
@@ -51,6 +53,8 @@ def stats_json(s: IterationStats, is_static_batching: bool) -> str:
         "Allocated total KV cache blocks": s.allocated_total_blocks,
         "Allocated new KV cache blocks": s.allocated_new_blocks,
         "Reused KV cache blocks": s.reused_blocks,
+        "LoRA Adapters Cached": s.num_lora_adapters,
+        "LoRA Adapter Evictions": s.num_lora_evictions,
     }
     if is_static_batching:
         d.update({"Scheduled Requests": s.num_scheduled, "Context Requests": s.num_context,

@@ -23,6 +23,7 @@ class NewRequest:
     draft_logits: Any = None             # float32 [D, V]: the external drafts' distribution, when given
     draft_acceptance_threshold: float | None = None
     guide: Any = None                    # guided decoding: the compiled grammar (runtime.decoding.guided.Template)
+    prompt_table: Any = None             # float32 [T, hidden] (prompt tuning): the executor keeps it until release
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class ScheduledRequest:
     block_copies: tuple[tuple[int, int], ...] = ()   # (src, dst) KV blocks to copy before its forward
     return_context_logits: bool = False        # the whole prompt runs in this step; its logits are wanted
     new: NewRequest | None = None              # set on the request's first step only
+    lora_task_id: int | None = None            # its LoRA adapter (resident in the runtime's store), or None
     num_draft_tokens: int = 0                  # the last D of token_ids are drafts (beam width 1, last chunk):
                                                # logits are wanted after each of the last D + 1 tokens
 
@@ -60,6 +62,10 @@ class ScheduledStep:
     generation_requests: tuple[ScheduledRequest, ...]
     separate_context_forward: bool = False           # InflightBatching: context and generation apart
     released_request_ids: tuple[int, ...] = ()       # ended since the last step: free their stores first
+    # The PEFT cache's changes since the last step, applied before the forward: evictions (task
+    # ids) first, then loads ((task id, runtime.lora.LoraAdapter): a reference, not a copy).
+    adapter_evictions: tuple[int, ...] = ()
+    adapter_loads: tuple[tuple[int, Any], ...] = ()
 
     @property
     def requests(self) -> tuple[ScheduledRequest, ...]:

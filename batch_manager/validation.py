@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
 from runtime.decoding import DecodingParams, parse_word_list
+from runtime.prompt_tuning import check_prompt_table, table_digest
 
 from . import tensor_names as tn
 from .inference_request import InferenceRequest
 from .guided_decoding import check_guide
 from .llm_request import LlmRequest
+from .lora import PeftCacheManagerConfig, adapter_ref, tensor_int
+from .peft_cache import AdapterRef
 
 logger = logging.getLogger(__name__)
 
@@ -22,8 +25,7 @@ _INT_DTYPES = (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8, t
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 # Accepted and validated, but not implemented by this version: a request that sets them is refused.
-_UNSUPPORTED = (tn.POSITION_IDS, tn.PROMPT_EMBEDDING_TABLE,
-                tn.PROMPT_VOCAB_SIZE, tn.LORA_TASK_ID, tn.LORA_WEIGHTS, tn.LORA_CONFIG)
+_UNSUPPORTED = (tn.POSITION_IDS,)
 
 
 class RequestError(ValueError):
@@ -40,6 +42,8 @@ class AdmissionLimits:
     tokens_per_block: int
     gather_context_logits: bool
     gather_generation_logits: bool
+    model_config: Any = None     # runtime ModelConfig: LoRA modules and the prompt table's hidden size
+    peft_cache_config: PeftCacheManagerConfig = field(default_factory=PeftCacheManagerConfig)
     max_draft_tokens: int = 0    # longest draft a request may bring (0: drafts refused)
     guides: Any = None           # the engine's GrammarCompiler when guided decoding is configured
     max_batch_size: int = 1 << 30    # sequences one step may run: a request's beams or samples must fit
@@ -74,7 +78,7 @@ def _scalar(tensors: dict, name: str, kind: str, default=None):
     return bool(t.item())
 
 
-def _input_ids(tensors: dict, limits: AdmissionLimits) -> list[int]:
+def _input_ids(tensors: dict, limits: AdmissionLimits, num_virtual_tokens: int = 0) -> list[int]:
     if tn.INPUT_IDS not in tensors:
         raise RequestError(f"{tn.INPUT_IDS}: missing (required)")
     t = _tensor(tn.INPUT_IDS, tensors[tn.INPUT_IDS])
@@ -85,12 +89,13 @@ def _input_ids(tensors: dict, limits: AdmissionLimits) -> list[int]:
     if t.dim() != 1:
         raise RequestError(f"{tn.INPUT_IDS}: expected shape [L] or [1, L], got {list(t.shape)}")
     prompt = t.tolist()  # Python ints: also for unsigned dtypes, which have no min/max kernels
-    check_prompt(prompt, limits, tn.INPUT_IDS)
+    check_prompt(prompt, limits, tn.INPUT_IDS, num_virtual_tokens)
     return prompt
 
 
-def check_prompt(prompt: list[int], limits: AdmissionLimits, name: str) -> None:
-    """The prompt's length and token ids against the engine; `name`: the field the user knows."""
+def check_prompt(prompt: list[int], limits: AdmissionLimits, name: str, num_virtual_tokens: int = 0) -> None:
+    """The prompt's length and token ids against the engine; `name`: the field the user knows.
+    num_virtual_tokens: rows of the request's prompt table (ids up to vocab_size + that are valid)."""
     if not prompt:
         raise RequestError(f"{name}: empty prompt")
     if len(prompt) > limits.max_input_len:
@@ -100,9 +105,11 @@ def check_prompt(prompt: list[int], limits: AdmissionLimits, name: str) -> None:
         raise RequestError(f"{name}: prompt length {len(prompt)} leaves no room to generate within the "
                            f"engine's max_seq_len {limits.max_seq_len}")
     low, high = min(prompt), max(prompt)
-    if low < 0 or high >= limits.vocab_size:
+    limit = limits.vocab_size + num_virtual_tokens
+    if low < 0 or high >= limit:
         bad = low if low < 0 else high
-        raise RequestError(f"{name}: token id {bad} outside [0, {limits.vocab_size})")
+        extra = f" + {num_virtual_tokens} prompt table rows" if num_virtual_tokens else ""
+        raise RequestError(f"{name}: token id {bad} outside [0, {limits.vocab_size}{extra})")
 
 
 def check_range(name: str, value, low, high, low_inclusive=True, high_inclusive=True):
@@ -206,7 +213,9 @@ def to_llm_request(request: InferenceRequest, limits: AdmissionLimits, arrival_i
     for name in _UNSUPPORTED:
         if name in tensors:
             raise RequestError(f"{name}: not supported by this version")
-    prompt = _input_ids(tensors, limits)
+    table = _prompt_table(tensors, limits)
+    prompt = _input_ids(tensors, limits, 0 if table is None else table.shape[0])
+    lora = _lora(tensors, limits)
     if tn.MAX_NEW_TOKENS not in tensors:
         raise RequestError(f"{tn.MAX_NEW_TOKENS}: missing (required)")
     max_new_tokens = _scalar(tensors, tn.MAX_NEW_TOKENS, "int")
@@ -221,7 +230,42 @@ def to_llm_request(request: InferenceRequest, limits: AdmissionLimits, arrival_i
         use_batched_post_processor=bool(getattr(request, "use_batched_logits_post_processor", False)),
         drafts=lambda: _drafts(tensors, limits), arrival_index=arrival_index,
         guide=lambda: check_guide(getattr(request, "guided_decoding_params", None), limits.guides,
-                                  "guided_decoding_params"))
+                                  "guided_decoding_params"),
+        lora=lora, prompt_table=table, cache_salt=cache_salt(lora, table))
+
+
+def _lora(tensors: dict, limits: AdmissionLimits) -> AdapterRef | None:
+    try:
+        return adapter_ref(tensor_int(tn.LORA_TASK_ID, tensors.get(tn.LORA_TASK_ID)), tensors.get(tn.LORA_WEIGHTS),
+                           tensors.get(tn.LORA_CONFIG), limits.model_config, limits.peft_cache_config)
+    except ValueError as e:
+        raise RequestError(str(e)) from None
+
+
+def _prompt_table(tensors: dict, limits: AdmissionLimits):
+    """float32 [T, hidden] or None; prompt_vocab_size must come with it and equal T."""
+    has_table, has_size = tn.PROMPT_EMBEDDING_TABLE in tensors, tn.PROMPT_VOCAB_SIZE in tensors
+    if has_table != has_size:
+        missing = tn.PROMPT_VOCAB_SIZE if has_table else tn.PROMPT_EMBEDDING_TABLE
+        raise RequestError(f"{missing}: missing; {tn.PROMPT_EMBEDDING_TABLE} and {tn.PROMPT_VOCAB_SIZE} come together")
+    if not has_table:
+        return None
+    try:
+        table = check_prompt_table(tensors[tn.PROMPT_EMBEDDING_TABLE], limits.model_config.hidden_size)
+    except ValueError as e:
+        raise RequestError(str(e)) from None
+    size = _scalar(tensors, tn.PROMPT_VOCAB_SIZE, "int")
+    if size != table.shape[0]:
+        raise RequestError(f"{tn.PROMPT_VOCAB_SIZE}: {size}, but {tn.PROMPT_EMBEDDING_TABLE} has {table.shape[0]} rows")
+    return table
+
+
+def cache_salt(lora: AdapterRef | None, table) -> bytes | None:
+    """What keys a request's cached KV besides its tokens: its adapter and its prompt table."""
+    if lora is None and table is None:
+        return None
+    task = b"" if lora is None else lora.task_id.to_bytes(8, "little")
+    return task + b"|" + (b"" if table is None else table_digest(table))
 
 
 def _drafts(tensors: dict, limits: AdmissionLimits) -> tuple[list[int], torch.Tensor | None]:

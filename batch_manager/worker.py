@@ -233,6 +233,7 @@ class Worker:
         if not self.front_end.has_stats:
             return
         kv, cpu, gpu, pinned = self.scheduler.kv, *self.memory_usage
+        peft = self.scheduler.capacity.peft_cache
         is_v1 = self.config.model_type == TrtGptModelType.V1
         num_scheduled = len(step.requests)
         if is_v1 and step.context_requests:  # a new static batch: its slots stay until all finish
@@ -249,6 +250,8 @@ class Worker:
             num_generation_tokens=len(step.generation_requests), num_paused=num_paused,
             num_empty_generation_slots=max(0, self._static_batch_size - num_scheduled) if is_v1 else 0,
             micro_batch_id=(step.iteration + 1) % 2 if self._forward_pool is not None else 0,
+            num_lora_adapters=peft.num_cached if peft is not None else 0,
+            num_lora_evictions=peft.num_evictions if peft is not None else 0,
             **({"num_draft_tokens_proposed": self.scheduler.num_draft_tokens_proposed,
                 "num_draft_tokens_accepted": self.scheduler.num_draft_tokens_accepted}
                if self.config.uses_drafts else {}))

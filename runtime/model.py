@@ -18,6 +18,7 @@ from .alibi import alibi_slopes
 from .config import ModelConfig
 from .kernels.cpu_native import native_ops
 from .linear import Linear
+from .lora_step import LoraStepPlan
 from .rope import apply_rope, rope_cos_sin, rope_inv_freq
 from .weights import Weights
 
@@ -47,6 +48,9 @@ class StepLayout:
     context_spans: list[tuple[int, int, int, int]]  # host: (seq, token_start, num_tokens, past_len)
     block_tables: torch.Tensor         # int32 [S, max_blocks]
     context_logits_index: torch.Tensor | None  # int64 [C]: tokens whose logits are returned
+    lora: LoraStepPlan | None = None   # the step's adapters and their token rows
+    prompt_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None  # (token index int64 [P], rows [P, H]):
+                                       # prompt-tuning rows that replace those tokens' embeddings
 
 
 class Transformer:
@@ -119,6 +123,8 @@ class Transformer:
         context logits float32 [C, V] or None)."""
         cfg, w = self.config, self.w
         x = w["embed_tokens"][step.input_ids]  # [T, H]
+        if step.prompt_embeddings is not None:
+            x[step.prompt_embeddings[0]] = step.prompt_embeddings[1]
         if cfg.embedding_norm:
             x = self._norm(x, "embed_norm")
         cos = sin = None
@@ -129,15 +135,15 @@ class Transformer:
         for layer in range(cfg.num_layers):
             p = f"layers.{layer}."
             h = self._norm(x, p + "input_norm")
-            qkv = self._linear(h, p + "qkv")
+            qkv = self._linear(h, p + "qkv", step.lora)
             attn = self._attention(qkv, cos, sin, step, kv_pool[layer, 0], kv_pool[layer, 1], kernels)
             if cfg.residual == "sequential":
-                x = self.linears[p + "out"].add_to(attn, x)  # x may be updated in place
-                x = self._mlp(self._norm(x, p + "post_norm"), p, residual=x)
+                x = self._linear_add(attn, p + "out", x, step.lora)   # x may be updated in place
+                x = self._mlp(self._norm(x, p + "post_norm"), p, x, step.lora)
             else:  # parallel: both branches read the layer's input
-                attn = self._linear(attn, p + "out")
+                attn = self._linear(attn, p + "out", step.lora)
                 mlp_input = h if cfg.residual == "parallel_shared_norm" else self._norm(x, p + "post_norm")
-                x = self._mlp(mlp_input, p, residual=x + attn)
+                x = self._mlp(mlp_input, p, x + attn, step.lora)
         logits = self._logits(x[step.logits_token_index])
         context_logits = None
         if step.context_logits_index is not None:
@@ -147,22 +153,37 @@ class Transformer:
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self._norm(x, "final_norm")).float().contiguous()
 
-    def _linear(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
-        """x [T, in] -> [T, out] through the weight (and bias) stored under `prefix`."""
-        return self.linears[prefix](x)
+    def _linear(self, x: torch.Tensor, prefix: str, lora: LoraStepPlan | None = None,
+                row_start: int = 0) -> torch.Tensor:
+        """x [T, in] -> [T, out] through the weight (and bias) stored under `prefix`, plus the
+        LoRA products of the adapters of x's rows (tokens row_start.. of the step)."""
+        y = self.linears[prefix](x)
+        if lora is not None:
+            lora.apply(prefix, x, y, row_start)
+        return y
 
-    def _mlp(self, h: torch.Tensor, p: str, residual: torch.Tensor) -> torch.Tensor:
-        """residual + MLP(h); residual may be updated in place."""
+    def _linear_add(self, x: torch.Tensor, prefix: str, residual: torch.Tensor, lora: LoraStepPlan | None = None,
+                    row_start: int = 0) -> torch.Tensor:
+        """residual + the linear of x (and its LoRA products); residual may be updated in place
+        (one native pass where no adapter applies)."""
+        if lora is None:
+            return self.linears[prefix].add_to(x, residual)
+        return residual + self._linear(x, prefix, lora, row_start)
+
+    def _mlp(self, h: torch.Tensor, p: str, residual: torch.Tensor, lora: LoraStepPlan | None = None) -> torch.Tensor:
+        """residual + MLP(h), in row chunks of mlp_chunk_rows; residual may be updated in place."""
         rows = self.mlp_chunk_rows
         if rows is None or h.shape[0] <= rows:
-            return self.linears[p + "mlp_out"].add_to(self._mlp_hidden(h, p), residual)
+            return self._linear_add(self._mlp_hidden(h, p, lora), p + "mlp_out", residual, lora)
         out = torch.empty_like(h)
         for start in range(0, h.shape[0], rows):
-            out[start:start + rows] = self._linear(self._mlp_hidden(h[start:start + rows], p), p + "mlp_out")
+            out[start:start + rows] = self._linear(self._mlp_hidden(h[start:start + rows], p, lora, start),
+                                                   p + "mlp_out", lora, start)
         return residual + out
 
-    def _mlp_hidden(self, h: torch.Tensor, p: str) -> torch.Tensor:
-        up = self._linear(h, p + "mlp_in")
+    def _mlp_hidden(self, h: torch.Tensor, p: str, lora: LoraStepPlan | None = None,
+                    row_start: int = 0) -> torch.Tensor:
+        up = self._linear(h, p + "mlp_in", lora, row_start)
         if (self.native is not None and self.config.mlp_type == "gated" and self.act is F.silu
                 and up.stride(1) == 1 and up.shape[0] <= self.mlp_chunk_rows):
             return self.native.silu_mul(up)

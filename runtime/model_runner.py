@@ -11,6 +11,11 @@
   return_context_logits bool  [S]     optional; sequences whose every new token's logits are returned
   num_logits            int32 [S]     optional (default 1 each): logits of each sequence's last n new
                                       tokens, 1 <= n <= its input length (a token + D drafts: D + 1)
+  lora_task_ids         int64 [S]     optional: each sequence's LoRA adapter (-1: none), resident in
+                                      `lora_store` (runtime.lora_step)
+  prompt_embedding_table float [P, H] optional, with the two below (runtime.prompt_tuning): the
+  prompt_table_offsets  int32 [S]     step's prompt tables stacked, each sequence's first row (-1:
+  prompt_vocab_sizes    int32 [S]     none) and row count; an id vocab_size + j takes row j
 
 Outputs:
   logits                float32 [L, V]  logits of each sequence's last num_logits new tokens, packed in
@@ -36,10 +41,12 @@ import torch
 
 from .engine import Engine
 from .kernels import get_kernels
+from .lora_step import LoraWeightStore
 from .model import StepLayout, Transformer
+from .prompt_tuning import TABLE_INPUTS, virtual_tokens
 
 REQUIRED_INPUTS = ("input_ids", "input_lengths", "past_lengths", "block_tables")
-OPTIONAL_INPUTS = ("position_ids", "return_context_logits", "num_logits")
+OPTIONAL_INPUTS = ("position_ids", "return_context_logits", "num_logits", "lora_task_ids", *TABLE_INPUTS)
 
 
 def effective_window(model_window: int | None, max_attention_window: int | None) -> int | None:
@@ -90,6 +97,7 @@ class ModelRunner:
         # [num_layers, K/V, num_blocks, tokens_per_block, num_kv_heads, head_dim]
         self.kv_pool = torch.zeros(cfg.num_layers, 2, num_blocks, self.tokens_per_block, cfg.num_kv_heads,
                                    cfg.head_dim, dtype=engine.dtype, device=self.device)
+        self.lora_store = LoraWeightStore(self.device, engine.dtype)   # task id -> resident adapter
 
     @staticmethod
     def kv_bytes_per_block(engine: Engine) -> int:
@@ -127,6 +135,7 @@ class ModelRunner:
             raise ValueError(f"input_lengths: must be positive and sum to len(input_ids)={num_tokens}, "
                              f"got {lengths.tolist()} (past_lengths {past.tolist()})")
         vocab = self.model_config.vocab_size
+        input_ids, prompt_embeddings = virtual_tokens(inputs, input_ids, lengths, vocab, self.model_config.hidden_size)
         if int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab:
             raise ValueError(f"input_ids: token ids must be in [0, {vocab}), got min {int(input_ids.min())} "
                              f"max {int(input_ids.max())}")
@@ -172,7 +181,15 @@ class ModelRunner:
             offset = torch.arange(int(num_logits.sum())) - torch.repeat_interleave(
                 torch.cumsum(num_logits, 0) - num_logits, num_logits)
             logits_token_index = torch.repeat_interleave(first, num_logits) + offset
+        lora = None
+        task_ids = inputs.get("lora_task_ids")
+        if task_ids is not None:
+            if task_ids.shape != (num_seqs,):
+                raise ValueError(f"lora_task_ids: expected [{num_seqs}], got {list(task_ids.shape)}")
+            lora = self.lora_store.plan(task_ids.tolist(), starts_list, lengths_list)
         dev = self.device
+        if prompt_embeddings is not None:
+            prompt_embeddings = (prompt_embeddings[0].to(dev), prompt_embeddings[1].to(dev, self.engine.dtype))
         return StepLayout(
             input_ids=input_ids.to(dev), position_ids=position_ids.to(dev), slot_mapping=slots.to(dev),
             logits_token_index=logits_token_index.to(dev),
@@ -181,7 +198,8 @@ class ModelRunner:
             generation_block_tables=block_tables[generation_seq_ids].to(dev),
             generation_seq_lens=(past[generation_seq_ids] + 1).to(dev),
             context_spans=context_spans, block_tables=block_tables.to(dev),
-            context_logits_index=None if context_logits_index is None else context_logits_index.to(dev))
+            context_logits_index=None if context_logits_index is None else context_logits_index.to(dev),
+            lora=lora, prompt_embeddings=prompt_embeddings)
 
 
     def _read_blocks(self, past: torch.Tensor, lengths: torch.Tensor, blocks_needed: torch.Tensor,
@@ -205,7 +223,7 @@ def _check_inputs(inputs: dict[str, torch.Tensor]) -> None:
     unknown = set(inputs) - set(REQUIRED_INPUTS) - set(OPTIONAL_INPUTS)
     if unknown:
         raise ValueError(f"forward inputs: unknown names {sorted(unknown)}")
-    for name in ("input_ids", "input_lengths", "past_lengths", "position_ids", "num_logits"):
+    for name in ("input_ids", "input_lengths", "past_lengths", "position_ids", "num_logits", "lora_task_ids"):
         t = inputs.get(name)
         if t is not None and (t.dim() != 1 or t.dtype not in (torch.int32, torch.int64)):
             raise ValueError(f"{name}: expected a 1-D int32 tensor, got {t.dtype} {list(t.shape)}")

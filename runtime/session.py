@@ -21,6 +21,7 @@ from .decoding import DecodingParams, parse_word_list
 from .engine import Engine
 from .kv_cache_manager import KvCacheManager
 from .model_runner import ModelRunner
+from .prompt_tuning import per_sequence_tables
 from .step_inputs import SequenceStep, pack_step
 from .token_record import BeamOutputs, TokenRecord
 
@@ -125,6 +126,8 @@ class GenerationInput:
     embedding_bias: torch.Tensor | None = None
     bad_words_list: torch.Tensor | None = None
     stop_words_list: torch.Tensor | None = None
+    # prompt tuning: float [T, hidden] (all sequences) or [batch, T, hidden]; ids vocab_size + j take row j
+    prompt_embedding_table: torch.Tensor | None = None
 
     def prompts(self) -> list[list[int]]:
         lengths = self.lengths.flatten().tolist()
@@ -236,9 +239,11 @@ class GptSession:
             raise ValueError(f"GenerationInput.lengths: {max_input_len} exceeds the engine's max_input_len "
                              f"{self.engine.build_config.max_input_len}")
         vocab = self.engine.model_config.vocab_size
-        for p in prompts:
-            if min(p) < 0 or max(p) >= vocab:
-                raise ValueError(f"GenerationInput.ids: token ids must be in [0, {vocab}), got {min(p)}..{max(p)}")
+        tables = per_sequence_tables(inputs.prompt_embedding_table, batch, self.engine.model_config.hidden_size)
+        for p, table in zip(prompts, tables):
+            limit = vocab + (0 if table is None else table.shape[0])
+            if min(p) < 0 or max(p) >= limit:
+                raise ValueError(f"GenerationInput.ids: token ids must be in [0, {limit}), got {min(p)}..{max(p)}")
         if not -1 <= inputs.end_id < vocab:
             raise ValueError(f"GenerationInput.end_id: must be -1 or in [0, {vocab}), got {inputs.end_id}")
         params = self._with_inputs(sampling.decoding_params(batch, inputs.end_id, vocab), inputs, vocab)
@@ -254,7 +259,7 @@ class GptSession:
         context_logits = torch.zeros(batch, max_input_len, vocab) if build.gather_context_logits else None
         out_ids = torch.full((batch, sampling.beam_width, max_seq_len), inputs.pad_id, dtype=torch.int32)
 
-        logits = self._context(prompts, kv, context_logits)
+        logits = self._context(prompts, kv, context_logits, tables)
         running, num_beams = list(range(batch)), [1] * batch   # num_beams[i]: block tables sequence i holds
         for step in range(max_new_tokens):
             outcomes = self.decoder.step([states[i] for i in running], logits)
@@ -352,8 +357,8 @@ class GptSession:
         output.log_probs, output.cum_log_probs = log_probs, cum_log_probs
         output.generation_logits = generation_logits
 
-    def _context(self, prompts: list[list[int]], kv: KvCacheManager,
-                 context_logits: torch.Tensor | None) -> torch.Tensor:
+    def _context(self, prompts: list[list[int]], kv: KvCacheManager, context_logits: torch.Tensor | None,
+                 tables: list[torch.Tensor | None]) -> torch.Tensor:
         """Run every prompt through the model in packed steps of at most max_num_tokens tokens
         (ctx_micro_batch_size sequences); returns each prompt's last-token logits [batch, V]."""
         budget = self.engine.build_config.max_num_tokens
@@ -369,8 +374,8 @@ class GptSession:
         all_logits = []
         for group in groups:
             wants_all_logits = context_logits is not None
-            outputs = self.runner.forward(pack_step([SequenceStep(prompts[i], 0, kv.block_table(i), wants_all_logits)
-                                                     for i in group]))
+            outputs = self.runner.forward(pack_step([SequenceStep(prompts[i], 0, kv.block_table(i), wants_all_logits,
+                                                                  prompt_table=tables[i]) for i in group]))
             all_logits.append(outputs["logits"])
             if context_logits is not None:
                 offset = 0

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..options import KvCacheConfig as _CoreKvCacheConfig
+from ..lora import PeftCacheManagerConfig
 from ..options import DecodingConfig, SchedulerConfig, SchedulerPolicy, TrtGptModelOptionalParams, TrtGptModelType
 
 CapacitySchedulerPolicy = SchedulerPolicy
@@ -38,14 +39,8 @@ class ParallelConfig:
 
 
 @dataclass
-class PeftCacheConfig:
-    """Accepted for source compatibility; this version has no LoRA, so nothing is cached."""
-    host_cache_size: int | None = None
-    num_host_module_layer: int = 0
-    num_device_module_layer: int = 0
-    device_cache_percent: float | None = None
-    max_adapter_size: int = 64
-    optimal_adapter_size: int = 8
+class PeftCacheConfig(PeftCacheManagerConfig):
+    """The LoRA adapter cache's bounds: batch_manager.lora.PeftCacheManagerConfig's fields."""
 
 
 @dataclass
@@ -120,6 +115,6 @@ def core_params(config: ExecutorConfig) -> tuple[TrtGptModelType, SchedulerPolic
         device_ids=parallel.device_ids if parallel is not None else None,
         logits_post_processor_batched=post.processor_batched if post is not None else None,
         max_draft_tokens=config.max_draft_tokens, decoding_config=config.decoding_config,
-        guided_decoding_config=config.guided_decoding_config)
+        guided_decoding_config=config.guided_decoding_config, peft_cache_manager_config=config.peft_cache_config)
     policy = SchedulerPolicy(config.scheduler_config.capacity_scheduler_policy)
     return model_type, policy, params

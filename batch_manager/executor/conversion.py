@@ -14,10 +14,15 @@ from runtime.decoding import DecodingParams
 from .. import tensor_names as tn
 from ..guided_decoding import check_guide
 from ..llm_request import FinishReason as CoreFinishReason
+from runtime.prompt_tuning import check_prompt_table
+
 from ..llm_request import LlmRequest
+from ..lora import adapter_ref
 from ..responses import response_tensors
-from ..validation import AdmissionLimits, RequestError, check_decoding, check_drafts, check_prompt, make_llm_request
-from .request import ExternalDraftTokensConfig, FinishReason, OutputConfig, Request, Result, SamplingConfig
+from ..validation import (AdmissionLimits, RequestError, cache_salt, check_decoding, check_drafts, check_prompt,
+                          make_llm_request)
+from .request import (ExternalDraftTokensConfig, FinishReason, LoraConfig, OutputConfig, PromptTuningConfig, Request,
+                      Result, SamplingConfig)
 
 # DecodingParams field -> (SamplingConfig field, default when None).
 _SAMPLING_FIELDS = {
@@ -37,7 +42,7 @@ _FIELD_NAMES = {"max_new_tokens": "max_tokens", "pad_id": "pad_id", "draft_input
                 "beam_width": "sampling_config.beam_width",
                 "return_context_logits": "output_config.return_context_logits",
                 "return_generation_logits": "output_config.return_generation_logits"}
-_UNSUPPORTED = ("prompt_tuning_config", "lora_config")
+_LORA_NAMES = ("lora_config.task_id", "lora_config.weights", "lora_config.config")
 
 
 @dataclass(frozen=True)
@@ -53,11 +58,10 @@ def to_llm_request(request: Request, request_id: int, limits: AdmissionLimits, n
     """ValueError (RequestError) naming the field and the value for bad input."""
     if not isinstance(request, Request):
         raise RequestError(f"request: expected an executor Request, got {type(request).__name__}")
-    for name in _UNSUPPORTED:
-        if getattr(request, name) is not None:
-            raise RequestError(f"{name}: not supported by this version")
     prompt = _token_ids("input_token_ids", request.input_token_ids)
-    check_prompt(prompt, limits, "input_token_ids")
+    table = _prompt_table(request.prompt_tuning_config, limits)
+    check_prompt(prompt, limits, "input_token_ids", 0 if table is None else table.shape[0])
+    lora = _lora(request.lora_config, limits)
     if request.max_tokens is None:
         raise RequestError("max_tokens: missing (required)")
     max_tokens = _int("max_tokens", request.max_tokens)
@@ -77,6 +81,7 @@ def to_llm_request(request: Request, request_id: int, limits: AdmissionLimits, n
                               ("return_log_probs", "return_context_logits", "return_generation_logits")},
         is_streaming=bool(request.streaming), logits_post_processor=post_processor,
         use_batched_post_processor=use_batched, priority=float(priority), client_id=request.client_id,
+        lora=lora, prompt_table=table, cache_salt=cache_salt(lora, table),
         drafts=lambda: _drafts(request.external_draft_tokens_config, limits),
         guide=lambda: check_guide(request.guided_decoding_params, limits.guides, "guided_decoding_params"),
         draft_acceptance_threshold=_threshold(request.external_draft_tokens_config))
@@ -106,6 +111,31 @@ def _threshold(config) -> float | None:
         raise RequestError(f"external_draft_tokens_config.acceptance_threshold: must be a finite number >= 0, "
                            f"got {value!r}")
     return float(value)
+
+
+
+def _lora(config, limits: AdmissionLimits):
+    if config is None:
+        return None
+    if not isinstance(config, LoraConfig):
+        raise RequestError(f"lora_config: expected a LoraConfig, got {type(config).__name__}")
+    try:
+        return adapter_ref(config.task_id, config.weights, config.config, limits.model_config,
+                           limits.peft_cache_config, _LORA_NAMES)
+    except ValueError as e:
+        raise RequestError(str(e)) from None
+
+
+def _prompt_table(config, limits: AdmissionLimits):
+    if config is None:
+        return None
+    if not isinstance(config, PromptTuningConfig):
+        raise RequestError(f"prompt_tuning_config: expected a PromptTuningConfig, got {type(config).__name__}")
+    try:
+        return check_prompt_table(config.embedding_table, limits.model_config.hidden_size,
+                                  "prompt_tuning_config.embedding_table")
+    except ValueError as e:
+        raise RequestError(str(e)) from None
 
 
 def _int(name: str, value) -> int:

@@ -68,11 +68,14 @@ class ExternalDraftTokensConfig:
 
 @dataclass
 class PromptTuningConfig:
+    """embedding_table float [T, hidden] (or [1, T, hidden]): prompt ids vocab_size + j take row j."""
     embedding_table: Any
 
 
 @dataclass
 class LoraConfig:
+    """task_id in [0, 2**63); weights [N, W] float and config int32 [N, 3] (TensorRT-LLM's format,
+    batch_manager.lora.load_peft_adapter makes them) with a task's first request, the id alone later."""
     task_id: int
     weights: Any = None
     config: Any = None

@@ -1,6 +1,7 @@
 """Random requests for the chaos soak (`samples.chaos_soak`): greedy, seeded sampling and beam
-search, streaming or not, and bad requests of every kind of API.md's validation list, each with
-what the soak expects of it (a `Submission`)."""
+search, streaming or not, some on LoRA adapters (weights with them, or the task id alone), and bad
+requests of every kind of API.md's validation list (unknown adapter ids among them), each with what
+the soak expects of it (a `Submission`)."""
 from __future__ import annotations
 
 import random
@@ -20,6 +21,12 @@ MAX_NEW_TOKENS = 24
 MAX_BEAM_WIDTH = 4
 MAX_BEAM_PROMPT_LEN, MAX_BEAM_NEW_TOKENS = 12, 8
 UNKNOWN_ID_BASE = 1 << 40   # stop signals for ids never submitted
+# LoRA: the soak's adapters (task id -> (weights [N, W], config int32 [N, 3])), set for its engine
+# by the soak; a valid non-beam request uses one at LORA_RATE, bringing its weights half the time
+# (else the id alone, which the cache may have evicted: then refused naming lora_task_id).
+LORA_ADAPTERS: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+LORA_RATE = 0.2
+UNKNOWN_TASK_ID = 999       # never sent with weights
 
 
 @dataclass
@@ -35,6 +42,8 @@ class Submission:
     bad_field: str = ""               # "bad": the name the error message must contain
     is_stopped: bool = False          # a stop signal named it while it was active
     is_faulted: bool = False          # a step it was part of raised (fault injection)
+    lora_task_id: int | None = None   # its adapter
+    lora_id_only: bool = False        # sent without weights: "not in the PEFT cache" is a valid answer
     streamed: list[int] = field(default_factory=list)   # greedy streaming: tokens received so far
     num_responses: int = 0
 
@@ -108,13 +117,28 @@ def make_valid(rng: random.Random, request_id: int) -> tuple[InferenceRequest, S
     if kind == "sampled":
         for name, value in _sampling_tensors(rng).items():
             setattr(r, name, value)
-    return r, Submission(request_id, kind, prompt, n, end_id=end_id, is_streaming=streaming)
+    sub = Submission(request_id, kind, prompt, n, end_id=end_id, is_streaming=streaming)
+    if LORA_ADAPTERS and rng.random() < LORA_RATE:
+        sub.lora_task_id = rng.choice(sorted(LORA_ADAPTERS))
+        r.lora_task_id = torch.tensor([sub.lora_task_id], dtype=torch.uint64)
+        sub.lora_id_only = rng.random() < 0.5
+        if not sub.lora_id_only:
+            r.lora_weights, r.lora_config = LORA_ADAPTERS[sub.lora_task_id]
+    return r, sub
 
 
 def _bad_kinds():
     """(name the error must contain, mutation of a valid request) for each kind of bad input."""
     def set_raw(name, value):   # bypasses emplace's name check, as a hostile client could
         return lambda r: r._tensors.__setitem__(name, value)
+
+    def lora(task_id, weights, config):
+        def mutate(r):
+            r.lora_task_id = None if task_id is None else torch.tensor([task_id], dtype=torch.uint64)
+            r.lora_weights, r.lora_config = weights, config
+        return mutate
+
+    row = torch.zeros(1, 4 * 128)   # attn_q of rank 4 on the soak's hidden size 64
 
     return [
         ("input_ids", lambda r: setattr(r, "input_ids", None)),                          # missing
@@ -145,6 +169,10 @@ def _bad_kinds():
         ("random_seed", lambda r: setattr(r, "random_seed", torch.tensor([0.5]))),
         ("embedding_bias", lambda r: setattr(r, "embedding_bias", torch.zeros(VOCAB_SIZE + 1))),
         ("temperature", set_raw("temperature", 0.7)),                                      # not a tensor
+        ("lora_task_id", lora(UNKNOWN_TASK_ID, None, None)),                               # unknown adapter
+        ("lora_weights", lora(None, row, _i32(1, 0, 4)[None])),                            # weights, no id
+        ("lora_config", lora(UNKNOWN_TASK_ID, row, _i32(1, 99, 4)[None])),                 # no such layer
+        ("lora_weights", lora(UNKNOWN_TASK_ID, row[:, :100], _i32(1, 0, 4)[None])),        # row too short
         ("request_id", None),                                                              # negative id
     ]
 

@@ -41,11 +41,14 @@ from dataclasses import asdict, dataclass
 import torch
 from safetensors.torch import load_file, save_file
 
-from batch_manager import (GptManager, KvCacheConfig, SchedulerPolicy, TrtGptModelOptionalParams, TrtGptModelType)
+from batch_manager import (GptManager, KvCacheConfig, PeftCacheManagerConfig, SchedulerPolicy,
+                           TrtGptModelOptionalParams, TrtGptModelType)
 from runtime import Engine, GenerationInput, GenerationOutput, GptSession, SamplingConfig, WorldConfig, build_engine
 
 from .executor_round import executor_violations, run_executor_round
+from . import requests as chaos_requests
 from .requests import MAX_BEAM_WIDTH, make_bad, make_valid
+from samples.benchmark.lora import random_adapter
 from .tracker import ChaosClient
 from samples.default_model import write_random_llama
 
@@ -62,6 +65,10 @@ SHUTDOWN_BOUND_S = 2.0
 # records): growth from the first to the third memory round above this is reported as a leak.
 RSS_TOLERANCE_MIB = 16.0
 GREEDY_CHECKS_PER_ROUND = 8   # at least; one per 40 requests of the round beyond that
+# Three adapters (task id -> rank) on all 14 (module, layer) rows of the model; the PEFT cache holds
+# two on the device and two on the host, so adapters are evicted, reloaded and forgotten.
+LORA_RANKS = {1: 2, 2: 4, 3: 8}
+PEFT_CACHE = PeftCacheManagerConfig(num_device_module_layer=28, num_host_module_layer=28)
 DRAIN_TIMEOUT_S = 120.0
 
 
@@ -119,7 +126,7 @@ def run_round(engine_dir: str, config: RoundConfig, num_requests: int, num_produ
     params = TrtGptModelOptionalParams(
         kv_cache_config=KvCacheConfig(max_tokens=POOL_TOKENS, enable_block_reuse=config.enable_block_reuse),
         enable_chunked_context=config.enable_chunked_context, enable_trt_overlap=config.enable_trt_overlap,
-        max_num_tokens=64 if config.enable_chunked_context else None)
+        max_num_tokens=64 if config.enable_chunked_context else None, peft_cache_manager_config=PEFT_CACHE)
     client = ChaosClient(seed)
     start = time.monotonic()
     manager = GptManager(engine_dir, TrtGptModelType[config.model_type], MAX_BEAM_WIDTH,
@@ -161,6 +168,8 @@ def run_round(engine_dir: str, config: RoundConfig, num_requests: int, num_produ
         greedy=counts["greedy"], sampled=counts["sampled"], beam=counts["beam"], bad=counts["bad"],
         duplicates=counts["duplicate"], bad_fields=dict(client.bad_fields),
         stopped=counts["stopped"], expected_errors=counts["expected_errors"], faulted=counts["faulted"],
+        lora_served=counts["lora_served"], lora_uncached=counts["lora_uncached"],
+        lora_evictions=client.num_lora_evictions,
         unexpected_errors=counts["unexpected"], worker_died=worker_died,
         unanswered=client.num_outstanding + client.num_queued,
         unexpected_messages=list(client.unexpected), paused=client.num_paused, leaked_blocks=leaked,
@@ -217,6 +226,8 @@ def run_soak(num_requests: int = 300, num_producers: int = 4, seed: int = 0, wor
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
         engine_dir = make_engine(tmp)
         engine = Engine.from_dir(engine_dir)
+        chaos_requests.LORA_ADAPTERS.update({task_id: random_adapter(engine.model_config, rank, seed=task_id)
+                                             for task_id, rank in LORA_RANKS.items()})
         session = GptSession(GptSession.Config(max_batch_size=1, max_beam_width=1,
                                                max_sequence_length=BUILD["max_seq_len"]),
                              engine.model_config, WorldConfig(), engine)
@@ -240,7 +251,7 @@ def run_soak(num_requests: int = 300, num_producers: int = 4, seed: int = 0, wor
         found.append(f"RSS grew {growth} MiB across three identical rounds (tolerance {RSS_TOLERANCE_MIB})")
     total = {key: sum(r[key] for r in rounds) for key in (
         "requests", "submitted", "greedy", "sampled", "beam", "bad", "duplicates", "served", "stopped",
-        "expected_errors", "faulted", "unexpected_errors",
+        "expected_errors", "faulted", "lora_served", "lora_uncached", "lora_evictions", "unexpected_errors",
         "unanswered", "leaked_blocks", "nonzero_ref_counts", "paused", "greedy_checked")}
     return dict(model=MODEL_NAME, num_rounds=len(rounds), producers=num_producers, seed=seed, totals=total,
                 greedy_mismatches=sum(len(r["greedy_mismatches"]) for r in rounds),
@@ -272,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{t['bad']} bad, {t['duplicates']} duplicates of active ids), served: {t['served']} "
           f"({t['stopped']} stopped), expected errors: {t['expected_errors']} ({t['faulted']} injected step "
           f"faults), unexpected errors: {t['unexpected_errors']}, unanswered: {t['unanswered']}")
+    print(f"LoRA: {t['lora_served']} adapter requests served, {t['lora_uncached']} id-only ones refused as evicted, "
+          f"{t['lora_evictions']} evictions")
     print(f"bad requests by field: {report['bad_fields']}")
     print(f"pauses: {t['paused']}, blocks leaked: {t['leaked_blocks']}, non-zero reference counts: "
           f"{t['nonzero_ref_counts']}, greedy checked: {t['greedy_checked']}, "

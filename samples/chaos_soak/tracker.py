@@ -41,6 +41,7 @@ class ChaosClient:
         self.unexpected: list[str] = []
         self.greedy_done: list[tuple[Submission, list[int]]] = []   # (submission, prompt + generated)
         self.num_paused = 0
+        self.num_lora_evictions = 0
         self.last_activity_s = time.monotonic()
 
     # -- producers (any thread) ---------------------------------------------------------------------
@@ -132,6 +133,7 @@ class ChaosClient:
         stats = json.loads(stats_json)
         with self.lock:
             self.num_paused += stats.get("Paused Requests", 0)
+            self.num_lora_evictions = max(self.num_lora_evictions, stats.get("LoRA Adapter Evictions", 0))
             if stats["Free KV cache blocks"] + stats["Used KV cache blocks"] != stats["Max KV cache blocks"]:
                 self._unexpected(f"stats: free + used != max blocks: {stats}")
             if self.kv is not None:   # continuously: the block manager between two iterations
@@ -186,11 +188,15 @@ class ChaosClient:
             if sub.is_faulted and "model step" in err_msg:
                 self.counts["expected_errors"] += 1
                 self.counts["faulted"] += 1
+            elif sub.lora_id_only and f"lora_task_id: {sub.lora_task_id} is not in the PEFT cache" in err_msg:
+                self.counts["expected_errors"] += 1
+                self.counts["lora_uncached"] += 1
             else:
                 self._unexpected(f"request {request_id}: valid {sub.kind} request failed: {err_msg!r}")
             return
         self.counts["served"] += 1
         self.counts["stopped"] += sub.is_stopped
+        self.counts["lora_served"] += sub.lora_task_id is not None
         self._check_output(sub, tensors)
 
     def _check_output(self, sub: Submission, tensors: dict) -> None:
@@ -203,7 +209,7 @@ class ChaosClient:
             num_generated = [len(sub.streamed) + int(lengths[0, 0])]
         if not sub.is_stopped and not all(0 <= n <= sub.max_new_tokens for n in num_generated):
             self._unexpected(f"request {sub.request_id}: generated {num_generated} of {sub.max_new_tokens}")
-        if sub.kind != "greedy" or sub.is_stopped:
+        if sub.kind != "greedy" or sub.is_stopped or sub.lora_task_id is not None:   # solo reference: no adapters
             return
         if sub.is_streaming:
             tokens = sub.prompt + sub.streamed + ids[0, 0, :int(lengths[0, 0])].tolist()

@@ -136,6 +136,7 @@ ALWAYS_KEYS = {"Timestamp", "Iteration Counter", "Active Request Count", "Max Re
                "Runtime CPU Memory Usage", "Runtime GPU Memory Usage", "Runtime Pinned Memory Usage"}
 KV_KEYS = {"Max KV cache blocks", "Free KV cache blocks", "Used KV cache blocks", "Tokens per KV cache block",
            "Allocated total KV cache blocks", "Allocated new KV cache blocks", "Reused KV cache blocks"}
+LORA_KEYS = {"LoRA Adapters Cached", "LoRA Adapter Evictions"}
 INFLIGHT_KEYS = {"Scheduled Requests", "Context Requests", "Generation Requests", "Total Context Tokens",
                  "MicroBatch ID", "Paused Requests"}
 V1_KEYS = {"Scheduled Requests", "Context Requests", "Total Generation Tokens", "Total Context Tokens",
@@ -163,7 +164,7 @@ def test_stats_json_draft_keys_only_when_drafts_are_on():
 def test_stats_json_in_flight_keys_and_values():
     s = make_stats()
     d = json.loads(stats_json(s, is_static_batching=False))
-    assert set(d) == ALWAYS_KEYS | KV_KEYS | INFLIGHT_KEYS
+    assert set(d) == ALWAYS_KEYS | KV_KEYS | LORA_KEYS | INFLIGHT_KEYS
     assert not set(d) & (V1_KEYS - INFLIGHT_KEYS)
     assert {k: v for k, v in d.items() if k != "Timestamp"} == {
         "Iteration Counter": s.iteration, "Active Request Count": s.num_active,
@@ -173,6 +174,7 @@ def test_stats_json_in_flight_keys_and_values():
         "Used KV cache blocks": s.used_blocks, "Tokens per KV cache block": s.tokens_per_block,
         "Allocated total KV cache blocks": s.allocated_total_blocks,
         "Allocated new KV cache blocks": s.allocated_new_blocks, "Reused KV cache blocks": s.reused_blocks,
+        "LoRA Adapters Cached": s.num_lora_adapters, "LoRA Adapter Evictions": s.num_lora_evictions,
         "Scheduled Requests": s.num_scheduled, "Context Requests": s.num_context,
         "Generation Requests": s.num_generation, "Total Context Tokens": s.num_context_tokens,
         "MicroBatch ID": s.micro_batch_id, "Paused Requests": s.num_paused}
@@ -181,7 +183,7 @@ def test_stats_json_in_flight_keys_and_values():
 def test_stats_json_v1_keys_and_values():
     s = make_stats()
     d = json.loads(stats_json(s, is_static_batching=True))
-    assert set(d) == ALWAYS_KEYS | KV_KEYS | V1_KEYS
+    assert set(d) == ALWAYS_KEYS | KV_KEYS | LORA_KEYS | V1_KEYS
     assert not set(d) & (INFLIGHT_KEYS - V1_KEYS)
     assert (d["Scheduled Requests"], d["Context Requests"], d["Total Generation Tokens"],
             d["Total Context Tokens"], d["Empty Generation Slots"]) == \

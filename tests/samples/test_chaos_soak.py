@@ -8,6 +8,8 @@ import threading
 import pytest
 
 from batch_manager.validation import AdmissionLimits, RequestError, to_llm_request
+from runtime.models import model_config_from_hf
+from samples.default_model import llama_hf_config
 from samples.chaos_soak.requests import BAD_KINDS, MAX_BEAM_WIDTH, make_bad
 from samples.chaos_soak.soak import BUILD, MODEL, POOL_TOKENS, RSS_TOLERANCE_MIB, SHUTDOWN_BOUND_S, main, run_soak
 
@@ -15,7 +17,7 @@ LIMITS = AdmissionLimits(vocab_size=MODEL["vocab_size"], max_input_len=BUILD["ma
                          max_seq_len=BUILD["max_seq_len"], max_beam_width=MAX_BEAM_WIDTH,
                          max_num_blocks=POOL_TOKENS // BUILD["tokens_per_block"],
                          tokens_per_block=BUILD["tokens_per_block"], gather_context_logits=False,
-                         gather_generation_logits=False)
+                         gather_generation_logits=False, model_config=model_config_from_hf(llama_hf_config(**MODEL)))
 
 
 def test_short_soak_keeps_every_invariant(tmp_path):
@@ -28,6 +30,7 @@ def test_short_soak_keeps_every_invariant(tmp_path):
     # Each valid submission answered once without error, each bad one with one error.
     assert t["served"] + t["expected_errors"] == t["submitted"]
     assert t["served"] > 250 and t["bad"] > 0 and t["beam"] > 0 and t["sampled"] > 0
+    assert t["lora_served"] > 20 and t["lora_evictions"] > 0
     assert t["paused"] > 0, "the small pool should force pauses"
     assert t["greedy_checked"] > 20 and report["greedy_mismatches"] == 0
     assert report["memory_growth_mib"] <= RSS_TOLERANCE_MIB
@@ -60,6 +63,9 @@ def test_each_bad_kind_is_refused_at_admission_naming_its_field(index):
             break
     if field == "request_id":
         assert request.request_id < 0   # refused by the worker before validation (test_gpt_manager)
+        return
+    if field == "lora_task_id":         # an id never cached: refused by the PEFT cache at admission (test_lora)
+        assert to_llm_request(request, LIMITS, 0).lora.payload is None
         return
     with pytest.raises(RequestError, match=field):
         to_llm_request(request, LIMITS, 0)
