@@ -34,7 +34,8 @@ import torch
 
 from .. import rng
 from . import sources
-from .launchers import DTYPE_CODES, DecodingLaunchers, KvLaunchers, LaunchConfig
+from .decoding_launchers import DecodingLaunchers
+from .launchers import DTYPE_CODES, KvLaunchers, LaunchConfig
 from .torch_backend import TorchKernels
 
 logger = logging.getLogger(__name__)
