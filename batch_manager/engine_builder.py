@@ -95,6 +95,7 @@ def build_engine_core(engine_dir, model_type: TrtGptModelType, max_beam_width: i
     max_draft_tokens = _non_negative("TrtGptModelOptionalParams.max_draft_tokens", params.max_draft_tokens)
     decoding = params.decoding_config or DecodingConfig()
     _non_negative("DecodingConfig.prompt_lookup_num_tokens", decoding.prompt_lookup_num_tokens)
+    _non_negative("DecodingConfig.prompt_lookup_max_batch_size", decoding.prompt_lookup_max_batch_size)
     if _non_negative("DecodingConfig.max_matching_ngram_size", decoding.max_matching_ngram_size) < 1 \
             and decoding.prompt_lookup_num_tokens:
         raise ValueError(f"DecodingConfig.max_matching_ngram_size: must be >= 1 with prompt lookup, "
@@ -140,7 +141,8 @@ def build_engine_core(engine_dir, model_type: TrtGptModelType, max_beam_width: i
     scheduler = Scheduler(kv, capacity, MicroBatchScheduler(max_batch_size, max_num_tokens, enable_chunked_context),
                           separate_context_forward=model_type != TrtGptModelType.InflightFusedBatching,
                           prompt_lookup_num_tokens=decoding.prompt_lookup_num_tokens,
-                          max_matching_ngram_size=decoding.max_matching_ngram_size)
+                          max_matching_ngram_size=decoding.max_matching_ngram_size,
+                          prompt_lookup_max_batch_size=decoding.prompt_lookup_max_batch_size)
     return EngineCore(scheduler, ModelExecutor(runner, params.logits_post_processor_batched), limits, config)
 
 

@@ -23,12 +23,14 @@ _FINISH_REASONS = {"end_id": FinishReason.END_ID, "stop_words": FinishReason.STO
 class Scheduler:
     def __init__(self, kv_cache_manager: KvCacheManager, capacity: CapacityScheduler,
                  micro_batch: MicroBatchScheduler, separate_context_forward: bool = False,
-                 prompt_lookup_num_tokens: int = 0, max_matching_ngram_size: int = 3):
+                 prompt_lookup_num_tokens: int = 0, max_matching_ngram_size: int = 3,
+                 prompt_lookup_max_batch_size: int = 0):
         self.kv, self.capacity, self.micro_batch = kv_cache_manager, capacity, micro_batch
         self.separate_context_forward = separate_context_forward
         # The built-in drafter (prompt lookup) for greedy requests of beam width 1; 0 = off.
         self.prompt_lookup_num_tokens = prompt_lookup_num_tokens
         self.max_matching_ngram_size = max_matching_ngram_size
+        self.prompt_lookup_max_batch_size = prompt_lookup_max_batch_size   # 0: drafts at any batch size
         self._requests: dict[int, LlmRequest] = {}   # admission order
         self._released_ids: list[int] = []          # ended with a decoder state: freed by the next step
         self.num_draft_tokens_proposed = 0          # cumulative: drafts sent to verification
@@ -142,8 +144,13 @@ class Scheduler:
         return ready
 
     def _propose_drafts(self, requests) -> None:
+        requests = list(requests)
+        limit = self.prompt_lookup_max_batch_size
+        drafting = not limit or len(requests) <= limit   # above it a step is compute-bound: drafts cost
         for r in requests:
-            if self._uses_drafter(r):
+            if not drafting:
+                r.draft_tokens = []
+            elif self._uses_drafter(r):
                 room = r.max_new_tokens - len(r.generated) - 1
                 r.draft_tokens = propose_drafts(r.record.sequence(0), min(room, self.prompt_lookup_num_tokens),
                                                 self.max_matching_ngram_size) if room > 0 else []

@@ -27,7 +27,8 @@ from samples.default_model import default_model_dir
 class Run:
     """Serve `prompts` (all at once) through one GptManager; collect outputs and the last stats."""
 
-    def __init__(self, model_dir: str, prompts: list[list[int]], num_tokens: int, lookup: int, max_batch: int):
+    def __init__(self, model_dir: str, prompts: list[list[int]], num_tokens: int, lookup: int, max_batch: int,
+                 lookup_max_batch: int = DecodingConfig.prompt_lookup_max_batch_size):
         self.pending = [self._request(i, p, num_tokens) for i, p in enumerate(prompts)]
         self.expected = len(prompts)
         self.outputs: dict[int, list[int]] = {}
@@ -36,7 +37,8 @@ class Run:
         params = TrtGptModelOptionalParams(
             kv_cache_config=KvCacheConfig(max_tokens=max(4096, len(prompts) * (max(map(len, prompts)) + num_tokens + 8))),
             max_batch_size=max_batch, max_num_sequences=max_batch,
-            decoding_config=DecodingConfig(prompt_lookup_num_tokens=lookup, max_matching_ngram_size=3))
+            decoding_config=DecodingConfig(prompt_lookup_num_tokens=lookup, max_matching_ngram_size=3,
+                                           prompt_lookup_max_batch_size=lookup_max_batch))
         self.start: float | None = None   # the first fetch: model loading is not timed
         with GptManager(model_dir, TrtGptModelType.InflightFusedBatching, 1, SchedulerPolicy.GUARANTEED_NO_EVICT,
                         self.get, self.send, lambda: set(), self.report, optional_params=params):
@@ -74,8 +76,9 @@ class Run:
         self.stats = json.loads(stats)
 
 
-def serve(model_dir, prompts, num_tokens, lookup, max_batch) -> dict:
-    run = Run(model_dir, prompts, num_tokens, lookup, max_batch)
+def serve(model_dir, prompts, num_tokens, lookup, max_batch,
+          lookup_max_batch: int = DecodingConfig.prompt_lookup_max_batch_size) -> dict:
+    run = Run(model_dir, prompts, num_tokens, lookup, max_batch, lookup_max_batch)
     proposed = run.stats.get("Draft Tokens Proposed", 0)
     accepted = run.stats.get("Draft Tokens Accepted", 0)
     return {"tokens_per_s": run.num_tokens / run.seconds, "seconds": run.seconds,
@@ -102,6 +105,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--num-tokens", type=int, default=64, help="new tokens per request")
     parser.add_argument("--lookup", type=int, default=4, help="prompt_lookup_num_tokens when on")
     parser.add_argument("--concurrency", default="1,8,64")
+    parser.add_argument("--lookup-max-batch-size", type=int, default=DecodingConfig.prompt_lookup_max_batch_size,
+                        help="DecodingConfig.prompt_lookup_max_batch_size when on (0: draft at any batch size)")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args(argv)
     model_dir = default_model_dir()
@@ -111,7 +116,7 @@ def main(argv=None) -> dict:
             prompts = (copy_prompts(model_dir, concurrency, args.num_tokens, concurrency) if workload == "copy"
                        else random_prompts(concurrency, concurrency))
             off = serve(model_dir, prompts, args.num_tokens, 0, concurrency)
-            on = serve(model_dir, prompts, args.num_tokens, args.lookup, concurrency)
+            on = serve(model_dir, prompts, args.num_tokens, args.lookup, concurrency, args.lookup_max_batch_size)
             assert on["outputs"] == off["outputs"], "prompt lookup changed greedy outputs"
             row = {"off_tok_s": round(off["tokens_per_s"], 1), "on_tok_s": round(on["tokens_per_s"], 1),
                    "speedup": round(on["tokens_per_s"] / off["tokens_per_s"], 3),

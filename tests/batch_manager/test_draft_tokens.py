@@ -53,7 +53,7 @@ def draft_requests(prompts, references, ids, streaming: bool = False, with_draft
 
 def params(max_tokens: int = 160, prompt_lookup: int = 3, **kv) -> TrtGptModelOptionalParams:
     return TrtGptModelOptionalParams(kv_cache_config=KvCacheConfig(max_tokens=max_tokens, **kv), max_draft_tokens=4,
-                                     decoding_config=DecodingConfig(prompt_lookup_num_tokens=prompt_lookup,
+                                     decoding_config=DecodingConfig(prompt_lookup_max_batch_size=0, prompt_lookup_num_tokens=prompt_lookup,
                                                                     max_matching_ngram_size=2))
 
 
@@ -238,3 +238,22 @@ def test_drafts_are_clipped_to_the_tokens_left():
     s.add(drafting_request(1, [1, 2, 3], [4, 5, 6, 7], max_new_tokens=3))
     step, _ = s.schedule()
     assert step.context_requests[0].num_draft_tokens == 2          # 2 drafts + 1 token = max_new_tokens
+
+
+def test_the_drafter_rests_above_its_batch_size():
+    """prompt_lookup_max_batch_size: drafts only while at most that many requests generate."""
+    kv = KvCacheManager(64, 4)
+    s = Scheduler(kv, GuaranteedNoEvictScheduler(kv, 8), MicroBatchScheduler(8, 64), prompt_lookup_num_tokens=3,
+                  max_matching_ngram_size=2, prompt_lookup_max_batch_size=2)
+    for i in range(3):
+        s.add(LlmRequest(request_id=i, prompt=[5, 6, 7, 5, 6], max_new_tokens=8, decoding=DecodingParams(),
+                         arrival_index=i))
+    step, _ = s.schedule()
+    s.update(step, StepResult(tuple(RequestResult(i, new_tokens=(7,)) for i in range(3))))
+    step, _ = s.schedule()                      # 3 generating > 2: no drafts
+    assert [r.num_draft_tokens for r in step.generation_requests] == [0, 0, 0]
+    s.stop(2)
+    s.update(step, StepResult(tuple(RequestResult(i, new_tokens=(5,)) for i in range(3))))
+    s.pop_finished()
+    step, _ = s.schedule()                      # 2 generating: prompt lookup proposes [6, 7, 5]
+    assert [r.drafts for r in step.generation_requests] == [(6, 7, 5), (6, 7, 5)]

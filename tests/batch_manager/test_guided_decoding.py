@@ -133,7 +133,7 @@ def test_beams_and_drafts_keep_the_grammar(guided_engine):
     plain = run(engine_dir, greedy, params(tokenizer_dir))
     drafted = run(engine_dir, [guided_request(i, GuideType.JSON_SCHEMA, json.dumps(SCHEMA)) for i in range(3)],
                   params(tokenizer_dir, max_draft_tokens=4,
-                         decoding_config=DecodingConfig(prompt_lookup_num_tokens=3, max_matching_ngram_size=1)))
+                         decoding_config=DecodingConfig(prompt_lookup_max_batch_size=0, prompt_lookup_num_tokens=3, max_matching_ngram_size=1)))
     for i in range(3):
         assert text(drafted, i, tok) == text(plain, i, tok)
         check_schema(json.loads(text(plain, i, tok)))

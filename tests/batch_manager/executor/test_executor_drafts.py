@@ -12,7 +12,7 @@ from tests.batch_manager.executor.helpers import collect, final_tokens
 
 def config(**overrides) -> ExecutorConfig:
     values = dict(kv_cache_config=KvCacheConfig(max_tokens=400, enable_block_reuse=True), max_draft_tokens=4,
-                  decoding_config=DecodingConfig(prompt_lookup_num_tokens=3, max_matching_ngram_size=2),
+                  decoding_config=DecodingConfig(prompt_lookup_max_batch_size=0, prompt_lookup_num_tokens=3, max_matching_ngram_size=2),
                   iter_stats_max_iterations=100)
     values.update(overrides)
     return ExecutorConfig(**values)
