@@ -134,6 +134,26 @@ extern "C" void bm_silu_mul(const float* x, int64_t rows, int64_t ldx, int64_t n
   }
 }
 
+// Guided decoding: logits[rows[i], v] = -inf where bit v % 32 of bitmask[i, v / 32] is clear
+// (llguidance's packed layout; torch_decoder.apply_token_bitmask is the reference).
+extern "C" void bm_token_bitmask(float* logits, const int64_t* rows, const int32_t* bitmask, int64_t n,
+                                 int64_t words, int64_t vocab, int64_t row_stride, int num_threads) {
+  const float neg_inf = -__builtin_inff();
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (n * vocab >= 262144)
+  for (int64_t i = 0; i < n; ++i) {
+    float* x = logits + rows[i] * row_stride;
+    const uint32_t* mask = reinterpret_cast<const uint32_t*>(bitmask + i * words);
+    for (int64_t w = 0; w * 32 < vocab; ++w) {
+      const uint32_t bits = mask[w];
+      if (bits == 0xffffffffu) continue;   // every token of this word allowed
+      const int64_t end = std::min<int64_t>(32, vocab - w * 32);
+      for (int64_t b = 0; b < end; ++b) {
+        if (!((bits >> b) & 1u)) x[w * 32 + b] = neg_inf;
+      }
+    }
+  }
+}
+
 extern "C" void bm_decode_attention(const float* q, const float* k_cache, const float* v_cache,
                                     const int32_t* block_tables, int64_t bt_stride, const int64_t* seq_lens,
                                     int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,

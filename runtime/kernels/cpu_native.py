@@ -37,6 +37,7 @@ _SIGNATURES = {
     "bm_rms_norm": [_P, _I64, _I64, _I64, _P, _F32, _P, _I64, _I32],
     "bm_silu_mul": [_P, _I64, _I64, _I64, _P, _I32],
     "bm_decode_attention": [_P, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _F32, _I64, _I64, _P, _I32],
+    "bm_token_bitmask": [_P, _P, _P, _I64, _I64, _I64, _I64, _I32],
 }
 
 
@@ -98,6 +99,18 @@ class NativeCpuOps:
             fn.argtypes, fn.restype = argtypes, None
         self._linear, self._rms_norm, self._silu_mul = self._lib.bm_linear, self._lib.bm_rms_norm, self._lib.bm_silu_mul
         self._decode_attention = self._lib.bm_decode_attention
+        self._token_bitmask = self._lib.bm_token_bitmask
+
+    def apply_token_bitmask(self, logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+        """interface.KernelBackend.apply_token_bitmask for float32 logits with contiguous columns."""
+        assert logits.dtype == torch.float32 and logits.device.type == "cpu" and logits.stride(1) == 1
+        rows = rows.to("cpu", torch.int64).contiguous()
+        bitmask = bitmask.to("cpu", torch.int32).contiguous()
+        n, vocab = rows.shape[0], logits.shape[1]
+        assert bitmask.shape[0] == n and bitmask.shape[1] * 32 >= vocab
+        if n and vocab:
+            self._token_bitmask(logits.data_ptr(), rows.data_ptr(), bitmask.data_ptr(), n, bitmask.shape[1], vocab,
+                                logits.stride(0), torch.get_num_threads())
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                out: torch.Tensor | None = None) -> torch.Tensor:

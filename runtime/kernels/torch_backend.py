@@ -10,6 +10,7 @@ import torch
 
 from . import torch_attention, torch_decoder
 from .cpu_attention import CpuAttention
+from .cpu_native import native_ops
 
 
 class TorchKernels:
@@ -20,6 +21,7 @@ class TorchKernels:
         workspaces, per-step plans); off, every op is the plain reference. native (with
         fast_paths): float32 decode attention in the native CPU kernel where it runs."""
         self._fast = CpuAttention(use_native=native) if fast_paths else None
+        self._native = native_ops() if fast_paths and native else None   # None where it cannot run
 
     @property
     def has_fast_paths(self) -> bool:
@@ -50,6 +52,10 @@ class TorchKernels:
     top_k_top_p_mask = staticmethod(torch_decoder.top_k_top_p_mask)
     sample = staticmethod(torch_decoder.sample)
     beam_candidates = staticmethod(torch_decoder.beam_candidates)
-    apply_token_bitmask = staticmethod(torch_decoder.apply_token_bitmask)
+    def apply_token_bitmask(self, logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+        if (self._native is not None and logits.device.type == "cpu" and logits.dtype == torch.float32
+                and logits.stride(1) == 1):
+            return self._native.apply_token_bitmask(logits, rows, bitmask)   # one pass, bits read in place
+        return torch_decoder.apply_token_bitmask(logits, rows, bitmask)
     apply_min_p = staticmethod(torch_decoder.apply_min_p)
     top_log_probs = staticmethod(torch_decoder.top_log_probs)

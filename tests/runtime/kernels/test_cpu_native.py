@@ -143,3 +143,21 @@ def test_a_model_step_equals_itself_without_the_native_kernels(tmp_path, monkeyp
     for inputs in steps:
         torch.testing.assert_close(native.forward(inputs)["logits"], plain.forward(inputs)["logits"],
                                    atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("vocab, extra_words", [(1, 0), (31, 0), (32, 1), (1000, 0), (32000, 0)])
+def test_token_bitmask_equals_the_reference(ops, vocab, extra_words):
+    from runtime.kernels.torch_decoder import apply_token_bitmask
+    gen = torch.Generator().manual_seed(vocab)
+    bitmask = torch.randint(-2 ** 31, 2 ** 31, (4, -(-vocab // 32) + extra_words), dtype=torch.int64,
+                            generator=gen).to(torch.int32)
+    bitmask[1] = -1                                    # a row that allows everything
+    logits = torch.randn(6, vocab, generator=gen)
+    rows = torch.tensor([5, 0, 2, 3])
+    expected, got = logits.clone(), logits.clone()
+    apply_token_bitmask(expected, rows, bitmask)
+    ops.apply_token_bitmask(got, rows, bitmask)
+    assert torch.equal(got, expected)
+    through_backend = logits.clone()   # get_kernels("torch") takes this kernel for float32 CPU logits
+    get_kernels("torch").apply_token_bitmask(through_backend, rows, bitmask)
+    assert torch.equal(through_backend, expected)
