@@ -140,6 +140,9 @@ def sample(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, unifo
         values, index = sub.topk(int(k.max()), dim=-1)
         kth = values.gather(1, (k - 1)[:, None])
         exact = (sub >= kth).sum(-1) == k  # no tie at the k-th place
+        # ...or a tie among -inf logits only (fewer than k tokens allowed, as under a guide's
+        # mask): the tied tokens have no weight, so the candidates draw as the whole row would.
+        exact |= (kth[:, 0] == NEG_INF) & (values[:, 0] > NEG_INF)
         valid = torch.arange(values.shape[1], device=sub.device)[None, :] < k[:, None]
         _fast_rows(k_rows, exact, sub, values, index, valid, top_p[k_rows], None, uniforms,
                    normalize_log_probs, tokens, log_probs, slow)

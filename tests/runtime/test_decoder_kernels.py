@@ -216,3 +216,24 @@ def test_fast_sampling_paths_equal_the_masked_definition(vocab):
     slow = torch_decoder._sample_masked(logits, top_k, top_p, u, normalize)
     assert fast[0].tolist() == slow[0].tolist()
     torch.testing.assert_close(fast[1], slow[1], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("vocab", [50, 3000])
+def test_top_k_rows_with_fewer_allowed_tokens_than_k_equal_the_definition(vocab):
+    """Rows masked to fewer than k finite logits (a guide's bitmask): the fast path, where the
+    k-th place is an -inf tie, draws and scores as the whole-vocabulary definition."""
+    rows = 32
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(rows, vocab, generator=gen) * 3
+    allowed = torch.rand(rows, vocab, generator=gen) < torch.linspace(0.001, 0.05, rows)[:, None]
+    allowed[:, 7] = True                                 # at least one token per row
+    logits = logits.masked_fill(~allowed, float("-inf"))
+    top_k = torch.tensor([50, 20, 200, 64] * 8)
+    top_p = torch.tensor([0.0, 0.9, 0.5, 0.0] * 8)
+    u = torch.rand(rows, generator=gen)
+    normalize = torch.arange(rows) % 2 == 0
+    fast = KERNELS.sample(logits, top_k, top_p, u, normalize)
+    slow = torch_decoder._sample_masked(logits, top_k, top_p, u, normalize)
+    assert fast[0].tolist() == slow[0].tolist()
+    torch.testing.assert_close(fast[1], slow[1], atol=1e-5, rtol=0)
+    assert bool(allowed.gather(1, fast[0][:, None]).all())
