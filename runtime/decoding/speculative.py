@@ -66,7 +66,11 @@ class DraftVerifier:
             residual = (target[j] - q).clamp_(min=0)
             if float(residual.sum()) <= 0:     # p_j == q_j: the rejection cannot happen in exact arithmetic
                 residual = target[j]
-            token = _draw(residual, float(token_draws[j]))
+            # The sampler's own draw over the residual (weights as logits; no top-k / top-p)
+            no_k = torch.zeros(1, dtype=torch.int64, device=device)
+            no_p = torch.zeros(1, dtype=torch.float32, device=device)
+            token = int(self.kernels.sample(torch.log(residual)[None], no_k, no_p, token_draws[j:j + 1],
+                                            torch.ones(1, dtype=torch.bool, device=device))[0][0])
             picks.append((token, log_prob(j, token), False))
             return picks
         token, _ = self.kernels.sample(logits[num_drafts:], top_k[num_drafts:], top_p_column[num_drafts:],
@@ -83,11 +87,3 @@ class DraftVerifier:
         q[draft] = 1.0
         return q
 
-
-def _draw(weights: torch.Tensor, u: float) -> int:
-    """The first token (in id order) whose cumulative weight exceeds u * total (as the sampler)."""
-    cdf = weights.cumsum(0)
-    total = float(cdf[-1])
-    index = int((cdf <= u * total).sum())
-    last_positive = int(torch.nonzero(weights > 0).max())
-    return min(index, last_positive)
