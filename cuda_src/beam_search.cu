@@ -25,37 +25,6 @@
 #define NO_INDEX 0x7fffffff
 
 
-__device__ __forceinline__ bool better(float value, int index, float other_value, int other_index) {
-  return value > other_value || (value == other_value && index < other_index);
-}
-
-// Block argmax of (value, index) under `better`: every thread calls; the winner goes to every
-// thread (NO_INDEX when no thread offered one). Ends with a barrier.
-__device__ __forceinline__ void block_argmax(float& value, int& index, float* values_s, int* indices_s) {
-  for (int offset = BM_WARP_SIZE / 2; offset > 0; offset >>= 1) {
-    const float other = __shfl_xor_sync(FULL_MASK, value, offset);
-    const int other_index = __shfl_xor_sync(FULL_MASK, index, offset);
-    if (better(other, other_index, value, index)) {
-      value = other;
-      index = other_index;
-    }
-  }
-  if (threadIdx.x % BM_WARP_SIZE == 0) {
-    values_s[threadIdx.x / BM_WARP_SIZE] = value;
-    indices_s[threadIdx.x / BM_WARP_SIZE] = index;
-  }
-  __syncthreads();
-  value = values_s[0];
-  index = indices_s[0];
-  for (int w = 1; w < (int)blockDim.x / BM_WARP_SIZE; ++w) {
-    if (better(values_s[w], indices_s[w], value, index)) {
-      value = values_s[w];
-      index = indices_s[w];
-    }
-  }
-  __syncthreads();
-}
-
 extern "C" __global__ void __launch_bounds__(1024, 1) beam_topk_per_beam(
     float* __restrict__ cand_scores, int* __restrict__ cand_tokens, const float* __restrict__ log_probs,
     const float* __restrict__ running_scores, int vocab, int per_beam) {

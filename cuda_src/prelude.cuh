@@ -9,6 +9,7 @@
 //     `storage_t`, `load_float`, `to_storage` follow the DTYPE define (0 fp32, 1 fp16, 2 bf16)
 //   - NEG_INF without <cmath>
 //   - warp reductions over a power-of-two group of lanes, and block reductions
+//   - better / block_argmax: the (value desc, index asc) order and a block arg-max under it
 //   - DYNAMIC_SMEM(T, name): the kernel's dynamic shared memory as a T*
 #ifndef BM_PRELUDE_CUH
 #define BM_PRELUDE_CUH
@@ -120,6 +121,39 @@ __device__ __forceinline__ float block_reduce_max(float v, float* scratch) {
   for (int w = 0; w < num_warps; ++w) best = fmaxf(best, scratch[w]);
   __syncthreads();
   return best;
+}
+
+// ---- (value desc, index asc) order and the block arg-max under it ------------------------------
+__device__ __forceinline__ bool better(float value, int index, float other_value, int other_index) {
+  return value > other_value || (value == other_value && index < other_index);
+}
+
+// Block argmax of (value, index) under `better` (values_s / indices_s: blockDim.x / 32 entries of
+// shared memory): every thread calls; the winner goes to every
+// thread (NO_INDEX when no thread offered one). Ends with a barrier.
+__device__ __forceinline__ void block_argmax(float& value, int& index, float* values_s, int* indices_s) {
+  for (int offset = BM_WARP_SIZE / 2; offset > 0; offset >>= 1) {
+    const float other = __shfl_xor_sync(FULL_MASK, value, offset);
+    const int other_index = __shfl_xor_sync(FULL_MASK, index, offset);
+    if (better(other, other_index, value, index)) {
+      value = other;
+      index = other_index;
+    }
+  }
+  if (threadIdx.x % BM_WARP_SIZE == 0) {
+    values_s[threadIdx.x / BM_WARP_SIZE] = value;
+    indices_s[threadIdx.x / BM_WARP_SIZE] = index;
+  }
+  __syncthreads();
+  value = values_s[0];
+  index = indices_s[0];
+  for (int w = 1; w < (int)blockDim.x / BM_WARP_SIZE; ++w) {
+    if (better(values_s[w], indices_s[w], value, index)) {
+      value = values_s[w];
+      index = indices_s[w];
+    }
+  }
+  __syncthreads();
 }
 
 // ---- dynamic shared memory ------------------------------------------------------------------------

@@ -203,10 +203,6 @@ __device__ __forceinline__ u64 scaled_floor(float u, u64 total) {
 
 __device__ __forceinline__ float log_fixed(u64 mass) { return logf((float)mass) - LOG_FIXED_ONE; }
 
-__device__ __forceinline__ bool better(float value, int index, float other_value, int other_index) {
-  return value > other_value || (value == other_value && index < other_index);
-}
-
 // ---- kernels ------------------------------------------------------------------------------------
 extern "C" __global__ void __launch_bounds__(1024, 1) greedy_tokens(
     long long* __restrict__ tokens, float* __restrict__ log_probs, const float* __restrict__ logits, int vocab,
@@ -215,7 +211,6 @@ extern "C" __global__ void __launch_bounds__(1024, 1) greedy_tokens(
   __shared__ int index_s[MAX_WARPS];
   __shared__ float scratch[MAX_WARPS];
   const float* x = logits + blockIdx.x * row_stride;
-  const int lane = threadIdx.x % BM_WARP_SIZE, warp = threadIdx.x / BM_WARP_SIZE;
   float best = NEG_INF;
   int index = 0x7fffffff;
   for (int v = threadIdx.x; v < vocab; v += blockDim.x) {
@@ -224,27 +219,7 @@ extern "C" __global__ void __launch_bounds__(1024, 1) greedy_tokens(
       index = v;
     }
   }
-  for (int offset = BM_WARP_SIZE / 2; offset > 0; offset >>= 1) {
-    const float other = __shfl_xor_sync(FULL_MASK, best, offset);
-    const int other_index = __shfl_xor_sync(FULL_MASK, index, offset);
-    if (better(other, other_index, best, index)) {
-      best = other;
-      index = other_index;
-    }
-  }
-  if (lane == 0) {
-    best_s[warp] = best;
-    index_s[warp] = index;
-  }
-  __syncthreads();
-  best = best_s[0];
-  index = index_s[0];
-  for (int w = 1; w < (int)blockDim.x / BM_WARP_SIZE; ++w) {
-    if (better(best_s[w], index_s[w], best, index)) {
-      best = best_s[w];
-      index = index_s[w];
-    }
-  }
+  block_argmax(best, index, best_s, index_s);
   float sum = 0.0f;
   for (int v = threadIdx.x; v < vocab; v += blockDim.x) sum += expf(x[v] - best);
   sum = block_reduce_sum(sum, scratch);

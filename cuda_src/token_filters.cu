@@ -48,10 +48,6 @@ extern "C" __global__ void __launch_bounds__(1024, 1) apply_min_p(float* __restr
   }
 }
 
-__device__ __forceinline__ bool ranks_before(float value, int index, float other_value, int other_index) {
-  return value > other_value || (value == other_value && index < other_index);
-}
-
 extern "C" __global__ void __launch_bounds__(1024, 1) top_log_probs(
     float* __restrict__ values, long long* __restrict__ ids, const float* __restrict__ logits, int k, int vocab,
     long long row_stride) {
@@ -59,7 +55,6 @@ extern "C" __global__ void __launch_bounds__(1024, 1) top_log_probs(
   __shared__ float best_s[MAX_WARPS];
   __shared__ int index_s[MAX_WARPS];
   const float* x = logits + blockIdx.x * row_stride;
-  const int lane = threadIdx.x % BM_WARP_SIZE, warp = threadIdx.x / BM_WARP_SIZE;
   float row_max = NEG_INF;
   for (int v = threadIdx.x; v < vocab; v += blockDim.x) row_max = fmaxf(row_max, x[v]);
   row_max = block_reduce_max(row_max, scratch);
@@ -73,33 +68,12 @@ extern "C" __global__ void __launch_bounds__(1024, 1) top_log_probs(
     int index = 0x7fffffff;
     for (int v = threadIdx.x; v < vocab; v += blockDim.x) {
       const float value = x[v];
-      if (ranks_before(last_value, last_index, value, v) && ranks_before(value, v, best, index)) {
+      if (better(last_value, last_index, value, v) && better(value, v, best, index)) {
         best = value;
         index = v;
       }
     }
-    for (int offset = BM_WARP_SIZE / 2; offset > 0; offset >>= 1) {
-      const float other = __shfl_xor_sync(FULL_MASK, best, offset);
-      const int other_index = __shfl_xor_sync(FULL_MASK, index, offset);
-      if (ranks_before(other, other_index, best, index)) {
-        best = other;
-        index = other_index;
-      }
-    }
-    if (lane == 0) {
-      best_s[warp] = best;
-      index_s[warp] = index;
-    }
-    __syncthreads();
-    best = best_s[0];
-    index = index_s[0];
-    for (int w = 1; w < (int)blockDim.x / BM_WARP_SIZE; ++w) {
-      if (ranks_before(best_s[w], index_s[w], best, index)) {
-        best = best_s[w];
-        index = index_s[w];
-      }
-    }
-    __syncthreads();   // best_s / index_s are rewritten next round
+    block_argmax(best, index, best_s, index_s);   // ends with a barrier: best_s is free again
     if (threadIdx.x == 0) {
       values[(long long)blockIdx.x * k + j] = (best - row_max) - log_sum;
       ids[(long long)blockIdx.x * k + j] = index;
