@@ -181,11 +181,7 @@ class CudaKernels:
     def ban_tokens(self, logits, row_ids, token_ids) -> None:
         if self._use_reference(logits):
             return self._reference.ban_tokens(logits, row_ids, token_ids)
-        _check_logits(logits)
-        target = _columns_contiguous(logits)
-        self.decoding.ban_tokens(target, _int64(row_ids), _int64(token_ids))
-        if target is not logits:
-            logits.copy_(target)
+        _in_place(logits, lambda target: self.decoding.ban_tokens(target, _int64(row_ids), _int64(token_ids)))
 
     def repeat_ngram_bans(self, tokens, ngram_size):
         return self._reference.repeat_ngram_bans(tokens, ngram_size)
@@ -226,21 +222,13 @@ class CudaKernels:
     def apply_token_bitmask(self, logits, rows, bitmask) -> None:
         if self._use_reference(logits):
             return self._reference.apply_token_bitmask(logits, rows, bitmask)
-        _check_logits(logits)
-        target = _columns_contiguous(logits)
-        self.decoding.apply_token_bitmask(target, _int64(rows),
-                                          bitmask.to(target.device, torch.int32).contiguous())
-        if target is not logits:
-            logits.copy_(target)
+        _in_place(logits, lambda target: self.decoding.apply_token_bitmask(
+            target, _int64(rows), bitmask.to(target.device, torch.int32).contiguous()))
 
     def apply_min_p(self, logits, rows, min_p) -> None:
         if self._use_reference(logits):
             return self._reference.apply_min_p(logits, rows, min_p)
-        _check_logits(logits)
-        target = _columns_contiguous(logits)
-        self.decoding.apply_min_p(target, _int64(rows), _float32(min_p))
-        if target is not logits:
-            logits.copy_(target)
+        _in_place(logits, lambda target: self.decoding.apply_min_p(target, _int64(rows), _float32(min_p)))
 
     def top_log_probs(self, logits, k):
         if self._use_reference(logits):
@@ -287,6 +275,15 @@ def _as_int(value) -> int | None:
         return operator.index(value)
     except TypeError:
         return None
+
+
+def _in_place(logits: torch.Tensor, launch) -> None:
+    """Run an in-place logits kernel on a column-contiguous view of logits, copying back if needed."""
+    _check_logits(logits)
+    target = _columns_contiguous(logits)
+    launch(target)
+    if target is not logits:
+        logits.copy_(target)
 
 
 def _int64(t: torch.Tensor) -> torch.Tensor:
