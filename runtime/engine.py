@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 
 from .config import BuildConfig, ConfigError, ModelConfig, default_build_config, normalize_dtype, read_json
 from .models import lookup_hf
+from .tensor_parallel import TensorShard
 from .weights import Weights, load_engine_weights, load_hf_weights
 
 ENGINE_CONFIG_FILE = "engine.json"
@@ -32,6 +33,8 @@ class Engine:
     build_config: BuildConfig
     weights: Weights
     source_dir: str
+    # Set when `weights` hold one rank's slices (tensor parallelism); None: every weight whole.
+    shard: TensorShard | None = None
 
     @property
     def dtype(self) -> torch.dtype:
