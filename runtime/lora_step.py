@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from .lora import LoraAdapter
+from .tensor_parallel import TensorShard, take
 
 # Stacked factors are kept for this many sets of adapters (a steady stream of steps sees few).
 MAX_STACKED_SETS = 8
@@ -28,8 +29,11 @@ class LoraWeightStore:
     """task id -> LoraAdapter resident on the runner's device, in its dtype; and the stacked factors
     of the sets of adapters recent steps used together (dropped when one of them leaves)."""
 
-    def __init__(self, device: torch.device, dtype: torch.dtype):
-        self.device, self.dtype = device, dtype
+    def __init__(self, device: torch.device, dtype: torch.dtype, shard: TensorShard | None = None):
+        """shard: under tensor parallelism, the rank's slices: an adapter is sliced like its base
+        linears (B's rows of the column-parallel qkv / mlp_in, A's columns of the row-parallel
+        out / mlp_out, whose partial products the all-reduce sums)."""
+        self.device, self.dtype, self.shard = device, dtype, shard
         self._adapters: dict[int, LoraAdapter] = {}
         # task ids (sorted) -> linear prefix -> (A [k, Hi, R], B [k, R, Ho]) or None; LRU order
         self._stacked: OrderedDict[tuple[int, ...], dict[str, tuple[torch.Tensor, torch.Tensor] | None]] = \
@@ -46,6 +50,8 @@ class LoraWeightStore:
 
     def load(self, task_id: int, adapter: LoraAdapter) -> None:
         self._forget_stacks(task_id)
+        if self.shard is not None:
+            adapter = _sliced(adapter, self.shard)
         self._adapters[task_id] = adapter.to(self.device, self.dtype)
 
     def evict(self, task_id: int) -> None:
@@ -83,6 +89,22 @@ class LoraWeightStore:
         if not token_ids_of:
             return None
         return LoraStepPlan([(t, token_ids_of[t]) for t in sorted(token_ids_of)], self)
+
+
+def _sliced(adapter: LoraAdapter, shard: TensorShard) -> LoraAdapter:
+    factors = {}
+    for prefix, (a, b) in adapter.factors.items():
+        linear = prefix.rsplit(".", 1)[1]
+        if linear == "qkv":
+            b = take(b, 0, shard.qkv_rows())
+        elif linear == "mlp_in":
+            b = take(b, 0, shard.mlp_in_rows())
+        elif linear == "out":
+            a = take(a, 1, shard.out_columns())
+        elif linear == "mlp_out":
+            a = take(a, 1, shard.intermediate_columns())
+        factors[prefix] = (a, b)
+    return LoraAdapter(factors, adapter.num_rows, adapter.num_bytes, adapter.ranks)
 
 
 def _stack(factors: list[tuple[torch.Tensor, torch.Tensor] | None]) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -20,6 +20,7 @@ from .kernels.cpu_native import native_ops
 from .linear import Linear
 from .lora_step import LoraStepPlan
 from .rope import apply_rope, rope_cos_sin, rope_inv_freq
+from .tensor_parallel import TensorParallel, TensorShard
 from .weights import Weights
 
 _ACTIVATIONS = {
@@ -56,12 +57,21 @@ class StepLayout:
 class Transformer:
     def __init__(self, config: ModelConfig, weights: Weights, device: torch.device,
                  attention_window: int | None = None, sink_token_length: int = 0,
-                 linear_impl: str | None = None):
+                 linear_impl: str | None = None, tensor_parallel: TensorParallel | None = None,
+                 shard: TensorShard | None = None, gather_logits_to_all: bool = True):
         """attention_window: the window every layer uses (None = full causal attention); the
         caller folds the model's own sliding window in. sink_token_length: keys at positions
         below it stay visible outside the window (only with a window). linear_impl: forces a CPU
-        matmul kernel (one of runtime.linear.CPU_IMPLS; default: the fastest available)."""
+        matmul kernel (one of runtime.linear.CPU_IMPLS; default: the fastest available).
+        tensor_parallel, shard: this rank's world and the slices `weights` hold (TensorShard);
+        gather_logits_to_all: every rank gets the logits (else rank 0 only, the others None)."""
         self.config = config
+        self.tp, self.shard = tensor_parallel, shard
+        self.gather_logits_to_all = gather_logits_to_all
+        # The heads and intermediate columns this rank computes (the whole model without TP).
+        self.local = shard.local_config(config) if shard is not None else config
+        # Row-parallel linears add their bias on one rank only (the all-reduce sums the partials).
+        self.is_reducing_rank = tensor_parallel is None or tensor_parallel.rank == 0
         self.attention_window = attention_window
         self.sink_token_length = sink_token_length if attention_window is not None else 0
         self.w = {name: t.to(device) for name, t in weights.items()}
@@ -81,17 +91,28 @@ class Transformer:
                          if config.position_embedding == "rope" else None)
         # float32 [num_heads]: the ALiBi slope of each query head (None without ALiBi). The kernels
         # bias by cache positions (a key's index in its sequence), which position_ids do not change.
-        self.alibi_slopes = alibi_slopes(config.num_heads).to(device) if config.position_embedding == "alibi" else None
+        self.alibi_slopes = None
+        if config.position_embedding == "alibi":   # a rank's heads take their own slopes
+            slopes = alibi_slopes(config.num_heads)
+            self.alibi_slopes = (slopes[shard.head_index()] if shard is not None else slopes).to(device)
         self.linears = {}
         for name in [n for n in self.w if n.endswith((".qkv.weight", ".out.weight", ".mlp_in.weight",
                                                        ".mlp_out.weight"))]:
             prefix = name[:-len(".weight")]
-            self.linears[prefix] = Linear(self.w[name], self.w.get(prefix + ".bias"), device, linear_impl)
+            bias = self.w.get(prefix + ".bias")
+            if not self.is_reducing_rank and prefix.endswith(("out", "mlp_out")):
+                bias = None
+            self.linears[prefix] = Linear(self.w[name], bias, device, linear_impl)
             self.w[name] = self.linears[prefix].weight
         # Tied embeddings keep their [V, H] table for the lookup; the head gets its own prepared
-        # copy where the CPU kernel reorders it.
-        self.lm_head = Linear(self.w.get("lm_head", self.w["embed_tokens"]), self.w.get("lm_head.bias"), device,
-                              linear_impl)
+        # copy where the CPU kernel reorders it. Under TP each rank's head is padded with zero rows
+        # to the vocab chunk (the gather needs equal parts; the padding columns are dropped).
+        head, head_bias = self.w.get("lm_head", self.w["embed_tokens"]), self.w.get("lm_head.bias")
+        if shard is not None and head.shape[0] < shard.vocab_chunk:
+            pad = shard.vocab_chunk - head.shape[0]
+            head = F.pad(head, (0, 0, 0, pad))
+            head_bias = F.pad(head_bias, (0, pad)) if head_bias is not None else None
+        self.lm_head = Linear(head, head_bias, device, linear_impl)
         # float32 RMSNorm on CPU in one native call (F.rms_norm is ~6 ops: 50 us for one row of 512)
         self.native = native_ops() if device.type == "cpu" and self.dtype == torch.float32 else None
         if "lm_head" in self.w or self.lm_head.weight is not self.w["embed_tokens"]:
@@ -122,7 +143,7 @@ class Transformer:
         """kv_pool [num_layers, 2, num_blocks, tpb, kvH, D] -> (logits float32 [L, V],
         context logits float32 [C, V] or None)."""
         cfg, w = self.config, self.w
-        x = w["embed_tokens"][step.input_ids]  # [T, H]
+        x = self._embed(step.input_ids)  # [T, H]
         if step.prompt_embeddings is not None:
             x[step.prompt_embeddings[0]] = step.prompt_embeddings[1]
         if cfg.embedding_norm:
@@ -137,21 +158,51 @@ class Transformer:
             h = self._norm(x, p + "input_norm")
             qkv = self._linear(h, p + "qkv", step.lora)
             attn = self._attention(qkv, cos, sin, step, kv_pool[layer, 0], kv_pool[layer, 1], kernels)
+            # Under TP the row-parallel outputs are partial sums: rank 0 adds the residual (and the
+            # biases), the others only their partials, and one all-reduce makes the sum everywhere.
+            residual = x if self.is_reducing_rank else None
             if cfg.residual == "sequential":
-                x = self._linear_add(attn, p + "out", x, step.lora)   # x may be updated in place
-                x = self._mlp(self._norm(x, p + "post_norm"), p, x, step.lora)
-            else:  # parallel: both branches read the layer's input
+                x = self._reduced(self._linear_add(attn, p + "out", residual, step.lora))  # x may be updated in place
+                residual = x if self.is_reducing_rank else None
+                x = self._reduced(self._mlp(self._norm(x, p + "post_norm"), p, residual, step.lora))
+            else:  # parallel: both branches read the layer's input; one all-reduce for the two
                 attn = self._linear(attn, p + "out", step.lora)
                 mlp_input = h if cfg.residual == "parallel_shared_norm" else self._norm(x, p + "post_norm")
-                x = self._mlp(mlp_input, p, x + attn, step.lora)
+                x = self._reduced(self._mlp(mlp_input, p, attn if residual is None else residual + attn, step.lora))
         logits = self._logits(x[step.logits_token_index])
         context_logits = None
         if step.context_logits_index is not None:
             context_logits = self._logits(x[step.context_logits_index])
         return logits, context_logits
 
-    def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self._norm(x, "final_norm")).float().contiguous()
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """int64 [T] -> [T, H]. Under TP a rank holds the rows of its vocabulary range: the others
+        look up zeros, and an all-reduce sums them."""
+        table = self.w["embed_tokens"]
+        if self.shard is None:
+            return table[input_ids]
+        start, stop = self.shard.vocab_range
+        local = input_ids - start
+        outside = (local < 0) | (local >= stop - start)
+        x = table[local.clamp(0, max(stop - start - 1, 0))] if stop > start else \
+            table.new_zeros(input_ids.shape[0], self.config.hidden_size)
+        x[outside] = 0
+        return self.tp.all_reduce(x)
+
+    def _reduced(self, partial: torch.Tensor) -> torch.Tensor:
+        """The sum over the ranks of a row-parallel output (itself without TP)."""
+        if self.tp is None:
+            return partial
+        return self.tp.all_reduce(partial.contiguous())
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor | None:
+        """float32 [rows, V]; under TP each rank computes its vocabulary columns, gathered on every
+        rank (gather_logits_to_all) or on rank 0 (the others get None)."""
+        logits = self.lm_head(self._norm(x, "final_norm")).float()
+        if self.tp is None:
+            return logits.contiguous()
+        gathered = self.tp.gather_columns(logits, self.gather_logits_to_all)
+        return gathered[:, :self.config.vocab_size].contiguous() if gathered is not None else None
 
     def _linear(self, x: torch.Tensor, prefix: str, lora: LoraStepPlan | None = None,
                 row_start: int = 0) -> torch.Tensor:
@@ -162,16 +213,20 @@ class Transformer:
             lora.apply(prefix, x, y, row_start)
         return y
 
-    def _linear_add(self, x: torch.Tensor, prefix: str, residual: torch.Tensor, lora: LoraStepPlan | None = None,
-                    row_start: int = 0) -> torch.Tensor:
+    def _linear_add(self, x: torch.Tensor, prefix: str, residual: torch.Tensor | None,
+                    lora: LoraStepPlan | None = None, row_start: int = 0) -> torch.Tensor:
         """residual + the linear of x (and its LoRA products); residual may be updated in place
-        (one native pass where no adapter applies)."""
+        (one native pass where no adapter applies). residual None: the linear alone."""
+        if residual is None:
+            return self._linear(x, prefix, lora, row_start)
         if lora is None:
             return self.linears[prefix].add_to(x, residual)
         return residual + self._linear(x, prefix, lora, row_start)
 
-    def _mlp(self, h: torch.Tensor, p: str, residual: torch.Tensor, lora: LoraStepPlan | None = None) -> torch.Tensor:
-        """residual + MLP(h), in row chunks of mlp_chunk_rows; residual may be updated in place."""
+    def _mlp(self, h: torch.Tensor, p: str, residual: torch.Tensor | None,
+             lora: LoraStepPlan | None = None) -> torch.Tensor:
+        """residual + MLP(h), in row chunks of mlp_chunk_rows; residual may be updated in place
+        (None: MLP(h) alone)."""
         rows = self.mlp_chunk_rows
         if rows is None or h.shape[0] <= rows:
             return self._linear_add(self._mlp_hidden(h, p, lora), p + "mlp_out", residual, lora)
@@ -179,7 +234,7 @@ class Transformer:
         for start in range(0, h.shape[0], rows):
             out[start:start + rows] = self._linear(self._mlp_hidden(h[start:start + rows], p, lora, start),
                                                    p + "mlp_out", lora, start)
-        return residual + out
+        return out if residual is None else residual + out
 
     def _mlp_hidden(self, h: torch.Tensor, p: str, lora: LoraStepPlan | None = None,
                     row_start: int = 0) -> torch.Tensor:
@@ -194,8 +249,8 @@ class Transformer:
 
     def _attention(self, qkv: torch.Tensor, cos, sin, step: StepLayout, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, kernels) -> torch.Tensor:
-        """qkv [T, q + 2 kv] -> attention output [T, q]."""
-        cfg = self.config
+        """qkv [T, q + 2 kv] -> attention output [T, q] (this rank's heads under TP)."""
+        cfg = self.local
         num_tokens = qkv.shape[0]
         num_qk_heads = cfg.num_heads + cfg.num_kv_heads
         # Queries and keys rotate together: one rope pass instead of two (per-op overhead is a

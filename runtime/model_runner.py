@@ -44,6 +44,7 @@ from .kernels import get_kernels
 from .lora_step import LoraWeightStore
 from .model import StepLayout, Transformer
 from .prompt_tuning import TABLE_INPUTS, virtual_tokens
+from .tensor_parallel import TensorParallel, TensorShard
 
 REQUIRED_INPUTS = ("input_ids", "input_lengths", "past_lengths", "block_tables")
 OPTIONAL_INPUTS = ("position_ids", "return_context_logits", "num_logits", "lora_task_ids", *TABLE_INPUTS)
@@ -68,9 +69,14 @@ def available_memory_bytes(device: torch.device) -> int:
 class ModelRunner:
     def __init__(self, engine: Engine, num_blocks: int, kernels=None, device: str | torch.device | None = None,
                  max_attention_window: int | None = None, sink_token_length: int | None = None,
-                 linear_impl: str | None = None):
+                 linear_impl: str | None = None, tensor_parallel: TensorParallel | None = None,
+                 gather_logits_to_all: bool = True):
         """linear_impl: the CPU matmul kernel (one of runtime.linear.CPU_IMPLS; default: the
-        fastest this torch build has); ignored on GPUs."""
+        fastest this torch build has); ignored on GPUs.
+        tensor_parallel: this rank's world (runtime.tensor_parallel); every rank then runs the same
+        forwards, in the same order. The engine holds the rank's slices (Engine.from_dir with its
+        shard) or whole weights (sliced here). gather_logits_to_all: every rank gets the logits;
+        else rank 0 only (the others' outputs hold None)."""
         cfg = engine.model_config
         if not isinstance(num_blocks, int) or num_blocks <= 0:
             raise ValueError(f"num_blocks: must be a positive integer, got {num_blocks!r}")
@@ -86,23 +92,42 @@ class ModelRunner:
         self.kernels = kernels if kernels is not None and not isinstance(kernels, str) else get_kernels(kernels)
         self.tokens_per_block = engine.build_config.tokens_per_block
         self.num_blocks = num_blocks
-        pool_bytes = num_blocks * self.kv_bytes_per_block(engine)
+        pool_bytes = num_blocks * self.kv_bytes_per_block(engine, tensor_parallel.size if tensor_parallel else 1)
         available = available_memory_bytes(self.device)
         if pool_bytes > available:
             raise ValueError(f"num_blocks: a KV pool of {num_blocks} blocks of {self.tokens_per_block} tokens needs "
                              f"{pool_bytes / 2**30:.1f} GiB; only {available / 2**30:.1f} GiB are available on "
                              f"{self.device}")
-        self.model = Transformer(cfg, engine.weights, self.device, self.attention_window, self.sink_token_length,
-                                 linear_impl)
-        # [num_layers, K/V, num_blocks, tokens_per_block, num_kv_heads, head_dim]
-        self.kv_pool = torch.zeros(cfg.num_layers, 2, num_blocks, self.tokens_per_block, cfg.num_kv_heads,
-                                   cfg.head_dim, dtype=engine.dtype, device=self.device)
-        self.lora_store = LoraWeightStore(self.device, engine.dtype)   # task id -> resident adapter
+        self.tensor_parallel = tensor_parallel
+        self.shard = self._shard(engine, tensor_parallel)
+        weights = engine.weights
+        if self.shard is not None and engine.shard is None:
+            weights = {name: self.shard.slice(name, t) for name, t in weights.items()}
+        self.model = Transformer(cfg, weights, self.device, self.attention_window, self.sink_token_length,
+                                 linear_impl, tensor_parallel, self.shard, gather_logits_to_all)
+        # [num_layers, K/V, num_blocks, tokens_per_block, num_kv_heads, head_dim]: this rank's KV heads
+        self.kv_pool = torch.zeros(cfg.num_layers, 2, num_blocks, self.tokens_per_block,
+                                   self.model.local.num_kv_heads, cfg.head_dim, dtype=engine.dtype, device=self.device)
+        self.lora_store = LoraWeightStore(self.device, engine.dtype, self.shard)   # task id -> resident adapter
 
     @staticmethod
-    def kv_bytes_per_block(engine: Engine) -> int:
+    def _shard(engine: Engine, tensor_parallel: TensorParallel | None) -> TensorShard | None:
+        if tensor_parallel is None:
+            if engine.shard is not None:
+                raise ValueError("tensor_parallel: the engine holds one rank's slices; give the runner its world")
+            return None
+        shard = tensor_parallel.shard(engine.model_config)
+        if engine.shard is not None and engine.shard != shard:
+            raise ValueError(f"engine: holds the slices of rank {engine.shard.rank} of {engine.shard.size}, "
+                             f"but this is rank {shard.rank} of {shard.size}")
+        return shard
+
+    @staticmethod
+    def kv_bytes_per_block(engine: Engine, tensor_parallelism: int = 1) -> int:
+        """Bytes of one block of one rank's pool (its KV heads) under `tensor_parallelism` ranks."""
         cfg = engine.model_config
-        return (cfg.num_layers * 2 * engine.build_config.tokens_per_block * cfg.num_kv_heads * cfg.head_dim
+        num_kv_heads = max(1, cfg.num_kv_heads // tensor_parallelism)
+        return (cfg.num_layers * 2 * engine.build_config.tokens_per_block * num_kv_heads * cfg.head_dim
                 * engine.dtype.itemsize)
 
     @torch.inference_mode()

@@ -23,28 +23,10 @@ from .kv_cache_manager import KvCacheManager
 from .model_runner import ModelRunner
 from .prompt_tuning import per_sequence_tables
 from .step_inputs import SequenceStep, pack_step
+from .tensor_parallel import WorldConfig, init_tensor_parallel, local_device
 from .token_record import BeamOutputs, TokenRecord
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class WorldConfig:
-    """Single-device world (tensor and pipeline parallelism of 1)."""
-    tensor_parallelism: int = 1
-    pipeline_parallelism: int = 1
-    rank: int = 0
-    gpus_per_node: int = 8
-    device_ids: tuple[int, ...] | None = None
-
-    def __post_init__(self):
-        if self.tensor_parallelism != 1 or self.pipeline_parallelism != 1 or self.rank != 0:
-            raise ValueError(f"WorldConfig: only tensor_parallelism=1, pipeline_parallelism=1, rank=0 are "
-                             f"supported, got {self.tensor_parallelism}, {self.pipeline_parallelism}, {self.rank}")
-
-    @property
-    def size(self) -> int:
-        return self.tensor_parallelism * self.pipeline_parallelism
 
 
 def _per_sequence(name: str, value, batch_size: int, default):
@@ -214,9 +196,18 @@ class GptSession:
         # kv_cache_config: any object with max_attention_window / sink_token_length (e.g. the
         # manager's KvCacheConfig); results follow the window, memory is not released early.
         kv = config.kv_cache_config
+        # Tensor parallelism (world_config, or a torchrun launch when its tensor_parallelism is None):
+        # every rank calls generate() with the same inputs, as under the seeds' MPI. The logits are
+        # gathered on every rank and each rank decodes; they agree token for token because the
+        # gathered logits are the same bytes everywhere and the samplers draw from counter-based
+        # generators keyed by (seed, step, beam), so no tokens need to be sent.
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        device = local_device(world_config, device)
+        self.tensor_parallel = init_tensor_parallel(world_config, device)
         self.runner = ModelRunner(engine, num_blocks, kernels=kernels, device=device,
                                   max_attention_window=getattr(kv, "max_attention_window", None),
-                                  sink_token_length=getattr(kv, "sink_token_length", None))
+                                  sink_token_length=getattr(kv, "sink_token_length", None),
+                                  tensor_parallel=self.tensor_parallel)
         self.decoder = Decoder(self.runner.kernels)
 
     def generate(self, output: GenerationOutput, inputs: GenerationInput, sampling: SamplingConfig) -> None:
