@@ -12,10 +12,12 @@ from typing import Callable
 
 import torch
 
-from runtime import Engine, ModelRunner
+from runtime import Engine, ModelRunner, WorldConfig
 from runtime.kv_cache_manager import KvCacheManager
+from runtime.tensor_parallel import init_tensor_parallel, local_device
 
 from .capacity_scheduler import make_capacity_scheduler
+from .distributed import Follower
 from .guided_decoding import GuidedDecodingConfig
 from .kv_sizing import host_budget_bytes, num_kv_blocks
 from .lora import PeftCacheManagerConfig, make_peft_cache
@@ -88,8 +90,9 @@ def start_worker(build: Callable[[], Worker], thread_name: str) -> Worker:
 
 
 def build_engine_core(engine_dir, model_type: TrtGptModelType, max_beam_width: int, policy: SchedulerPolicy,
-                      params: TrtGptModelOptionalParams) -> EngineCore:
-    """Everything that touches the engine; call it on the worker thread (see `start_worker`)."""
+                      params: TrtGptModelOptionalParams) -> EngineCore | Follower:
+    """Everything that touches the engine; call it on the worker thread (see `start_worker`).
+    Under tensor parallelism, ranks other than 0 get a Follower: their slice of the model only."""
     kv_config = params.kv_cache_config
     _check_kv_cache_config(kv_config)
     max_draft_tokens = _non_negative("TrtGptModelOptionalParams.max_draft_tokens", params.max_draft_tokens)
@@ -100,19 +103,33 @@ def build_engine_core(engine_dir, model_type: TrtGptModelType, max_beam_width: i
             and decoding.prompt_lookup_num_tokens:
         raise ValueError(f"DecodingConfig.max_matching_ngram_size: must be >= 1 with prompt lookup, "
                          f"got {decoding.max_matching_ngram_size}")
+    world = params.world_config if params.world_config is not None else WorldConfig(tensor_parallelism=None)
+    if not isinstance(world, WorldConfig):
+        raise ValueError(f"world_config: expected a runtime.WorldConfig, got {type(world).__name__}")
+    device = torch.device(params.device or ("cuda" if params.device_ids or world.device_ids else "cpu"))
+    if device.type == "cuda" and device.index is None and params.device_ids:
+        world = WorldConfig(world.tensor_parallelism, world.pipeline_parallelism, world.rank, world.gpus_per_node,
+                            tuple(params.device_ids))
+    device = local_device(world, device)
+    tensor_parallel = init_tensor_parallel(world, device)
     engine = Engine.from_dir(engine_dir)
     build = engine.build_config
     max_batch_size = _positive("max_batch_size", params.max_batch_size, build.max_batch_size)
     max_num_tokens = _positive("max_num_tokens", params.max_num_tokens, build.max_num_tokens)
     max_num_sequences = _positive("max_num_sequences", params.max_num_sequences, max_batch_size)
-    device = torch.device(params.device or ("cuda" if params.device_ids else "cpu"))
-    num_blocks = num_kv_blocks(engine, kv_config, max_num_sequences, device)
+    num_blocks = num_kv_blocks(engine, kv_config, max_num_sequences, device,
+                               tensor_parallel.size if tensor_parallel is not None else 1)
+    if tensor_parallel is not None:   # every rank's pool has the same blocks: the smallest fits all
+        num_blocks = tensor_parallel.min_int(num_blocks)
     memory_budget = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else host_budget_bytes()
     peft_cache = make_peft_cache(params.peft_cache_manager_config, engine.model_config, engine.dtype.itemsize,
                                  memory_budget)
     runner = ModelRunner(engine, num_blocks, kernels=params.kernel_backend, device=device,
                          max_attention_window=kv_config.max_attention_window,
-                         sink_token_length=kv_config.sink_token_length)
+                         sink_token_length=kv_config.sink_token_length, tensor_parallel=tensor_parallel,
+                         gather_logits_to_all=False)
+    if tensor_parallel is not None and tensor_parallel.rank != 0:
+        return Follower(runner, tensor_parallel)
     # The block manager releases what the runner's window (the model's own included) hides.
     kv = KvCacheManager(num_blocks, build.tokens_per_block, enable_block_reuse=bool(kv_config.enable_block_reuse),
                         attention_window=runner.attention_window, sink_token_length=runner.sink_token_length)

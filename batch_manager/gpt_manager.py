@@ -9,6 +9,7 @@ from typing import Callable
 
 from .callbacks import UserCallbacks
 from .engine_builder import build_engine_core, start_worker
+from .distributed import Follower
 from .front_end import CallbackFrontEnd
 from .options import SchedulerConfig, SchedulerPolicy, TrtGptModelOptionalParams, TrtGptModelType
 from .worker import Worker
@@ -19,13 +20,15 @@ logger = logging.getLogger(__name__)
 class GptManager:
     def __init__(self, engine_dir: str | os.PathLike, model_type: TrtGptModelType, max_beam_width: int,
                  scheduler_policy: SchedulerPolicy | SchedulerConfig,
-                 get_inference_requests_cb: Callable, send_response_cb: Callable,
+                 get_inference_requests_cb: Callable | None, send_response_cb: Callable | None,
                  poll_stop_signal_cb: Callable | None = None,
                  return_batch_manager_stats_cb: Callable | None = None,
                  optional_params: TrtGptModelOptionalParams | None = None,
                  terminate_req_id: int | None = None, exclude_input_in_output: bool = False):
-        if not callable(get_inference_requests_cb) or not callable(send_response_cb):
-            raise ValueError("get_inference_requests_cb and send_response_cb must be callables")
+        for name, cb in (("get_inference_requests_cb", get_inference_requests_cb),
+                         ("send_response_cb", send_response_cb)):
+            if cb is not None and not callable(cb):
+                raise ValueError(f"{name}: must be callable, got {type(cb).__name__}")
         for name, cb in (("poll_stop_signal_cb", poll_stop_signal_cb),
                          ("return_batch_manager_stats_cb", return_batch_manager_stats_cb)):
             if cb is not None and not callable(cb):
@@ -44,7 +47,8 @@ class GptManager:
             "GptManagerWorker")
 
     def shutdown(self) -> None:
-        """Stop fetching, finish the requests in flight, join the worker. Idempotent."""
+        """Stop fetching, finish the requests in flight, join the worker. Idempotent. On a rank > 0
+        of a tensor-parallel world: wait until rank 0 ends the run."""
         self._worker.shutdown()
 
     def wait_until_terminate(self) -> None:
@@ -79,12 +83,17 @@ class GptManager:
 
 def _build_worker(engine_dir, model_type: TrtGptModelType, max_beam_width: int, policy: SchedulerPolicy,
                   params: TrtGptModelOptionalParams, terminate_req_id: int | None,
-                  exclude_input_in_output: bool, get_inference_requests_cb: Callable,
-                  send_response_cb: Callable, poll_stop_signal_cb: Callable | None,
-                  return_batch_manager_stats_cb: Callable | None) -> Worker:
+                  exclude_input_in_output: bool, get_inference_requests_cb: Callable | None,
+                  send_response_cb: Callable | None, poll_stop_signal_cb: Callable | None,
+                  return_batch_manager_stats_cb: Callable | None) -> Worker | Follower:
     """Runs on the worker thread (see engine_builder.start_worker). Takes no reference to the
     manager, so that an unreferenced manager is still collected."""
     core = build_engine_core(engine_dir, model_type, max_beam_width, policy, params)
+    if isinstance(core, Follower):   # a rank > 0 of a tensor-parallel world: rank 0 calls the callbacks
+        return core
+    if get_inference_requests_cb is None or send_response_cb is None:
+        raise ValueError("get_inference_requests_cb and send_response_cb must be callables (only ranks > 0 of "
+                         "a tensor-parallel world may pass None)")
     callbacks = UserCallbacks(get_inference_requests_cb, send_response_cb, poll_stop_signal_cb,
                               return_batch_manager_stats_cb)
     front_end = CallbackFrontEnd(callbacks, core.limits, terminate_req_id, exclude_input_in_output,

@@ -39,9 +39,11 @@ def host_budget_bytes() -> int:
     return min(DEFAULT_HOST_KV_BYTES, available // 2)
 
 
-def num_kv_blocks(engine: Engine, config: KvCacheConfig, max_num_sequences: int, device: torch.device) -> int:
+def num_kv_blocks(engine: Engine, config: KvCacheConfig, max_num_sequences: int, device: torch.device,
+                  tensor_parallelism: int = 1) -> int:
+    """Blocks of the KV pool; under tensor parallelism a block holds one rank's KV heads."""
     tpb = engine.build_config.tokens_per_block
-    bytes_per_block = ModelRunner.kv_bytes_per_block(engine)
+    bytes_per_block = ModelRunner.kv_bytes_per_block(engine, tensor_parallelism)
     fraction = config.free_gpu_memory_fraction
     if fraction is None:
         fraction = DEFAULT_FREE_MEMORY_FRACTION

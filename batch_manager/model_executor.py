@@ -12,6 +12,9 @@ from typing import Callable
 
 from runtime import ModelRunner
 from runtime.step_inputs import SequenceStep, pack_step
+from runtime.tensor_parallel import DistributedError
+
+from .distributed import StepBroadcaster
 
 from .request_decoder import RequestDecoder
 from .step import RequestResult, ScheduledRequest, ScheduledStep, StepResult
@@ -22,6 +25,8 @@ logger = logging.getLogger(__name__)
 class ModelExecutor:
     def __init__(self, runner: ModelRunner, batched_post_processor: Callable | None = None):
         self.runner = runner
+        # Rank 0 of a tensor-parallel world: the other ranks run each forward it broadcasts.
+        self.broadcaster = StepBroadcaster(runner.tensor_parallel) if runner.tensor_parallel is not None else None
         self.decoder = RequestDecoder(runner.kernels, batched_post_processor)
         # Fault-injection test hook (tests, samples.chaos_soak): fault_injector(group) is called
         # with each forward group (a tuple of ScheduledRequests) before its forward; what it raises
@@ -50,6 +55,8 @@ class ModelExecutor:
             self.runner.lora_store.evict(task_id)
         for task_id, adapter in step.adapter_loads:
             self.runner.lora_store.load(task_id, adapter)
+        if self.broadcaster is not None and (step.adapter_evictions or step.adapter_loads):
+            self.broadcaster.adapters_changed(step.adapter_evictions, step.adapter_loads)
         for r in step.requests:
             if r.new is not None:
                 self.decoder.open(r.request_id, r.new)
@@ -61,6 +68,8 @@ class ModelExecutor:
                 if self.fault_injector is not None:
                     self.fault_injector(group)
                 results += self._run_group(group)
+            except DistributedError:   # the ranks are out of step: the run cannot go on
+                raise
             except Exception as e:  # noqa: BLE001 - a failed step fails its requests, never the worker
                 logger.error("model step failed for requests %s", [r.request_id for r in group], exc_info=e)
                 results += [RequestResult(r.request_id, error=f"Encountered an error in the model step: {e!r}")
@@ -69,12 +78,15 @@ class ModelExecutor:
 
     def _run_group(self, group: tuple[ScheduledRequest, ...]) -> list[RequestResult]:
         copies = [pair for r in group for pair in r.block_copies]
-        if copies:
-            self.runner.copy_blocks([src for src, _ in copies], [dst for _, dst in copies])
-        outputs = self.runner.forward(pack_step([
+        inputs = pack_step([
             SequenceStep(tokens, r.past_length, table, r.return_context_logits, 1 + r.num_draft_tokens,
                          lora_task_id=r.lora_task_id, prompt_table=self._prompt_table(r, tokens))
-            for r in group for tokens, table in zip(r.token_ids, r.block_tables)]))
+            for r in group for tokens, table in zip(r.token_ids, r.block_tables)])
+        if self.broadcaster is not None:
+            self.broadcaster.forward(copies, inputs)
+        if copies:
+            self.runner.copy_blocks([src for src, _ in copies], [dst for _, dst in copies])
+        outputs = self.runner.forward(inputs)
         rows, decoded, first_row = [], [], 0
         context_logits, first_token = {}, 0
         for r in group:
@@ -100,6 +112,16 @@ class ModelExecutor:
                 result = replace(result, context_logits=context_logits[r.request_id].cpu())
             results.append(result)
         return results
+
+    def heartbeat(self) -> None:
+        """While the worker idles: keep the other ranks of a tensor-parallel world waiting."""
+        if self.broadcaster is not None:
+            self.broadcaster.heartbeat()
+
+    def close(self, error: str | None = None) -> None:
+        """The worker's loop ended (error: it failed): the other ranks end too."""
+        if self.broadcaster is not None:
+            self.broadcaster.close(error)
 
     def _prompt_table(self, r: ScheduledRequest, tokens) -> object:
         """The request's prompt table when this step's tokens include virtual ids (a context step)."""

@@ -86,3 +86,6 @@ class TrtGptModelOptionalParams:
     max_draft_tokens: int = 0              # longest draft_input_ids a request may bring (0: drafts refused)
     decoding_config: DecodingConfig | None = None
     guided_decoding_config: Any = None     # batch_manager.guided_decoding.GuidedDecodingConfig
+    # runtime.WorldConfig: tensor parallelism over torch.distributed (None: the launcher's world size,
+    # 1 without one). Every rank builds the manager with the same arguments; rank 0's callbacks run.
+    world_config: Any = None

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from .front_end import TERMINATED, FrontEnd
 from .llm_request import FinishReason, LlmRequest
-from .model_executor import ModelExecutor
+from .model_executor import DistributedError, ModelExecutor
 from .options import TrtGptModelType
 from .scheduler import Scheduler
 from .stats import IterationStats
@@ -80,9 +80,15 @@ class Worker:
         of an internal error, everything it held fails and later requests get an error response."""
         try:
             self._run()
+            self.executor.close()
         except BaseException as e:  # an internal bug: fail what is in flight rather than hang the users
-            logger.exception("GptManager worker crashed")
-            self.fatal_error = f"internal error in the batch manager worker: {e!r}"
+            if isinstance(e, DistributedError):
+                logger.error("GptManager worker stopped: %s", e)
+                self.fatal_error = f"the tensor-parallel run failed: {e}"
+            else:
+                logger.exception("GptManager worker crashed")
+                self.fatal_error = f"internal error in the batch manager worker: {e!r}"
+            self.executor.close(self.fatal_error)
             self._fail_all(f"{self.fatal_error} (see the log)")
             self._serve_failed()
         finally:
@@ -110,6 +116,8 @@ class Worker:
             self._apply_stop_signals()
             self._send_final_responses()
             if not self.scheduler.num_active:
+                if self._in_flight is None:   # collectives run on one thread at a time
+                    self.executor.heartbeat()
                 if not num_fetched:
                     self._stop_requested.wait(IDLE_SLEEP_S)
                 continue
@@ -118,6 +126,7 @@ class Worker:
                 self.scheduler.update(step, self.executor.execute(step))
                 self._send_responses(step)
                 if not step.requests:   # all waiting (for a grammar to compile, say): poll, do not spin
+                    self.executor.heartbeat()
                     self._stop_requested.wait(WAITING_SLEEP_S)
                     continue
             else:

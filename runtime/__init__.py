@@ -5,7 +5,7 @@ from .engine import Engine, build_engine
 from .models import SUPPORTED_ARCHITECTURES
 from .model_runner import ModelRunner
 from .session import GenerationInput, GenerationOutput, GptSession, SamplingConfig
-from .tensor_parallel import WorldConfig
+from .world_config import WorldConfig
 from .weights import WeightError
 
 __all__ = ["BuildConfig", "ConfigError", "ModelConfig", "SUPPORTED_ARCHITECTURES", "Engine", "build_engine",

@@ -16,9 +16,10 @@ PACKAGES = ("batch_manager", "runtime", "cuda_src", "samples")
 
 RUNTIME_USERS = {"batch_manager.model_executor", "batch_manager.kv_sizing", "batch_manager.gpt_manager",
                  "batch_manager.validation", "batch_manager.request_decoder", "batch_manager.engine_builder",
-                 "batch_manager.executor.conversion", "batch_manager.guided_decoding", "batch_manager.lora"}
+                 "batch_manager.executor.conversion", "batch_manager.guided_decoding", "batch_manager.lora",
+                 "batch_manager.distributed"}
 # Pure-Python runtime modules that batch_manager's pure modules may import (block bookkeeping).
-RUNTIME_LEAVES = {"runtime.kv_cache_manager", "runtime.beam_blocks", "runtime.token_record"}
+RUNTIME_LEAVES = {"runtime.kv_cache_manager", "runtime.beam_blocks", "runtime.token_record", "runtime.world_config"}
 PURE_MODULES = {"batch_manager.scheduler", "batch_manager.llm_request", "batch_manager.stats",
                 "batch_manager.options", "batch_manager.tensor_names", "batch_manager.capacity_scheduler",
                 "batch_manager.micro_batch_scheduler", "batch_manager.step", "batch_manager.callbacks",

@@ -7,6 +7,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from runtime.world_config import WorldConfig
+
 from ..options import KvCacheConfig as _CoreKvCacheConfig
 from ..lora import PeftCacheManagerConfig
 from ..options import DecodingConfig, SchedulerConfig, SchedulerPolicy, TrtGptModelOptionalParams, TrtGptModelType
@@ -34,7 +36,8 @@ class KvCacheConfig(_CoreKvCacheConfig):
 
 @dataclass
 class ParallelConfig:
-    tensor_parallelism: int = 1
+    """tensor_parallelism None: the torch.distributed launcher's world size (1 without one)."""
+    tensor_parallelism: int | None = None
     device_ids: list[int] | None = None
 
 
@@ -101,9 +104,10 @@ def core_params(config: ExecutorConfig) -> tuple[TrtGptModelType, SchedulerPolic
     _non_negative_int("kv_cache_config.event_buffer_max_size",
                       getattr(config.kv_cache_config, "event_buffer_max_size", 0))
     parallel = config.parallel_config
-    if parallel is not None and parallel.tensor_parallelism != 1:
-        raise ValueError(f"ParallelConfig.tensor_parallelism: {parallel.tensor_parallelism!r} not supported "
-                         "by this version (1 only)")
+    try:
+        world = WorldConfig(tensor_parallelism=parallel.tensor_parallelism if parallel is not None else None)
+    except ValueError as e:
+        raise ValueError(f"ParallelConfig.{str(e).removeprefix('WorldConfig.')}") from None
     model_type = TrtGptModelType.V1 if BatchingType(config.batching_type) == BatchingType.STATIC \
         else TrtGptModelType.InflightFusedBatching
     post = config.logits_post_processor_config
@@ -112,7 +116,7 @@ def core_params(config: ExecutorConfig) -> tuple[TrtGptModelType, SchedulerPolic
         normalize_log_probs=bool(config.normalize_log_probs), max_batch_size=config.max_batch_size,
         max_num_tokens=config.max_num_tokens, max_beam_width=config.max_beam_width,
         scheduler_config=config.scheduler_config, kernel_backend=config.kernel_backend, device=config.device,
-        device_ids=parallel.device_ids if parallel is not None else None,
+        device_ids=parallel.device_ids if parallel is not None else None, world_config=world,
         logits_post_processor_batched=post.processor_batched if post is not None else None,
         max_draft_tokens=config.max_draft_tokens, decoding_config=config.decoding_config,
         guided_decoding_config=config.guided_decoding_config, peft_cache_manager_config=config.peft_cache_config)

@@ -9,6 +9,7 @@ import os
 from datetime import timedelta
 from typing import AsyncIterator
 
+from ..distributed import Follower
 from ..engine_builder import build_engine_core, start_worker
 from ..worker import Worker
 from .config import ExecutorConfig, ModelType, core_params
@@ -46,8 +47,11 @@ class Executor:
         kv_events = KvEventBuffer(num_events) if num_events else None
         max_beam_width = config.max_beam_width
 
-        def build() -> Worker:   # on the worker thread; no reference to the Executor (collectable)
+        def build() -> Worker | Follower:   # on the worker thread; no reference to the Executor (collectable)
             core = build_engine_core(model_path, core_model_type, max_beam_width, policy, params)
+            if isinstance(core, Follower):   # a rank > 0 of a tensor-parallel world
+                front_end.close()
+                return core
             core.scheduler.kv.event_sink = kv_events
             front_end.limits = core.limits
             return Worker(core.worker_config, core.scheduler, core.executor, front_end)
@@ -59,11 +63,14 @@ class Executor:
 
     def enqueue_request(self, request: Request) -> int:
         """-> the request's id. ValueError naming the field for bad input (nothing is queued);
-        RuntimeError after shutdown or with max_queue_size requests waiting."""
+        RuntimeError after shutdown or with max_queue_size requests waiting, or on a rank > 0 of a
+        tensor-parallel world (requests go to rank 0)."""
+        self._check_leader()
         return self._front_end.enqueue([request])[0]
 
     def enqueue_requests(self, requests: list[Request]) -> list[int]:
         """All or nothing: one bad request raises and none is queued."""
+        self._check_leader()
         return self._front_end.enqueue(list(requests))
 
     def cancel_request(self, request_id: int) -> None:
@@ -117,8 +124,14 @@ class Executor:
 
     # -- state and statistics ---------------------------------------------------------------------
 
+    def _check_leader(self) -> None:
+        if isinstance(self._worker, Follower):
+            raise RuntimeError(f"rank {self._worker.tp.rank} of a tensor-parallel world: only rank 0 takes "
+                               "requests (can_enqueue_requests() is False here)")
+
     def can_enqueue_requests(self) -> bool:
-        return not self._front_end.requests.closed and self._worker.is_running
+        """False on ranks > 0 of a tensor-parallel world, after shutdown, or after a fatal error."""
+        return not isinstance(self._worker, Follower) and not self._front_end.requests.closed and self._worker.is_running
 
     @property
     def fatal_error(self) -> str | None:
@@ -138,7 +151,8 @@ class Executor:
         return self._kv_events.get_latest(_seconds(timeout))
 
     def shutdown(self) -> None:
-        """Refuse new requests, finish every queued and running one, join the worker. Idempotent."""
+        """Refuse new requests, finish every queued and running one, join the worker. Idempotent.
+        On a rank > 0 of a tensor-parallel world: wait until rank 0 ends the run."""
         self._front_end.close()
         self._worker.shutdown()
 

@@ -1,0 +1,216 @@
+"""GptManager and the Executor over 2 tensor-parallel ranks (gloo, spawned processes on loopback)
+against one process on the same engine: identical greedy, beam and seeded-sampling tokens and
+log probs / generation logits within 1e-4 for a mixed workload under each batching type, with
+block reuse and chunked context, LoRA adapters, draft tokens, a bad request and a failing
+callback; the idle leader's heartbeat keeps the followers waiting past the timeout without
+spinning the CPU; the Executor takes requests on rank 0 only."""
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from batch_manager import (DecodingConfig, GptManager, KvCacheConfig, SchedulerPolicy, TrtGptModelOptionalParams,
+                           TrtGptModelType, load_peft_adapter)
+from batch_manager.executor import ExecutorConfig, ParallelConfig, Request, SamplingConfig
+from runtime import build_engine
+from tests.batch_manager.conftest import Client, make_request
+from tests.distributed import RankPool
+from tests.factories import make_checkpoint
+from tests.lora_helpers import ALL_TARGETS, SOME_TARGETS, make_peft_adapter
+
+TOLERANCE = 1e-4
+TIMEOUT_S = 4   # BATCH_MANAGER_DIST_TIMEOUT_S of this module's world
+
+PROMPTS = [[5, 9, 17, 33, 2, 8, 99], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19], [40, 41],
+           [7, 7, 7, 1, 100, 64, 3, 2, 9], [90, 12, 55, 31, 18], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 50],
+           [60, 61, 62, 63, 60, 61, 62, 63, 60, 61], [11, 22, 33]]
+
+
+@pytest.fixture(scope="module")
+def pool():
+    ranks = RankPool(2, env={"BATCH_MANAGER_DIST_TIMEOUT_S": str(TIMEOUT_S)})
+    yield ranks
+    ranks.close()
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    """(engine dir, {task id: adapter dir}) of a tiny LLaMA (4 heads, 2 KV heads) with 4-token blocks."""
+    root = tmp_path_factory.mktemp("tp_manager")
+    base = make_checkpoint(root / "hf", "llama", seed=5)
+    build_engine(root / "hf", root / "engine", tokens_per_block=4, max_batch_size=8, max_input_len=48,
+                 max_seq_len=96, max_num_tokens=128, gather_context_logits=True, gather_generation_logits=True)
+    make_peft_adapter(base, root / "a1", 4, 8, ALL_TARGETS["llama"], seed=1)
+    make_peft_adapter(base, root / "a2", 8, 16, SOME_TARGETS["llama"], seed=2)
+    return str(root / "engine"), {1: str(root / "a1"), 2: str(root / "a2")}
+
+
+def _request(spec: dict):
+    """A request from a picklable spec: id, prompt, new, and optional beam / top_k + seed /
+    streaming / drafts / lora task (+ adapter dir: weights sent)."""
+    tensors = {"return_generation_logits": torch.tensor([True]), "return_log_probs": torch.tensor([True])}
+    if spec.get("beam"):
+        tensors["beam_width"] = torch.tensor([[spec["beam"]]], dtype=torch.int32)
+    if spec.get("top_k"):
+        tensors["runtime_top_k"] = torch.tensor([[spec["top_k"]]], dtype=torch.int32)
+        tensors["random_seed"] = torch.tensor([[spec["seed"]]], dtype=torch.uint64)
+    if spec.get("drafts"):
+        tensors["draft_input_ids"] = torch.tensor([spec["drafts"]], dtype=torch.int32)
+    r = make_request(spec["id"], spec["prompt"], spec.get("new", 8), spec.get("streaming", False), **tensors)
+    if spec.get("lora") is not None:
+        r.lora_task_id = torch.tensor([spec["lora"]], dtype=torch.uint64)
+        if spec.get("adapter"):
+            r.lora_weights, r.lora_config = load_peft_adapter(spec["adapter"])
+    return r
+
+
+def serve(engine_dir: str, model_type: int, params: dict, specs: list[dict], arrival_calls: list[int] | None,
+          fail_get_calls: tuple[int, ...] = ()) -> dict | None:
+    """One GptManager per rank; rank 0 (or a single process) serves `specs` and returns
+    {id: (output ids, cum log probs, log probs, generation logits, error)}; followers return None."""
+    rank = int(os.environ.get("RANK", "0")) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else 0
+    optional = TrtGptModelOptionalParams(**{k: v for k, v in params.items() if k not in ("kv", "decoding")},
+                                         kv_cache_config=KvCacheConfig(**params.get("kv", {})),
+                                         decoding_config=DecodingConfig(**params.get("decoding", {})))
+    if rank != 0:
+        manager = GptManager(engine_dir, TrtGptModelType(model_type), 2, SchedulerPolicy.GUARANTEED_NO_EVICT,
+                             None, None, optional_params=optional)
+        manager.shutdown()   # waits for rank 0 to end the run
+        assert manager.fatal_error is None, manager.fatal_error
+        return None
+    client = Client([_request(s) for s in specs], arrival_calls)
+    get = client.get
+
+    def flaky_get(n):
+        if client.num_get_calls + 1 in fail_get_calls:
+            client.num_get_calls += 1
+            raise RuntimeError("the request source failed")
+        return get(n)
+
+    with GptManager(engine_dir, TrtGptModelType(model_type), 2, SchedulerPolicy.GUARANTEED_NO_EVICT, flaky_get,
+                    client.send, client.poll_stop, client.report_stats, optional_params=optional):
+        client.wait(120)
+    out = {}
+    for s in specs:
+        tensors, _, error = client.final(s["id"])
+        out[s["id"]] = (None, None, None, None, error) if error else (
+            tensors["output_ids"], tensors.get("cum_log_probs"), tensors.get("log_probs"),
+            tensors.get("generation_logits"), None)
+    return out
+
+
+def check_same(pool, engine_dir, model_type, params, specs, arrival_calls=None):
+    expected = serve(engine_dir, model_type, params, specs, arrival_calls)
+    got, follower = pool.run(serve, engine_dir, model_type, params, specs, arrival_calls)
+    assert follower is None
+    assert set(got) == set(expected)
+    for request_id, want in expected.items():
+        ids, cum, log_probs, logits, error = got[request_id]
+        assert error == want[4]
+        if error:
+            continue
+        assert torch.equal(ids, want[0]), f"request {request_id}"
+        for a, b in ((cum, want[1]), (log_probs, want[2]), (logits, want[3])):
+            torch.testing.assert_close(a, b, atol=TOLERANCE, rtol=0)
+    return got
+
+
+MIXED = [dict(id=0, prompt=PROMPTS[0], new=10), dict(id=1, prompt=PROMPTS[1], beam=2),
+         dict(id=2, prompt=PROMPTS[2], top_k=5, seed=11, streaming=True), dict(id=3, prompt=PROMPTS[3], new=12),
+         dict(id=4, prompt=PROMPTS[4], beam=2, new=6), dict(id=5, prompt=PROMPTS[5], top_k=20, seed=3),
+         dict(id=6, prompt=PROMPTS[6], streaming=True), dict(id=7, prompt=PROMPTS[7], new=3)]
+
+
+@pytest.mark.parametrize("model_type", list(TrtGptModelType))
+def test_mixed_workload_matches_one_process(pool, engine, model_type):
+    check_same(pool, engine[0], int(model_type), {}, MIXED, [0, 0, 1, 2, 2, 4, 6, 6])
+
+
+def test_block_reuse_and_chunked_context(pool, engine):
+    specs = [dict(id=i, prompt=PROMPTS[1] + [i + 3] * (i + 1), new=6) for i in range(4)] + MIXED[4:6]
+    params = dict(kv={"enable_block_reuse": True, "max_tokens": 256}, enable_chunked_context=True, max_num_tokens=12)
+    check_same(pool, engine[0], int(TrtGptModelType.InflightFusedBatching), params, specs, [0, 3, 3, 6, 7, 7])
+
+
+def test_lora_adapters_sliced_like_their_linears(pool, engine):
+    adapters = engine[1]
+    specs = [dict(id=0, prompt=PROMPTS[0], lora=1, adapter=adapters[1]), dict(id=1, prompt=PROMPTS[3]),
+             dict(id=2, prompt=PROMPTS[4], lora=2, adapter=adapters[2]), dict(id=3, prompt=PROMPTS[7], lora=1)]
+    check_same(pool, engine[0], int(TrtGptModelType.InflightFusedBatching), {}, specs, [0, 0, 0, 3])
+
+
+def test_draft_tokens(pool, engine):
+    specs = [dict(id=0, prompt=PROMPTS[6], new=12), dict(id=1, prompt=PROMPTS[0], drafts=[9, 17, 33]),
+             dict(id=2, prompt=PROMPTS[5], new=10)]
+    params = dict(max_draft_tokens=4, decoding={"prompt_lookup_num_tokens": 3, "prompt_lookup_max_batch_size": 0})
+    check_same(pool, engine[0], int(TrtGptModelType.InflightFusedBatching), params, specs)
+
+
+def test_a_bad_request_and_a_failing_callback_end_nothing_else(pool, engine):
+    specs = [dict(id=0, prompt=PROMPTS[0]), dict(id=1, prompt=[3, 4, 100000]), dict(id=2, prompt=PROMPTS[2])]
+    got = pool.run(serve, engine[0], int(TrtGptModelType.InflightFusedBatching), {}, specs, [0, 0, 3], (2, 3))[0]
+    assert "input_ids" in got[1][4] and "100000" in got[1][4]
+    assert got[0][4] is None and got[2][4] is None
+
+
+# -- liveness -----------------------------------------------------------------------------------------
+
+def idle_then_serve(engine_dir: str, idle_s: float) -> tuple[float, str | None]:
+    """Every rank builds a manager; rank 0 idles `idle_s`, then serves one request. -> (CPU seconds
+    this process used while idle, rank 0's output ids as a list, or None)."""
+    rank = int(os.environ["RANK"])
+    client = Client([make_request(0, PROMPTS[0], 4)], [1 << 30])   # arrives when released below
+    callbacks = client.callbacks() if rank == 0 else (None, None, None, None)
+    manager = GptManager(engine_dir, TrtGptModelType.InflightFusedBatching, 1, SchedulerPolicy.GUARANTEED_NO_EVICT,
+                         *callbacks)
+    start = time.process_time()
+    time.sleep(idle_s)
+    cpu_s = time.process_time() - start
+    if rank != 0:
+        manager.shutdown()
+        assert manager.fatal_error is None, manager.fatal_error
+        return cpu_s, None
+    with client.lock:
+        client.arrival_calls = [0]
+    client.wait(60)
+    manager.shutdown()
+    return cpu_s, client.final(0)[0]["output_ids"].flatten().tolist()
+
+
+def test_an_idle_leader_keeps_the_followers_waiting_without_spinning(pool, engine):
+    idle_s = TIMEOUT_S + 2.0
+    (leader_cpu, ids), (follower_cpu, _) = pool.run(idle_then_serve, engine[0], idle_s)
+    assert len(ids) == len(PROMPTS[0]) + 4
+    assert follower_cpu < 0.15 * idle_s, f"an idle follower used {follower_cpu:.2f} s CPU in {idle_s} s"
+    assert leader_cpu < 0.25 * idle_s, f"an idle leader used {leader_cpu:.2f} s CPU in {idle_s} s"
+
+
+# -- Executor -----------------------------------------------------------------------------------------
+
+def executor_serve(engine_dir: str) -> dict | None:
+    from batch_manager.executor import Executor
+    config = ExecutorConfig(max_beam_width=2, parallel_config=ParallelConfig())   # the launcher's world size
+    with Executor(engine_dir, executor_config=config) as executor:
+        if not executor.can_enqueue_requests():
+            with pytest.raises(RuntimeError, match="only rank 0 takes requests"):
+                executor.enqueue_request(Request(PROMPTS[0], 4))
+            return None
+        ids = [executor.enqueue_request(Request(p, 6, sampling_config=SamplingConfig(beam_width=1 + i % 2)))
+               for i, p in enumerate(PROMPTS[:4])]
+        results = {}
+        while len(results) < len(ids):
+            for response in executor.await_responses(timeout=30):
+                assert not response.has_error(), response.error_msg
+                if response.result.is_final:
+                    results[ids.index(response.request_id)] = response.result.output_token_ids
+        return results
+
+
+def test_executor_takes_requests_on_rank_zero(pool, engine):
+    leader, follower = pool.run(executor_serve, engine[0])
+    assert follower is None
+    assert leader == executor_serve(engine[0])
