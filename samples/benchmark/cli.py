@@ -5,11 +5,14 @@ next to transformers' static `generate` on the same dataset, and against the mat
     python -m samples.benchmark --backend ours --streaming --request-rate 20 --seed 1
     python -m samples.benchmark --dataset legacy.json --engine-dir DIR --output-json out.json --plot out.png
     python -m samples.benchmark --backend ours --api both        # GptManager and the Executor, one run
+    torchrun --nproc-per-node 2 -m samples.benchmark --backend ours --threads 1   # 2 tensor-parallel ranks
 
 Dataset: the legacy JSON ({"samples": [{"input_ids", "output_len", "delay"}]}) or a seeded
 synthetic one (default W64: 64 requests, prompts uniform 16-256, outputs uniform 16-128 tokens).
 Arrivals: offline (all at once), the dataset's delays, or Poisson at --request-rate requests/s.
 The default model (random weights, LLaMA-style, ~57M) is written on first run.
+Under torchrun (tensor parallelism over the launcher's world) every rank builds the same managers;
+rank 0 serves the dataset and prints, the others run its forwards on their slices.
 """
 from __future__ import annotations
 
@@ -150,23 +153,48 @@ def run_ours_apis(args, model_dir: str, cfg: ModelConfig, samples, delays_s, rep
               f"{report['ours'][TOKEN_THROUGHPUT]:.1f} token/sec: {report['ratio_executor_to_gpt_manager']:.3f}x")
 
 
+def follow(args, model_dir: str) -> None:
+    """A rank > 0 of a tensor-parallel launch: the same front-ends as rank 0, in the same order,
+    each serving rank 0's forwards until rank 0 shuts it down."""
+    from batch_manager import GptManager, SchedulerPolicy
+    from batch_manager.executor import Executor
+    from samples.benchmark.executor import executor_config
+    from samples.benchmark.ours import MODEL_TYPES, optional_params
+    for api in (["gpt_manager", "executor"] if args.api == "both" else [args.api]):
+        if api == "executor":
+            Executor(model_dir, executor_config=executor_config(args)).shutdown()
+        else:
+            GptManager(model_dir, MODEL_TYPES[args.type], 1, SchedulerPolicy[args.scheduler_policy.upper()],
+                       None, None, optional_params=optional_params(args)).shutdown()
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     model_dir = args.engine_dir or default_model_dir(args.cache_dir)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size > 1 and int(os.environ.get("RANK", "0")) != 0:
+        if args.backend in ("ours", "both"):
+            follow(args, model_dir)
+        return {}
+    if world_size > 1 and args.backend in ("hf", "both"):
+        print(f"note: {world_size} tensor-parallel ranks: the hf baseline (one process) is skipped")
+        args.backend = "ours"
     samples, cfg = load_samples(args, model_dir)
     if args.save_dataset:
         save_dataset(samples, args.save_dataset)
     delays_s = arrival_delays_s(samples, args.request_rate, args.seed)
     num_prompt_tokens = sum(len(s.input_ids) for s in samples)
     print(f"model: {model_dir} ({cfg.architecture}, {cfg.num_params() / 1e6:.1f}M parameters), "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+          + (f" per rank, {world_size} tensor-parallel ranks" if world_size > 1 else ""))
     print(f"dataset: {len(samples)} requests, {num_prompt_tokens} prompt tokens, "
           f"{sum(s.output_len for s in samples)} requested output tokens; "
           + (f"Poisson arrivals at {args.request_rate} req/s" if args.request_rate and args.request_rate > 0
              else "arrivals from the dataset's delays" if any(delays_s) else "offline (all at once)"))
-    report: dict = {"model_dir": model_dir, "num_params": cfg.num_params(), "threads": torch.get_num_threads()}
+    report: dict = {"model_dir": model_dir, "num_params": cfg.num_params(), "threads": torch.get_num_threads(),
+                    "tensor_parallelism": world_size}
     results: dict[str, RunResult] = {}
     if args.backend in ("ours", "both"):
         run_ours_apis(args, model_dir, cfg, samples, delays_s, report, results)
