@@ -60,6 +60,10 @@ def _request(spec: dict):
         tensors["random_seed"] = torch.tensor([[spec["seed"]]], dtype=torch.uint64)
     if spec.get("drafts"):
         tensors["draft_input_ids"] = torch.tensor([spec["drafts"]], dtype=torch.int32)
+    if spec.get("prompt_table"):   # rows of a seeded random table; ids 128 + j take row j
+        table = torch.randn(spec["prompt_table"], 64, generator=torch.Generator().manual_seed(spec["id"]))
+        tensors.update(prompt_embedding_table=table[None],
+                       prompt_vocab_size=torch.tensor([spec["prompt_table"]], dtype=torch.int32))
     r = make_request(spec["id"], spec["prompt"], spec.get("new", 8), spec.get("streaming", False), **tensors)
     if spec.get("lora") is not None:
         r.lora_task_id = torch.tensor([spec["lora"]], dtype=torch.uint64)
@@ -136,11 +140,17 @@ def test_block_reuse_and_chunked_context(pool, engine):
     check_same(pool, engine[0], int(TrtGptModelType.InflightFusedBatching), params, specs, [0, 3, 3, 6, 7, 7])
 
 
-def test_lora_adapters_sliced_like_their_linears(pool, engine):
+def test_lora_adapters_and_prompt_tables(pool, engine):
     adapters = engine[1]
     specs = [dict(id=0, prompt=PROMPTS[0], lora=1, adapter=adapters[1]), dict(id=1, prompt=PROMPTS[3]),
-             dict(id=2, prompt=PROMPTS[4], lora=2, adapter=adapters[2]), dict(id=3, prompt=PROMPTS[7], lora=1)]
-    check_same(pool, engine[0], int(TrtGptModelType.InflightFusedBatching), {}, specs, [0, 0, 0, 3])
+             dict(id=2, prompt=PROMPTS[4], lora=2, adapter=adapters[2]), dict(id=3, prompt=PROMPTS[7], lora=1),
+             dict(id=4, prompt=[128, 129, 130, 5, 9, 17], prompt_table=3)]
+    check_same(pool, engine[0], int(TrtGptModelType.InflightFusedBatching), {}, specs, [0, 0, 0, 3, 3])
+
+
+def test_overlap(pool, engine):
+    check_same(pool, engine[0], int(TrtGptModelType.InflightFusedBatching), {"enable_trt_overlap": True}, MIXED,
+               [0, 0, 1, 2, 2, 4, 6, 6])
 
 
 def test_draft_tokens(pool, engine):
