@@ -1,7 +1,8 @@
 """GptManager and the Executor over 2 tensor-parallel ranks (gloo, spawned processes on loopback)
 against one process on the same engine: identical greedy, beam and seeded-sampling tokens and
 log probs / generation logits within 1e-4 for a mixed workload under each batching type, with
-block reuse and chunked context, LoRA adapters, draft tokens, a bad request and a failing
+block reuse and chunked context, overlap, LoRA adapters and prompt tables, draft tokens, guided
+decoding, a bad request and a failing
 callback; the idle leader's heartbeat keeps the followers waiting past the timeout without
 spinning the CPU; the Executor takes requests on rank 0 only."""
 from __future__ import annotations
@@ -13,11 +14,13 @@ import time
 import pytest
 import torch
 
-from batch_manager import (DecodingConfig, GptManager, KvCacheConfig, SchedulerPolicy, TrtGptModelOptionalParams,
-                           TrtGptModelType, load_peft_adapter)
+from batch_manager import (DecodingConfig, GptManager, GuidedDecodingConfig, GuidedDecodingParams, GuideType,
+                           KvCacheConfig, SchedulerPolicy, TrtGptModelOptionalParams, TrtGptModelType,
+                           load_peft_adapter)
 from batch_manager.executor import ExecutorConfig, ParallelConfig, Request, SamplingConfig
 from runtime import build_engine
 from tests.batch_manager.conftest import Client, make_request
+from tests.batch_manager.test_guided_decoding import EOS, REGEX, SCHEMA, guided_engine  # noqa: F401 (fixture)
 from tests.distributed import RankPool
 from tests.factories import make_checkpoint
 from tests.lora_helpers import ALL_TARGETS, SOME_TARGETS, make_peft_adapter
@@ -52,10 +55,12 @@ def engine(tmp_path_factory):
 def _request(spec: dict):
     """A request from a picklable spec: id, prompt, new, and optional beam / top_k + seed /
     streaming / drafts / lora task (+ adapter dir: weights sent)."""
-    tensors = {"return_generation_logits": torch.tensor([True]), "return_log_probs": torch.tensor([True])}
+    tensors = {"return_log_probs": torch.tensor([True])}
+    if not spec.get("guided"):   # (the guided engine does not gather them)
+        tensors["return_generation_logits"] = torch.tensor([True])
     if spec.get("beam"):
         tensors["beam_width"] = torch.tensor([[spec["beam"]]], dtype=torch.int32)
-    if spec.get("top_k"):
+    if "seed" in spec:
         tensors["runtime_top_k"] = torch.tensor([[spec["top_k"]]], dtype=torch.int32)
         tensors["random_seed"] = torch.tensor([[spec["seed"]]], dtype=torch.uint64)
     if spec.get("drafts"):
@@ -64,7 +69,12 @@ def _request(spec: dict):
         table = torch.randn(spec["prompt_table"], 64, generator=torch.Generator().manual_seed(spec["id"]))
         tensors.update(prompt_embedding_table=table[None],
                        prompt_vocab_size=torch.tensor([spec["prompt_table"]], dtype=torch.int32))
+    if spec.get("guided"):
+        tensors.update(end_id=torch.tensor([[spec["end_id"]]], dtype=torch.int32),
+                       runtime_top_p=torch.tensor([[1.0]]))
     r = make_request(spec["id"], spec["prompt"], spec.get("new", 8), spec.get("streaming", False), **tensors)
+    if spec.get("guided"):
+        r.guided_decoding_params = GuidedDecodingParams(GuideType[spec["guided"][0]], spec["guided"][1])
     if spec.get("lora") is not None:
         r.lora_task_id = torch.tensor([spec["lora"]], dtype=torch.uint64)
         if spec.get("adapter"):
@@ -77,7 +87,11 @@ def serve(engine_dir: str, model_type: int, params: dict, specs: list[dict], arr
     """One GptManager per rank; rank 0 (or a single process) serves `specs` and returns
     {id: (output ids, cum log probs, log probs, generation logits, error)}; followers return None."""
     rank = int(os.environ.get("RANK", "0")) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else 0
-    optional = TrtGptModelOptionalParams(**{k: v for k, v in params.items() if k not in ("kv", "decoding")},
+    guided = params.get("guided_tokenizer_dir")
+    optional = TrtGptModelOptionalParams(**{k: v for k, v in params.items()
+                                            if k not in ("kv", "decoding", "guided_tokenizer_dir")},
+                                         guided_decoding_config=GuidedDecodingConfig.from_tokenizer(guided)
+                                         if guided else None,
                                          kv_cache_config=KvCacheConfig(**params.get("kv", {})),
                                          decoding_config=DecodingConfig(**params.get("decoding", {})))
     if rank != 0:
@@ -165,6 +179,19 @@ def test_a_bad_request_and_a_failing_callback_end_nothing_else(pool, engine):
     got = pool.run(serve, engine[0], int(TrtGptModelType.InflightFusedBatching), {}, specs, [0, 0, 3], (2, 3))[0]
     assert "input_ids" in got[1][4] and "100000" in got[1][4]
     assert got[0][4] is None and got[2][4] is None
+
+
+def test_guided_decoding(pool, guided_engine):  # noqa: F811
+    import json
+    engine_dir, tokenizer_dir, _ = guided_engine
+    specs = [dict(id=0, prompt=[1, 40, 41], new=60, guided=("JSON_SCHEMA", json.dumps(SCHEMA)), end_id=EOS,
+                  top_k=0, seed=4),
+             dict(id=1, prompt=[1, 40, 41], new=30, guided=("REGEX", REGEX), end_id=EOS, top_k=0, seed=9),
+             dict(id=2, prompt=[1, 42], new=10)]
+    got = check_same(pool, engine_dir, int(TrtGptModelType.InflightFusedBatching),
+                     {"guided_tokenizer_dir": tokenizer_dir, "kv": {"max_tokens": 4096}}, specs)
+    assert got[0][4] is None and got[1][4] is None, (got[0][4], got[1][4])
+    assert got[0][0].shape[-1] > 3 and got[1][0].shape[-1] > 3
 
 
 # -- liveness -----------------------------------------------------------------------------------------
