@@ -2,9 +2,8 @@
 against one process on the same engine: identical greedy, beam and seeded-sampling tokens and
 log probs / generation logits within 1e-4 for a mixed workload under each batching type, with
 block reuse and chunked context, overlap, LoRA adapters and prompt tables, draft tokens, guided
-decoding, a bad request and a failing
-callback; the idle leader's heartbeat keeps the followers waiting past the timeout without
-spinning the CPU; the Executor takes requests on rank 0 only."""
+decoding, a bad request and a failing callback; the idle leader's heartbeat keeps the followers
+waiting past the timeout without spinning the CPU; the Executor takes requests on rank 0 only."""
 from __future__ import annotations
 
 import os
