@@ -35,29 +35,36 @@ class Engine:
     source_dir: str
     # Set when `weights` hold one rank's slices (tensor parallelism); None: every weight whole.
     shard: TensorShard | None = None
+    # Tensor bytes from_dir read from the safetensors files (a rank: about its share of them).
+    num_bytes_read: int = 0
 
     @property
     def dtype(self) -> torch.dtype:
         return TORCH_DTYPES[self.build_config.dtype]
 
     @staticmethod
-    def from_dir(path: str | os.PathLike, **build_overrides) -> "Engine":
+    def from_dir(path: str | os.PathLike, shard: TensorShard | None = None, **build_overrides) -> "Engine":
         """Load an engine directory or an HF checkpoint directory.
 
-        `build_overrides` (BuildConfig fields) replace the recorded limits; for an HF directory
-        they replace the defaults of `default_build_config`.
+        `shard`: read only that rank's slices of the weights (TensorShard.of(model_config, rank,
+        size)); ValueError when it was made for another model. `build_overrides` (BuildConfig
+        fields) replace the recorded limits; for an HF directory they replace the defaults of
+        `default_build_config`.
         """
         directory = os.fspath(path)
         if not os.path.isdir(directory):
             raise ConfigError(f"engine_dir: not a directory: {directory!r}")
         if os.path.exists(os.path.join(directory, ENGINE_CONFIG_FILE)):
-            return _load_engine_dir(directory, build_overrides)
+            return _load_engine_dir(directory, build_overrides, shard)
         if os.path.exists(os.path.join(directory, "config.json")):
-            return _load_hf_dir(directory, build_overrides)
+            return _load_hf_dir(directory, build_overrides, shard)
         raise ConfigError(f"engine_dir: {directory!r} holds neither {ENGINE_CONFIG_FILE} (an engine) "
                           "nor config.json (a Hugging Face checkpoint)")
 
     def save(self, directory: str | os.PathLike) -> None:
+        if self.shard is not None:
+            raise ValueError(f"Engine.save: the weights are rank {self.shard.rank}'s slices; only a whole "
+                             "engine can be saved")
         directory = os.fspath(directory)
         os.makedirs(directory, exist_ok=True)
         tensors = {name: t.contiguous() for name, t in self.weights.items()}
@@ -68,7 +75,14 @@ class Engine:
             json.dump(config, f, indent=2)
 
 
-def _load_engine_dir(directory: str, overrides: dict) -> Engine:
+def _checked_shard(shard: TensorShard | None, model: ModelConfig) -> TensorShard | None:
+    if shard is not None and shard != TensorShard.of(model, shard.rank, shard.size):
+        raise ValueError(f"shard: {shard} was not made for this model (expected "
+                         f"{TensorShard.of(model, shard.rank, shard.size)})")
+    return shard
+
+
+def _load_engine_dir(directory: str, overrides: dict, shard: TensorShard | None) -> Engine:
     data = read_json(os.path.join(directory, ENGINE_CONFIG_FILE), ENGINE_CONFIG_FILE)
     if data.get("format") != ENGINE_FORMAT or data.get("version") != ENGINE_VERSION:
         raise ConfigError(f"{ENGINE_CONFIG_FILE}: unknown format/version "
@@ -82,17 +96,20 @@ def _load_engine_dir(directory: str, overrides: dict) -> Engine:
     except TypeError as e:
         raise ConfigError(f"{ENGINE_CONFIG_FILE}: {e}") from None
     build.validated(model)
-    weights = load_engine_weights(os.path.join(directory, ENGINE_WEIGHTS_FILE), model, TORCH_DTYPES[build.dtype])
-    return Engine(model, build, weights, directory)
+    shard = _checked_shard(shard, model)
+    weights, num_bytes_read = load_engine_weights(os.path.join(directory, ENGINE_WEIGHTS_FILE), model,
+                                                  TORCH_DTYPES[build.dtype], shard)
+    return Engine(model, build, weights, directory, shard, num_bytes_read)
 
 
-def _load_hf_dir(directory: str, overrides: dict) -> Engine:
+def _load_hf_dir(directory: str, overrides: dict, shard: TensorShard | None) -> Engine:
     hf = read_json(os.path.join(directory, "config.json"), "config.json")
     arch = lookup_hf(hf)
     model = arch.config_from_hf(hf)
     build = default_build_config(model, **overrides)
-    weights = load_hf_weights(directory, model, TORCH_DTYPES[build.dtype], arch.read_weights)
-    return Engine(model, build, weights, directory)
+    shard = _checked_shard(shard, model)
+    weights, num_bytes_read = load_hf_weights(directory, model, TORCH_DTYPES[build.dtype], arch.read_weights, shard)
+    return Engine(model, build, weights, directory, shard, num_bytes_read)
 
 
 def build_engine(checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike, **build_fields) -> Engine:

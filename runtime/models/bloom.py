@@ -6,7 +6,7 @@ from types import MappingProxyType
 from typing import Any
 
 from ..config import ConfigError, ModelConfig
-from ..weights import TensorSource, Weights, per_head_qkv
+from ..weights import RawWeights, TensorSource, per_head_qkv
 from .base import Architecture, positive_int, token_ids
 
 VARIANT = MappingProxyType(dict(
@@ -35,16 +35,16 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)), **VARIANT, **token_ids(hf)).validated()
 
 
-def read_weights(src: TensorSource, cfg: ModelConfig) -> Weights:
+def read_weights(src: TensorSource, cfg: ModelConfig) -> RawWeights:
     prefix = "transformer." if "transformer.word_embeddings.weight" in src.names() else ""
 
     def get(name: str):
         return src.get(prefix + name)
 
-    w: Weights = {"embed_tokens": get("word_embeddings.weight"),
-                  "embed_norm.weight": get("word_embeddings_layernorm.weight"),
-                  "embed_norm.bias": get("word_embeddings_layernorm.bias"),
-                  "final_norm.weight": get("ln_f.weight"), "final_norm.bias": get("ln_f.bias")}
+    w: RawWeights = {"embed_tokens": get("word_embeddings.weight"),
+                     "embed_norm.weight": get("word_embeddings_layernorm.weight"),
+                     "embed_norm.bias": get("word_embeddings_layernorm.bias"),
+                     "final_norm.weight": get("ln_f.weight"), "final_norm.bias": get("ln_f.bias")}
     for layer in range(cfg.num_layers):
         p, q = f"h.{layer}.", f"layers.{layer}."
         for ours, theirs in (("input_norm", "input_layernorm"), ("post_norm", "post_attention_layernorm"),

@@ -10,10 +10,8 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Any
 
-import torch
-
 from ..config import ConfigError, ModelConfig
-from ..weights import TensorSource, WeightError, Weights
+from ..weights import LazyTensor, RawWeights, TensorSource, WeightError
 from .base import Architecture, positive_int, rope_from_hf, token_ids
 
 VARIANT = MappingProxyType(dict(position_embedding="rope", rotary_style="neox", rotary_fraction=1.0,
@@ -49,7 +47,7 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)), **VARIANT, **token_ids(hf)).validated()
 
 
-def _qkv(tensor: torch.Tensor, cfg: ModelConfig, name: str, directory: str) -> torch.Tensor:
+def _qkv(tensor: LazyTensor, cfg: ModelConfig, name: str, directory: str) -> LazyTensor:
     """Falcon's fused QKV rows [num_kv_heads, group + 2, head_dim] (per KV head: its `group` query
     heads, its key, its value) -> the canonical [all q, all k, all v]; query head kv * group + i
     keeps its index. One layout covers every style: multi-query is num_kv_heads = 1 ([q heads, k,
@@ -58,16 +56,17 @@ def _qkv(tensor: torch.Tensor, cfg: ModelConfig, name: str, directory: str) -> t
     if tensor.shape[0] != cfg.num_kv_heads * (group + 2) * d:
         raise WeightError(f"{directory}: tensor {name!r} has shape {list(tensor.shape)}, expected "
                           f"{cfg.num_kv_heads * (group + 2) * d} rows from the config")
-    rest = tensor.shape[1:]
-    parts = tensor.reshape(cfg.num_kv_heads, group + 2, d, *rest)
-    return torch.cat([parts[:, :group].reshape(-1, *rest), parts[:, group].reshape(-1, *rest),
-                      parts[:, group + 1].reshape(-1, *rest)])
+    kv_heads = range(cfg.num_kv_heads)
+    blocks = ([kv * (group + 2) + i for kv in kv_heads for i in range(group)]   # head_dim-row blocks
+              + [kv * (group + 2) + group for kv in kv_heads] + [kv * (group + 2) + group + 1 for kv in kv_heads])
+    return tensor.take_rows([(block * d, (block + 1) * d) for block in blocks])
 
 
-def read_weights(src: TensorSource, cfg: ModelConfig) -> Weights:
+def read_weights(src: TensorSource, cfg: ModelConfig) -> RawWeights:
     get = src.get
-    w: Weights = {"embed_tokens": get("transformer.word_embeddings.weight"),
-                  "final_norm.weight": get("transformer.ln_f.weight"), "final_norm.bias": get("transformer.ln_f.bias")}
+    w: RawWeights = {"embed_tokens": get("transformer.word_embeddings.weight"),
+                     "final_norm.weight": get("transformer.ln_f.weight"),
+                     "final_norm.bias": get("transformer.ln_f.bias")}
     norms = {"parallel": (("input_norm", "ln_attn"), ("post_norm", "ln_mlp")),
              "parallel_shared_norm": (("input_norm", "input_layernorm"),),
              "sequential": (("input_norm", "input_layernorm"), ("post_norm", "post_attention_layernorm"))}

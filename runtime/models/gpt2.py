@@ -4,10 +4,8 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Any
 
-import torch
-
 from ..config import ConfigError, ModelConfig
-from ..weights import TensorSource, WeightError, Weights
+from ..weights import LazyTensor, RawWeights, TensorSource, WeightError
 from .base import Architecture, positive_int, token_ids
 
 VARIANT = MappingProxyType(dict(
@@ -35,21 +33,21 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)), **VARIANT, **token_ids(hf)).validated()
 
 
-def read_weights(src: TensorSource, cfg: ModelConfig) -> Weights:
+def read_weights(src: TensorSource, cfg: ModelConfig) -> RawWeights:
     prefix = "transformer." if "transformer.wte.weight" in src.names() else ""
 
-    def get(name: str) -> torch.Tensor:
+    def get(name: str) -> LazyTensor:
         return src.get(prefix + name)
 
-    def conv1d(name: str) -> torch.Tensor:  # GPT-2's Conv1D stores [in, out]
+    def conv1d(name: str) -> LazyTensor:  # GPT-2's Conv1D stores [in, out]
         tensor = get(name)
         if tensor.dim() != 2:
             raise WeightError(f"{src.directory}: tensor {prefix + name!r} has shape {list(tensor.shape)}, "
                               "expected a 2-D [in, out] Conv1D weight")
-        return tensor.t().contiguous()
+        return tensor.t()
 
-    w: Weights = {"embed_tokens": get("wte.weight"), "position_embeddings": get("wpe.weight"),
-                  "final_norm.weight": get("ln_f.weight"), "final_norm.bias": get("ln_f.bias")}
+    w: RawWeights = {"embed_tokens": get("wte.weight"), "position_embeddings": get("wpe.weight"),
+                     "final_norm.weight": get("ln_f.weight"), "final_norm.bias": get("ln_f.bias")}
     for layer in range(cfg.num_layers):
         p, q = f"h.{layer}.", f"layers.{layer}."
         w[q + "input_norm.weight"], w[q + "input_norm.bias"] = get(p + "ln_1.weight"), get(p + "ln_1.bias")

@@ -7,7 +7,7 @@ from types import MappingProxyType
 from typing import Any
 
 from ..config import ModelConfig
-from ..weights import TensorSource, Weights, per_head_qkv
+from ..weights import RawWeights, TensorSource, per_head_qkv
 from .base import Architecture, positive_int, rope_from_hf, rotary_fraction_from_hf, token_ids
 
 VARIANT = MappingProxyType(dict(position_embedding="rope", rotary_style="neox", norm_type="layernorm",
@@ -32,11 +32,11 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)), **VARIANT, **token_ids(hf)).validated()
 
 
-def read_weights(src: TensorSource, cfg: ModelConfig) -> Weights:
+def read_weights(src: TensorSource, cfg: ModelConfig) -> RawWeights:
     get = src.get
-    w: Weights = {"embed_tokens": get("gpt_neox.embed_in.weight"),
-                  "final_norm.weight": get("gpt_neox.final_layer_norm.weight"),
-                  "final_norm.bias": get("gpt_neox.final_layer_norm.bias")}
+    w: RawWeights = {"embed_tokens": get("gpt_neox.embed_in.weight"),
+                     "final_norm.weight": get("gpt_neox.final_layer_norm.weight"),
+                     "final_norm.bias": get("gpt_neox.final_layer_norm.bias")}
     for layer in range(cfg.num_layers):
         p, q = f"gpt_neox.layers.{layer}.", f"layers.{layer}."
         for ours, theirs in (("input_norm", "input_layernorm"), ("post_norm", "post_attention_layernorm"),

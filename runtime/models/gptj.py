@@ -6,7 +6,7 @@ from types import MappingProxyType
 from typing import Any
 
 from ..config import ModelConfig, RopeConfig
-from ..weights import TensorSource, Weights, fused
+from ..weights import RawWeights, TensorSource, fused
 from .base import Architecture, positive_int, token_ids
 
 VARIANT = MappingProxyType(dict(
@@ -33,10 +33,11 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)), **VARIANT, **token_ids(hf)).validated()
 
 
-def read_weights(src: TensorSource, cfg: ModelConfig) -> Weights:
+def read_weights(src: TensorSource, cfg: ModelConfig) -> RawWeights:
     get, h = src.get, cfg.hidden_size
-    w: Weights = {"embed_tokens": get("transformer.wte.weight"), "final_norm.weight": get("transformer.ln_f.weight"),
-                  "final_norm.bias": get("transformer.ln_f.bias"), "lm_head.bias": get("lm_head.bias")}
+    w: RawWeights = {"embed_tokens": get("transformer.wte.weight"),
+                     "final_norm.weight": get("transformer.ln_f.weight"),
+                     "final_norm.bias": get("transformer.ln_f.bias"), "lm_head.bias": get("lm_head.bias")}
     for layer in range(cfg.num_layers):
         p, q = f"transformer.h.{layer}.", f"layers.{layer}."
         w[q + "input_norm.weight"], w[q + "input_norm.bias"] = get(p + "ln_1.weight"), get(p + "ln_1.bias")

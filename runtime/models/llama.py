@@ -7,7 +7,7 @@ from types import MappingProxyType
 from typing import Any
 
 from ..config import ConfigError, ModelConfig
-from ..weights import TensorSource, Weights, fused
+from ..weights import RawWeights, TensorSource, fused
 from .base import Architecture, positive_int, rope_from_hf, rotary_fraction_from_hf, token_ids
 
 VARIANT = MappingProxyType(dict(position_embedding="rope", rotary_style="neox", rotary_fraction=1.0,
@@ -38,11 +38,11 @@ def config_from_hf(hf: dict[str, Any], architecture: str = "llama", **fields: An
     return ModelConfig(**mapped).validated()
 
 
-def read_weights(src: TensorSource, cfg: ModelConfig) -> Weights:
+def read_weights(src: TensorSource, cfg: ModelConfig) -> RawWeights:
     get = src.get
     h, i = cfg.hidden_size, cfg.intermediate_size
     qkv_rows = {"q": cfg.q_size, "k": cfg.kv_size, "v": cfg.kv_size}
-    w: Weights = {"embed_tokens": get("model.embed_tokens.weight"), "final_norm.weight": get("model.norm.weight")}
+    w: RawWeights = {"embed_tokens": get("model.embed_tokens.weight"), "final_norm.weight": get("model.norm.weight")}
     for layer in range(cfg.num_layers):
         p, q = f"model.layers.{layer}.", f"layers.{layer}."
         w[q + "input_norm.weight"] = get(p + "input_layernorm.weight")

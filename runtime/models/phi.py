@@ -8,7 +8,7 @@ from types import MappingProxyType
 from typing import Any
 
 from ..config import ConfigError, ModelConfig
-from ..weights import TensorSource, Weights, fused
+from ..weights import RawWeights, TensorSource, fused
 from . import llama
 from .base import Architecture, positive_int, rope_from_hf, rotary_fraction_from_hf, token_ids
 
@@ -34,11 +34,11 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)), **VARIANT, **token_ids(hf)).validated()
 
 
-def read_weights(src: TensorSource, cfg: ModelConfig) -> Weights:
+def read_weights(src: TensorSource, cfg: ModelConfig) -> RawWeights:
     get, h = src.get, cfg.hidden_size
-    w: Weights = {"embed_tokens": get("model.embed_tokens.weight"),
-                  "final_norm.weight": get("model.final_layernorm.weight"),
-                  "final_norm.bias": get("model.final_layernorm.bias"), "lm_head.bias": get("lm_head.bias")}
+    w: RawWeights = {"embed_tokens": get("model.embed_tokens.weight"),
+                     "final_norm.weight": get("model.final_layernorm.weight"),
+                     "final_norm.bias": get("model.final_layernorm.bias"), "lm_head.bias": get("lm_head.bias")}
     qkv_rows = {"q": cfg.q_size, "k": cfg.kv_size, "v": cfg.kv_size}
     for layer in range(cfg.num_layers):
         p, q = f"model.layers.{layer}.", f"layers.{layer}."
@@ -57,9 +57,9 @@ def phi3_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
                                 norm_eps=float(hf.get("rms_norm_eps", 1e-5)))
 
 
-def phi3_read_weights(src: TensorSource, cfg: ModelConfig) -> Weights:
+def phi3_read_weights(src: TensorSource, cfg: ModelConfig) -> RawWeights:
     get = src.get
-    w: Weights = {"embed_tokens": get("model.embed_tokens.weight"), "final_norm.weight": get("model.norm.weight")}
+    w: RawWeights = {"embed_tokens": get("model.embed_tokens.weight"), "final_norm.weight": get("model.norm.weight")}
     for layer in range(cfg.num_layers):
         p, q = f"model.layers.{layer}.", f"layers.{layer}."
         for ours, theirs in (("input_norm", "input_layernorm"), ("post_norm", "post_attention_layernorm"),
