@@ -112,7 +112,8 @@ def build_engine_core(engine_dir, model_type: TrtGptModelType, max_beam_width: i
                             tuple(params.device_ids))
     device = local_device(world, device)
     tensor_parallel = init_tensor_parallel(world, device)
-    engine = Engine.from_dir(engine_dir)
+    # Under TP each rank reads only its slices of the weights.
+    engine = Engine.from_dir(engine_dir, (tensor_parallel.rank, tensor_parallel.size) if tensor_parallel else None)
     build = engine.build_config
     max_batch_size = _positive("max_batch_size", params.max_batch_size, build.max_batch_size)
     max_num_tokens = _positive("max_num_tokens", params.max_num_tokens, build.max_num_tokens)

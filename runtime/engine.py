@@ -43,11 +43,12 @@ class Engine:
         return TORCH_DTYPES[self.build_config.dtype]
 
     @staticmethod
-    def from_dir(path: str | os.PathLike, shard: TensorShard | None = None, **build_overrides) -> "Engine":
+    def from_dir(path: str | os.PathLike, shard: TensorShard | tuple[int, int] | None = None,
+                 **build_overrides) -> "Engine":
         """Load an engine directory or an HF checkpoint directory.
 
-        `shard`: read only that rank's slices of the weights (TensorShard.of(model_config, rank,
-        size)); ValueError when it was made for another model. `build_overrides` (BuildConfig
+        `shard`: read only that rank's slices of the weights: a TensorShard (ValueError when it
+        was made for another model), or (rank, size) for TensorShard.of(model_config, rank, size). `build_overrides` (BuildConfig
         fields) replace the recorded limits; for an HF directory they replace the defaults of
         `default_build_config`.
         """
@@ -75,14 +76,16 @@ class Engine:
             json.dump(config, f, indent=2)
 
 
-def _checked_shard(shard: TensorShard | None, model: ModelConfig) -> TensorShard | None:
+def _checked_shard(shard: TensorShard | tuple[int, int] | None, model: ModelConfig) -> TensorShard | None:
+    if isinstance(shard, tuple):
+        return TensorShard.of(model, *shard)
     if shard is not None and shard != TensorShard.of(model, shard.rank, shard.size):
         raise ValueError(f"shard: {shard} was not made for this model (expected "
                          f"{TensorShard.of(model, shard.rank, shard.size)})")
     return shard
 
 
-def _load_engine_dir(directory: str, overrides: dict, shard: TensorShard | None) -> Engine:
+def _load_engine_dir(directory: str, overrides: dict, shard: TensorShard | tuple[int, int] | None) -> Engine:
     data = read_json(os.path.join(directory, ENGINE_CONFIG_FILE), ENGINE_CONFIG_FILE)
     if data.get("format") != ENGINE_FORMAT or data.get("version") != ENGINE_VERSION:
         raise ConfigError(f"{ENGINE_CONFIG_FILE}: unknown format/version "
@@ -102,7 +105,7 @@ def _load_engine_dir(directory: str, overrides: dict, shard: TensorShard | None)
     return Engine(model, build, weights, directory, shard, num_bytes_read)
 
 
-def _load_hf_dir(directory: str, overrides: dict, shard: TensorShard | None) -> Engine:
+def _load_hf_dir(directory: str, overrides: dict, shard: TensorShard | tuple[int, int] | None) -> Engine:
     hf = read_json(os.path.join(directory, "config.json"), "config.json")
     arch = lookup_hf(hf)
     model = arch.config_from_hf(hf)

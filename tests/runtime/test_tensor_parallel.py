@@ -60,19 +60,19 @@ def _forwards(runner: ModelRunner, vocab: int) -> list[dict[str, torch.Tensor]]:
     return [runner.forward(step_inputs(s, context_logits=True)) for s in _steps(vocab)]
 
 
-def rank_forwards(checkpoint: str, gather_to_all: bool) -> list[dict]:
+def rank_forwards(checkpoint: str, gather_to_all: bool, sharded_load: bool = True) -> list[dict]:
     tp = init_tensor_parallel(WorldConfig(tensor_parallelism=None), torch.device("cpu"))
-    engine = Engine.from_dir(checkpoint)
+    engine = Engine.from_dir(checkpoint, (tp.rank, tp.size) if sharded_load else None)   # else sliced in memory
     runner = ModelRunner(engine, NUM_BLOCKS, tensor_parallel=tp, gather_logits_to_all=gather_to_all)
     return [{k: (v.clone() if v is not None else None) for k, v in out.items()}
             for out in _forwards(runner, engine.model_config.vocab_size)]
 
 
-@pytest.mark.parametrize("case", list(CHECKPOINTS))
-def test_two_ranks_match_one_process(pool, checkpoints, case):
+@pytest.mark.parametrize("case, sharded_load", [(case, True) for case in CHECKPOINTS] + [("llama_gqa", False)])
+def test_two_ranks_match_one_process(pool, checkpoints, case, sharded_load):
     engine = Engine.from_dir(checkpoints[case])
     expected = _forwards(ModelRunner(engine, NUM_BLOCKS), engine.model_config.vocab_size)
-    for outputs in pool.run(rank_forwards, checkpoints[case], True):
+    for outputs in pool.run(rank_forwards, checkpoints[case], True, sharded_load):
         for got, want in zip(outputs, expected):
             assert got["logits"].shape == want["logits"].shape
             torch.testing.assert_close(got["logits"], want["logits"], atol=TOLERANCE, rtol=0)
