@@ -38,7 +38,9 @@ _SIGNATURES = {
     "bm_silu_mul": [_P, _I64, _I64, _I64, _P, _I32],
     "bm_decode_attention": [_P, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _F32, _I64, _I64, _P, _I32],
     "bm_token_bitmask": [_P, _P, _P, _I64, _I64, _I64, _I64, _I32],
+    "bm_shm_all_reduce": [_P, _I64, _P, _I64, _I32, _I32, _I64, _I64],
 }
+_RESTYPES = {"bm_shm_all_reduce": ctypes.c_int}
 
 
 def _cpu_identity() -> str:
@@ -96,10 +98,20 @@ class NativeCpuOps:
         self._lib = ctypes.CDLL(str(library))
         for name, argtypes in _SIGNATURES.items():
             fn = getattr(self._lib, name)
-            fn.argtypes, fn.restype = argtypes, None
+            fn.argtypes, fn.restype = argtypes, _RESTYPES.get(name)
         self._linear, self._rms_norm, self._silu_mul = self._lib.bm_linear, self._lib.bm_rms_norm, self._lib.bm_silu_mul
         self._decode_attention = self._lib.bm_decode_attention
         self._token_bitmask = self._lib.bm_token_bitmask
+        self._shm_all_reduce = self._lib.bm_shm_all_reduce
+
+    def shm_all_reduce(self, data: torch.Tensor, region: torch.Tensor, capacity: int, rank: int, size: int,
+                       seq: int, timeout_s: float) -> int:
+        """data float32 contiguous, numel <= capacity: summed over the ranks in place through
+        `region` (uint8, shared by the ranks; see bm_shm_all_reduce). -> 0, 1 (timed out), 2 (a
+        peer's process is gone)."""
+        assert data.dtype == torch.float32 and data.is_contiguous() and data.numel() <= capacity
+        return self._shm_all_reduce(data.data_ptr(), data.numel(), region.data_ptr(), capacity, rank, size, seq,
+                                    int(timeout_s * 1e9))
 
     def apply_token_bitmask(self, logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
         """interface.KernelBackend.apply_token_bitmask for float32 logits with contiguous columns."""

@@ -2,14 +2,18 @@
 process on the same checkpoints: every architecture's logits over a mixed packed step sequence
 (fresh contexts, a chunk over cached blocks, generation), a vocabulary that does not split evenly,
 one KV head replicated, ALiBi slopes split by head, LoRA adapters sliced like their linears,
-logits gathered on rank 0 only, and GptSession under a WorldConfig."""
+logits gathered on rank 0 only, all-reduces through shared memory (same host) or gloo, large ones
+in chunks, and GptSession under a WorldConfig."""
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 
 from runtime import Engine, GenerationInput, GenerationOutput, GptSession, ModelRunner, SamplingConfig
-from runtime.tensor_parallel import TensorShard, WorldConfig, init_tensor_parallel
+from runtime.kernels.cpu_native import native_ops
+from runtime.tensor_parallel import SHM_ALL_REDUCE_ENV, TensorShard, WorldConfig, init_tensor_parallel
 from tests.distributed import RankPool
 from tests.factories import make_checkpoint, step_inputs
 from tests.runtime import arch_factories
@@ -60,19 +64,24 @@ def _forwards(runner: ModelRunner, vocab: int) -> list[dict[str, torch.Tensor]]:
     return [runner.forward(step_inputs(s, context_logits=True)) for s in _steps(vocab)]
 
 
-def rank_forwards(checkpoint: str, gather_to_all: bool, sharded_load: bool = True) -> list[dict]:
+def rank_forwards(checkpoint: str, gather_to_all: bool, sharded_load: bool = True,
+                  shared_memory: bool = True) -> list[dict]:
+    os.environ[SHM_ALL_REDUCE_ENV] = "1" if shared_memory else "0"
     tp = init_tensor_parallel(WorldConfig(tensor_parallelism=None), torch.device("cpu"))
+    assert (tp.shared is not None) == (shared_memory and native_ops() is not None)
     engine = Engine.from_dir(checkpoint, (tp.rank, tp.size) if sharded_load else None)   # else sliced in memory
     runner = ModelRunner(engine, NUM_BLOCKS, tensor_parallel=tp, gather_logits_to_all=gather_to_all)
     return [{k: (v.clone() if v is not None else None) for k, v in out.items()}
             for out in _forwards(runner, engine.model_config.vocab_size)]
 
 
-@pytest.mark.parametrize("case, sharded_load", [(case, True) for case in CHECKPOINTS] + [("llama_gqa", False)])
-def test_two_ranks_match_one_process(pool, checkpoints, case, sharded_load):
+@pytest.mark.parametrize("case, sharded_load, shared_memory", [(case, True, True) for case in CHECKPOINTS]
+                         + [("llama_gqa", False, True), ("llama_gqa", True, False), ("bloom_alibi", True, False)])
+def test_two_ranks_match_one_process(pool, checkpoints, case, sharded_load, shared_memory):
+    """Weights loaded sliced or sliced in memory; all-reduces through shared memory or gloo."""
     engine = Engine.from_dir(checkpoints[case])
     expected = _forwards(ModelRunner(engine, NUM_BLOCKS), engine.model_config.vocab_size)
-    for outputs in pool.run(rank_forwards, checkpoints[case], True, sharded_load):
+    for outputs in pool.run(rank_forwards, checkpoints[case], True, sharded_load, shared_memory):
         for got, want in zip(outputs, expected):
             assert got["logits"].shape == want["logits"].shape
             torch.testing.assert_close(got["logits"], want["logits"], atol=TOLERANCE, rtol=0)
@@ -164,3 +173,22 @@ def test_gpt_session_under_world_config(pool, checkpoints):
     for outputs in pool.run(rank_session, checkpoints["llama_gqa"]):
         for got, want in zip(outputs, expected):
             assert torch.equal(got, want)
+
+
+def rank_all_reduce(num_floats: int, shared_memory: bool) -> torch.Tensor:
+    os.environ[SHM_ALL_REDUCE_ENV] = "1" if shared_memory else "0"
+    tp = init_tensor_parallel(WorldConfig(tensor_parallelism=2), torch.device("cpu"))
+    results = []
+    for i in range(3):   # consecutive calls alternate the region's two phases
+        x = torch.arange(num_floats, dtype=torch.float32) * (tp.rank + 1) + i
+        results.append(tp.all_reduce(x))
+    return torch.stack(results)
+
+
+@pytest.mark.parametrize("num_floats", [1, 1000, 3 * (1 << 19) + 5])   # the last: four chunks
+def test_all_reduce_sums_exactly_on_every_rank(pool, num_floats):
+    shared, gloo = pool.run(rank_all_reduce, num_floats, True), pool.run(rank_all_reduce, num_floats, False)
+    x = torch.arange(num_floats, dtype=torch.float32)
+    want = torch.stack([x + i + 2 * x + i for i in range(3)])
+    for got in (*shared, *gloo):
+        assert torch.equal(got, want)
