@@ -230,8 +230,10 @@ extern "C" void bm_decode_attention(const float* q, const float* k_cache, const 
 // rank starts call s only after seeing every peer post s - 1. Waiting spins briefly, then yields,
 // then sleeps 20 us at a time (an idle wait costs little CPU); every ~10 ms of sleeping it checks
 // that the peers' processes still exist. n <= capacity.
+// With `gathered` non-null the call is a gather instead: gathered[r * ld + i] = rank r's data[i]
+// (data unchanged); ranks that pass null only contribute.
 extern "C" int bm_shm_all_reduce(float* data, int64_t n, char* region, int64_t capacity, int rank, int size,
-                                 int64_t seq, int64_t timeout_ns) {
+                                 int64_t seq, int64_t timeout_ns, float* gathered, int64_t ld) {
   auto posted = [&](int r) { return reinterpret_cast<std::atomic<int64_t>*>(region + 64 * r); };
   auto pid = [&](int r) { return reinterpret_cast<int64_t*>(region + 64 * r + 8); };
   float* slots = reinterpret_cast<float*>(region + 64 * size) + (seq & 1) * size * capacity;
@@ -259,6 +261,10 @@ extern "C" int bm_shm_all_reduce(float* data, int64_t n, char* region, int64_t c
         if (kill(static_cast<pid_t>(*pid(r)), 0) != 0 && errno == ESRCH) return 2;
       }
     }
+  }
+  if (gathered != nullptr) {
+    for (int r = 0; r < size; ++r) memcpy(gathered + r * ld, slots + r * capacity, n * sizeof(float));
+    return 0;
   }
   const float* first = slots;
   for (int64_t i = 0; i < n; ++i) {

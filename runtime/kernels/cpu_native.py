@@ -38,7 +38,7 @@ _SIGNATURES = {
     "bm_silu_mul": [_P, _I64, _I64, _I64, _P, _I32],
     "bm_decode_attention": [_P, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _F32, _I64, _I64, _P, _I32],
     "bm_token_bitmask": [_P, _P, _P, _I64, _I64, _I64, _I64, _I32],
-    "bm_shm_all_reduce": [_P, _I64, _P, _I64, _I32, _I32, _I64, _I64],
+    "bm_shm_all_reduce": [_P, _I64, _P, _I64, _I32, _I32, _I64, _I64, _P, _I64],
 }
 _RESTYPES = {"bm_shm_all_reduce": ctypes.c_int}
 
@@ -105,13 +105,16 @@ class NativeCpuOps:
         self._shm_all_reduce = self._lib.bm_shm_all_reduce
 
     def shm_all_reduce(self, data: torch.Tensor, region: torch.Tensor, capacity: int, rank: int, size: int,
-                       seq: int, timeout_s: float) -> int:
-        """data float32 contiguous, numel <= capacity: summed over the ranks in place through
-        `region` (uint8, shared by the ranks; see bm_shm_all_reduce). -> 0, 1 (timed out), 2 (a
-        peer's process is gone)."""
+                       seq: int, timeout_s: float, gathered: torch.Tensor | None = None) -> int:
+        """data float32 contiguous, numel n <= capacity: summed over the ranks in place through
+        `region` (uint8, shared by the ranks; see bm_shm_all_reduce); with `gathered` (float32
+        [size, >= n] view, rows contiguous) each rank's data lands in its row instead. -> 0, 1
+        (timed out), 2 (a peer's process is gone)."""
         assert data.dtype == torch.float32 and data.is_contiguous() and data.numel() <= capacity
+        if gathered is not None:
+            assert gathered.dtype == torch.float32 and gathered.shape[0] == size and gathered.stride(1) == 1
         return self._shm_all_reduce(data.data_ptr(), data.numel(), region.data_ptr(), capacity, rank, size, seq,
-                                    int(timeout_s * 1e9))
+                                    int(timeout_s * 1e9), _ptr(gathered), 0 if gathered is None else gathered.stride(0))
 
     def apply_token_bitmask(self, logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
         """interface.KernelBackend.apply_token_bitmask for float32 logits with contiguous columns."""

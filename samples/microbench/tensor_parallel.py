@@ -7,7 +7,8 @@
 The share part runs itself under torchrun: on the default model each rank runs packed steps
 (a 512-token context step, generation steps of 1, 8 and 64 sequences) and rank 0 reports the wall
 time of a step, the time inside all-reduce (which includes waiting for the slower rank) and the
-time of the same all-reduces alone (a loop of them on tensors of the step's shapes).
+time of the same all-reduces alone (a loop of them on tensors of the step's shapes), through the
+runtime's path (shared memory on one host) and through gloo.
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def run_w64(extra: list[str]) -> None:
         two = _benchmark([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m",
                           "samples.benchmark", "--threads", "1", *extra], os.path.join(tmp, "two.json"),
                          {**env, "OMP_NUM_THREADS": "1"})
-    for name, r in (("1 process x 2 threads", one), ("2 ranks x 1 thread (gloo)", two)):
+    for name, r in (("1 process x 2 threads", one), ("2 ranks x 1 thread", two)):
         print(f"[TP] W64 {name}: {r[TOKENS]:.1f} token/s, total {r['total_latency(ms)'] / 1e3:.1f} s, "
               f"avg generation-only iteration {r['avg_generation_only_iteration(ms)']:.1f} ms "
               f"at batch {r['avg_generation_batch_size']:.1f}")
@@ -85,23 +86,26 @@ def measure_share(reps: int) -> None:
         num_tokens = inputs["input_ids"].numel()
         buffer = torch.randn(num_tokens, cfg.hidden_size)
         num_reduces = 2 * cfg.num_layers + 1     # two per layer (sequential residual) and the embedding
-        dist.barrier(group=tp.control_group)
-        start = time.perf_counter()
-        for _ in range(reps):
-            for _ in range(num_reduces):
-                dist.all_reduce(buffer, group=tp.group)
-        alone = (time.perf_counter() - start) / reps
+        alone = []
+        for reduce in (tp.all_reduce, lambda t: dist.all_reduce(t, group=tp.group)):   # ours, gloo's
+            dist.barrier(group=tp.control_group)
+            start = time.perf_counter()
+            for _ in range(reps):
+                for _ in range(num_reduces):
+                    reduce(buffer)
+            alone.append((time.perf_counter() - start) / reps)
         walls.sort()
         reduces.sort()
-        rows.append((name, walls[len(walls) // 2], reduces[len(reduces) // 2], alone, num_reduces,
+        rows.append((name, walls[len(walls) // 2], reduces[len(reduces) // 2], *alone, num_reduces,
                      num_tokens * cfg.hidden_size * 4))
     if tp.rank == 0:
+        mode = "shared memory" if tp.shared is not None else "gloo"
         print(f"[TP] all-reduce share, {tp.size} ranks x {torch.get_num_threads()} thread, default model "
-              f"({cfg.num_layers} layers, hidden {cfg.hidden_size}); median of {reps}")
-        for name, wall, reduce, alone, n, nbytes in rows:
+              f"({cfg.num_layers} layers, hidden {cfg.hidden_size}), all-reduce through {mode}; median of {reps}")
+        for name, wall, reduce, alone, gloo, n, nbytes in rows:
             print(f"[TP] {name}: step {wall * 1e3:.2f} ms, in all-reduce {reduce * 1e3:.2f} ms "
-                  f"({reduce / wall:.1%}, incl. waiting for the other rank); {n} all-reduces of {nbytes} bytes "
-                  f"alone {alone * 1e3:.2f} ms ({alone / wall:.1%})")
+                  f"({reduce / wall:.1%}, incl. waiting for the other rank); its {n} all-reduces of {nbytes} "
+                  f"bytes alone: {alone * 1e3:.2f} ms ({alone / wall:.1%}), through gloo {gloo * 1e3:.2f} ms")
 
 
 def main() -> None:

@@ -192,3 +192,25 @@ def test_all_reduce_sums_exactly_on_every_rank(pool, num_floats):
     want = torch.stack([x + i + 2 * x + i for i in range(3)])
     for got in (*shared, *gloo):
         assert torch.equal(got, want)
+
+
+def rank_gather(rows: int, columns: int, shared_memory: bool, to_all: bool) -> list:
+    os.environ[SHM_ALL_REDUCE_ENV] = "1" if shared_memory else "0"
+    tp = init_tensor_parallel(WorldConfig(tensor_parallelism=2), torch.device("cpu"))
+    results = []
+    for i in range(3):
+        x = torch.arange(rows * columns, dtype=torch.float32).view(rows, columns) + 1000 * tp.rank + i
+        results.append(tp.gather_columns(x, to_all))
+    return results
+
+
+@pytest.mark.parametrize("rows, columns", [(1, 3), (64, 8192 + 1)])   # the second: chunks of the region
+@pytest.mark.parametrize("to_all", [True, False])
+@pytest.mark.parametrize("shared_memory", [True, False])
+def test_gather_columns(pool, rows, columns, to_all, shared_memory):
+    x = torch.arange(rows * columns, dtype=torch.float32).view(rows, columns)
+    leader, follower = pool.run(rank_gather, rows, columns, shared_memory, to_all)
+    for i in range(3):
+        want = torch.cat([x + i, x + 1000 + i], dim=1)
+        assert torch.equal(leader[i], want)
+        assert torch.equal(follower[i], want) if to_all else follower[i] is None
