@@ -108,6 +108,26 @@ def measure_share(reps: int) -> None:
                   f"bytes alone: {alone * 1e3:.2f} ms ({alone / wall:.1%}), through gloo {gloo * 1e3:.2f} ms")
 
 
+def measure_one_process(reps: int) -> None:
+    """The same steps in this process with 2 threads (the yardstick of the share part)."""
+    from runtime import Engine, ModelRunner
+    from samples.default_model import default_model_dir
+    torch.set_num_threads(2)
+    engine = Engine.from_dir(default_model_dir())
+    tpb = engine.build_config.tokens_per_block
+    runner = ModelRunner(engine, 64 * -(-201 // tpb) + 8)
+    print("[TP] 1 process x 2 threads, the same steps; median of", reps)
+    for name, inputs in _steps(engine.model_config.vocab_size, tpb).items():
+        runner.forward(inputs)
+        walls = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            runner.forward(inputs)
+            walls.append(time.perf_counter() - start)
+        walls.sort()
+        print(f"[TP] {name}: step {walls[len(walls) // 2] * 1e3:.2f} ms")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--part", choices=["both", "w64", "share"], default="both")
@@ -121,6 +141,9 @@ def main() -> None:
     if args.part in ("both", "w64"):
         run_w64(["--num-samples", str(args.num_samples)])
     if args.part in ("both", "share"):
+        # NOTE: in a child process, so this one's OpenMP pool does not sit beside the ranks' threads.
+        subprocess.run([sys.executable, "-c", "from samples.microbench.tensor_parallel import measure_one_process; "
+                        f"measure_one_process({args.reps})"], check=True)
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m",
                         "samples.microbench.tensor_parallel", "--reps", str(args.reps)], check=True,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
