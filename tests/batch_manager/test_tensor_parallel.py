@@ -7,7 +7,6 @@ waiting past the timeout without spinning the CPU; the Executor takes requests o
 from __future__ import annotations
 
 import os
-import threading
 import time
 
 import pytest
