@@ -220,6 +220,7 @@ def test_an_idle_leader_keeps_the_followers_waiting_without_spinning(pool, engin
     idle_s = TIMEOUT_S + 2.0
     (leader_cpu, ids), (follower_cpu, _) = pool.run(idle_then_serve, engine[0], idle_s)
     assert len(ids) == len(PROMPTS[0]) + 4
+    print(f"idle {idle_s} s: leader {leader_cpu:.3f} s CPU, follower {follower_cpu:.3f} s CPU")
     assert follower_cpu < 0.15 * idle_s, f"an idle follower used {follower_cpu:.2f} s CPU in {idle_s} s"
     assert leader_cpu < 0.25 * idle_s, f"an idle leader used {leader_cpu:.2f} s CPU in {idle_s} s"
 

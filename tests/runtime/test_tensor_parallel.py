@@ -161,16 +161,20 @@ def _session_outputs(session: GptSession) -> list:
     return results
 
 
-def rank_session(checkpoint: str) -> list:
-    engine = Engine.from_dir(checkpoint)
+def rank_session(checkpoint: str, sharded_load: bool) -> list:
+    rank = int(os.environ["RANK"])
+    engine = Engine.from_dir(checkpoint, (rank, 2) if sharded_load else None)
     return _session_outputs(GptSession(GptSession.Config(2, 2, 32), engine.model_config,
                                        WorldConfig(tensor_parallelism=2), engine))
 
 
-def test_gpt_session_under_world_config(pool, checkpoints):
+@pytest.mark.parametrize("sharded_load", [True, False])
+def test_gpt_session_under_world_config(pool, checkpoints, sharded_load):
+    """Every rank calls generate with the same inputs and gets the one-process tokens (greedy,
+    beams, seeded top-k), from an engine loaded sliced or whole."""
     engine = Engine.from_dir(checkpoints["llama_gqa"])
     expected = _session_outputs(GptSession(GptSession.Config(2, 2, 32), engine.model_config, WorldConfig(), engine))
-    for outputs in pool.run(rank_session, checkpoints["llama_gqa"]):
+    for outputs in pool.run(rank_session, checkpoints["llama_gqa"], sharded_load):
         for got, want in zip(outputs, expected):
             assert torch.equal(got, want)
 
