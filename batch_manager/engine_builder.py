@@ -106,11 +106,8 @@ def build_engine_core(engine_dir, model_type: TrtGptModelType, max_beam_width: i
     world = params.world_config if params.world_config is not None else WorldConfig(tensor_parallelism=None)
     if not isinstance(world, WorldConfig):
         raise ValueError(f"world_config: expected a runtime.WorldConfig, got {type(world).__name__}")
-    device = torch.device(params.device or ("cuda" if params.device_ids or world.device_ids else "cpu"))
-    if device.type == "cuda" and device.index is None and params.device_ids:
-        world = WorldConfig(world.tensor_parallelism, world.pipeline_parallelism, world.rank, world.gpus_per_node,
-                            tuple(params.device_ids))
-    device = local_device(world, device)
+    device_ids = params.device_ids or world.device_ids
+    device = local_device(torch.device(params.device or ("cuda" if device_ids else "cpu")), device_ids)
     tensor_parallel = init_tensor_parallel(world, device)
     # Under TP each rank reads only its slices of the weights.
     engine = Engine.from_dir(engine_dir, (tensor_parallel.rank, tensor_parallel.size) if tensor_parallel else None)

@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 
 from .config import BuildConfig, ConfigError, ModelConfig, default_build_config, normalize_dtype, read_json
 from .models import lookup_hf
-from .tensor_parallel import TensorShard
+from .tensor_shard import TensorShard
 from .weights import Weights, load_engine_weights, load_hf_weights
 
 ENGINE_CONFIG_FILE = "engine.json"

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from .lora import LoraAdapter
-from .tensor_parallel import TensorShard, take
+from .tensor_shard import TensorShard, take
 
 # Stacked factors are kept for this many sets of adapters (a steady stream of steps sees few).
 MAX_STACKED_SETS = 8
@@ -92,17 +92,17 @@ class LoraWeightStore:
 
 
 def _sliced(adapter: LoraAdapter, shard: TensorShard) -> LoraAdapter:
+    """B A x restricted to the rank's slice of the base weight: its output rows (B's rows) of a
+    column-parallel linear, its input columns (A's columns) of a row-parallel one."""
     factors = {}
     for prefix, (a, b) in adapter.factors.items():
-        linear = prefix.rsplit(".", 1)[1]
-        if linear == "qkv":
-            b = take(b, 0, shard.qkv_rows())
-        elif linear == "mlp_in":
-            b = take(b, 0, shard.mlp_in_rows())
-        elif linear == "out":
-            a = take(a, 1, shard.out_columns())
-        elif linear == "mlp_out":
-            a = take(a, 1, shard.intermediate_columns())
+        selection = shard.selection(prefix + ".weight")
+        if selection is not None:
+            dim, spans = selection
+            if dim == 0:
+                b = take(b, 0, spans)
+            else:
+                a = take(a, 1, spans)
         factors[prefix] = (a, b)
     return LoraAdapter(factors, adapter.num_rows, adapter.num_bytes, adapter.ranks)
 

@@ -20,7 +20,8 @@ from .kernels.cpu_native import native_ops
 from .linear import Linear
 from .lora_step import LoraStepPlan
 from .rope import apply_rope, rope_cos_sin, rope_inv_freq
-from .tensor_parallel import TensorParallel, TensorShard
+from .tensor_parallel import TensorParallel
+from .tensor_shard import TensorShard
 from .weights import Weights
 
 _ACTIVATIONS = {
@@ -191,9 +192,7 @@ class Transformer:
 
     def _reduced(self, partial: torch.Tensor) -> torch.Tensor:
         """The sum over the ranks of a row-parallel output (itself without TP)."""
-        if self.tp is None:
-            return partial
-        return self.tp.all_reduce(partial.contiguous())
+        return partial if self.tp is None else self.tp.all_reduce(partial)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor | None:
         """float32 [rows, V]; under TP each rank computes its vocabulary columns, gathered on every

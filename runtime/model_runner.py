@@ -44,7 +44,8 @@ from .kernels import get_kernels
 from .lora_step import LoraWeightStore
 from .model import StepLayout, Transformer
 from .prompt_tuning import TABLE_INPUTS, virtual_tokens
-from .tensor_parallel import TensorParallel, TensorShard
+from .tensor_parallel import TensorParallel
+from .tensor_shard import TensorShard, num_local_kv_heads
 
 REQUIRED_INPUTS = ("input_ids", "input_lengths", "past_lengths", "block_tables")
 OPTIONAL_INPUTS = ("position_ids", "return_context_logits", "num_logits", "lora_task_ids", *TABLE_INPUTS)
@@ -126,8 +127,8 @@ class ModelRunner:
     def kv_bytes_per_block(engine: Engine, tensor_parallelism: int = 1) -> int:
         """Bytes of one block of one rank's pool (its KV heads) under `tensor_parallelism` ranks."""
         cfg = engine.model_config
-        num_kv_heads = max(1, cfg.num_kv_heads // tensor_parallelism)
-        return (cfg.num_layers * 2 * engine.build_config.tokens_per_block * num_kv_heads * cfg.head_dim
+        return (cfg.num_layers * 2 * engine.build_config.tokens_per_block
+                * num_local_kv_heads(cfg.num_kv_heads, tensor_parallelism) * cfg.head_dim
                 * engine.dtype.itemsize)
 
     @torch.inference_mode()

@@ -202,7 +202,7 @@ class GptSession:
         # gathered logits are the same bytes everywhere and the samplers draw from counter-based
         # generators keyed by (seed, step, beam), so no tokens need to be sent.
         device = torch.device(device) if device is not None else torch.device("cpu")
-        device = local_device(world_config, device)
+        device = local_device(device, world_config.device_ids if world_config is not None else None)
         self.tensor_parallel = init_tensor_parallel(world_config, device)
         self.runner = ModelRunner(engine, num_blocks, kernels=kernels, device=device,
                                   max_attention_window=getattr(kv, "max_attention_window", None),

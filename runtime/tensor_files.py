@@ -21,7 +21,7 @@ import torch
 from .config import read_json
 
 if TYPE_CHECKING:
-    from .tensor_parallel import Ranges
+    from .tensor_shard import Ranges
 
 # safetensors dtype -> torch dtype. Non-float ones are mapped only so that the check names them.
 SAFETENSORS_DTYPES = {name: getattr(torch, attr) for name, attr in (
@@ -53,6 +53,10 @@ class StoredTensor:
     def row_bytes(self) -> int:
         """Bytes of one index of dim 0 (a 0-d or 1-d tensor's rows are its elements)."""
         return self.dtype.itemsize * math.prod(self.shape[1:])
+
+    @property
+    def num_rows(self) -> int:
+        return self.shape[0] if self.shape else 1
 
 
 @dataclass(frozen=True)
@@ -266,8 +270,7 @@ class TensorSource:
         if stored is None or stored.dtype is None:
             reason = "not in the file's header" if stored is None else f"unsupported dtype {stored.dtype_name!r}"
             raise WeightError(f"tensor {name!r} in {path}: cannot read: {reason}")
-        num_rows, row_shape = (stored.shape[0], stored.shape[1:]) if stored.shape else (1, ())
-        return LazyTensor((RowRun(stored, 0, num_rows),), row_shape, stored.dtype)
+        return LazyTensor((RowRun(stored, 0, stored.num_rows),), stored.shape[1:], stored.dtype)
 
     def read(self, tensor: LazyTensor, selection: tuple[int, Ranges] | None = None) -> torch.Tensor:
         """The data of `tensor` in its dtype: whole (selection None), or the concatenation along
@@ -296,7 +299,7 @@ class TensorSource:
         NOTE: a column span costs one read per row (rows are contiguous, their spans are not); whole
         rows cost one read per run of rows. A whole stored tensor is mapped instead of copied."""
         first = runs[0].stored
-        if columns is None and len(runs) == 1 and (runs[0].start, runs[0].stop) == (0, _num_rows(first)):
+        if columns is None and len(runs) == 1 and (runs[0].start, runs[0].stop) == (0, first.num_rows):
             self.num_bytes_read += math.prod(first.shape) * first.dtype.itemsize
             return self._file(first.path).view(first)
         itemsize = first.dtype.itemsize
@@ -330,10 +333,6 @@ class TensorSource:
             position += n
         self.num_bytes_read += num_bytes
         return buffer.view(first.dtype).view(shape)
-
-
-def _num_rows(stored: StoredTensor) -> int:
-    return stored.shape[0] if stored.shape else 1
 
 
 def _append_read(reads: list[tuple[StoredTensor, int, int]], stored: StoredTensor, offset: int,

@@ -29,7 +29,7 @@ __all__ = ["LazyTensor", "RawWeights", "TensorSource", "WeightError", "WeightRea
            "fused", "load_engine_weights", "load_hf_weights", "per_head_qkv"]
 
 if TYPE_CHECKING:
-    from .tensor_parallel import TensorShard
+    from .tensor_shard import TensorShard
 
 Weights = dict[str, torch.Tensor]
 # What a reader returns: canonical name -> a lazy tensor (read by the loader) or one in memory.

@@ -1,9 +1,17 @@
-"""WorldConfig: the processes one model runs on (plain data, no torch: the manager's options
-import it). The collectives and the weight slices are in runtime.tensor_parallel."""
+"""WorldConfig: the processes one model runs on, the timeout of their collectives, and the error
+a failed one raises (plain data, no torch: the manager's options import it). The collectives are
+in runtime.tensor_parallel, the weight slices in runtime.tensor_shard."""
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+
+DIST_TIMEOUT_ENV = "BATCH_MANAGER_DIST_TIMEOUT_S"
+DEFAULT_DIST_TIMEOUT_S = 60.0
+
+
+class DistributedError(RuntimeError):
+    """A collective failed: another rank died, timed out, or ended the run with an error."""
 
 
 @dataclass(frozen=True)
@@ -43,3 +51,16 @@ def launcher_world_size() -> int:
         return max(1, int(value))
     except ValueError:
         raise ValueError(f"WORLD_SIZE: expected an integer, got {value!r}") from None
+
+
+def dist_timeout_s() -> float:
+    value = os.environ.get(DIST_TIMEOUT_ENV)
+    if value is None:
+        return DEFAULT_DIST_TIMEOUT_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(f"{DIST_TIMEOUT_ENV}: expected a positive number of seconds, got {value!r}")
+    return seconds

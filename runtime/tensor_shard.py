@@ -1,0 +1,177 @@
+"""Which slice of every weight a tensor-parallel rank holds: `TensorShard`, plain arithmetic
+over the model's config and the canonical weight layout (runtime.weights).
+
+The split (Megatron's): q/k/v and the MLP's up/gate are column-parallel (a rank computes its heads
+and its intermediate columns), the attention output and the MLP's down projection are
+row-parallel (each rank a partial sum, summed by an all-reduce), the embedding and lm_head are
+vocab-parallel (a masked lookup plus an all-reduce; the logits gathered where the decoder runs).
+KV heads split like the query heads; with fewer KV heads than ranks each rank keeps the one its
+query heads read (replicated), so each rank's KV pool holds only the heads it attends with.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from .config import ModelConfig
+
+Ranges = tuple[tuple[int, int], ...]   # [start, stop) spans, ascending
+
+
+def num_local_kv_heads(num_kv_heads: int, size: int) -> int:
+    """KV heads each of `size` ranks holds (one, replicated, when there are fewer than ranks)."""
+    return max(1, num_kv_heads // size)
+
+
+def _spans(start: int, stop: int) -> Ranges:
+    return ((start, stop),) if stop > start else ()
+
+
+@dataclass(frozen=True)
+class TensorShard:
+    """Rank `rank` of `size`: the heads, intermediate columns and vocabulary rows it holds.
+
+    Weights are in the canonical layout (runtime.weights): qkv rows [all q, all k, all v],
+    mlp_in rows [gate, up] (gated) or [fc], out and mlp_out [hidden, in]."""
+    rank: int
+    size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    gated_mlp: bool
+
+    @staticmethod
+    def of(cfg: ModelConfig, rank: int, size: int) -> "TensorShard":
+        """ValueError naming the field when `cfg` does not split over `size` ranks."""
+        if not 0 <= rank < size:
+            raise ValueError(f"rank: expected 0 <= rank < {size}, got {rank}")
+        if cfg.num_heads % size:
+            raise ValueError(f"tensor_parallelism: {size} does not divide the model's num_heads {cfg.num_heads}")
+        kv = cfg.num_kv_heads
+        if (kv >= size and kv % size) or (kv < size and size % kv):
+            raise ValueError(f"tensor_parallelism: {size} ranks cannot share the model's {kv} KV heads "
+                             "(one must divide the other)")
+        if cfg.intermediate_size % size:
+            raise ValueError(f"tensor_parallelism: {size} does not divide the model's intermediate_size "
+                             f"{cfg.intermediate_size}")
+        return TensorShard(rank, size, cfg.num_heads, kv, cfg.head_dim, cfg.intermediate_size, cfg.vocab_size,
+                           cfg.mlp_type == "gated")
+
+    # -- what this rank holds ---------------------------------------------------------------------
+
+    @property
+    def num_local_heads(self) -> int:
+        return self.num_heads // self.size
+
+    @property
+    def num_local_kv_heads(self) -> int:
+        return num_local_kv_heads(self.num_kv_heads, self.size)
+
+    @property
+    def first_head(self) -> int:
+        return self.rank * self.num_local_heads
+
+    @property
+    def first_kv_head(self) -> int:
+        """Its first KV head; with fewer KV heads than ranks, the one its query heads read."""
+        if self.num_kv_heads >= self.size:
+            return self.rank * self.num_local_kv_heads
+        return self.rank * self.num_kv_heads // self.size
+
+    @property
+    def num_local_intermediate(self) -> int:
+        return self.intermediate_size // self.size
+
+    @property
+    def vocab_chunk(self) -> int:
+        """Rows of every rank's (padded) vocabulary slice: ceil(vocab / size)."""
+        return -(-self.vocab_size // self.size)
+
+    @property
+    def vocab_range(self) -> tuple[int, int]:
+        """[start, stop) of the vocabulary rows it holds (the last rank's may be shorter or empty)."""
+        start = min(self.rank * self.vocab_chunk, self.vocab_size)
+        return start, min(start + self.vocab_chunk, self.vocab_size)
+
+    def local_config(self, cfg: ModelConfig) -> ModelConfig:
+        """The config of the slice the rank computes: its heads and intermediate columns (the
+        vocabulary stays whole: ids and logits are global)."""
+        return dataclasses.replace(cfg, num_heads=self.num_local_heads, num_kv_heads=self.num_local_kv_heads,
+                                   intermediate_size=self.num_local_intermediate)
+
+    def head_index(self) -> torch.Tensor:
+        """int64 [local heads]: the global index of each query head (ALiBi slopes)."""
+        return torch.arange(self.first_head, self.first_head + self.num_local_heads)
+
+    # -- the slices of the canonical weights -----------------------------------------------------
+
+    def qkv_rows(self) -> Ranges:
+        d, q_size, kv_size = self.head_dim, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q0, k0 = self.first_head * d, self.first_kv_head * d
+        nq, nk = self.num_local_heads * d, self.num_local_kv_heads * d
+        return (*_spans(q0, q0 + nq), *_spans(q_size + k0, q_size + k0 + nk),
+                *_spans(q_size + kv_size + k0, q_size + kv_size + k0 + nk))
+
+    def out_columns(self) -> Ranges:
+        d = self.head_dim
+        return _spans(self.first_head * d, (self.first_head + self.num_local_heads) * d)
+
+    def intermediate_columns(self) -> Ranges:
+        n = self.num_local_intermediate
+        return _spans(self.rank * n, (self.rank + 1) * n)
+
+    def mlp_in_rows(self) -> Ranges:
+        (start, stop), = self.intermediate_columns()
+        if not self.gated_mlp:
+            return ((start, stop),)
+        i = self.intermediate_size
+        return ((start, stop), (i + start, i + stop))
+
+    def selection(self, name: str) -> tuple[int, Ranges] | None:
+        """(dim, spans) of the canonical weight `name` this rank holds, or None: it holds it whole
+        (norms, position embeddings, the row-parallel linears' biases)."""
+        suffix = name.rsplit(".", 2)
+        linear = suffix[-2] if len(suffix) >= 2 and name.startswith("layers.") else None
+        if name in ("embed_tokens", "lm_head", "lm_head.bias"):
+            return 0, _spans(*self.vocab_range)
+        if linear == "qkv":
+            return 0, self.qkv_rows()
+        if linear == "mlp_in":
+            return 0, self.mlp_in_rows()
+        if linear == "out" and name.endswith(".weight"):
+            return 1, self.out_columns()
+        if linear == "mlp_out" and name.endswith(".weight"):
+            return 1, self.intermediate_columns()
+        return None
+
+    def local_shape(self, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of the rank's slice of a canonical weight of `shape`."""
+        sel = self.selection(name)
+        if sel is None:
+            return tuple(shape)
+        dim, spans = sel
+        out = list(shape)
+        out[dim] = sum(stop - start for start, stop in spans)
+        return tuple(out)
+
+    def slice(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The rank's slice of a whole canonical weight held in memory (GptSession given a whole
+        engine; LoRA factors). Loading from files reads only the slice: runtime.weights."""
+        sel = self.selection(name)
+        if sel is None:
+            return tensor
+        return take(tensor, *sel)
+
+
+def take(tensor: torch.Tensor, dim: int, spans: Ranges) -> torch.Tensor:
+    """The spans of `tensor` along `dim`, concatenated (a copy)."""
+    parts = [tensor.narrow(dim, start, stop - start) for start, stop in spans]
+    if not parts:
+        shape = list(tensor.shape)
+        shape[dim] = 0
+        return tensor.new_empty(shape)
+    return torch.cat(parts, dim).contiguous() if len(parts) > 1 else parts[0].contiguous()
