@@ -112,20 +112,14 @@ def measure_one_process(reps: int) -> None:
     """The same steps in this process with 2 threads (the yardstick of the share part)."""
     from runtime import Engine, ModelRunner
     from samples.default_model import default_model_dir
+    from samples.microbench.runtime import time_step
     torch.set_num_threads(2)
     engine = Engine.from_dir(default_model_dir())
     tpb = engine.build_config.tokens_per_block
     runner = ModelRunner(engine, 64 * -(-201 // tpb) + 8)
     print("[TP] 1 process x 2 threads, the same steps; median of", reps)
     for name, inputs in _steps(engine.model_config.vocab_size, tpb).items():
-        runner.forward(inputs)
-        walls = []
-        for _ in range(reps):
-            start = time.perf_counter()
-            runner.forward(inputs)
-            walls.append(time.perf_counter() - start)
-        walls.sort()
-        print(f"[TP] {name}: step {walls[len(walls) // 2] * 1e3:.2f} ms")
+        print(f"[TP] {name}: step {time_step(runner, inputs, 1, reps) * 1e3:.2f} ms")
 
 
 def main() -> None:

@@ -30,8 +30,19 @@ def engine_dir(tmp_path_factory):
     return str(root / "engine")
 
 
-def world():
-    return RankPool(2, env={"BATCH_MANAGER_DIST_TIMEOUT_S": str(TIMEOUT_S)})
+def run_in_new_world(fn, engine_dir: str, ranks: list[int] | None = None) -> list:
+    """fn(engine_dir) on both ranks of a fresh 2-rank world (discarded after); -> results of `ranks`."""
+    pool = RankPool(2, env={"BATCH_MANAGER_DIST_TIMEOUT_S": str(TIMEOUT_S)})
+    try:
+        return pool.run(fn, engine_dir, ranks=ranks)
+    finally:
+        pool.close()
+
+
+def build_manager(engine_dir: str, *callbacks) -> GptManager:
+    """The manager every rank builds; a follower passes no callbacks."""
+    return GptManager(engine_dir, TrtGptModelType.InflightFusedBatching, 1, SchedulerPolicy.GUARANTEED_NO_EVICT,
+                      *(callbacks or (None, None)))
 
 
 def _kill_self_after(condition) -> None:
@@ -46,14 +57,12 @@ def follower_dies(engine_dir: str):
     the error messages, the manager's fatal error)."""
     rank = int(os.environ["RANK"])
     if rank == 1:
-        manager = GptManager(engine_dir, TrtGptModelType.InflightFusedBatching, 1,
-                             SchedulerPolicy.GUARANTEED_NO_EVICT, None, None)
+        manager = build_manager(engine_dir)
         _kill_self_after(lambda: manager._worker.num_forwards >= 3)
         manager.shutdown()
         return None
     client = Client([make_request(i, p, 150) for i, p in enumerate(PROMPTS)])
-    manager = GptManager(engine_dir, TrtGptModelType.InflightFusedBatching, 1, SchedulerPolicy.GUARANTEED_NO_EVICT,
-                         *client.callbacks())
+    manager = build_manager(engine_dir, *client.callbacks())
     start = time.monotonic()
     client.wait(BOUND_S + 30)
     elapsed = time.monotonic() - start
@@ -64,11 +73,7 @@ def follower_dies(engine_dir: str):
 
 
 def test_a_killed_follower_fails_rank_zero_in_bounded_time(engine_dir):
-    pool = world()
-    try:
-        (elapsed, errors, fatal), = pool.run(follower_dies, engine_dir, ranks=[0])
-    finally:
-        pool.close()
+    (elapsed, errors, fatal), = run_in_new_world(follower_dies, engine_dir, ranks=[0])
     assert elapsed < BOUND_S
     assert fatal is not None and "tensor-parallel run failed" in fatal
     assert all(e and "tensor-parallel run failed" in e for e in errors), errors
@@ -79,24 +84,18 @@ def leader_dies(engine_dir: str):
     rank = int(os.environ["RANK"])
     if rank == 0:
         client = Client([make_request(0, PROMPTS[0], 150)])
-        manager = GptManager(engine_dir, TrtGptModelType.InflightFusedBatching, 1,
-                             SchedulerPolicy.GUARANTEED_NO_EVICT, *client.callbacks())
+        manager = build_manager(engine_dir, *client.callbacks())
         _kill_self_after(lambda: len(client.stats) >= 3)
         client.wait(120)
         return None
-    manager = GptManager(engine_dir, TrtGptModelType.InflightFusedBatching, 1, SchedulerPolicy.GUARANTEED_NO_EVICT,
-                         None, None)
+    manager = build_manager(engine_dir)
     start = time.monotonic()
     manager.shutdown()
     return time.monotonic() - start, manager.fatal_error, manager.is_running
 
 
 def test_a_killed_leader_ends_the_followers_in_bounded_time(engine_dir):
-    pool = world()
-    try:
-        (elapsed, fatal, running), = pool.run(leader_dies, engine_dir, ranks=[1])
-    finally:
-        pool.close()
+    (elapsed, fatal, running), = run_in_new_world(leader_dies, engine_dir, ranks=[1])
     assert elapsed < BOUND_S
     assert fatal is not None and "rank 1" in fatal and not running
 
@@ -105,14 +104,12 @@ def leader_crashes(engine_dir: str):
     """Rank 0's worker hits an internal error; -> (rank, fatal error, seconds until the run ended)."""
     rank = int(os.environ["RANK"])
     if rank != 0:
-        manager = GptManager(engine_dir, TrtGptModelType.InflightFusedBatching, 1,
-                             SchedulerPolicy.GUARANTEED_NO_EVICT, None, None)
+        manager = build_manager(engine_dir)
         start = time.monotonic()
         manager.shutdown()
         return rank, manager.fatal_error, time.monotonic() - start
     client = Client([make_request(0, PROMPTS[0], 20), make_request(1, PROMPTS[1], 20)])
-    manager = GptManager(engine_dir, TrtGptModelType.InflightFusedBatching, 1, SchedulerPolicy.GUARANTEED_NO_EVICT,
-                         *client.callbacks())
+    manager = build_manager(engine_dir, *client.callbacks())
     scheduler = manager._worker.scheduler
     update = scheduler.update
 
@@ -132,11 +129,7 @@ def leader_crashes(engine_dir: str):
 
 
 def test_rank_zero_crash_is_broadcast(engine_dir):
-    pool = world()
-    try:
-        (_, leader_fatal, _), (_, follower_fatal, elapsed) = pool.run(leader_crashes, engine_dir)
-    finally:
-        pool.close()
+    (_, leader_fatal, _), (_, follower_fatal, elapsed) = run_in_new_world(leader_crashes, engine_dir)
     assert "a scheduler bug" in leader_fatal
     assert follower_fatal.startswith("rank 0 failed: internal error") and "a scheduler bug" in follower_fatal
     assert elapsed < BOUND_S
