@@ -96,9 +96,14 @@ class RankPool:
         return self._collect(timeout_s, ranks)
 
     def close(self) -> None:
+        """Stop the ranks, and join the queues' feeder threads too: a test after this one that
+        counts the process's threads must not see them end during its run."""
         for q in self.tasks:
             q.put(None)
         for p in self.processes:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
+        for q in [*self.tasks, self.results]:
+            q.close()
+            q.join_thread()

@@ -120,18 +120,39 @@ def _produce(client: ChaosClient, seed: int, num_requests: int) -> None:
             time.sleep(rng.expovariate(1000.0))   # bursts and gaps of ~1 ms
 
 
-def run_round(engine_dir: str, config: RoundConfig, num_requests: int, num_producers: int, seed: int,
-              session: GptSession) -> dict:
-    threads_before = threading.active_count()
+def build_round_manager(engine_dir: str, config: RoundConfig, callbacks: tuple) -> GptManager:
+    """The manager of one round. Under tensor parallelism every rank builds it; ranks > 0 pass
+    (None, None, None, None) as the callbacks."""
     params = TrtGptModelOptionalParams(
         kv_cache_config=KvCacheConfig(max_tokens=POOL_TOKENS, enable_block_reuse=config.enable_block_reuse),
         enable_chunked_context=config.enable_chunked_context, enable_trt_overlap=config.enable_trt_overlap,
         max_num_tokens=64 if config.enable_chunked_context else None, peft_cache_manager_config=PEFT_CACHE)
+    return GptManager(engine_dir, TrtGptModelType[config.model_type], MAX_BEAM_WIDTH, SchedulerPolicy[config.policy],
+                      *callbacks, params)
+
+
+def follow_round(engine_dir: str, config: RoundConfig) -> str | None:
+    """A rank > 0 of a tensor-parallel soak: the round's manager, until rank 0 ends the run; -> its
+    fatal error (None when the run ended cleanly)."""
+    manager = build_round_manager(engine_dir, config, (None, None, None, None))
+    manager.shutdown()
+    return manager.fatal_error
+
+
+def use_soak_adapters(engine_dir: str) -> None:
+    """The LoRA adapters the soak's requests name (random, seeded per task id)."""
+    config = Engine.from_dir(engine_dir).model_config
+    chaos_requests.LORA_ADAPTERS.update({task_id: random_adapter(config, rank, seed=task_id)
+                                         for task_id, rank in LORA_RANKS.items()})
+
+
+def run_round(engine_dir: str, config: RoundConfig, num_requests: int, num_producers: int, seed: int,
+              session: GptSession) -> dict:
+    threads_before = threading.active_count()
     client = ChaosClient(seed)
     start = time.monotonic()
-    manager = GptManager(engine_dir, TrtGptModelType[config.model_type], MAX_BEAM_WIDTH,
-                         SchedulerPolicy[config.policy], client.get, client.send, client.poll_stop,
-                         client.report_stats, params)
+    manager = build_round_manager(engine_dir, config, (client.get, client.send, client.poll_stop,
+                                                        client.report_stats))
     worker = manager._worker   # test hooks: the block manager (checked) and the executor's fault hook
     client.kv = worker.scheduler.kv
     worker.executor.fault_injector = client.fault_injector
@@ -226,8 +247,7 @@ def run_soak(num_requests: int = 300, num_producers: int = 4, seed: int = 0, wor
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
         engine_dir = make_engine(tmp)
         engine = Engine.from_dir(engine_dir)
-        chaos_requests.LORA_ADAPTERS.update({task_id: random_adapter(engine.model_config, rank, seed=task_id)
-                                             for task_id, rank in LORA_RANKS.items()})
+        use_soak_adapters(engine_dir)
         session = GptSession(GptSession.Config(max_batch_size=1, max_beam_width=1,
                                                max_sequence_length=BUILD["max_seq_len"]),
                              engine.model_config, WorldConfig(), engine)

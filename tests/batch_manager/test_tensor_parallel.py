@@ -3,7 +3,8 @@ against one process on the same engine: identical greedy, beam and seeded-sampli
 log probs / generation logits within 1e-4 for a mixed workload under each batching type, with
 block reuse and chunked context, overlap, LoRA adapters and prompt tables, draft tokens, guided
 decoding, a bad request and a failing callback; the idle leader's heartbeat keeps the followers
-waiting past the timeout without spinning the CPU; the Executor takes requests on rank 0 only."""
+waiting past the timeout without spinning the CPU; the Executor takes requests on rank 0 only;
+bad parallel settings are refused naming the field; chaos soak rounds run clean over 2 ranks."""
 from __future__ import annotations
 
 import os
@@ -16,7 +17,7 @@ from batch_manager import (DecodingConfig, GptManager, GuidedDecodingConfig, Gui
                            KvCacheConfig, SchedulerPolicy, TrtGptModelOptionalParams, TrtGptModelType,
                            load_peft_adapter)
 from batch_manager.executor import ExecutorConfig, ParallelConfig, Request, SamplingConfig
-from runtime import build_engine
+from runtime import WorldConfig, build_engine
 from tests.batch_manager.conftest import Client, make_request
 from tests.batch_manager.test_guided_decoding import EOS, REGEX, SCHEMA, guided_engine  # noqa: F401 (fixture)
 from tests.distributed import RankPool
@@ -250,3 +251,81 @@ def test_executor_takes_requests_on_rank_zero(pool, engine):
     leader, follower = pool.run(executor_serve, engine[0])
     assert follower is None
     assert leader == executor_serve(engine[0])
+
+
+# -- a chaos soak round -------------------------------------------------------------------------------
+
+def soak_round(engine_dir: str, config, num_requests: int, seed: int) -> list[str] | str | None:
+    """samples.chaos_soak's round over 2 ranks: rank 0 serves it (random valid and bad requests,
+    stop signals, raising callbacks, injected step faults, LoRA; KV invariants, one final answer
+    each, greedy samples equal a solo GptSession) -> its violations; the follower -> its fatal error."""
+    from runtime import Engine, GptSession
+    from samples.chaos_soak import soak
+    if int(os.environ["RANK"]) != 0:
+        return soak.follow_round(engine_dir, config)
+    soak.use_soak_adapters(engine_dir)
+    engine = Engine.from_dir(engine_dir)
+    session = GptSession(GptSession.Config(1, 1, soak.BUILD["max_seq_len"]), engine.model_config, WorldConfig(),
+                         engine)
+    report = soak.run_round(engine_dir, config, num_requests, 4, seed, session)
+    assert report["served"] and report["greedy_checked"], report   # it did serve and check
+    return soak.violations(report)
+
+
+@pytest.fixture(scope="module")
+def soak_engine(tmp_path_factory):
+    from samples.chaos_soak import soak
+    return soak.make_engine(str(tmp_path_factory.mktemp("tp_soak")))
+
+
+# V1 + MAX_UTILIZATION with reuse, chunking, overlap; InflightBatching + STATIC_BATCH with chunking;
+# fused + MAX_UTILIZATION with reuse and chunking
+@pytest.mark.parametrize("round_index", [0, 5, 6])
+def test_chaos_soak_round(pool, soak_engine, round_index):
+    from samples.chaos_soak import soak
+    config = soak.round_configs()[round_index]
+    leader_violations, follower_error = pool.run(soak_round, soak_engine, config, 60, round_index)
+    assert leader_violations == [] and follower_error is None
+
+
+# -- bad parallel settings (one process: refused before any world is joined) ------------------------
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: TrtGptModelOptionalParams(world_config="2"), "world_config: expected a runtime.WorldConfig, got str"),
+    (lambda: TrtGptModelOptionalParams(world_config=WorldConfig(tensor_parallelism=0)),
+     "WorldConfig.tensor_parallelism: must be a positive integer or None, got 0"),
+    (lambda: TrtGptModelOptionalParams(world_config=WorldConfig(pipeline_parallelism=2)),
+     "WorldConfig.pipeline_parallelism: only 1 is supported, got 2"),
+    (lambda: TrtGptModelOptionalParams(world_config=WorldConfig(rank=-1)),
+     "WorldConfig.rank: must be a non-negative integer or None, got -1"),
+    (lambda: TrtGptModelOptionalParams(world_config=WorldConfig(tensor_parallelism=2)),
+     "WorldConfig.tensor_parallelism: 2 needs processes started by torchrun"),
+])
+def test_bad_world_config_is_refused_naming_the_field(engine, monkeypatch, make, message):
+    for name in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ValueError) as error:
+        GptManager(engine[0], TrtGptModelType.InflightFusedBatching, 1, SchedulerPolicy.GUARANTEED_NO_EVICT,
+                   lambda n: [], lambda *a: None, optional_params=make())
+    assert message in str(error.value)
+
+
+def test_bad_timeout_and_missing_callbacks_are_refused(engine, monkeypatch):
+    monkeypatch.setenv("BATCH_MANAGER_DIST_TIMEOUT_S", "soon")
+    params = TrtGptModelOptionalParams(world_config=WorldConfig(tensor_parallelism=2))
+    with pytest.raises(ValueError, match="BATCH_MANAGER_DIST_TIMEOUT_S: expected a positive number of seconds, "
+                                         "got 'soon'"):
+        GptManager(engine[0], TrtGptModelType.InflightFusedBatching, 1, SchedulerPolicy.GUARANTEED_NO_EVICT,
+                   lambda n: [], lambda *a: None, optional_params=params)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(ValueError, match="get_inference_requests_cb and send_response_cb must be callables"):
+        GptManager(engine[0], TrtGptModelType.InflightFusedBatching, 1, SchedulerPolicy.GUARANTEED_NO_EVICT,
+                   None, None)
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, "2"])
+def test_bad_parallel_config_is_refused_naming_the_field(engine, value):
+    from batch_manager.executor import Executor
+    with pytest.raises(ValueError, match=f"ParallelConfig.tensor_parallelism: must be a positive integer or None, "
+                                         f"got {value!r}"):
+        Executor(engine[0], executor_config=ExecutorConfig(parallel_config=ParallelConfig(tensor_parallelism=value)))
