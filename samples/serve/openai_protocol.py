@@ -7,18 +7,26 @@ Fields: model, prompt (text, texts, token ids or lists of them) or messages, max
 (max_completion_tokens), temperature, top_p, seed, stop, n, stream, stream_options.include_usage,
 logprobs (completions: 0-5; chat: true with top_logprobs 0-20), presence_penalty, frequency_penalty,
 logit_bias, user, and vLLM's extensions top_k, min_tokens, repetition_penalty, ignore_eos.
-Known OpenAI fields this server cannot honour are refused by name, never silently ignored."""
+Known OpenAI fields this server cannot honour are refused by name, never silently ignored. Text
+is bounded by characters before it is tokenized (`ModelInfo.max_text_chars`); callers run
+`parse_request` off the event loop (it tokenizes)."""
 from __future__ import annotations
 
-import math
 import secrets
 from dataclasses import dataclass
+
+from samples.serve.value_repr import short_repr, some_sorted
 
 TYPE_OF_STATUS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                   413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16   # OpenAI's; chat's default is what the context has left
 MAX_CHOICES = 128                     # n times the number of prompts
 MAX_STOP_STRINGS = 16
+# NOTE: a generous bound on the characters of one token: text longer than the context times this
+# cannot fit the context whatever the tokenizer, so it is refused before tokenizing (which would
+# hold the GIL for the id list) rather than after; natural text averages ~4 characters a token.
+MAX_CHARS_PER_TOKEN = 64
+MAX_ID_DIGITS = 20                    # a logit_bias key longer than any uint64 is no token id
 
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream", "stream_options",
                  "presence_penalty", "frequency_penalty", "logit_bias", "user", "logprobs",
@@ -54,6 +62,11 @@ class ModelInfo:
     max_seq_len: int           # prompt + generated tokens, the engine's limit
     end_id: int | None         # the tokenizer's end-of-sequence id, when inside the vocabulary
 
+    @property
+    def max_text_chars(self) -> int:
+        """The most characters a prompt (or a rendered conversation) may have before tokenizing."""
+        return self.max_seq_len * MAX_CHARS_PER_TOKEN
+
 
 @dataclass(frozen=True)
 class CompletionSpec:
@@ -86,27 +99,27 @@ ENGINE_TO_OPENAI = {"max_new_tokens": "max_tokens", "embedding_bias": "logit_bia
 
 
 def _number(field: str, value, low: float, high: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or not low <= value <= high:
-        raise bad(field, f"expected a number in [{low}, {high}], got {value!r:.80}")
+    """NaN fails both comparisons; infinities and integers too large for a float fall outside."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise bad(field, f"expected a number in [{low}, {high}], got {short_repr(value)}")
     return float(value)
 
 
 def _integer(field: str, value, low: int, high: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise bad(field, f"expected an integer in [{low}, {high}], got {value!r:.80}")
+        raise bad(field, f"expected an integer in [{low}, {high}], got {short_repr(value)}")
     return value
 
 
 def _boolean(field: str, value) -> bool:
     if not isinstance(value, bool):
-        raise bad(field, f"expected true or false, got {value!r:.80}")
+        raise bad(field, f"expected true or false, got {short_repr(value)}")
     return value
 
 
 def _text(field: str, value) -> str:
     if not isinstance(value, str):
-        raise bad(field, f"expected a string, got {value!r:.80}")
+        raise bad(field, f"expected a string, got {short_repr(value)}")
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as e:   # a lone surrogate ("\ud800" in the JSON)
@@ -119,7 +132,7 @@ def _stop(value) -> tuple[str, ...]:
         return ()
     stops = [value] if isinstance(value, str) else value
     if not isinstance(stops, list) or len(stops) > MAX_STOP_STRINGS:
-        raise bad("stop", f"expected a string or a list of at most {MAX_STOP_STRINGS} strings, got {value!r:.80}")
+        raise bad("stop", f"expected a string or a list of at most {MAX_STOP_STRINGS} strings, got {short_repr(value)}")
     for i, stop in enumerate(stops):
         if not _text(f"stop[{i}]" if isinstance(value, list) else "stop", stop):
             raise bad(f"stop[{i}]" if isinstance(value, list) else "stop", "empty string")
@@ -129,11 +142,12 @@ def _stop(value) -> tuple[str, ...]:
 def _logit_bias(value, vocab_size: int) -> list[float]:
     """{"token id": bias in [-100, 100]} -> a bias per vocabulary entry (the engine's embedding_bias)."""
     if not isinstance(value, dict):
-        raise bad("logit_bias", f"expected an object of token id -> bias, got {value!r:.80}")
+        raise bad("logit_bias", f"expected an object of token id -> bias, got {short_repr(value)}")
     bias = [0.0] * vocab_size
-    for key, b in value.items():
-        if not (isinstance(key, str) and key.isascii() and key.isdigit() and int(key) < vocab_size):
-            raise bad("logit_bias", f"key {key!r:.40}: expected a token id in [0, {vocab_size})")
+    for key, b in value.items():   # the length first: int() refuses over 4,300 digits
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= MAX_ID_DIGITS
+                and int(key) < vocab_size):
+            raise bad("logit_bias", f"key {short_repr(key, 40)}: expected a token id in [0, {vocab_size})")
         bias[int(key)] = _number(f"logit_bias[{key}]", b, -100.0, 100.0)
     return bias
 
@@ -144,18 +158,19 @@ def _refuse_unsupported(body: dict, n: int) -> None:
         raise bad("echo", "not supported (only false)")
     if body.get("suffix") is not None:
         raise bad("suffix", "not supported (only null)")
-    if body.get("best_of") not in (None, n):
-        raise bad("best_of", f"not supported (only null or equal to n={n}), got {body['best_of']!r:.40}")
+    best_of = body.get("best_of")
+    if best_of is not None and (isinstance(best_of, bool) or not isinstance(best_of, int) or best_of != n):
+        raise bad("best_of", f"not supported (only null or equal to n={n}), got {short_repr(best_of, 40)}")
     for field in ("tools", "functions", "function_call"):
         if body.get(field) is not None:
             raise bad(field, "tool and function calling are not supported")
     if body.get("tool_choice") not in (None, "none"):
         raise bad("tool_choice", "tool calling is not supported (only \"none\")")
-    if body.get("parallel_tool_calls") not in (None, True, False):
-        raise bad("parallel_tool_calls", f"expected true or false, got {body['parallel_tool_calls']!r:.40}")
+    if body.get("parallel_tool_calls") is not None:
+        _boolean("parallel_tool_calls", body["parallel_tool_calls"])
     response_format = body.get("response_format")
     if response_format is not None and response_format != {"type": "text"}:
-        raise bad("response_format", f"only {{\"type\": \"text\"}} is supported, got {response_format!r:.80}")
+        raise bad("response_format", f"only {{\"type\": \"text\"}} is supported, got {short_repr(response_format)}")
 
 
 def _sampling(body: dict, info: ModelInfo) -> dict:
@@ -183,7 +198,7 @@ def _sampling(body: dict, info: ModelInfo) -> dict:
 def _log_probs(body: dict, is_chat: bool) -> tuple[bool, int]:
     """-> (the sampled tokens' log probs wanted, k top log probs per token)."""
     if is_chat:
-        wanted = _boolean("logprobs", body.get("logprobs") or False)
+        wanted = body.get("logprobs") is not None and _boolean("logprobs", body["logprobs"])
         top = body.get("top_logprobs")
         if top is not None:
             top = _integer("top_logprobs", top, 0, 20)
@@ -212,9 +227,17 @@ def _max_tokens(body: dict, is_chat: bool, prompts: list[list[int]], info: Model
     return (room,)
 
 
+def _check_num_chars(field: str, what: str, num_chars: int, info: ModelInfo) -> None:
+    if num_chars > info.max_text_chars:
+        raise bad(field, f"{num_chars} characters{what}, more than this server's limit of {info.max_text_chars} "
+                         f"({MAX_CHARS_PER_TOKEN} per token of the model's context of {info.max_seq_len} tokens)")
+
+
 def _prompts(value, info: ModelInfo) -> list[list[int]]:
     """prompt: a string, a list of strings, a list of token ids, or a list of such lists."""
     def encode(field: str, text) -> list[int]:
+        if isinstance(text, str):
+            _check_num_chars(field, "", len(text), info)
         ids = list(info.tokenizer.encode(_text(field, text), add_special_tokens=True))
         if not ids:
             raise bad(field, "the text has no tokens")
@@ -223,6 +246,8 @@ def _prompts(value, info: ModelInfo) -> list[list[int]]:
     def token_ids(field: str, ids) -> list[int]:
         if not ids:
             raise bad(field, "empty prompt")
+        if len(ids) > info.max_seq_len:   # before checking each id
+            raise bad(field, f"{len(ids)} token ids, more than the model's context of {info.max_seq_len} tokens")
         for i, t in enumerate(ids):
             _integer(f"{field}[{i}]", t, 0, info.vocab_size - 1)
         return ids
@@ -230,7 +255,7 @@ def _prompts(value, info: ModelInfo) -> list[list[int]]:
     if isinstance(value, str):
         return [encode("prompt", value)]
     if not isinstance(value, list) or not value:
-        raise bad("prompt", f"expected a string, token ids, or a non-empty list of either, got {value!r:.80}")
+        raise bad("prompt", f"expected a string, token ids, or a non-empty list of either, got {short_repr(value)}")
     if all(isinstance(v, str) for v in value):
         return [encode(f"prompt[{i}]", v) for i, v in enumerate(value)]
     if all(isinstance(v, list) for v in value):
@@ -241,25 +266,26 @@ def _prompts(value, info: ModelInfo) -> list[list[int]]:
 def _messages(value) -> list[dict]:
     """Chat messages with text content only -> the conversation the chat template renders."""
     if not isinstance(value, list) or not value:
-        raise bad("messages", f"expected a non-empty list of messages, got {value!r:.80}")
+        raise bad("messages", f"expected a non-empty list of messages, got {short_repr(value)}")
     conversation = []
     for i, message in enumerate(value):
         field = f"messages[{i}]"
         if not isinstance(message, dict):
-            raise bad(field, f"expected an object with role and content, got {message!r:.80}")
+            raise bad(field, f"expected an object with role and content, got {short_repr(message)}")
         unknown = set(message) - {"role", "content", "name"}
         if unknown:
-            raise bad(field, f"unsupported keys {sorted(unknown)!r:.120} (text messages only: role, content, name)")
+            raise bad(field, f"unsupported keys {short_repr(some_sorted(unknown), 120)} (text messages only: role, "
+                             f"content, name)")
         role = message.get("role")
-        if role not in CHAT_ROLES:
-            raise bad(f"{field}.role", f"expected one of {sorted(CHAT_ROLES)}, got {role!r:.40}")
+        if not isinstance(role, str) or role not in CHAT_ROLES:   # a list is unhashable
+            raise bad(f"{field}.role", f"expected one of {sorted(CHAT_ROLES)}, got {short_repr(role, 40)}")
         content = message.get("content")
         if isinstance(content, list):   # content parts: text only
             texts = []
             for j, part in enumerate(content):
                 if not isinstance(part, dict) or part.get("type") != "text" or set(part) != {"type", "text"}:
                     raise bad(f"{field}.content[{j}]", f"only {{\"type\": \"text\", \"text\": ...}} parts are "
-                                                       f"supported, got {part!r:.80}")
+                                                       f"supported, got {short_repr(part)}")
                 texts.append(_text(f"{field}.content[{j}].text", part["text"]))
             content = "".join(texts)
         conversation.append({"role": role, "content": _text(f"{field}.content", content)}
@@ -267,16 +293,21 @@ def _messages(value) -> list[dict]:
     return conversation
 
 
-def render_chat(conversation: list[dict], tokenizer) -> list[int]:
+def render_chat(conversation: list[dict], info: ModelInfo) -> list[int]:
     """The tokenizer's own chat template (tokenizer_config.json's chat_template), rendered with the
     assistant's generation prompt; its text is tokenized without adding special tokens (the
-    template writes them)."""
+    template writes them). Contents and names, then the rendered text, are bounded by
+    info.max_text_chars first."""
+    tokenizer = info.tokenizer
     if not getattr(tokenizer, "chat_template", None):
         raise bad("messages", "the tokenizer has no chat template (tokenizer_config.json: chat_template)")
+    num_chars = sum(len(m["content"]) + len(m.get("name", "")) for m in conversation)
+    _check_num_chars("messages", " of content and names", num_chars, info)
     try:
         text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
     except Exception as e:   # the template's own raise_exception (roles must alternate, ...) or a Jinja error
         raise bad("messages", f"the chat template refused the conversation: {e}") from None
+    _check_num_chars("messages", " in the rendered conversation", len(text), info)
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
@@ -285,12 +316,12 @@ def parse_request(body, is_chat: bool, info: ModelInfo) -> CompletionSpec:
     if not isinstance(body, dict):
         raise bad("body", f"expected a JSON object, got {type(body).__name__}")
     accepted = CHAT_FIELDS if is_chat else COMPLETION_FIELDS
-    unknown = sorted(set(body) - accepted)
+    unknown = set(body) - accepted
     if unknown:
-        raise bad(unknown[0], f"unknown field; accepted: {sorted(accepted)}")
+        raise bad(min(unknown), f"unknown field; accepted: {sorted(accepted)}")
     model = _text("model", body.get("model"))
     if model != info.name:
-        raise OpenAIError(404, f"model: {model!r:.80} is not served here; this server serves {info.name!r}",
+        raise OpenAIError(404, f"model: {short_repr(model)} is not served here; this server serves {info.name!r}",
                           "model", "model_not_found")
     n = _integer("n", body.get("n", 1), 1, MAX_CHOICES)
     _refuse_unsupported(body, n)
@@ -302,10 +333,10 @@ def parse_request(body, is_chat: bool, info: ModelInfo) -> CompletionSpec:
         if not stream:
             raise bad("stream_options", "only allowed with stream: true")
         if not isinstance(options, dict) or set(options) - {"include_usage"}:
-            raise bad("stream_options", f"expected {{\"include_usage\": bool}}, got {options!r:.80}")
+            raise bad("stream_options", f"expected {{\"include_usage\": bool}}, got {short_repr(options)}")
     include_usage = _boolean("stream_options.include_usage", (options or {}).get("include_usage", False))
     if is_chat:
-        prompts = [render_chat(_messages(body.get("messages")), info.tokenizer)]
+        prompts = [render_chat(_messages(body.get("messages")), info)]
     else:
         if "prompt" not in body:
             raise bad("prompt", "required")

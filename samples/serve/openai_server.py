@@ -1,9 +1,11 @@
 """The OpenAI-compatible endpoints of samples.serve: GET /v1/models, GET /v1/models/{model},
 POST /v1/completions and POST /v1/chat/completions (JSON, or server-sent events in OpenAI's chunk
 format ending with `data: [DONE]`), errors in OpenAI's shape. Handlers parse the body
-(`openai_protocol`), run the choices (`openai_choices`) and shape what comes back."""
+(`openai_protocol`, on a worker thread: it tokenizes), run the choices (`openai_choices`) and
+shape what comes back."""
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from dataclasses import dataclass
@@ -77,7 +79,9 @@ async def handle_chat_completions(request: web.Request) -> web.StreamResponse:
 async def _complete(request: web.Request, is_chat: bool) -> web.StreamResponse:
     context = request.app[CONTEXT]
     info, bridge = context.info, context.bridge
-    spec = parse_request(await read_json(request), is_chat, info)
+    body = await read_json(request)
+    # NOTE: off the loop, so tokenizing (bounded by info.max_text_chars) never stalls other clients
+    spec = await asyncio.get_running_loop().run_in_executor(None, parse_request, body, is_chat, info)
     latency = bridge.metrics.latency if bridge.metrics is not None else None
     run = ChoiceRun(bridge, spec, info, latency)
     shape = _Shape(is_chat, ("chatcmpl-" if is_chat else "cmpl-") + uuid.uuid4().hex, int(time.time()), info.name,

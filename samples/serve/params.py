@@ -1,7 +1,9 @@
 """The HTTP request body of samples.serve -> an InferenceRequest's tensors. Checks JSON types and
 that each value fits its tensor's dtype here, before anything is queued (a ValueError naming the
 field and the value: a 400); values are checked by GptManager's own validation, whose error the
-server also returns as a 400, led by the body field it names (`name_body_field`)."""
+server also returns as a 400, led by the body field it names (`name_body_field`). Text to
+tokenize is refused past `max_text_chars` characters before tokenizing; the server parses off
+its event loop."""
 from __future__ import annotations
 
 import math
@@ -11,6 +13,7 @@ import torch
 
 from batch_manager import InferenceRequest, tensor_names as tn
 from runtime.decoding import to_word_list
+from samples.serve.value_repr import short_repr, some_sorted
 
 # body field -> (wire tensor name, kind, torch dtype)
 SCALAR_FIELDS = {
@@ -62,18 +65,18 @@ class GenerateParams:
 
 def _int(field: str, value, low: int, high: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"{field}: expected an integer, got {value!r:.80}")
+        raise ValueError(f"{field}: expected an integer, got {short_repr(value)}")
     if not low <= value <= high:
-        raise ValueError(f"{field}: {value!r:.80} outside [{low}, {high}]")
+        raise ValueError(f"{field}: {short_repr(value)} outside [{low}, {high}]")
     return value
 
 
 def _float(field: str, value) -> float:
     """A JSON number that a float32 holds (finite, |x| <= FLOAT32_MAX)."""
     if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise ValueError(f"{field}: expected a number, got {value!r:.80}")
+        raise ValueError(f"{field}: expected a number, got {short_repr(value)}")
     if isinstance(value, int) and abs(value) > FLOAT32_MAX:   # float(10**400) would raise OverflowError
-        raise ValueError(f"{field}: {value!r:.80} outside the float32 range")
+        raise ValueError(f"{field}: {short_repr(value)} outside the float32 range")
     if not math.isfinite(value) or abs(value) > FLOAT32_MAX:
         raise ValueError(f"{field}: must be a finite float32 number, got {value!r}")
     return float(value)
@@ -87,29 +90,33 @@ def _text(field: str, value: str) -> str:
     return value
 
 
-def _token_ids(field: str, value, tokenizer) -> list[int]:
-    """A list of int32 token ids, or a string when a tokenizer is loaded."""
+def _token_ids(field: str, value, tokenizer, max_text_chars: int | None = None) -> list[int]:
+    """A list of int32 token ids, or a string (of at most max_text_chars) when a tokenizer is loaded."""
     if isinstance(value, str):
         if tokenizer is None:
             raise ValueError(f"{field}: text needs a tokenizer (start the server with --tokenizer DIR)")
+        if max_text_chars is not None and len(value) > max_text_chars:
+            raise ValueError(f"{field}: {len(value)} characters, more than this server's limit of {max_text_chars} "
+                             f"(a multiple of the model's context)")
         return list(tokenizer.encode(_text(field, value), add_special_tokens=False))
     if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-        raise ValueError(f"{field}: expected a list of integer token ids, got {value!r:.80}")
+        raise ValueError(f"{field}: expected a list of integer token ids, got {short_repr(value)}")
     low, high = INT_RANGES[torch.int32]
     for token in value:
         if not low <= token <= high:
-            raise ValueError(f"{field}: token id {token!r:.80} outside the int32 range [{low}, {high}]")
+            raise ValueError(f"{field}: token id {short_repr(token)} outside the int32 range [{low}, {high}]")
     return value
 
 
-def word_list(field: str, words, tokenizer) -> torch.Tensor:
+def word_list(field: str, words, tokenizer, max_text_chars: int | None = None) -> torch.Tensor:
     """[[ids...], ...] (or strings with a tokenizer) -> int32 [1, 2, L]: row 0 the concatenated
     tokens, row 1 the inclusive prefix sums of the word lengths, padded with -1 (the legacy format)."""
     if not isinstance(words, list) or not words:
-        raise ValueError(f"{field}: expected a non-empty list of words (token-id lists or strings), got {words!r:.80}")
+        raise ValueError(f"{field}: expected a non-empty list of words (token-id lists or strings), "
+                         f"got {short_repr(words)}")
     ids = []
     for i, word in enumerate(words):
-        ids.append(_token_ids(f"{field}[{i}]", word, tokenizer))
+        ids.append(_token_ids(f"{field}[{i}]", word, tokenizer, max_text_chars))
         if not ids[-1]:
             raise ValueError(f"{field}[{i}]: empty word")
     return to_word_list(ids)[None]
@@ -118,7 +125,7 @@ def word_list(field: str, words, tokenizer) -> torch.Tensor:
 def _scalar(field: str, kind: str, dtype: torch.dtype, value) -> torch.Tensor:
     if kind == "bool":
         if not isinstance(value, bool):
-            raise ValueError(f"{field}: expected true or false, got {value!r:.80}")
+            raise ValueError(f"{field}: expected true or false, got {short_repr(value)}")
     elif field == "seed":
         value = _int(field, value, *SEED_RANGE)
         if value > INT_RANGES[torch.int64][1]:   # a uint64 seed: its int64 two's complement, which
@@ -130,42 +137,46 @@ def _scalar(field: str, kind: str, dtype: torch.dtype, value) -> torch.Tensor:
     return torch.tensor([value], dtype=dtype)
 
 
-def _prompt(body: dict, tokenizer) -> list[int]:
+def _prompt(body: dict, tokenizer, max_text_chars: int | None) -> list[int]:
     if ("input_ids" in body) == ("text" in body):
         raise ValueError("input_ids / text: give exactly one of them")
     if "text" in body:
         if not isinstance(body["text"], str):
-            raise ValueError(f"text: expected a string, got {body['text']!r:.80}")
-        return _token_ids("text", body["text"], tokenizer)
+            raise ValueError(f"text: expected a string, got {short_repr(body['text'])}")
+        return _token_ids("text", body["text"], tokenizer, max_text_chars)
     return _token_ids("input_ids", body["input_ids"], None)
 
 
 def _embedding_bias(bias) -> torch.Tensor:
     if not isinstance(bias, list):
-        raise ValueError(f"embedding_bias: expected a list of numbers (one per vocabulary entry), got {bias!r:.80}")
+        raise ValueError(f"embedding_bias: expected a list of numbers (one per vocabulary entry), "
+                         f"got {short_repr(bias)}")
     return torch.tensor([[_float(f"embedding_bias[{i}]", b) for i, b in enumerate(bias)]], dtype=torch.float32)
 
 
-def parse_generate_body(body, tokenizer=None, default_max_new_tokens: int = 64) -> GenerateParams:
-    """Check the JSON body's fields, types and dtype ranges; raise ValueError(field: problem) for a 400."""
+def parse_generate_body(body, tokenizer=None, default_max_new_tokens: int = 64,
+                        max_text_chars: int | None = None) -> GenerateParams:
+    """Check the JSON body's fields, types and dtype ranges; raise ValueError(field: problem) for a 400.
+    max_text_chars bounds each text to tokenize (None: unbounded)."""
     if not isinstance(body, dict):
         raise ValueError(f"body: expected a JSON object, got {type(body).__name__}")
     unknown = set(body) - ALL_FIELDS
     if unknown:
-        raise ValueError(f"body: unknown fields {sorted(unknown)!r:.200}; accepted: {sorted(ALL_FIELDS)}")
-    tensors = {tn.INPUT_IDS: torch.tensor(_prompt(body, tokenizer), dtype=torch.int32)}
+        raise ValueError(f"body: unknown fields {short_repr(some_sorted(unknown), 200)}; "
+                         f"accepted: {sorted(ALL_FIELDS)}")
+    tensors = {tn.INPUT_IDS: torch.tensor(_prompt(body, tokenizer, max_text_chars), dtype=torch.int32)}
     max_new_tokens = _int("max_new_tokens", body.get("max_new_tokens", default_max_new_tokens),
                           *INT_RANGES[torch.int32])
     tensors[tn.MAX_NEW_TOKENS] = torch.tensor([[max_new_tokens]], dtype=torch.int32)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
-        raise ValueError(f"stream: expected true or false, got {stream!r:.80}")
+        raise ValueError(f"stream: expected true or false, got {short_repr(stream)}")
     for field, (name, kind, dtype) in SCALAR_FIELDS.items():
         if field in body:
             tensors[name] = _scalar(field, kind, dtype, body[field])
     for field, name in WORD_LIST_FIELDS.items():
         if field in body:
-            tensors[name] = word_list(field, body[field], tokenizer)
+            tensors[name] = word_list(field, body[field], tokenizer, max_text_chars)
     if "embedding_bias" in body:
         tensors[tn.EMBEDDING_BIAS] = _embedding_bias(body["embedding_bias"])
     return GenerateParams(stream, body.get("return_log_probs", False), tensors)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import hmac
 import ipaddress
 import json
@@ -75,8 +76,10 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
         return _error(400, f"body: not valid JSON ({e})")
     except RecursionError:
         return _error(400, "body: JSON nested too deeply")
-    try:
-        params = parse_generate_body(body, tokenizer, settings["default_max_new_tokens"])
+    parse = functools.partial(parse_generate_body, body, tokenizer, settings["default_max_new_tokens"],
+                              settings["max_text_chars"])
+    try:   # off the loop: tokenizing text would stall every other client
+        params = await asyncio.get_running_loop().run_in_executor(None, parse)
     except ValueError as e:
         return _error(400, str(e))
     except RecursionError:   # repr of a deeply nested value in an error message
@@ -194,10 +197,12 @@ def make_middleware(api_key: str | None):
 def create_app(bridge: ManagerBridge, tokenizer=None, default_max_new_tokens: int = 64,
                model_info: ModelInfo | None = None, api_key: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> web.Application:
-    """The routes; the OpenAI ones when model_info (which holds the tokenizer) is given."""
+    """The routes; the OpenAI ones when model_info (which holds the tokenizer) is given, whose
+    max_text_chars then also bounds /generate's text."""
     app = web.Application(middlewares=[make_middleware(api_key)], client_max_size=max_body_bytes)
     app[BRIDGE] = bridge
-    app[SETTINGS] = {"tokenizer": tokenizer, "default_max_new_tokens": default_max_new_tokens}
+    app[SETTINGS] = {"tokenizer": tokenizer, "default_max_new_tokens": default_max_new_tokens,
+                     "max_text_chars": model_info.max_text_chars if model_info is not None else None}
     app.add_routes([web.post("/generate", handle_generate), web.get("/health", handle_health),
                     web.get("/metrics", handle_metrics)])
     if model_info is not None:

@@ -16,12 +16,12 @@ PROMPT = "Say:"            # ends with a token outside the reply: the reply star
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Greet me 👋"}]
 
 
-def start_server(scripted, api: str) -> ServerThread:
+def start_server(scripted, api: str, max_body_bytes: int = MAX_BODY_BYTES) -> ServerThread:
     """The app with its OpenAI routes over the scripted engine, the API key set, a small body limit."""
     from samples.serve.server import model_info
     tokenizer, _, engine_dir = scripted
     return ServerThread(engine_dir, tokenizer, api=api, model_info=model_info(engine_dir, tokenizer, MODEL),
-                        api_key=API_KEY, max_body_bytes=MAX_BODY_BYTES)
+                        api_key=API_KEY, max_body_bytes=max_body_bytes)
 
 
 def client(server, **kwargs) -> openai.OpenAI:

@@ -41,6 +41,7 @@ def server(scripted, request):
     ({"extra_body": {"echo": True}}, "echo", "not supported"),
     ({"extra_body": {"colour": 1}}, "colour", "unknown field"),
     ({"extra_body": {"logit_bias": {"301": 5}}}, "logit_bias", "token id"),
+    ({"extra_body": {"logit_bias": {"1" * 5000: 5}}}, "logit_bias", "token id"),   # over int()'s digit limit
     ({"stream": True, "logprobs": -1}, "logprobs", "[0, 5]"),        # refused before any event is sent
 ])
 def test_bad_completion_requests_are_400_naming_the_field(server, kwargs, param, words):
@@ -68,6 +69,27 @@ def test_bad_chat_requests_are_400(server, kwargs, param):
     with pytest.raises(openai.BadRequestError) as e:
         client(server).chat.completions.create(**body)
     assert e.value.body["param"] == param, e.value.body
+
+
+NESTED = b"[" * 1000 + b"]" * 1000   # within orjson's depth limit, past what repr() recurses into
+
+
+@pytest.mark.parametrize("path, field, raw, param", [
+    ("/v1/completions", "prompt", NESTED, "prompt[0][0]"),
+    ("/v1/completions", "temperature", NESTED, "temperature"),
+    ("/v1/completions", "stop", NESTED, "stop[0]"),
+    ("/v1/completions", "seed", b"1" * 30, "seed"),                 # past 64 bits: orjson makes it a float
+    ("/v1/completions", "best_of", b"true", "best_of"),            # true == 1 == n
+    ("/v1/chat/completions", "messages", b'[{"role": ' + NESTED + b', "content": "hi"}]', "messages[0].role"),
+    ("/v1/chat/completions", "messages", b'[{"role": ["user"], "content": "hi"}]', "messages[0].role"),
+    ("/v1/chat/completions", "logprobs", b"0", "logprobs"),
+])
+def test_values_python_cannot_convert_or_show_are_400_naming_the_field(server, path, field, raw, param):
+    body = {"model": MODEL, "max_tokens": 2, **({"messages": MESSAGES} if "chat" in path else {"prompt": PROMPT})}
+    data = json.dumps(body | {field: "VALUE"}).encode().replace(b'"VALUE"', raw)
+    status, answer = post_json(server, path, data)
+    assert status == 400 and answer["error"]["param"] == param, answer
+    assert_idle(server)
 
 
 def post_json(server, path: str, data: bytes, key: str | None = API_KEY) -> tuple[int, dict]:
@@ -147,8 +169,10 @@ def test_api_key(server):
 
 # -- fuzz ----------------------------------------------------------------------------------------------------
 
+EDGE_KEYS = ["1" * 5000, "0" * 30 + "1", "-1", "1e3", "٣"]   # no token ids; int() refuses the first
 junk = (st.none() | st.booleans() | st.integers(-(1 << 70), 1 << 70) | st.floats() | st.text(max_size=6)
-        | st.lists(st.integers(-5, 400), max_size=4) | st.dictionaries(st.text(max_size=4), st.integers(), max_size=2))
+        | st.lists(st.integers(-5, 400), max_size=4) | st.dictionaries(st.text(max_size=4), st.integers(), max_size=2)
+        | st.dictionaries(st.sampled_from(EDGE_KEYS), st.integers(-5, 5), min_size=1, max_size=2))
 VALID_FIELDS = {
     "max_tokens": st.integers(1, 6), "temperature": st.floats(0.0, 2.0), "top_p": st.floats(0.0, 1.0),
     "seed": st.integers(-(1 << 63), (1 << 64) - 1), "n": st.integers(1, 3), "stream": st.booleans(),
