@@ -16,6 +16,7 @@ from runtime import Engine, ModelRunner, WorldConfig
 from runtime.kv_cache_manager import KvCacheManager
 from runtime.tensor_parallel import init_tensor_parallel, local_device
 
+from .adapter_weights import AdapterWeights
 from .capacity_scheduler import make_capacity_scheduler
 from .distributed import Follower
 from .guided_decoding import GuidedDecodingConfig
@@ -122,6 +123,7 @@ def build_engine_core(engine_dir, model_type: TrtGptModelType, max_beam_width: i
     memory_budget = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else host_budget_bytes()
     peft_cache = make_peft_cache(params.peft_cache_manager_config, engine.model_config, engine.dtype.itemsize,
                                  memory_budget)
+    peft_cache.weights = AdapterWeights(engine.dtype)
     runner = ModelRunner(engine, num_blocks, kernels=params.kernel_backend, device=device,
                          max_attention_window=kv_config.max_attention_window,
                          sink_token_length=kv_config.sink_token_length, tensor_parallel=tensor_parallel,
@@ -148,7 +150,7 @@ def build_engine_core(engine_dir, model_type: TrtGptModelType, max_beam_width: i
         gather_generation_logits=build.gather_generation_logits, max_draft_tokens=max_draft_tokens,
         max_batch_size=max_batch_size,
         guides=_grammar_compiler(params.guided_decoding_config, engine.model_config.vocab_size),
-        model_config=engine.model_config,
+        model_config=engine.model_config, adapter_weights=peft_cache.weights,
         peft_cache_config=params.peft_cache_manager_config or PeftCacheManagerConfig())
     config = WorkerConfig(model_type=model_type, max_num_sequences=max_num_sequences,
                           enable_trt_overlap=enable_trt_overlap,

@@ -109,7 +109,8 @@ def tensor_int(name: str, value) -> int | None:
     if value is None:
         return None
     if not isinstance(value, torch.Tensor) or value.numel() != 1 or value.dtype.is_floating_point \
-            or value.dtype == torch.bool:
+            or value.dtype.is_complex or value.dtype == torch.bool or value.device.type == "meta":
         raise ValueError(f"{name}: expected one integer value (uint64 [1]), got "
-                         f"{getattr(value, 'dtype', type(value).__name__)} {list(getattr(value, 'shape', []))}")
+                         f"{getattr(value, 'dtype', type(value).__name__)} {list(getattr(value, 'shape', []))}"
+                         f"{' on the meta device' if getattr(value, 'is_meta', False) else ''}")
     return int(value.item())

@@ -9,7 +9,10 @@ adapters are opaque payloads here). Two levels, each keyed by task id:
   A request whose adapter cannot be made resident waits (the capacity scheduler asks
   `can_acquire` before starting it).
 
-The runtime learns what to load and evict through the step (`take_changes`).
+The runtime learns what to load and evict through the step (`take_changes`). A task id names one
+adapter: weights sent again for a cached id are a repeat when identical (in the cache's dtype),
+else refused; `weights` (batch_manager.adapter_weights.AdapterWeights, set by the engine builder)
+keeps that record, thread-safe, for the Executor's check at enqueue too.
 """
 from __future__ import annotations
 
@@ -50,6 +53,7 @@ class PeftCache:
         self._runtime_ids: set[int] = set()   # what the runtime holds after the last take_changes
         self.num_evictions = 0                # adapters dropped from the device or the host cache
         self._num_instances = 0
+        self.weights = None                   # AdapterWeights: which weights each cached id names; None: unchecked
 
     @property
     def num_cached(self) -> int:
@@ -64,19 +68,22 @@ class PeftCache:
 
     def register(self, ref: AdapterRef) -> str | None:
         """An admitted request's adapter -> None, or the error that refuses the request (an id
-        neither cached nor sent with weights; an adapter larger than a whole cache). A task id
-        names one adapter: weights sent again for a cached id are not reloaded."""
+        neither cached nor sent with weights; an adapter larger than a whole cache; weights sent
+        again for a cached id that differ from the cached ones: a cached id is never served with
+        other weights, and identical ones are a repeat, not reloaded)."""
         entry = self._host.get(ref.task_id)
+        if entry is not None and ref.payload is not None and self.weights is not None \
+                and not self.weights.repeats_cached(ref):
+            return (f"lora_weights: task id {ref.task_id} is cached with other weights; a cached id is never "
+                    "served with other weights (send the new adapter under a new task id)")
         if entry is None:
-            if ref.payload is None:
-                return (f"lora_task_id: {ref.task_id} is not in the PEFT cache; send lora_weights and lora_config "
-                        "with it")
-            if ref.device_rows > self.device_capacity:
-                return (f"lora_weights: adapter {ref.task_id} needs {ref.device_rows} device cache rows; the cache "
-                        f"has {self.device_capacity} (num_device_module_layer / device_cache_percent)")
-            if ref.host_cost > self.host_capacity:
-                return (f"lora_weights: adapter {ref.task_id} needs {ref.host_cost} of the host cache's "
-                        f"{self.host_capacity} (host_cache_size / num_host_module_layer)")
+            error = self._cannot_cache(ref)
+            if error is not None:
+                if self.weights is not None and ref.payload is not None:
+                    self.weights.refuse(ref)
+                return error
+            if self.weights is not None:
+                self.weights.cache(ref)
             self._num_instances += 1
             entry = _Entry(ref.payload, ref.host_cost, ref.device_rows, instance=self._num_instances)
             self._host[ref.task_id] = entry
@@ -84,6 +91,18 @@ class PeftCache:
         entry.num_users += 1
         self._host.move_to_end(ref.task_id)
         self._trim_host()
+        return None
+
+    def _cannot_cache(self, ref: AdapterRef) -> str | None:
+        if ref.payload is None:
+            return (f"lora_task_id: {ref.task_id} is not in the PEFT cache; send lora_weights and lora_config "
+                    "with it")
+        if ref.device_rows > self.device_capacity:
+            return (f"lora_weights: adapter {ref.task_id} needs {ref.device_rows} device cache rows; the cache "
+                    f"has {self.device_capacity} (num_device_module_layer / device_cache_percent)")
+        if ref.host_cost > self.host_capacity:
+            return (f"lora_weights: adapter {ref.task_id} needs {ref.host_cost} of the host cache's "
+                    f"{self.host_capacity} (host_cache_size / num_host_module_layer)")
         return None
 
     def instance(self, task_id: int) -> int:
@@ -150,6 +169,8 @@ class PeftCache:
                 return
             entry = self._host.pop(task_id)
             self._host_used -= entry.host_cost
+            if self.weights is not None:
+                self.weights.forget(task_id)
             if task_id in self._device:
                 del self._device[task_id]
                 self._device_used -= entry.device_rows
@@ -161,3 +182,5 @@ class PeftCache:
         assert self._device_used <= self.device_capacity
         assert all(e.num_running == 0 or t in self._device for t, e in self._host.items())
         assert all(e.num_running <= e.num_users for e in self._host.values())
+        if self.weights is not None:
+            self.weights.check_invariants(self._host)

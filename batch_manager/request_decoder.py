@@ -66,6 +66,11 @@ class RequestDecoder:
                 logits = logits[[row for i in keep for row in range(*spans[i])]]
             outcomes = self.decoder.step([entries[i].state for i in keep], logits, [requests[i].drafts for i in keep])
             for i, o in zip(keep, outcomes):
+                if o.finish_reason == "no_token":
+                    state = entries[i].state
+                    results[requests[i].request_id] = RequestResult(
+                        requests[i].request_id, error=_no_token_error(state, state.num_generated + len(o.tokens)))
+                    continue
                 results[requests[i].request_id] = RequestResult(
                     requests[i].request_id, new_tokens=o.tokens, new_log_probs=o.log_probs,
                     new_generation_logits=o.logits, cum_log_prob=o.cum_log_prob,
@@ -115,6 +120,18 @@ class RequestDecoder:
                 for i in batched:
                     failures[requests[i].request_id] = f"batched logits post-processor raised: {exc!r}"
         return failures
+
+
+def _no_token_error(state: DecodeState, step: int) -> str:
+    """The error ending a request whose logits allowed no token at generation step `step` (0: the
+    first generated token)."""
+    if state.guide is not None:
+        return (f"guided_decoding_params: no token is allowed at generation step {step}: the guide and the bans "
+                "(bad_words, min_length, a logits post-processor) leave none (the end id only where the guide "
+                "is complete)")
+    return (f"bad_words: no token is allowed at generation step {step}: every logit is -inf after bad_words, "
+            "no_repeat_ngram_size and the logits post-processor")
+
 
 def _write_back(view: torch.Tensor, output) -> None:
     if isinstance(output, torch.Tensor) and output is not view:

@@ -83,7 +83,7 @@ class ScheduledStep:
 class RequestResult:
     """One scheduled request's outcome; a request that ran a non-final context chunk decodes nothing."""
     request_id: int
-    error: str | None = None               # the step failed for this request
+    error: str | None = None               # the step failed for this request (or allowed it no token): it ends
     new_tokens: tuple[int, ...] = ()       # beam width 1: tokens appended (none when the end id ended it)
     new_log_probs: tuple[float, ...] = ()
     new_generation_logits: tuple = ()      # float32 [V] per new token, when gathered

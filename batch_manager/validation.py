@@ -21,7 +21,7 @@ from .peft_cache import AdapterRef
 
 logger = logging.getLogger(__name__)
 
-_INT_DTYPES = (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8, torch.uint32, torch.uint64)
+INT_DTYPES = (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8, torch.uint32, torch.uint64)
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 # Accepted and validated, but not implemented by this version: a request that sets them is refused.
@@ -46,12 +46,15 @@ class AdmissionLimits:
     peft_cache_config: PeftCacheManagerConfig = field(default_factory=PeftCacheManagerConfig)
     max_draft_tokens: int = 0    # longest draft a request may bring (0: drafts refused)
     guides: Any = None           # the engine's GrammarCompiler when guided decoding is configured
+    adapter_weights: Any = None  # the PEFT cache's AdapterWeights (thread-safe): the Executor checks re-sent weights
     max_batch_size: int = 1 << 30    # sequences one step may run: a request's beams or samples must fit
 
 
 def _tensor(name: str, value) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise RequestError(f"{name}: expected a torch tensor, got {type(value).__name__}")
+    if value.device.type == "meta":
+        raise RequestError(f"{name}: a tensor on the meta device (no values), shape {list(value.shape)}")
     return value
 
 
@@ -63,7 +66,7 @@ def _scalar(tensors: dict, name: str, kind: str, default=None):
     if t.numel() != 1 or t.dim() > 2:
         raise RequestError(f"{name}: expected one value (shape [1] or [1, 1]), got shape {list(t.shape)}")
     if kind == "int":
-        if t.dtype not in _INT_DTYPES:
+        if t.dtype not in INT_DTYPES:
             raise RequestError(f"{name}: expected an integer tensor, got {t.dtype}")
         return int(t.item())
     if kind == "float":
@@ -73,7 +76,7 @@ def _scalar(tensors: dict, name: str, kind: str, default=None):
         if not math.isfinite(value):
             raise RequestError(f"{name}: must be finite, got {value}")
         return value
-    if t.dtype != torch.bool and t.dtype not in _INT_DTYPES:
+    if t.dtype != torch.bool and t.dtype not in INT_DTYPES:
         raise RequestError(f"{name}: expected a bool tensor, got {t.dtype}")
     return bool(t.item())
 
@@ -82,7 +85,7 @@ def _input_ids(tensors: dict, limits: AdmissionLimits, num_virtual_tokens: int =
     if tn.INPUT_IDS not in tensors:
         raise RequestError(f"{tn.INPUT_IDS}: missing (required)")
     t = _tensor(tn.INPUT_IDS, tensors[tn.INPUT_IDS])
-    if t.dtype not in _INT_DTYPES:
+    if t.dtype not in INT_DTYPES:
         raise RequestError(f"{tn.INPUT_IDS}: expected int32, got {t.dtype}")
     if t.dim() == 2 and t.shape[0] == 1:
         t = t[0]
@@ -131,7 +134,7 @@ def _word_list(tensors: dict, name: str, vocab_size: int) -> tuple[tuple[int, ..
     if name not in tensors:
         return ()
     t = _tensor(name, tensors[name])
-    if t.dtype not in _INT_DTYPES:
+    if t.dtype not in INT_DTYPES:
         raise RequestError(f"{name}: expected an int32 tensor, got {t.dtype}")
     try:
         return parse_word_list(t, name, vocab_size)
@@ -275,7 +278,7 @@ def _drafts(tensors: dict, limits: AdmissionLimits) -> tuple[list[int], torch.Te
             raise RequestError(f"{tn.DRAFT_LOGITS}: given without {tn.DRAFT_INPUT_IDS}")
         return [], None
     t = _tensor(tn.DRAFT_INPUT_IDS, tensors[tn.DRAFT_INPUT_IDS])
-    if t.dtype not in _INT_DTYPES:
+    if t.dtype not in INT_DTYPES:
         raise RequestError(f"{tn.DRAFT_INPUT_IDS}: expected int32, got {t.dtype}")
     if t.dim() == 2 and t.shape[0] == 1:
         t = t[0]

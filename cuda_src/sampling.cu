@@ -27,9 +27,10 @@
 //   log_softmax_rows: -> out float32 [num_rows, vocab] (contiguous).
 //   sample_tokens:  top_k int64, top_p float32, uniforms float32 in [0, 1), normalize uint8 (bool)
 //                   [num_rows] -> tokens int64, log_probs float32 [num_rows]. Uniforms are read
-//                   at the generator's 2^-24 resolution (Philox draws are exact multiples). A row
-//                   whose every logit is -inf (or NaN) yields token 0 with log prob NaN; other rows
-//                   must be NaN-free.
+//                   at the generator's 2^-24 resolution (Philox draws are exact multiples). Other
+//                   rows must be NaN-free.
+//   greedy_tokens and sample_tokens never choose a token whose logit is -inf: a row with no allowed
+//   token (every logit -inf, or NaN) yields NO_TOKEN (-1) with log prob -inf, for the host to report.
 //   dtypes: logits float32 whatever DTYPE says (the define is ignored).
 #include "prelude.cuh"
 
@@ -38,6 +39,7 @@
 #define RADIX_BITS 8
 #define RADIX_BUCKETS 256
 #define MAX_WARPS 32
+#define NO_TOKEN (-1)  // a row with no allowed token (runtime/kernels/interface.py NO_TOKEN)
 
 typedef unsigned long long u64;
 
@@ -224,9 +226,13 @@ extern "C" __global__ void __launch_bounds__(1024, 1) greedy_tokens(
   for (int v = threadIdx.x; v < vocab; v += blockDim.x) sum += expf(x[v] - best);
   sum = block_reduce_sum(sum, scratch);
   if (threadIdx.x == 0) {
-    index = min(index, vocab - 1);  // every logit NaN: token vocab - 1 (log prob NaN)
-    tokens[blockIdx.x] = index;
-    log_probs[blockIdx.x] = (x[index] - best) - logf(sum);
+    if (!(best > NEG_INF)) {  // every logit -inf (or NaN): nothing is allowed
+      tokens[blockIdx.x] = NO_TOKEN;
+      log_probs[blockIdx.x] = NEG_INF;
+    } else {
+      tokens[blockIdx.x] = index;
+      log_probs[blockIdx.x] = (x[index] - best) - logf(sum);
+    }
   }
 }
 
@@ -258,10 +264,10 @@ extern "C" __global__ void __launch_bounds__(1024, 1) sample_tokens(
   float row_max = NEG_INF;
   for (int v = threadIdx.x; v < vocab; v += blockDim.x) row_max = fmaxf(row_max, x[v]);
   row_max = block_reduce_max(row_max, scratch);
-  if (!(row_max > NEG_INF)) {  // block-uniform: nothing has weight
+  if (!(row_max > NEG_INF)) {  // block-uniform: no token is allowed (never draw token 0)
     if (threadIdx.x == 0) {
-      tokens[row] = 0;
-      log_probs[row] = __int_as_float(0x7fc00000);
+      tokens[row] = NO_TOKEN;
+      log_probs[row] = NEG_INF;
     }
     return;
   }

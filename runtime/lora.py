@@ -77,11 +77,15 @@ def adapter_from_tensors(weights, config, cfg: ModelConfig, max_adapter_size: in
     """weights [N, W] (or [1, N, W]) float, config [N, 3] (or [1, N, 3]) int -> LoraAdapter (CPU,
     float32). ValueError naming the field (`names`: how the user calls weights and config) and the
     value for a module or layer the model does not have, a size of 0 or above max_adapter_size, a
-    row shorter than its module needs, a repeated (module, layer), a non-float dtype."""
+    row shorter than its module needs, a repeated (module, layer), a non-float dtype, a tensor on
+    the meta device."""
     w_name, c_name = names
     if not isinstance(weights, torch.Tensor) or not isinstance(config, torch.Tensor):
         raise ValueError(f"{w_name} / {c_name}: expected torch tensors, got {type(weights).__name__} and "
                          f"{type(config).__name__}")
+    for name, t in ((w_name, weights), (c_name, config)):
+        if t.device.type == "meta":
+            raise ValueError(f"{name}: a tensor on the meta device (no values), shape {list(t.shape)}")
     if weights.dtype not in FLOAT_DTYPES:
         raise ValueError(f"{w_name}: expected float32, float16 or bfloat16, got {weights.dtype}")
     if config.dtype.is_floating_point or config.dtype.is_complex or config.dtype == torch.bool:

@@ -16,8 +16,7 @@ def check_prompt_table(table, hidden_size: int, name: str = "prompt_embedding_ta
     `name` and the value otherwise."""
     if not isinstance(table, torch.Tensor):
         raise ValueError(f"{name}: expected a float tensor [T, {hidden_size}], got {type(table).__name__}")
-    if table.dtype not in TABLE_DTYPES:
-        raise ValueError(f"{name}: expected float32, float16 or bfloat16, got {table.dtype}")
+    _check_values(table, name)
     t = table[0] if table.dim() == 3 and table.shape[0] == 1 else table
     if t.dim() != 2 or t.shape[0] == 0 or t.shape[1] != hidden_size:
         raise ValueError(f"{name}: expected shape [T, {hidden_size}] or [1, T, {hidden_size}] with T >= 1, "
@@ -26,6 +25,14 @@ def check_prompt_table(table, hidden_size: int, name: str = "prompt_embedding_ta
     if not bool(torch.isfinite(t).all()):
         raise ValueError(f"{name}: must be finite (NaN or inf found)")
     return t
+
+
+def _check_values(table: torch.Tensor, name: str) -> None:
+    """A real float tensor with values (not on the meta device)."""
+    if table.dtype not in TABLE_DTYPES:
+        raise ValueError(f"{name}: expected float32, float16 or bfloat16, got {table.dtype}")
+    if table.device.type == "meta":
+        raise ValueError(f"{name}: a tensor on the meta device (no values), shape {list(table.shape)}")
 
 
 def table_digest(table: torch.Tensor) -> bytes:
@@ -44,6 +51,7 @@ def virtual_tokens(inputs: dict[str, torch.Tensor], input_ids: torch.Tensor, len
     if missing:
         raise ValueError(f"forward inputs: {missing} missing; {list(TABLE_INPUTS)} come together")
     table = inputs["prompt_embedding_table"]
+    _check_values(table, "prompt_embedding_table")
     if table.dim() != 2 or table.shape[1] != hidden_size:
         raise ValueError(f"prompt_embedding_table: expected [P, {hidden_size}], got {list(table.shape)}")
     is_virtual = input_ids >= vocab_size

@@ -19,8 +19,8 @@ from runtime.prompt_tuning import check_prompt_table
 from ..llm_request import LlmRequest
 from ..lora import adapter_ref
 from ..responses import response_tensors
-from ..validation import (AdmissionLimits, RequestError, cache_salt, check_decoding, check_drafts, check_prompt,
-                          make_llm_request)
+from ..validation import (INT_DTYPES, AdmissionLimits, RequestError, cache_salt, check_decoding, check_drafts,
+                          check_prompt, make_llm_request)
 from .request import (ExternalDraftTokensConfig, FinishReason, LoraConfig, OutputConfig, PromptTuningConfig, Request,
                       Result, SamplingConfig)
 
@@ -85,6 +85,7 @@ def to_llm_request(request: Request, request_id: int, limits: AdmissionLimits, n
         drafts=lambda: _drafts(request.external_draft_tokens_config, limits),
         guide=lambda: check_guide(request.guided_decoding_params, limits.guides, "guided_decoding_params"),
         draft_acceptance_threshold=_threshold(request.external_draft_tokens_config))
+    _claim_adapter(r.lora, limits)   # last: a refused request leaves no claim behind
     return r, OutputOptions(bool(output.exclude_input_from_output), bool(request.return_all_generated_tokens))
 
 
@@ -96,9 +97,11 @@ def _drafts(config, limits: AdmissionLimits) -> tuple[list[int], Any]:
                            f"got {type(config).__name__}")
     tokens = _token_ids("external_draft_tokens_config.tokens", config.tokens)
     logits = config.logits
-    if logits is not None and (not isinstance(logits, torch.Tensor) or not logits.is_floating_point()):
-        raise RequestError(f"external_draft_tokens_config.logits: expected a float tensor [D, V], "
-                           f"got {type(logits).__name__}")
+    if logits is not None and (not isinstance(logits, torch.Tensor) or not logits.is_floating_point()
+                               or logits.is_meta):
+        raise RequestError(f"external_draft_tokens_config.logits: expected a float tensor [D, V] with values, "
+                           f"got {getattr(logits, 'dtype', type(logits).__name__)}"
+                           f"{' on the meta device' if getattr(logits, 'is_meta', False) else ''}")
     return check_drafts(tokens, logits, limits, "external_draft_tokens_config.tokens",
                         "external_draft_tokens_config.logits")
 
@@ -126,6 +129,15 @@ def _lora(config, limits: AdmissionLimits):
         raise RequestError(str(e)) from None
 
 
+def _claim_adapter(ref, limits: AdmissionLimits) -> None:
+    """Weights sent again for a cached (or queued) task id: refused when they differ (API.md);
+    else the id is claimed for them until the worker caches them (adapter_weights.py)."""
+    if ref is not None and ref.payload is not None and limits.adapter_weights is not None:
+        error = limits.adapter_weights.claim(ref, _LORA_NAMES[1])
+        if error is not None:
+            raise RequestError(error)
+
+
 def _prompt_table(config, limits: AdmissionLimits):
     if config is None:
         return None
@@ -145,9 +157,13 @@ def _int(name: str, value) -> int:
 
 
 def _token_ids(name: str, value) -> list[int]:
+    """A list of ints or a 1-D integer tensor (as GptManager's input_ids: not bool, float or
+    complex) -> list[int]."""
     if isinstance(value, torch.Tensor):
-        if value.dtype.is_floating_point or value.dim() != 1:
+        if value.dtype not in INT_DTYPES or value.dim() != 1:
             raise RequestError(f"{name}: expected a 1-D integer tensor, got {value.dtype} {list(value.shape)}")
+        if value.device.type == "meta":
+            raise RequestError(f"{name}: a tensor on the meta device (no values), shape {list(value.shape)}")
         return value.tolist()
     if not isinstance(value, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         raise RequestError(f"{name}: expected a list of token ids (ints), got {type(value).__name__}")
@@ -185,9 +201,9 @@ def _decoding_params(request: Request, limits: AdmissionLimits, normalize_log_pr
         _int("end_id", request.end_id)
     bias = request.embedding_bias
     if bias is not None:
-        if not isinstance(bias, torch.Tensor):
-            raise RequestError(f"embedding_bias: expected a float tensor [{limits.vocab_size}], got "
-                               f"{type(bias).__name__}")
+        if not isinstance(bias, torch.Tensor) or bias.is_meta:
+            got = "a tensor on the meta device" if isinstance(bias, torch.Tensor) else type(bias).__name__
+            raise RequestError(f"embedding_bias: expected a float tensor [{limits.vocab_size}] with values, got {got}")
         bias = bias.detach().cpu()
         if bias.dim() == 2 and bias.shape[0] == 1:
             bias = bias[0]

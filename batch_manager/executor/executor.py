@@ -17,18 +17,17 @@ from .front_end import ExecutorFrontEnd
 from .kv_events import KvCacheEvent, KvEventBuffer
 from .request import Request, Response, Result
 from .stats import IterationStats, RequestStatsPerIteration
+from .waits import timeout_seconds
 
 logger = logging.getLogger(__name__)
 
 
-def _seconds(timeout) -> float | None:
-    if timeout is None:
-        return None
-    if isinstance(timeout, timedelta):
-        return timeout.total_seconds()
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0:
-        raise ValueError(f"timeout: expected a datetime.timedelta, seconds >= 0 or None, got {timeout!r}")
-    return float(timeout)
+def _request_ids(id_or_ids) -> list[int]:
+    ids = list(id_or_ids) if isinstance(id_or_ids, (list, tuple)) else [id_or_ids]
+    for request_id in ids:
+        if isinstance(request_id, bool) or not isinstance(request_id, int):
+            raise ValueError(f"id_or_ids: expected request ids (ints), got {request_id!r}")
+    return ids
 
 
 class Executor:
@@ -80,17 +79,18 @@ class Executor:
     def await_responses(self, id_or_ids=None, timeout=None):
         """await_responses(timeout=None) -> the ready responses of any request (waits for one);
         await_responses(id, timeout) -> those of one request (an error response for an unknown
-        id); await_responses([ids], timeout) -> a list per id. timeout: timedelta, seconds, or
-        None (wait); [] when it passes."""
+        id, at once); await_responses([ids], timeout) -> a list per id. timeout: timedelta, finite
+        seconds >= 0, or None (until ready or shutdown); [] when it passes. An any-id call leaves
+        the responses of ids that another call awaits by id (or `generate_async` reads) to that
+        call. After shutdown no call waits."""
         if isinstance(id_or_ids, timedelta):
             id_or_ids, timeout = None, id_or_ids
-        timeout_s = _seconds(timeout)
+        timeout_s = timeout_seconds(timeout)
         store = self._front_end.responses
         if id_or_ids is None:
             return store.await_any(timeout_s)
-        if isinstance(id_or_ids, (list, tuple)):
-            return [store.await_id(request_id, timeout_s) for request_id in id_or_ids]
-        return store.await_id(id_or_ids, timeout_s)
+        per_id = store.await_ids(_request_ids(id_or_ids), timeout_s)
+        return per_id if isinstance(id_or_ids, (list, tuple)) else per_id[0]
 
     def get_num_responses_ready(self, request_id: int | None = None) -> int:
         return self._front_end.responses.num_ready(request_id)
@@ -99,14 +99,17 @@ class Executor:
         """The results of one request as they come; raises RuntimeError with an error response's
         message. Cancelling the task (or closing the generator early) cancels the request."""
         loop, ready = asyncio.get_running_loop(), asyncio.Event()
-        request_id = self.enqueue_request(request)
+        self._check_leader()
+        request_id = self._front_end.enqueue([request], lambda: loop.call_soon_threadsafe(ready.set))[0]
         store = self._front_end.responses
-        store.listen(request_id, lambda: loop.call_soon_threadsafe(ready.set))
         done = False
         try:
             while not done:
-                responses = store.await_id(request_id, 0)
+                was_closed = store.closed   # read first: every response comes before the close
+                [responses] = store.await_ids([request_id], 0)
                 if not responses:
+                    if was_closed:
+                        raise RuntimeError(f"request {request_id}: the executor shut down before its final result")
                     await ready.wait()
                     ready.clear()
                     continue
@@ -146,15 +149,23 @@ class Executor:
         return self._front_end.stats.drain_requests()
 
     def get_latest_kv_cache_events(self, timeout=None) -> list[KvCacheEvent]:
+        """The events since the last call, after waiting up to `timeout` (as in await_responses)
+        for the first; [] when it passes or after shutdown."""
         if self._kv_events is None:
             raise RuntimeError("KV-cache events are off: set KvCacheConfig(event_buffer_max_size=N)")
-        return self._kv_events.get_latest(_seconds(timeout))
+        return self._kv_events.get_latest(timeout_seconds(timeout))
 
     def shutdown(self) -> None:
-        """Refuse new requests, finish every queued and running one, join the worker. Idempotent.
-        On a rank > 0 of a tensor-parallel world: wait until rank 0 ends the run."""
+        """Refuse new requests, finish every queued and running one, join the worker, then wake
+        every wait (they return what is ready). Idempotent. On a rank > 0 of a tensor-parallel
+        world: wait until rank 0 ends the run."""
         self._front_end.close()
-        self._worker.shutdown()
+        try:
+            self._worker.shutdown()
+        finally:
+            self._front_end.responses.close()
+            if self._kv_events is not None:
+                self._kv_events.close()
 
     def __enter__(self) -> "Executor":
         return self

@@ -34,9 +34,10 @@ class ExecutorFrontEnd:
 
     # -- caller side ---------------------------------------------------------------------------------
 
-    def enqueue(self, requests: list[Request]) -> list[int]:
+    def enqueue(self, requests: list[Request], listener: Callable[[], None] | None = None) -> list[int]:
         """Validate every request, then queue them all, or none: ValueError naming the field for
-        bad input; RuntimeError once closed; QueueFullError past max_queue_size."""
+        bad input; RuntimeError once closed; QueueFullError past max_queue_size. `listener`: see
+        `ResponseStore.listen` (set before the worker can answer)."""
         converted = [to_llm_request(request, 0, self.limits, self._normalize_log_probs, self._post_processors,
                                     self._has_batched) for request in requests]
         queue = self.requests
@@ -49,7 +50,7 @@ class ExecutorFrontEnd:
             for r, options in converted:
                 r.request_id, self._next_id = self._next_id, self._next_id + 1
                 self._options[r.request_id] = options
-                self.responses.register(r.request_id)
+                self.responses.register(r.request_id, listener)
                 ids.append(r.request_id)
             queue.push_all([r for r, _ in converted])
         return ids

@@ -1,12 +1,14 @@
 """KV-cache events for cache-aware routers: the bounded buffer the KV manager's event sink
-writes on the worker thread and `Executor.get_latest_kv_cache_events` drains on any thread."""
+writes on the worker thread and `Executor.get_latest_kv_cache_events` drains on any thread
+(closed at shutdown: no wait outlives it)."""
 from __future__ import annotations
 
 import enum
 import threading
-import time
 from collections import deque
 from dataclasses import dataclass
+
+from .waits import wait_for
 
 
 class KvCacheEventType(enum.Enum):
@@ -39,6 +41,7 @@ class KvEventBuffer:
         self._events: deque[KvCacheEvent] = deque(maxlen=max_size)
         self._ready = threading.Condition()
         self._num_events = 0
+        self._closed = False
 
     # The KV manager's sink (worker thread).
     def stored(self, parent_key: bytes, blocks: list[tuple[bytes, list[int]]]) -> None:
@@ -55,16 +58,17 @@ class KvEventBuffer:
             self._num_events += 1
             self._ready.notify_all()
 
+    def close(self) -> None:
+        """At shutdown: wake every wait; from now on `get_latest` never waits."""
+        with self._ready:
+            self._closed = True
+            self._ready.notify_all()
+
     def get_latest(self, timeout_s: float | None) -> list[KvCacheEvent]:
         """Every buffered event, oldest first, after waiting up to `timeout_s` (None: until one
-        arrives) for the first; [] on timeout."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        arrives or the buffer closes) for the first; [] on timeout or when closed without events."""
         with self._ready:
-            while not self._events:
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return []
-                self._ready.wait(remaining)
+            wait_for(self._ready, lambda: self._closed or bool(self._events), timeout_s)
             events = list(self._events)
             self._events.clear()
             return events

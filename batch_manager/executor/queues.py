@@ -5,12 +5,12 @@ from __future__ import annotations
 import heapq
 import logging
 import threading
-import time
 from collections import deque
 from typing import Callable
 
 from ..llm_request import LlmRequest
 from .request import Response
+from .waits import wait_for
 
 logger = logging.getLogger(__name__)
 
@@ -62,19 +62,26 @@ class RequestQueue:
 
 class ResponseStore:
     """Responses by request id, until `await_*` hands them over. An id is known from its enqueue
-    until its final response is handed over (or the id is abandoned)."""
+    until its final response is handed over or the id is abandoned; a wait for an unknown id
+    answers at once. Each response goes to exactly one call: an id that a call waits for by id, or
+    that has a listener (`generate_async`), is claimed, and `await_any` leaves its responses to
+    that call. `close()` (at shutdown) wakes every wait; a closed store never waits."""
 
     def __init__(self):
         self._ready = threading.Condition()
         self._responses: dict[int, deque[Response]] = {}
         self._known: set[int] = set()
-        self._abandoned: set[int] = set()
+        self._abandoned: set[int] = set()      # ids whose later responses are dropped, until the final
         self._listeners: dict[int, Callable[[], None]] = {}
+        self._num_id_waits: dict[int, int] = {}   # request id -> calls waiting for it by id
         self._num_ready = 0
+        self.closed = False
 
-    def register(self, request_id: int) -> None:
+    def register(self, request_id: int, listener: Callable[[], None] | None = None) -> None:
         with self._ready:
             self._known.add(request_id)
+            if listener is not None:
+                self._listeners[request_id] = listener
 
     def push(self, response: Response, is_final: bool) -> None:
         request_id = response.request_id
@@ -82,17 +89,12 @@ class ResponseStore:
             if request_id in self._abandoned:
                 if is_final:
                     self._abandoned.discard(request_id)
-                    self._known.discard(request_id)
                 return
             self._responses.setdefault(request_id, deque()).append(response)
             self._num_ready += 1
             self._ready.notify_all()
             listener = self._listeners.get(request_id)
-        if listener is not None:
-            try:
-                listener()
-            except Exception:  # noqa: BLE001 - a closed event loop must not fail the request
-                logger.exception("response listener of request %s raised", request_id)
+        _call(listener, request_id)
 
     def listen(self, request_id: int, listener: Callable[[], None] | None) -> None:
         """`listener()` is called (on the worker thread) after each response of the id."""
@@ -103,12 +105,24 @@ class ResponseStore:
                 self._listeners[request_id] = listener
 
     def abandon(self, request_id: int) -> None:
-        """Drop the id's ready responses and every later one; the id is forgotten at its final."""
+        """Drop the id's ready responses and every later one; the id is unknown from now on."""
         with self._ready:
-            self._num_ready -= len(self._responses.pop(request_id, ()))
+            dropped = self._responses.pop(request_id, ())
+            self._num_ready -= len(dropped)
             self._listeners.pop(request_id, None)
-            if request_id in self._known:
+            if request_id in self._known and not any(_is_last(resp) for resp in dropped):
                 self._abandoned.add(request_id)
+            self._known.discard(request_id)
+            self._ready.notify_all()
+
+    def close(self) -> None:
+        """Wake every wait (and listener); from now on no call waits."""
+        with self._ready:
+            self.closed = True
+            self._ready.notify_all()
+            listeners = list(self._listeners.items())
+        for request_id, listener in listeners:
+            _call(listener, request_id)
 
     def num_ready(self, request_id: int | None = None) -> int:
         with self._ready:
@@ -117,35 +131,59 @@ class ResponseStore:
             return len(self._responses.get(request_id, ()))
 
     def await_any(self, timeout_s: float | None) -> list[Response]:
+        """The ready responses of every unclaimed id, after waiting for one (or closing)."""
         with self._ready:
-            if not self._wait(lambda: self._num_ready > 0, timeout_s):
-                return []
-            out = [resp for request_id in list(self._responses) for resp in self._take(request_id)]
-            return out
+            wait_for(self._ready, lambda: self.closed or any(map(self._is_unclaimed, self._responses)), timeout_s)
+            return [resp for request_id in list(self._responses) if self._is_unclaimed(request_id)
+                    for resp in self._take(request_id)]
 
-    def await_id(self, request_id: int, timeout_s: float | None) -> list[Response]:
+    def await_ids(self, request_ids: list[int], timeout_s: float | None) -> list[list[Response]]:
+        """Per id in turn, its ready responses after waiting up to `timeout_s` for one: an error
+        response for an unknown id, [] on timeout. Every id is claimed for the whole call."""
         with self._ready:
-            if request_id not in self._known and not self._responses.get(request_id):
-                return [Response(request_id, error_msg=f"request id {request_id}: unknown (never enqueued, or its "
-                                                      "final response was already returned)")]
-            if not self._wait(lambda: bool(self._responses.get(request_id)), timeout_s):
-                return []
+            for request_id in request_ids:
+                self._num_id_waits[request_id] = self._num_id_waits.get(request_id, 0) + 1
+            try:
+                return [self._await_id(request_id, timeout_s) for request_id in request_ids]
+            finally:
+                for request_id in request_ids:
+                    self._num_id_waits[request_id] -= 1
+                    if not self._num_id_waits[request_id]:
+                        del self._num_id_waits[request_id]
+
+    def _await_id(self, request_id: int, timeout_s: float | None) -> list[Response]:
+        """Call with the lock held and the id claimed."""
+        wait_for(self._ready, lambda: self.closed or request_id not in self._known
+                 or bool(self._responses.get(request_id)), timeout_s)
+        if self._responses.get(request_id):
             return self._take(request_id)
+        if request_id not in self._known:
+            return [Response(request_id, error_msg=f"request id {request_id}: unknown (never enqueued, or its "
+                                                  "final response was already returned)")]
+        return []
+
+    def _is_unclaimed(self, request_id: int) -> bool:
+        return request_id not in self._num_id_waits and request_id not in self._listeners
 
     def _take(self, request_id: int) -> list[Response]:
         """Call with the lock held."""
         out = list(self._responses.pop(request_id, ()))
         self._num_ready -= len(out)
-        if any(resp.has_error() or resp.result.is_final for resp in out):
+        if any(_is_last(resp) for resp in out):
             self._known.discard(request_id)
             self._listeners.pop(request_id, None)
+            self._ready.notify_all()   # other waits for the id answer at once
         return out
 
-    def _wait(self, predicate: Callable[[], bool], timeout_s: float | None) -> bool:
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while not predicate():
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                return False
-            self._ready.wait(remaining)
-        return True
+
+def _is_last(response: Response) -> bool:
+    return response.has_error() or response.result.is_final
+
+
+def _call(listener: Callable[[], None] | None, request_id: int) -> None:
+    if listener is None:
+        return
+    try:
+        listener()
+    except Exception:  # noqa: BLE001 - a closed event loop must not fail the request
+        logger.exception("response listener of request %s raised", request_id)

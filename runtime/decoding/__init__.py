@@ -1,5 +1,6 @@
 """Decoding: one request's settings and their validation (`params`), the decoder that turns a
-step's logits into tokens for any mix of requests (`decoder`), and beam search (`beam_search`)."""
+step's logits into tokens for any mix of requests (`decoder`, its logits processing in
+`processing`), and beam search (`beam_search`)."""
 from .decoder import DecodeOutcome, DecodeState, Decoder
 from .params import DecodingParams, parse_word_list, to_word_list
 

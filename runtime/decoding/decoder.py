@@ -12,6 +12,9 @@ drafts[:j] had been generated one by one; the accepted drafts and one token of t
 appended (speculative.py has the acceptance rules).
 Randomness: the draw for a request's token t of beam b is `rng.uniforms(seed, t, b)`; draft
 acceptance tests draw from stream `ACCEPT_STREAM` at the draft's position.
+No token allowed: a token whose processed logit is -inf is never chosen. Where a request's row
+(every beam's, for beam search; any sample's) has none left, it ends with finish reason
+"no_token" and nothing from that row; its owner reports the step.
 """
 from __future__ import annotations
 
@@ -20,10 +23,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels.interface import NO_TOKEN
 from ..token_record import BeamOutputs, TokenRecord
 from .beam_search import BeamSearch, Hypothesis
+from .guided import Guide
 from .params import DecodingParams
-from .guided import Guide, bitmask_words
+from .processing import StepRows, process_logits
 from .samples import Samples
 from .speculative import DraftVerifier
 
@@ -48,7 +53,8 @@ class DecodeState:
         # Beam search: the live hypotheses (log probs, scores, gathered logits) of the bank.
         self.live = [Hypothesis([], [], 0.0, 0.0, [] if gather_generation_logits else None)]
         self.top_p = params.top_p
-        self.finish_reason: str | None = None  # "end_id" | "stop_words" | "length"
+        # "end_id" | "stop_words" | "length" | "no_token" (no token was allowed: every logit -inf)
+        self.finish_reason: str | None = None
         # External drafts of a sampled request: their draft model's logits [D, V] (else a draft is
         # taken as certain: q one-hot), and TensorRT-LLM's constant acceptance threshold if set.
         self.draft_logits: torch.Tensor | None = None
@@ -86,28 +92,10 @@ class DecodeOutcome:
     logits: tuple = ()                  # raw float32 [V] rows per token (on the host), when gathered
     cum_log_prob: float = 0.0           # includes an end token's log prob
     beams: BeamOutputs | None = None    # beam search
-    finish_reason: str | None = None
+    finish_reason: str | None = None    # as DecodeState.finish_reason ("no_token": nothing was allowed)
     num_accepted_drafts: int = 0        # drafts among `tokens` (their KV, computed this step, is kept)
     # num_top_log_probs k: per token of `tokens`, (k log probs, descending; their k token ids)
     top_log_probs: tuple[tuple[tuple[float, ...], tuple[int, ...]], ...] = ()
-
-
-@dataclass
-class _Rows:
-    """Row bookkeeping of one step: row -> (state, beam, draft offset j) and each state's first row."""
-    state_of_row: list[DecodeState]
-    beam_of_row: list[int]
-    offset_of_row: list[int]          # j: the row follows drafts[:j] of its state (0 without drafts)
-    drafts_of_row: list[tuple[int, ...]]
-    first_row: list[int]
-
-    def sequence(self, r: int) -> list[int]:
-        """Prompt + generated tokens the row's logits follow (drafts included)."""
-        drafts = self.drafts_of_row[r][:self.offset_of_row[r]]
-        return self.state_of_row[r].record.sequence(self.beam_of_row[r]) + list(drafts)
-
-    def num_generated(self, r: int) -> int:
-        return self.state_of_row[r].num_generated + self.offset_of_row[r]
 
 
 class Decoder:
@@ -122,16 +110,13 @@ class Decoder:
         in order. drafts[i]: state i's draft tokens this step (empty: none). logits may be
         modified in place."""
         drafts = drafts or [()] * len(states)
-        rows = self._rows(states, drafts)
+        rows = StepRows.of(states, drafts)
         outcomes: list[DecodeOutcome | None] = [None] * len(states)
         assert logits.shape[0] == len(rows.state_of_row), "one logits row per live beam (and per draft)"
         wants_raw = any(s.gather_generation_logits or s.params.num_top_log_probs for s in states)
         raw = logits.clone() if wants_raw else None
         tops = self._top_log_probs(states, drafts, raw, rows)
-        self._apply_penalties(logits, rows)
-        self._apply_bans(logits, rows)
-        self._apply_min_p(logits, rows)
-        self._apply_guides(states, drafts, logits, rows)
+        process_logits(self.kernels, states, drafts, logits, rows)
         single = [i for i, s in enumerate(states) if s.search is None and s.samples is None]
         greedy = [i for i in single if states[i].params.is_greedy]
         sampled = [i for i in single if not states[i].params.is_greedy and not drafts[i]]
@@ -162,52 +147,7 @@ class Decoder:
                 outcomes[i] = self._samples_step(state, logits, raw, rows.first_row[i])
         return outcomes
 
-    @staticmethod
-    def _rows(states: list[DecodeState], drafts: list[tuple[int, ...]]) -> _Rows:
-        rows = _Rows([], [], [], [], [])
-        for s, d in zip(states, drafts):
-            assert not s.is_finished, "a finished request has no rows"
-            assert not d or (s.search is None and s.samples is None and s.num_rows == 1), "drafts need one sequence"
-            rows.first_row.append(len(rows.state_of_row))
-            n = s.num_rows + len(d)
-            rows.state_of_row += [s] * n
-            rows.beam_of_row += range(s.num_rows) if not d else [0] * n
-            rows.offset_of_row += range(n) if d else [0] * n
-            rows.drafts_of_row += [tuple(d)] * n
-        return rows
-
-    def _apply_penalties(self, logits: torch.Tensor, rows: _Rows) -> None:
-        picked = [r for r, s in enumerate(rows.state_of_row) if s.params.needs_penalties]
-        if not picked:
-            return
-        device = logits.device
-        sequences = [rows.sequence(r) for r in picked]
-        max_len = max(len(seq) for seq in sequences)
-        token_ids = torch.tensor([seq + [0] * (max_len - len(seq)) for seq in sequences], dtype=torch.int64)
-        params = [rows.state_of_row[r].params for r in picked]
-        bias = None
-        if any(p.embedding_bias is not None for p in params):
-            bias = torch.zeros(len(picked), logits.shape[1])
-            for j, p in enumerate(params):
-                if p.embedding_bias is not None:
-                    bias[j] = p.embedding_bias
-            bias = bias.to(device)
-
-        def column(values, dtype):
-            return torch.tensor(values, dtype=dtype, device=device)
-
-        self.kernels.apply_penalties(
-            logits, column(picked, torch.int64), token_ids.to(device),
-            column([len(seq) for seq in sequences], torch.int64), bias,
-            column([p.temperature or 1.0 for p in params], torch.float32),
-            column([p.repetition_penalty for p in params], torch.float32),
-            column([p.presence_penalty for p in params], torch.float32),
-            column([p.frequency_penalty for p in params], torch.float32),
-            column([p.min_length for p in params], torch.int64),
-            column([rows.num_generated(r) for r in picked], torch.int64),
-            column([-1 if p.end_id is None else p.end_id for p in params], torch.int64))
-
-    def _top_log_probs(self, states, drafts, raw, rows: _Rows) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    def _top_log_probs(self, states, drafts, raw, rows: StepRows) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """state index -> (values [rows, k], ids [rows, k]) of the raw logits, for the states that
         want num_top_log_probs k (one kernel call per distinct k)."""
         by_k: dict[int, list[int]] = {}
@@ -225,57 +165,7 @@ class Decoder:
                 start += len(span)
         return out
 
-    def _apply_min_p(self, logits: torch.Tensor, rows: _Rows) -> None:
-        """min-p on the rows of sampled requests (it cannot change a greedy pick)."""
-        picked = [r for r, s in enumerate(rows.state_of_row) if s.params.min_p > 0 and not s.params.is_greedy]
-        if picked:
-            device = logits.device
-            self.kernels.apply_min_p(logits, torch.tensor(picked, device=device),
-                                     torch.tensor([rows.state_of_row[r].params.min_p for r in picked],
-                                                  dtype=torch.float32, device=device))
-
-    def _apply_guides(self, states, drafts, logits: torch.Tensor, rows: _Rows) -> None:
-        """Guided requests: -inf for every token their grammar does not allow next (per live beam,
-        and per draft position as if the drafts before it were accepted)."""
-        guided = [i for i, s in enumerate(states) if s.guide is not None]
-        if not guided:
-            return
-        picked = [r for i in guided
-                  for r in range(rows.first_row[i], rows.first_row[i] + states[i].num_rows + len(drafts[i]))]
-        bitmask = torch.full((len(picked), bitmask_words(logits.shape[1])), -1, dtype=torch.int32)
-        start = 0
-        for i in guided:
-            s = states[i]
-            if drafts[i]:
-                s.guide.fill_bitmask(bitmask, start, 0, tuple(drafts[i]))
-            else:
-                for beam in range(s.num_rows):
-                    s.guide.fill_bitmask(bitmask, start + beam, beam)
-            start += s.num_rows + len(drafts[i])
-        self.kernels.apply_token_bitmask(logits, torch.tensor(picked, device=logits.device),
-                                         bitmask.to(logits.device))
-
-    def _apply_bans(self, logits: torch.Tensor, rows: _Rows) -> None:
-        ban_rows, ban_tokens = [], []
-        for r, s in enumerate(rows.state_of_row):
-            p = s.params
-            if not p.bad_words and not p.no_repeat_ngram_size:
-                continue
-            sequence = rows.sequence(r)
-            banned = set()
-            for word in p.bad_words:
-                n = len(word)
-                if n == 1 or (len(sequence) >= n - 1 and tuple(sequence[len(sequence) - n + 1:]) == word[:-1]):
-                    banned.add(word[-1])
-            if p.no_repeat_ngram_size:
-                banned.update(self.kernels.repeat_ngram_bans(torch.tensor(sequence), p.no_repeat_ngram_size).tolist())
-            ban_rows += [r] * len(banned)
-            ban_tokens += sorted(banned)
-        if ban_rows:
-            self.kernels.ban_tokens(logits, torch.tensor(ban_rows, device=logits.device),
-                                    torch.tensor(ban_tokens, device=logits.device))
-
-    def _sample(self, states, picked: list[int], logits, raw, rows: _Rows, outcomes: list, tops: dict) -> None:
+    def _sample(self, states, picked: list[int], logits, raw, rows: StepRows, outcomes: list, tops: dict) -> None:
         device = logits.device
         chosen = [states[i] for i in picked]
         index = torch.tensor([rows.first_row[i] for i in picked], device=device)
@@ -305,6 +195,9 @@ class Decoder:
         logits: list[torch.Tensor] = []
         p = state.params
         for j, (token, log_prob, is_accepted_draft) in enumerate(picks):
+            if token == NO_TOKEN:   # the guide and the bans left nothing: the request ends here
+                state.finish_reason = "no_token"
+                break
             reason = state.ends_beam(generated + tokens if tokens else generated, token)
             if state.guide is not None and state.guide.ends(0, token):
                 reason = "end_id"   # the grammar is complete: its stop token ends the request
@@ -336,8 +229,14 @@ class Decoder:
         span = slice(first_row, first_row + state.num_rows)
         search = state.search
         log_probs = self.kernels.log_softmax(logits[span])
+        log_probs = log_probs.masked_fill(log_probs.isnan(), float("-inf"))   # a beam with every token masked
         running = torch.tensor(search.running_scores, dtype=torch.float32, device=logits.device)
         candidates = self.kernels.beam_candidates(log_probs, running, search.num_candidates, search.diversity_rate)
+        allowed = candidates[0] > float("-inf")   # best first: the masked continuations come last
+        if not bool(allowed.any()):
+            state.finish_reason = "no_token"
+            return DecodeOutcome(finish_reason=state.finish_reason)
+        candidates = tuple(c[allowed] for c in candidates)
         step_log_probs = log_probs[candidates[1], candidates[2]].tolist()
         histories = state.live
         guide = state.guide
@@ -361,6 +260,9 @@ class Decoder:
         """num_return_sequences: each live sequence draws its own token (samples.py)."""
         samples = state.samples
         parents = samples.step(self.kernels, state, logits, raw, first_row)
+        if "no_token" in samples.reasons:   # one sequence had no token allowed: the request ends
+            state.finish_reason = "no_token"
+            return DecodeOutcome(finish_reason=state.finish_reason)
         if samples.done:
             state.finish_reason = next(r for r in reversed(samples.reasons) if r is not None)
         live = [samples.outputs[i] for i in samples.live]

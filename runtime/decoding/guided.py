@@ -7,10 +7,13 @@ matcher (llguidance compiles the lexer and grammar for the tokenizer) and an LRU
 (type, guide text) hands the same compiled template to later requests, each of which works on its
 own deep copy. A bad guide fails its Future with a ValueError naming the field.
 
-Ends: when the grammar is complete only the tokenizer's stop tokens are allowed; the decoder ends
-the request there (finish reason "end_id", the stop token not output), whatever the request's end
-id. Beam search keeps one matcher per live beam (forked with the beams); draft tokens are fed to
-the matcher to mask each verification row, then rolled back, and only the accepted tokens stay.
+Ends: the end tokens (the tokenizer's stop tokens and the request's end id) are allowed exactly
+where the grammar is complete; the decoder ends the request there (finish reason "end_id", the
+token not output). Where the grammar cannot go on (llguidance's error state, whose mask holds the
+stop token alone) nothing is allowed, and the decoder reports that step. A guide whose very first
+mask is empty matches no string: compiling refuses it. Beam search keeps one matcher per live
+beam (forked with the beams); draft tokens are fed to the matcher to mask each verification row,
+then rolled back, and only the accepted tokens stay.
 """
 from __future__ import annotations
 
@@ -83,7 +86,25 @@ class GrammarCompiler:
         if matcher.is_error():
             raise ValueError(f"guided_decoding_params.guide: cannot compile the {guide_type} guide "
                              f"({matcher.get_error()})")
+        why = self._matches_nothing(matcher)
+        if why is not None:
+            raise ValueError(f"guided_decoding_params.guide: the {guide_type} guide matches no string ({why})")
         return Template(matcher, self.stop_token_ids)
+
+    def _matches_nothing(self, matcher) -> str | None:
+        """Why no string completes the guide, where its first mask shows it (no token can start it
+        and the empty string is not complete); else None. Some such guides only show it later
+        (`start: "a" start`): those requests end at the step where nothing is allowed."""
+        probe = matcher.deep_copy()
+        bitmask = torch.zeros(1, bitmask_words(self.tokenizer.vocab_size), dtype=torch.int32)
+        _llguidance().torch.fill_next_token_bitmask(probe, bitmask, 0)
+        if probe.is_error():
+            return f"llguidance: {probe.get_error().splitlines()[0]}"
+        if probe.is_accepting():
+            return None
+        for token in self.stop_token_ids:
+            _set_bit(bitmask[0], token, False)
+        return None if bool(bitmask.any()) else "no token can start it"
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -105,15 +126,20 @@ class Guide:
     def __init__(self, matchers: list, stop_token_ids: frozenset[int]):
         self.matchers, self.stop_token_ids = matchers, stop_token_ids
 
-    def fill_bitmask(self, bitmask: torch.Tensor, first: int, beam: int, drafts: tuple[int, ...] = ()) -> None:
+    def fill_bitmask(self, bitmask: torch.Tensor, first: int, beam: int, drafts: tuple[int, ...] = (),
+                     end_id: int | None = None) -> None:
         """bitmask int32 [rows, words]: row first + j <- the tokens allowed after drafts[:j], for
         j = 0..len(drafts) (past a draft the grammar refuses, rows stay all-allowed: that draft is
-        rejected at its own row anyway)."""
+        rejected at its own row anyway). The end tokens (stop tokens, `end_id`) are allowed
+        exactly where the grammar is complete."""
         llguidance = _llguidance()
         matcher = self.matchers[beam]
         consumed = 0
         for j in range(len(drafts) + 1):
             llguidance.torch.fill_next_token_bitmask(matcher, bitmask, first + j)
+            complete = matcher.is_accepting() and not matcher.is_error()
+            for token in self.stop_token_ids | ({end_id} if end_id is not None else set()):
+                _set_bit(bitmask[first + j], token, complete)
             # try_consume_tokens leaves the matcher as it was for a refused token (consume_token
             # would put it in its error state)
             if j == len(drafts) or matcher.try_consume_tokens([drafts[j]]) != 1:
@@ -142,3 +168,13 @@ class Guide:
 
 def bitmask_words(vocab_size: int) -> int:
     return -(-vocab_size // 32)
+
+
+def _set_bit(row: torch.Tensor, token: int, allowed: bool) -> None:
+    """row int32 [words] (llguidance's layout: token t is bit t % 32 of word t // 32), in place."""
+    word, bit = divmod(token, 32)
+    if not 0 <= word < row.shape[0]:
+        return
+    value = int(row[word]) & 0xFFFFFFFF
+    value = value | (1 << bit) if allowed else value & ~(1 << bit)
+    row[word] = value - (1 << 32) if value >= 1 << 31 else value

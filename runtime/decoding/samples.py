@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.interface import NO_TOKEN
 from .beam_search import Hypothesis
 
 
@@ -62,13 +63,15 @@ class Samples:
         for i, row, token, log_prob in zip(sequences, rows, tokens.tolist(), log_probs.tolist()):
             self.reasons[i] = self._append(state, i, row, token, log_prob, raw, first_row)
         parents = self.finish_step(sequences, rows)
-        if state.guide is not None and parents:
+        if state.guide is not None and parents and "no_token" not in self.reasons:
             state.guide.fork(parents, [self.outputs[i].tokens[-1] for i in self.live])
         return parents
 
     def _append(self, state, i: int, row: int, token: int, log_prob: float, raw, first_row: int) -> str | None:
         """Sequence i's token, as a single request's (end id not output) -> why it ends, or None."""
         p, h = state.params, self.outputs[i]
+        if token == NO_TOKEN:   # every logit -inf: nothing to draw
+            return "no_token"
         reason = state.ends_beam(h.tokens, token)
         if state.guide is not None and state.guide.ends(row, token):
             reason = "end_id"

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.interface import NO_TOKEN
+
 ACCEPT_STREAM = 1
 
 
@@ -28,7 +30,8 @@ class DraftVerifier:
 
     def verify(self, state, drafts: tuple[int, ...], logits: torch.Tensor) -> list[tuple[int, float, bool]]:
         """logits float32 [D + 1, V], processed (penalties, bans) -> the picks to append, as
-        (token, log prob, is an accepted draft): accepted drafts, then one drawn token."""
+        (token, log prob, is an accepted draft): accepted drafts, then one drawn token (NO_TOKEN
+        where the row has no allowed token)."""
         num_drafts, device = len(drafts), logits.device
         p = state.params
         top_p = [state.top_p]
@@ -52,8 +55,12 @@ class DraftVerifier:
         seeds = torch.full_like(positions, p.random_seed - (1 << 64) if p.random_seed >= 1 << 63 else p.random_seed)
         accept_draws = self.kernels.uniforms(seeds, positions, torch.full_like(positions, ACCEPT_STREAM)).tolist()
         token_draws = self.kernels.uniforms(seeds, positions, torch.zeros_like(positions))
+        has_token = (logits > float("-inf")).any(dim=-1).tolist()   # per row: some token is allowed
         picks = []
         for j, draft in enumerate(drafts):
+            if not has_token[j]:   # nothing allowed after drafts[:j]: the request ends here
+                picks.append((NO_TOKEN, float("-inf"), False))
+                return picks
             q = self._draft_probs(state, j, draft, logits.shape[1], device)
             if state.draft_acceptance_threshold is not None:
                 accepted = bool((target[j] >= state.draft_acceptance_threshold * q).all())
@@ -72,6 +79,9 @@ class DraftVerifier:
             token = int(self.kernels.sample(torch.log(residual)[None], no_k, no_p, token_draws[j:j + 1],
                                             torch.ones(1, dtype=torch.bool, device=device))[0][0])
             picks.append((token, log_prob(j, token), False))
+            return picks
+        if not has_token[num_drafts]:
+            picks.append((NO_TOKEN, float("-inf"), False))
             return picks
         token, _ = self.kernels.sample(logits[num_drafts:], top_k[num_drafts:], top_p_column[num_drafts:],
                                        token_draws[num_drafts:],

@@ -120,7 +120,8 @@ class DecodingLaunchers:
                            shared_mem=0, stream=self._stream(logits.device))
 
     def greedy(self, logits: torch.Tensor, tokens: torch.Tensor, log_probs: torch.Tensor) -> None:
-        """logits float32 [R, V] -> tokens int64 [R] (first maximum), log_probs float32 [R]."""
+        """logits float32 [R, V] -> tokens int64 [R] (first maximum; NO_TOKEN for a row with no
+        allowed token), log_probs float32 [R]."""
         self._logits("logits", logits)
         self._vectors(logits.shape[0], torch.int64, tokens=tokens)
         self._vectors(logits.shape[0], torch.float32, log_probs=log_probs)
@@ -136,7 +137,7 @@ class DecodingLaunchers:
     def sample(self, logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, uniforms: torch.Tensor,
                normalize: torch.Tensor, tokens: torch.Tensor, log_probs: torch.Tensor) -> None:
         """logits float32 [R, V]; top_k int64, top_p float32, uniforms float32, normalize bool [R] ->
-        tokens int64 [R], log_probs float32 [R]."""
+        tokens int64 [R] (NO_TOKEN for a row with no allowed token), log_probs float32 [R]."""
         num_rows = logits.shape[0]
         self._logits("logits", logits)
         self._vectors(num_rows, torch.int64, top_k=top_k, tokens=tokens)

@@ -17,12 +17,16 @@ KV layouts shared by every backend:
 Decoding ops are row-wise: a row's result depends on that row's inputs only (batch invariance).
 Logits are float32 [R, V]; `rows` int64 [n] selects the rows an in-place op touches; per-row
 parameters are [n]. Semantics follow TensorRT-LLM's (torch_decoder.py has the definitions).
+A token whose logit is -inf is never chosen: a row with no allowed token (every logit -inf, as
+when a guide's mask and the bans leave nothing) yields NO_TOKEN, which the decoder reports.
 """
 from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
 import torch
+
+NO_TOKEN = -1   # greedy / sample of a row with no allowed token (log prob -inf)
 
 
 @runtime_checkable
@@ -88,7 +92,7 @@ class KernelBackend(Protocol):
 
     def greedy(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (tokens int64 [R]: the first maximum of each row, log_probs float32 [R]: its log
-        softmax over the whole vocabulary)."""
+        softmax over the whole vocabulary). A row whose every logit is -inf (or NaN): NO_TOKEN, -inf."""
 
     def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
         """float32 [R, V]: log softmax of each row."""
@@ -105,7 +109,8 @@ class KernelBackend(Protocol):
         [R] in [0, 1), normalize_log_probs bool [R] -> (tokens int64 [R], log_probs float32 [R]).
         The draw: the first token, in id order, whose cumulative weight exp(logit - max) over the
         top_k_top_p_mask tokens exceeds u * total. The log prob is under that renormalised
-        distribution where normalize_log_probs is set, else over the whole vocabulary."""
+        distribution where normalize_log_probs is set, else over the whole vocabulary. A row whose
+        every logit is -inf (or NaN) draws nothing: NO_TOKEN, log prob -inf."""
 
     def apply_token_bitmask(self, logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
         """Guided decoding, in place: in logits[rows] (rows int64 [n]) -inf for every token v whose

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from .. import rng
+from .interface import NO_TOKEN
 
 NEG_INF = float("-inf")
 _TOP_P_CANDIDATES = (1024, 16384)  # top-p rows draw among this many most probable tokens when they hold p
@@ -81,9 +82,24 @@ def beam_candidates(log_probs: torch.Tensor, running_scores: torch.Tensor, num_c
 
 
 def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (tokens int64 [R]: first maximum, log_probs float32 [R] over the whole vocabulary)."""
+    """-> (tokens int64 [R]: first maximum, log_probs float32 [R] over the whole vocabulary);
+    NO_TOKEN and -inf for a row with no allowed token."""
     tokens = logits.argmax(dim=-1)
     log_probs = logits.gather(1, tokens[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
+    return _mark_empty_rows(logits, tokens, log_probs)
+
+
+def _empty_rows(logits: torch.Tensor) -> torch.Tensor:
+    """bool [R]: rows with no allowed token (every logit -inf or NaN)."""
+    return ~(logits > NEG_INF).any(dim=-1)
+
+
+def _mark_empty_rows(logits: torch.Tensor, tokens: torch.Tensor,
+                     log_probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows with no allowed token draw nothing: NO_TOKEN, log prob -inf (never token 0)."""
+    empty = _empty_rows(logits)
+    if bool(empty.any()):
+        tokens[empty], log_probs[empty] = NO_TOKEN, NEG_INF
     return tokens, log_probs
 
 
@@ -127,9 +143,17 @@ def sample(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, unifo
     """NOTE: the result equals `_sample_masked` (the definition) row for row; the fast paths only
     avoid whole-vocabulary passes: a top-k row draws among its k candidates (exact unless
     the k-th value is tied, then it takes the masked path), a top-p row among the 1024 (else
-    16384) most probable tokens when they hold at least p of the mass."""
-    tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
-    log_probs = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+    16384) most probable tokens when they hold at least p of the mass. A row with no allowed
+    token (every logit -inf) draws nothing: NO_TOKEN, log prob -inf."""
+    tokens = torch.full((logits.shape[0],), NO_TOKEN, dtype=torch.int64, device=logits.device)
+    log_probs = torch.full((logits.shape[0],), NEG_INF, dtype=torch.float32, device=logits.device)
+    empty = _empty_rows(logits)
+    if bool(empty.any()):
+        drawn = (~empty).nonzero()[:, 0]
+        if drawn.numel():
+            tokens[drawn], log_probs[drawn] = sample(logits[drawn], top_k[drawn], top_p[drawn], uniforms[drawn],
+                                                     normalize_log_probs[drawn])
+        return tokens, log_probs
     vocab = logits.shape[1]
     is_top_k = top_k > 0
     is_top_p = ~is_top_k & (top_p > 0) & (top_p < 1)
@@ -215,7 +239,7 @@ def _fast_rows(rows, ok, sub, values, index, valid, top_p, lse, uniforms, normal
 def _sample_masked(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, uniforms: torch.Tensor,
                    normalize_log_probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The definition, over the whole vocabulary: the first token (in id order) whose
-    cumulative kept weight exceeds u * total."""
+    cumulative kept weight exceeds u * total; NO_TOKEN (log prob -inf) where no token is allowed."""
     vocab = logits.shape[1]
     kept = top_k_top_p_mask(logits, top_k, top_p)
     row_max = logits.max(dim=-1, keepdim=True).values
@@ -228,10 +252,10 @@ def _sample_masked(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tenso
     tokens = torch.minimum(tokens, last_positive)
     token_logits = logits.gather(1, tokens[:, None])[:, 0]
     normalised = token_logits - row_max[:, 0] - torch.log(total)
-    if bool(normalize_log_probs.all()):
-        return tokens, normalised
-    full = token_logits - torch.logsumexp(logits, dim=-1)
-    return tokens, torch.where(normalize_log_probs, normalised, full)
+    if not bool(normalize_log_probs.all()):
+        full = token_logits - torch.logsumexp(logits, dim=-1)
+        normalised = torch.where(normalize_log_probs, normalised, full)
+    return _mark_empty_rows(logits, tokens, normalised)
 
 
 # byte value -> its 8 bits, low bit first, as "banned" flags (a clear bit bans the token)

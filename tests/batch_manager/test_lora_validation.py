@@ -81,6 +81,14 @@ def test_a_valid_adapter_becomes_an_adapter_ref():
           lora_config=adapter([(1, 0, 4)])[1]), "lora_weights: expected shape [1, W]"),
     (dict(lora_task_id=task(1), lora_weights=adapter([(1, 0, 4)])[0].fill_(float("inf")),
           lora_config=adapter([(1, 0, 4)])[1]), "lora_weights: must be finite"),
+    (dict(lora_task_id=task(1), lora_weights=adapter([(1, 0, 4)])[0].to("meta"), lora_config=adapter([(1, 0, 4)])[1]),
+     "lora_weights: a tensor on the meta device (no values), shape [1, 512]"),
+    (dict(lora_task_id=task(1), lora_weights=adapter([(1, 0, 4)])[0], lora_config=adapter([(1, 0, 4)])[1].to("meta")),
+     "lora_config: a tensor on the meta device (no values), shape [1, 3]"),
+    (dict(lora_task_id=task(1).to("meta")), "lora_task_id: expected one integer value (uint64 [1]), got torch.uint64 "
+                                            "[1] on the meta device"),
+    (dict(lora_task_id=torch.tensor([1j])), "lora_task_id: expected one integer value (uint64 [1]), got "
+                                            "torch.complex64 [1]"),
 ])
 def test_bad_lora_tensors_name_the_field_and_value(tensors, message):
     with pytest.raises(RequestError) as e:
@@ -108,6 +116,8 @@ def test_executor_lora_config_errors_name_its_fields():
     for config, message in [(LoraConfig(3, w), "lora_config.config: missing"),
                             (LoraConfig(-1), "lora_config.task_id: expected an integer in [0, 2**63), got -1"),
                             (LoraConfig(3, w, torch.tensor([[1, 5, 4]])), "lora_config.config: row 0 names layer 5"),
+                            (LoraConfig(3, w.to("meta"), c), "lora_config.weights: a tensor on the meta device"),
+                            (LoraConfig(3, w, c.to("meta")), "lora_config.config: a tensor on the meta device"),
                             ("task 3", "lora_config: expected a LoraConfig, got str")]:
         with pytest.raises(RequestError) as e:
             executor_request(Request([1, 2, 3], 4, lora_config=config), 1, lim, True, {}, False)

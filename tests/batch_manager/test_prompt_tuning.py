@@ -92,6 +92,10 @@ def test_block_reuse_keys_virtual_tokens_by_their_table(tiny_engine):
      "prompt_vocab_size: 3, but prompt_embedding_table has 4 rows"),
     (dict(prompt_embedding_table=torch.full((1, 4, 64), float("nan")), prompt_vocab_size=torch.tensor([4])),
      "prompt_embedding_table: must be finite"),
+    (dict(prompt_embedding_table=torch.zeros(4, 64, dtype=torch.complex64), prompt_vocab_size=torch.tensor([4])),
+     "prompt_embedding_table: expected float32, float16 or bfloat16, got torch.complex64"),
+    (dict(prompt_embedding_table=torch.zeros(4, 64).to("meta"), prompt_vocab_size=torch.tensor([4])),
+     "prompt_embedding_table: a tensor on the meta device"),
 ])
 def test_bad_prompt_tuning_tensors_are_refused(tiny_engine, bad, message):
     engine_dir, _ = tiny_engine

@@ -237,3 +237,33 @@ def test_top_k_rows_with_fewer_allowed_tokens_than_k_equal_the_definition(vocab)
     assert fast[0].tolist() == slow[0].tolist()
     torch.testing.assert_close(fast[1], slow[1], atol=1e-5, rtol=0)
     assert bool(allowed.gather(1, fast[0][:, None]).all())
+
+
+def rows_with_no_allowed_token(vocab: int, seed: int):
+    """Six rows, 1 and 4 all -inf (a guide's mask and the bans leaving nothing), 3 all NaN; the
+    others keep a few finite logits. -> (logits, top_k, top_p, uniforms, normalize)."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(6, vocab, generator=gen) * 3
+    logits[[0, 2, 5], 4:] = float("-inf")
+    logits[[1, 4]] = float("-inf")
+    logits[3] = float("nan")
+    return (logits, torch.tensor([0, 0, 2, 5, 40, 0]), torch.tensor([0.0, 0.9, 0.0, 0.5, 0.0, 0.7]),
+            torch.rand(6, generator=gen), torch.tensor([True, False, True, True, False, True]))
+
+
+@pytest.mark.parametrize("vocab", [9, 300])
+def test_a_row_with_no_allowed_token_yields_no_token_never_token_0(vocab):
+    """Greedy, the sampler and its definition: NO_TOKEN and -inf for the empty rows; every other
+    row draws as it does alone (a token whose logit is -inf is never chosen)."""
+    logits, top_k, top_p, u, normalize = rows_with_no_allowed_token(vocab, seed=vocab)
+    empty, drawn = [1, 3, 4], [0, 2, 5]
+    for tokens, log_probs, alone in (
+            (*KERNELS.greedy(logits), KERNELS.greedy(logits[drawn])),
+            (*KERNELS.sample(logits, top_k, top_p, u, normalize),
+             KERNELS.sample(logits[drawn], top_k[drawn], top_p[drawn], u[drawn], normalize[drawn])),
+            (*torch_decoder._sample_masked(logits, top_k, top_p, u, normalize),
+             KERNELS.sample(logits[drawn], top_k[drawn], top_p[drawn], u[drawn], normalize[drawn]))):
+        assert tokens[empty].tolist() == [torch_decoder.NO_TOKEN] * 3
+        assert log_probs[empty].tolist() == [float("-inf")] * 3
+        assert tokens[drawn].tolist() == alone[0].tolist() and all(t < 4 for t in tokens[drawn].tolist())
+        torch.testing.assert_close(log_probs[drawn], alone[1], atol=1e-5, rtol=0)

@@ -9,6 +9,7 @@ import time
 from datetime import timedelta
 
 import pytest
+import torch
 
 from batch_manager import KvCacheConfig as CoreKvCacheConfig
 from batch_manager.executor import (FinishReason, KvCacheConfig, LogitsPostProcessorConfig, OutputConfig,
@@ -225,7 +226,9 @@ def test_bad_input_raises_at_enqueue_and_nothing_is_queued(tiny_engine, prompts,
            (Request(prompts[0], 4, priority=1.5), "priority"), (Request(prompts[0], 0), "max_tokens"),
            (Request(prompts[0], 4, sampling_config=SamplingConfig(beam_width=3)), "sampling_config.beam_width"),
            (Request(prompts[0], 4, bad_words=[[1, 999]]), "bad_words"),
-           (Request(prompts[0], 4, logits_post_processor_name="nope"), "logits_post_processor_name")]
+           (Request(prompts[0], 4, logits_post_processor_name="nope"), "logits_post_processor_name"),
+           (Request(torch.tensor([True, True, False]), 4), "input_token_ids: expected a 1-D integer tensor, got "
+                                                           "torch.bool")]
     with executor_for(engine_dir) as executor:
         for request, field in bad:
             with pytest.raises(ValueError, match=field):
