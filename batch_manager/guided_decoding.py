@@ -6,9 +6,11 @@ from __future__ import annotations
 import enum
 import json
 import os
+import tempfile
 from dataclasses import dataclass
 
 from runtime.decoding.guided import GrammarCompiler, make_tokenizer
+from runtime.gguf_tokenizer import save_gguf_tokenizer
 
 
 class GuideType(enum.Enum):
@@ -39,7 +41,11 @@ class GuidedDecodingConfig:
     @classmethod
     def from_tokenizer(cls, directory: str | os.PathLike) -> "GuidedDecodingConfig":
         """From a Hugging Face tokenizer directory (tokenizer.json, and tokenizer_config.json's
-        eos_token for the stop token)."""
+        eos_token for the stop token), or a `.gguf` file (the tokenizer its metadata describes)."""
+        if os.fspath(directory).endswith(".gguf"):
+            with tempfile.TemporaryDirectory() as tokenizer_dir:
+                save_gguf_tokenizer(directory, tokenizer_dir)
+                return cls.from_tokenizer(tokenizer_dir)
         with open(os.path.join(directory, "tokenizer.json"), encoding="utf-8") as f:
             tokenizer_str = f.read()
         stop = None

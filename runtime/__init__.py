@@ -2,6 +2,7 @@
 GptSession (static-batch generation) and the kernel backends."""
 from .config import BuildConfig, ConfigError, ModelConfig
 from .engine import Engine, build_engine
+from .gguf_tokenizer import save_gguf_tokenizer
 from .models import SUPPORTED_ARCHITECTURES
 from .model_runner import ModelRunner
 from .session import GenerationInput, GenerationOutput, GptSession, SamplingConfig
@@ -10,4 +11,4 @@ from .weights import WeightError
 
 __all__ = ["BuildConfig", "ConfigError", "ModelConfig", "SUPPORTED_ARCHITECTURES", "Engine", "build_engine",
            "ModelRunner", "GenerationInput", "GenerationOutput", "GptSession", "SamplingConfig", "WorldConfig",
-           "WeightError"]
+           "WeightError", "save_gguf_tokenizer"]

@@ -1,4 +1,5 @@
-"""`python -m runtime.build`: convert a Hugging Face checkpoint into an engine directory."""
+"""`python -m runtime.build`: convert a Hugging Face checkpoint or a GGUF file into an engine directory
+(from a GGUF file, with its tokenizer files beside the weights)."""
 from __future__ import annotations
 
 import argparse
@@ -12,7 +13,8 @@ from .weights import WeightError
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     defaults = BuildConfig()
     p = argparse.ArgumentParser(prog="python -m runtime.build", description=__doc__)
-    p.add_argument("--checkpoint", required=True, help="HF checkpoint directory (config.json + *.safetensors)")
+    p.add_argument("--checkpoint", required=True,
+                   help="HF checkpoint directory (config.json + *.safetensors), or a .gguf file")
     p.add_argument("--output", required=True, help="engine directory to write")
     p.add_argument("--dtype", default=defaults.dtype, choices=["float32", "float16", "bfloat16"])
     p.add_argument("--max-batch-size", type=int, default=defaults.max_batch_size)
@@ -40,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         fields["max_input_len"] = args.max_input_len
     try:
         engine = build_engine(args.checkpoint, args.output, **fields)
-    except (ConfigError, WeightError) as e:
+    except (ConfigError, WeightError, ImportError) as e:   # ImportError: a GGUF tokenizer needs transformers
         print(f"error: {e}", file=sys.stderr)
         return 2
     cfg = engine.model_config

@@ -1,15 +1,17 @@
-"""Engine directories: load (engine dir or HF checkpoint dir) and save (the build step).
+"""Engine directories: load (engine dir, HF checkpoint dir or GGUF file) and save (the build step).
 
 An engine directory holds `engine.json` ({"format", "version", "model": ModelConfig,
 "build": BuildConfig}) and `weights.safetensors` with the canonical weight names in the build
-dtype. An HF checkpoint directory (`config.json` + safetensors) is accepted wherever an engine
-directory is; its limits then come from `default_build_config` plus any overrides.
+dtype. An HF checkpoint directory (`config.json` + safetensors), a `.gguf` file or a directory
+holding exactly one (runtime.gguf_checkpoint) is accepted wherever an engine directory is; its
+limits then come from `default_build_config` plus any overrides.
 """
 from __future__ import annotations
 
 import json
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import save_file
@@ -17,7 +19,10 @@ from safetensors.torch import save_file
 from .config import BuildConfig, ConfigError, ModelConfig, default_build_config, normalize_dtype, read_json
 from .models import lookup_hf
 from .tensor_shard import TensorShard
-from .weights import Weights, load_engine_weights, load_hf_weights
+from .weights import Weights, check_weights, load_engine_weights, load_hf_weights
+
+if TYPE_CHECKING:
+    from .gguf_checkpoint import GgufCheckpoint
 
 ENGINE_CONFIG_FILE = "engine.json"
 ENGINE_WEIGHTS_FILE = "weights.safetensors"
@@ -45,22 +50,28 @@ class Engine:
     @staticmethod
     def from_dir(path: str | os.PathLike, shard: TensorShard | tuple[int, int] | None = None,
                  **build_overrides) -> "Engine":
-        """Load an engine directory or an HF checkpoint directory.
+        """Load an engine directory, an HF checkpoint directory or a GGUF file (or a directory holding
+        exactly one, and neither engine.json nor config.json).
 
         `shard`: read only that rank's slices of the weights: a TensorShard (ValueError when it
         was made for another model), or (rank, size) for TensorShard.of(model_config, rank, size). `build_overrides` (BuildConfig
-        fields) replace the recorded limits; for an HF directory they replace the defaults of
-        `default_build_config`.
+        fields) replace the recorded limits; for an HF directory or a GGUF file they replace the
+        defaults of `default_build_config`.
         """
         directory = os.fspath(path)
+        gguf_path = _gguf_source(directory)
+        if gguf_path is not None:
+            from .gguf_checkpoint import GgufCheckpoint   # NOTE: lazy, only GGUF loading needs the gguf package
+            with GgufCheckpoint(gguf_path) as checkpoint:
+                return _load_gguf(checkpoint, directory, build_overrides, shard)
         if not os.path.isdir(directory):
-            raise ConfigError(f"engine_dir: not a directory: {directory!r}")
+            raise ConfigError(f"engine_dir: not a directory or a .gguf file: {directory!r}")
         if os.path.exists(os.path.join(directory, ENGINE_CONFIG_FILE)):
             return _load_engine_dir(directory, build_overrides, shard)
         if os.path.exists(os.path.join(directory, "config.json")):
             return _load_hf_dir(directory, build_overrides, shard)
-        raise ConfigError(f"engine_dir: {directory!r} holds neither {ENGINE_CONFIG_FILE} (an engine) "
-                          "nor config.json (a Hugging Face checkpoint)")
+        raise ConfigError(f"engine_dir: {directory!r} holds neither {ENGINE_CONFIG_FILE} (an engine), "
+                          "config.json (a Hugging Face checkpoint) nor a .gguf file")
 
     def save(self, directory: str | os.PathLike) -> None:
         if self.shard is not None:
@@ -115,10 +126,45 @@ def _load_hf_dir(directory: str, overrides: dict, shard: TensorShard | tuple[int
     return Engine(model, build, weights, directory, shard, num_bytes_read)
 
 
+def _gguf_source(path: str) -> str | None:
+    """The GGUF file `path` names: itself (a `.gguf` file), or the one `.gguf` file of a directory that
+    is neither an engine nor an HF checkpoint; None for anything else."""
+    if os.path.isdir(path):
+        if any(os.path.exists(os.path.join(path, name)) for name in (ENGINE_CONFIG_FILE, "config.json")):
+            return None
+    elif not path.endswith(".gguf"):
+        return None
+    from .gguf_checkpoint import find_gguf
+    return find_gguf(path)
+
+
+def _load_gguf(checkpoint: GgufCheckpoint, source: str, overrides: dict,
+               shard: TensorShard | tuple[int, int] | None) -> Engine:
+    """The weights de-quantized to the build dtype; `source`: the path the caller gave."""
+    model = checkpoint.model_config
+    build = default_build_config(model, **overrides)
+    shard = _checked_shard(shard, model)
+    dtype = TORCH_DTYPES[build.dtype]
+    weights = check_weights(checkpoint.read_weights(dtype), model, dtype, checkpoint.path, shard)
+    return Engine(model, build, weights, source, shard, checkpoint.num_bytes_read)
+
+
 def build_engine(checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike, **build_fields) -> Engine:
-    """Convert an HF checkpoint into an engine directory with the given build-time limits."""
+    """Convert an HF checkpoint or a GGUF file into an engine directory with the given build-time
+    limits; from a GGUF file, also write its tokenizer there (runtime.gguf_tokenizer)."""
     if "dtype" in build_fields:
         build_fields["dtype"] = normalize_dtype(build_fields["dtype"])
-    engine = Engine.from_dir(checkpoint_dir, **build_fields)
+    source = os.fspath(checkpoint_dir)
+    gguf_path = _gguf_source(source)
+    if gguf_path is None:
+        engine = Engine.from_dir(source, **build_fields)
+        engine.save(output_dir)
+        return engine
+    from .gguf_checkpoint import GgufCheckpoint
+    from .gguf_tokenizer import tokenizer_files, write_files
+    with GgufCheckpoint(gguf_path) as checkpoint:
+        files = tokenizer_files(checkpoint.file)   # before writing anything: a tokenizer error leaves no engine
+        engine = _load_gguf(checkpoint, source, build_fields, None)
     engine.save(output_dir)
+    write_files(files, os.fspath(output_dir))
     return engine

@@ -10,7 +10,8 @@ Canonical names (what the model uses; engine directories store exactly these):
   layers.{i}.mlp_in.{weight,bias} [I or 2 I (gate then up), H]; layers.{i}.mlp_out.{weight,bias} [H, I];
   final_norm.{weight,bias}; lm_head [V, H] (absent when tied to embed_tokens); lm_head.bias [V]
   (lm_head_bias only, tied or not).
-Weights come from safetensors only: pickle files are never opened. Each architecture's reader
+Weights come from safetensors (or, de-quantized in memory, from a GGUF file: runtime.gguf_checkpoint,
+through `check_weights`): pickle files are never opened. Each architecture's reader
 (runtime.models) maps its HF names onto these, as `LazyTensor`s (shapes and places in the files, no
 data: runtime.tensor_files); the loader checks the shapes, then reads each canonical tensor, or only
 a rank's slice of it, by byte offsets.
@@ -25,8 +26,8 @@ import torch
 from .config import ModelConfig
 from .tensor_files import LazyTensor, TensorSource, WeightError
 
-__all__ = ["LazyTensor", "RawWeights", "TensorSource", "WeightError", "WeightReader", "Weights", "expected_shapes",
-           "fused", "load_engine_weights", "load_hf_weights", "per_head_qkv"]
+__all__ = ["LazyTensor", "RawWeights", "TensorSource", "WeightError", "WeightReader", "Weights", "check_weights",
+           "expected_shapes", "fused", "load_engine_weights", "load_hf_weights", "per_head_qkv"]
 
 if TYPE_CHECKING:
     from .tensor_shard import TensorShard
@@ -100,7 +101,7 @@ def fused(src: TensorSource, name_to_shape: dict[str, tuple[int, ...]]) -> LazyT
     return LazyTensor.cat_rows(parts)
 
 
-def _checked(raw: RawWeights, cfg: ModelConfig, dtype: torch.dtype, where: str, src: TensorSource,
+def _checked(raw: RawWeights, cfg: ModelConfig, dtype: torch.dtype, where: str, src: TensorSource | None,
              shard: TensorShard | None) -> Weights:
     """Check every canonical tensor's presence, whole shape and dtype; then read each (the rank's
     slice of it with a shard) and convert to `dtype`."""
@@ -123,6 +124,13 @@ def _checked(raw: RawWeights, cfg: ModelConfig, dtype: torch.dtype, where: str, 
             tensor = shard.slice(name, tensor)
         out[name] = tensor.to(dtype).contiguous()
     return out
+
+
+def check_weights(raw: dict[str, torch.Tensor], cfg: ModelConfig, dtype: torch.dtype, where: str,
+                  shard: TensorShard | None = None) -> Weights:
+    """Canonical weights a reader built in memory (a GGUF's, de-quantized): checked as a checkpoint's
+    are, then whole or the shard's slices, in `dtype`."""
+    return _checked(raw, cfg, dtype, where, None, shard)
 
 
 def load_hf_weights(directory: str, cfg: ModelConfig, dtype: torch.dtype, read: WeightReader,
