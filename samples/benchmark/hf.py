@@ -18,13 +18,13 @@ from samples.benchmark.report import RequestTiming, RunResult, progress_bar
 
 
 def load_hf_model(model_dir: str):
-    """transformers' model for an HF checkpoint directory (engine directories have no HF form)."""
-    if not os.path.exists(os.path.join(model_dir, "config.json")):
+    """transformers' model for an HF checkpoint directory, a GGUF file or an engine directory built
+    from one (other engine directories have no HF form)."""
+    from samples.quality.reference import gguf_source, load_reference_model
+    if gguf_source(model_dir) is None and not os.path.exists(os.path.join(model_dir, "config.json")):
         raise ValueError(f"--engine-dir: {model_dir!r} is not a Hugging Face checkpoint directory "
-                         "(no config.json); the hf backend needs one")
-    import transformers
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    return model.eval()
+                         "(no config.json) nor built from a GGUF file; the hf backend needs one")
+    return load_reference_model(model_dir, attn_implementation=None)
 
 
 def run_hf(model_dir: str, samples: list[Sample], batch_size: int, pad_id: int = 0,

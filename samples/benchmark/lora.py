@@ -19,7 +19,7 @@ from runtime.lora import lora_modules
 from samples.benchmark.cli import model_limits
 from samples.benchmark.dataset import LengthDistribution, Sample, synthetic_dataset
 from samples.benchmark.ours import BenchmarkClient, make_request
-from samples.default_model import default_model_dir
+from samples.default_model import add_model_arguments, model_from_arguments
 
 MODULES = ("attn_q", "attn_k", "attn_v", "attn_dense", "mlp_h_to_4h", "mlp_gate", "mlp_4h_to_h")
 
@@ -68,7 +68,7 @@ def run_pass(manager_client: BenchmarkClient, samples: list[Sample], first_id: i
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--engine-dir", help="engine or HF checkpoint directory (default: the default model)")
+    add_model_arguments(p, "--engine-dir")
     p.add_argument("--num-samples", type=int, default=64)
     p.add_argument("--prompt-len", default="uniform:16:256")
     p.add_argument("--output-len", default="uniform:16:128")
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--rounds", type=int, default=2, help="passes of each kind, alternating (base first)")
     p.add_argument("--output-json", metavar="PATH")
     args = p.parse_args(argv)
-    model_dir = args.engine_dir or default_model_dir()
+    model_dir = model_from_arguments(args.engine_dir, args.random_model)
     cfg, max_seq_len = model_limits(model_dir)
     samples = synthetic_dataset(args.num_samples, LengthDistribution.parse("--prompt-len", args.prompt_len),
                                 LengthDistribution.parse("--output-len", args.output_len), cfg.vocab_size,

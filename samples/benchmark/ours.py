@@ -32,6 +32,7 @@ class BenchmarkClient:
         self.timings: dict[int, RequestTiming] = {}
         self.token_events: list[tuple[float, int]] = []
         self.iteration_stats: list[dict] = []
+        self.outputs: dict[int, list[int]] = {}   # request id -> generated tokens (beam 0)
         self.num_expected = 0
         self.num_final = 0
         self.done = threading.Event()
@@ -44,7 +45,7 @@ class BenchmarkClient:
         """Start a new measured phase (after the warm-up)."""
         with self.lock:
             self.start_s = time.perf_counter()
-            self.timings, self.token_events, self.iteration_stats = {}, [], []
+            self.timings, self.token_events, self.iteration_stats, self.outputs = {}, [], [], {}
             self.num_expected, self.num_final, self.progress = num_expected, 0, progress
             self.done.clear()
 
@@ -74,6 +75,7 @@ class BenchmarkClient:
                 output = {t.name: t.tensor for t in tensors}
                 num_new = int(output[tensor_names.SEQUENCE_LENGTH][0, 0])  # generated only: input excluded
                 if num_new:
+                    self.outputs.setdefault(request_id, []).extend(output[tensor_names.OUTPUT_IDS][0, 0, :num_new].tolist())
                     if timing.first_token_s is None:
                         timing.first_token_s = now_s
                     timing.num_output_tokens += num_new
@@ -99,8 +101,10 @@ class BenchmarkClient:
         return self.get_requests, self.send_response, self.poll_stop_signals, self.report_stats
 
 
-def make_request(request_id: int, sample: Sample, streaming: bool) -> InferenceRequest:
+def make_request(request_id: int, sample: Sample, streaming: bool, end_id: int | None = None) -> InferenceRequest:
     r = InferenceRequest(request_id)
+    if end_id is not None:
+        r.end_id = torch.tensor([end_id], dtype=torch.int32)
     r.input_ids = torch.tensor(sample.input_ids, dtype=torch.int32)
     r.max_new_tokens = torch.tensor([[sample.output_len]], dtype=torch.int32)
     r.is_streaming = streaming
@@ -114,9 +118,10 @@ def optional_params(args) -> TrtGptModelOptionalParams:
                                      max_num_tokens=args.max_num_tokens)
 
 
-def run_ours(model_dir: str, samples: list[Sample], delays_s: list[float], args) -> RunResult:
+def run_ours(model_dir: str, samples: list[Sample], delays_s: list[float], args, end_id: int | None = None) -> RunResult:
     """Warm up with `args.warm_up` copies of sample 0, then enqueue the samples on schedule and
-    wait for every final response. Times count from the first enqueue after the warm-up."""
+    wait for every final response. Times count from the first enqueue after the warm-up. With
+    `end_id`, requests end there (or at their output_len); the result's `outputs` hold the tokens."""
     client = BenchmarkClient()
     get, send, poll, stats = client.callbacks()
     with GptManager(model_dir, MODEL_TYPES[args.type], 1, SchedulerPolicy[args.scheduler_policy.upper()],
@@ -124,13 +129,13 @@ def run_ours(model_dir: str, samples: list[Sample], delays_s: list[float], args)
         if args.warm_up > 0:
             client.reset(args.warm_up, None)
             for i in range(args.warm_up):
-                client.submit(make_request(WARM_UP_ID_BASE + i, samples[0], args.streaming))
+                client.submit(make_request(WARM_UP_ID_BASE + i, samples[0], args.streaming, end_id))
             client.done.wait()
         progress = progress_bar(len(samples), "ours", not args.no_progress)
         client.reset(len(samples), progress)
         next_s = 0.0
         for request_id, (sample, delay_s) in enumerate(zip(samples, delays_s)):
-            client.submit(make_request(request_id, sample, args.streaming))
+            client.submit(make_request(request_id, sample, args.streaming, end_id))
             next_s += delay_s
             wait_s = next_s - client.now_s()
             if wait_s > 0:
@@ -139,4 +144,5 @@ def run_ours(model_dir: str, samples: list[Sample], delays_s: list[float], args)
         progress.close()
         total_s = max(t.end_s for t in client.timings.values())
     timings = [client.timings[i] for i in range(len(samples))]
-    return RunResult("ours", timings, total_s, client.token_events, client.iteration_stats, args.streaming)
+    return RunResult("ours", timings, total_s, client.token_events, client.iteration_stats, args.streaming,
+                     outputs=[client.outputs.get(i, []) for i in range(len(samples))])

@@ -31,6 +31,7 @@ class RunResult:
     iteration_stats: list[dict] = field(default_factory=list)  # the stats callback's JSON, per iteration
     is_streaming: bool = False
     extra: dict = field(default_factory=dict)
+    outputs: list[list[int]] = field(default_factory=list)   # generated tokens per sample, where kept
 
 
 def percentile(sorted_values: list[float], p: float) -> float:

@@ -27,7 +27,7 @@ import torch
 
 from batch_manager import (GptManager, InferenceRequest, KvCacheConfig, SchedulerPolicy, TrtGptModelOptionalParams,
                            TrtGptModelType)
-from samples.default_model import default_model_dir, write_random_llama
+from samples.default_model import add_model_arguments, model_from_arguments, write_random_llama
 
 
 @dataclass
@@ -179,12 +179,12 @@ def bench_overlap(model_dir: str, num_requests: int) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", help="checkpoint/engine dir (default: the 50M default model)")
+    add_model_arguments(p)
     p.add_argument("--parts", default="1,2,3")
     p.add_argument("--quick", action="store_true", help="smaller loads (a smoke run)")
     p.add_argument("--json", help="write the figures here")
     args = p.parse_args()
-    model_dir = args.model or default_model_dir()
+    model_dir = model_from_arguments(args.model, args.random_model)
     torch.manual_seed(0)
     parts, results = {int(x) for x in args.parts.split(",")}, {"model": model_dir, "threads": torch.get_num_threads()}
     q = args.quick

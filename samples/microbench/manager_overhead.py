@@ -20,7 +20,7 @@ import torch
 
 from batch_manager import (GptManager, InferenceRequest, KvCacheConfig, SchedulerPolicy, TrtGptModelOptionalParams,
                            TrtGptModelType)
-from samples.default_model import default_model_dir, write_random_llama
+from samples.default_model import add_model_arguments, model_from_arguments, write_random_llama
 
 
 class Timed:
@@ -110,7 +110,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--iterations", type=int, default=50)
     p.add_argument("--sizes", default="16,64,256,1024")
-    p.add_argument("--model", help="checkpoint/engine for part 2 (default: the 50M default model)")
+    add_model_arguments(p)
     p.add_argument("--json", help="write the figures here")
     args = p.parse_args()
     results = {"free_forward": [], "model": None}
@@ -123,7 +123,7 @@ def main() -> None:
             r = measure(tiny, n, args.iterations, free_forward=True)
             results["free_forward"].append(r)
             print(f"{n:>8} {r['iteration_ms']:>13.2f} {r['iteration_ms'] / n * 1e3:>15.1f} {r['outside_ms']:>19.2f}")
-    model_dir = args.model or default_model_dir()
+    model_dir = model_from_arguments(args.model, args.random_model)
     r = measure(model_dir, 64, args.iterations, free_forward=False)
     results["model"] = r
     share = r["outside_ms"] / r["iteration_ms"]

@@ -18,7 +18,7 @@ import torch
 
 from runtime import Engine, ModelRunner
 from runtime.kernels import cpu_native
-from samples.default_model import default_model_dir
+from samples.default_model import add_model_arguments, model_from_arguments
 from samples.microbench.runtime import step_inputs
 
 
@@ -49,7 +49,7 @@ def interleaved_ms(runners: list[ModelRunner], inputs: dict, iters: int) -> list
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", help="HF checkpoint or engine directory (default: samples.default_model)")
+    add_model_arguments(p)
     p.add_argument("--batch-sizes", default="1,8,64")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--past-len", type=int, default=128)
@@ -67,7 +67,7 @@ def main() -> None:
     if cpu_native.native_ops() is None:
         raise SystemExit("the native CPU kernels cannot run here (or BATCH_MANAGER_CPU_NATIVE=0): nothing to compare")
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    engine = Engine.from_dir(args.model or default_model_dir(), tokens_per_block=args.tokens_per_block)
+    engine = Engine.from_dir(model_from_arguments(args.model, args.random_model), tokens_per_block=args.tokens_per_block)
     vocab = engine.model_config.vocab_size
     blocks_per_seq = -(-(max(args.prompt_len, args.past_len) + 1) // args.tokens_per_block)
     num_blocks = max(batch_sizes) * blocks_per_seq

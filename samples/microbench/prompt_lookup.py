@@ -1,10 +1,11 @@
 """Prompt-lookup decoding (the built-in drafter) off vs on: generated tokens per second and the
 draft acceptance rate at 1, 8 and 64 concurrent requests, on two workloads of the default model:
 
-- copy: outputs that repeat spans of the prompt. The default model has random weights, so its
-  text cannot be asked to copy; instead each prompt is T + G + T, with G the model's own greedy
-  continuation of T (measured in a first pass): when the model continues the second T as it did
-  the first, the output is a span of the prompt, as in extraction or summaries that quote.
+- copy: outputs that repeat spans of the prompt, built from random ids so that any model serves
+  (the real-text version, prompts that ask to repeat a passage, is in samples.quality): each
+  prompt is T + G + T, with G the model's own greedy continuation of T (measured in a first
+  pass): when the model continues the second T as it did the first, the output is a span of the
+  prompt, as in extraction or summaries that quote.
 - w64: the W64 benchmark's random prompts (nothing to copy: the drafter finds little).
 
     python -m samples.microbench.prompt_lookup [--num-tokens 64] [--lookup 4] [--json OUT]

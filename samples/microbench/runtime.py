@@ -26,7 +26,7 @@ import torch
 
 from runtime import Engine, ModelConfig, ModelRunner
 from runtime.step_inputs import SequenceStep, pack_step
-from samples.default_model import default_model_dir
+from samples.default_model import add_model_arguments, model_from_arguments
 
 # (m, k, n): the model's MLP-input matmul at several token counts, and a big square one.
 MATMUL_SHAPES = [(m, 512, 1536) for m in (64, 128, 256, 512, 1024)] + [(2048, 2048, 2048)]
@@ -136,8 +136,7 @@ def with_bounds(row: dict, roofline_gflops: float, read_gbs: float) -> dict:
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", help="HF checkpoint or engine directory (default: the random 50M LLaMA-style "
-                                   "model of samples.default_model, written on first use)")
+    add_model_arguments(p)
     p.add_argument("--cache-dir", help="where the default model is written (default ~/.cache/batch_manager)")
     p.add_argument("--batch-sizes", default="1,8,64")
     p.add_argument("--prompt-len", type=int, default=128, help="context tokens per sequence")
@@ -155,7 +154,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    model_dir = args.model or default_model_dir(args.cache_dir)
+    model_dir = model_from_arguments(args.model, args.random_model, args.cache_dir)
     engine = Engine.from_dir(model_dir, tokens_per_block=args.tokens_per_block)
     cfg = engine.model_config
     print(f"model: {model_dir}")

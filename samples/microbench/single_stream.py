@@ -21,7 +21,7 @@ from batch_manager import GptManager, SchedulerPolicy, TrtGptModelType
 from samples.benchmark.dataset import LengthDistribution, synthetic_dataset
 from samples.benchmark.ours import BenchmarkClient, make_request
 from samples.benchmark.cli import model_limits
-from samples.default_model import default_model_dir
+from samples.default_model import add_model_arguments, model_from_arguments
 
 
 class GenerationTimer:
@@ -49,7 +49,7 @@ def _is_single_generation(step) -> bool:
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", help="HF checkpoint or engine directory (default: samples.default_model)")
+    add_model_arguments(p)
     p.add_argument("--num-requests", type=int, default=8, help="W64's first N requests, one at a time")
     p.add_argument("--seed", type=int, default=0, help="W64's dataset seed")
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
@@ -60,7 +60,7 @@ def main() -> None:
     args = parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    model_dir = args.model or default_model_dir()
+    model_dir = model_from_arguments(args.model, args.random_model)
     cfg, max_seq_len = model_limits(model_dir)
     samples = synthetic_dataset(64, LengthDistribution.parse("--prompt-len", "uniform:16:256"),
                                 LengthDistribution.parse("--output-len", "uniform:16:128"), cfg.vocab_size,

