@@ -3,7 +3,9 @@ scheduler stages and model executor from an engine directory and the manager's p
 the worker thread that builds them and then runs the loop."""
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 import threading
 import weakref
 from concurrent.futures import Future
@@ -12,7 +14,8 @@ from typing import Callable
 
 import torch
 
-from runtime import Engine, ModelRunner, WorldConfig
+from runtime import BuildConfig, Engine, ModelRunner, WorldConfig
+from runtime.engine import ENGINE_CONFIG_FILE
 from runtime.kv_cache_manager import KvCacheManager
 from runtime.tensor_parallel import init_tensor_parallel, local_device
 
@@ -90,6 +93,21 @@ def start_worker(build: Callable[[], Worker], thread_name: str) -> Worker:
     return worker
 
 
+def build_overrides(engine_dir, build_config) -> dict:
+    """The fields of `build_config` (a runtime.BuildConfig) that differ from BuildConfig's defaults,
+    as Engine.from_dir overrides; refused with an engine directory (its engine.json records them)."""
+    if build_config is None:
+        return {}
+    if not isinstance(build_config, BuildConfig):
+        raise ValueError(f"build_config: expected a runtime.BuildConfig, got {type(build_config).__name__}")
+    if os.path.exists(os.path.join(os.fspath(engine_dir), ENGINE_CONFIG_FILE)):
+        raise ValueError(f"build_config: must be None with an engine directory ({os.fspath(engine_dir)!r} records "
+                         f"its own in {ENGINE_CONFIG_FILE})")
+    defaults = BuildConfig()
+    return {f.name: getattr(build_config, f.name) for f in dataclasses.fields(BuildConfig)
+            if getattr(build_config, f.name) != getattr(defaults, f.name)}
+
+
 def build_engine_core(engine_dir, model_type: TrtGptModelType, max_beam_width: int, policy: SchedulerPolicy,
                       params: TrtGptModelOptionalParams) -> EngineCore | Follower:
     """Everything that touches the engine; call it on the worker thread (see `start_worker`).
@@ -111,7 +129,8 @@ def build_engine_core(engine_dir, model_type: TrtGptModelType, max_beam_width: i
     device = local_device(torch.device(params.device or ("cuda" if device_ids else "cpu")), device_ids)
     tensor_parallel = init_tensor_parallel(world, device)
     # Under TP each rank reads only its slices of the weights.
-    engine = Engine.from_dir(engine_dir, (tensor_parallel.rank, tensor_parallel.size) if tensor_parallel else None)
+    engine = Engine.from_dir(engine_dir, (tensor_parallel.rank, tensor_parallel.size) if tensor_parallel else None,
+                             **build_overrides(engine_dir, params.build_config))
     build = engine.build_config
     max_batch_size = _positive("max_batch_size", params.max_batch_size, build.max_batch_size)
     max_num_tokens = _positive("max_num_tokens", params.max_num_tokens, build.max_num_tokens)

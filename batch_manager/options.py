@@ -89,3 +89,7 @@ class TrtGptModelOptionalParams:
     # runtime.WorldConfig: tensor parallelism over torch.distributed (None: the launcher's world size,
     # 1 without one). Every rank builds the manager with the same arguments; rank 0's callbacks run.
     world_config: Any = None
+    # runtime.BuildConfig: limits and precision (dtype, weight_only, kv_cache_dtype, ...) for a checkpoint
+    # or GGUF file given directly (fields left at their defaults keep the checkpoint's); None with an
+    # engine directory, which records its own.
+    build_config: Any = None

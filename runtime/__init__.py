@@ -4,6 +4,7 @@ from .config import BuildConfig, ConfigError, ModelConfig
 from .engine import Engine, build_engine
 from .gguf_tokenizer import save_gguf_tokenizer
 from .models import SUPPORTED_ARCHITECTURES
+from .precision import QuantMode
 from .model_runner import ModelRunner
 from .session import GenerationInput, GenerationOutput, GptSession, SamplingConfig
 from .world_config import WorldConfig
@@ -11,4 +12,4 @@ from .weights import WeightError
 
 __all__ = ["BuildConfig", "ConfigError", "ModelConfig", "SUPPORTED_ARCHITECTURES", "Engine", "build_engine",
            "ModelRunner", "GenerationInput", "GenerationOutput", "GptSession", "SamplingConfig", "WorldConfig",
-           "WeightError", "save_gguf_tokenizer"]
+           "WeightError", "save_gguf_tokenizer", "QuantMode"]

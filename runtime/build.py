@@ -7,6 +7,7 @@ import sys
 
 from .config import BuildConfig, ConfigError
 from .engine import build_engine
+from .precision import BUILD_DTYPES, GROUP_SIZES, KV_CACHE_DTYPES, WEIGHT_ONLY_MODES, WEIGHT_ONLY_SKIPPABLE, QuantMode
 from .weights import WeightError
 
 
@@ -16,7 +17,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checkpoint", required=True,
                    help="HF checkpoint directory (config.json + *.safetensors), or a .gguf file")
     p.add_argument("--output", required=True, help="engine directory to write")
-    p.add_argument("--dtype", default=defaults.dtype, choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--dtype", default=defaults.dtype, choices=list(BUILD_DTYPES),
+                   help="auto: bfloat16 where the loading machine has AMX-BF16 / AVX512-BF16 or CUDA, else float32")
+    p.add_argument("--weight-only", choices=list(WEIGHT_ONLY_MODES), default=None,
+                   help="int8 (a scale per output channel) or int4 (a scale per group of input columns) weights")
+    p.add_argument("--group-size", type=int, default=defaults.group_size, choices=list(GROUP_SIZES))
+    p.add_argument("--weight-only-skip", action="append", choices=list(WEIGHT_ONLY_SKIPPABLE), default=[],
+                   help="keep this layer in --dtype (repeatable)")
+    p.add_argument("--kv-cache-dtype", default=defaults.kv_cache_dtype, choices=list(KV_CACHE_DTYPES))
     p.add_argument("--max-batch-size", type=int, default=defaults.max_batch_size)
     p.add_argument("--max-input-len", type=int, default=None,
                    help="default: min(max_position_embeddings, 2048) - 1")
@@ -35,7 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     fields = dict(dtype=args.dtype, max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens,
                   max_beam_width=args.max_beam_width, tokens_per_block=args.tokens_per_block,
                   gather_context_logits=args.gather_context_logits or args.gather_all_token_logits,
-                  gather_generation_logits=args.gather_generation_logits or args.gather_all_token_logits)
+                  gather_generation_logits=args.gather_generation_logits or args.gather_all_token_logits,
+                  weight_only=args.weight_only, group_size=args.group_size,
+                  weight_only_skip=tuple(args.weight_only_skip), kv_cache_dtype=args.kv_cache_dtype)
     if args.max_seq_len is not None:
         fields["max_seq_len"] = args.max_seq_len
     if args.max_input_len is not None:
@@ -48,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = engine.model_config
     print(f"wrote {args.output}: {cfg.architecture}, {cfg.num_params() / 1e6:.1f}M parameters, "
           f"{engine.build_config}")
+    print(f"runs here in {cfg.dtype}, quant mode {QuantMode(cfg.quant_mode)!r}: weights {engine.weight_bytes() / 2**20:.1f} "
+          f"MiB, KV cache {engine.kv_bytes_per_token()} bytes per token")
     return 0
 
 

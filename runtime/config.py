@@ -13,7 +13,9 @@ import stat
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
+from .precision import BUILD_DTYPES, check_precision_fields
+
+SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")   # what runs; a build may also say "auto"
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16",
                   "bf16": "bfloat16"}
 
@@ -36,11 +38,12 @@ class ConfigError(ValueError):
     """A config file or value that the runtime cannot use; the message names the field."""
 
 
-def normalize_dtype(name: str) -> str:
+def normalize_dtype(name: str, allow_auto: bool = False) -> str:
     name = str(name).replace("torch.", "")
     name = _DTYPE_ALIASES.get(name, name)
-    if name not in SUPPORTED_DTYPES:
-        raise ConfigError(f"dtype: unsupported value {name!r}; supported: {', '.join(SUPPORTED_DTYPES)}")
+    supported = BUILD_DTYPES if allow_auto else SUPPORTED_DTYPES
+    if name not in supported:
+        raise ConfigError(f"dtype: unsupported value {name!r}; supported: {', '.join(supported)}")
     return name
 
 
@@ -89,6 +92,10 @@ class ModelConfig:
     pad_token_id: int | None = None
     embedding_norm: bool = False    # a LayerNorm right after the token embedding
     lm_head_bias: bool = False      # the output projection has a bias [V] (also when tied)
+    # What runs, set by the engine loader from the BuildConfig on the loading machine: the compute
+    # dtype (never "auto") and runtime.precision.QuantMode's bits (weight-only mode, KV cache dtype).
+    dtype: str = "float32"
+    quant_mode: int = 0
 
     @property
     def rotary_dim(self) -> int | None:
@@ -175,16 +182,22 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class BuildConfig:
-    """Build-time limits recorded in an engine directory (TensorRT-LLM's build flags)."""
+    """Build-time limits and precision recorded in an engine directory (TensorRT-LLM's build flags;
+    the precision fields: API.md "Numerical precision", runtime.precision)."""
     max_batch_size: int = 64
     max_input_len: int = 1024
     max_seq_len: int = 2048
     max_num_tokens: int = 8192
-    dtype: str = "float32"
+    dtype: str = "float32"                  # auto | float32 | float16 | bfloat16 ("auto" resolved at load)
     tokens_per_block: int = 64
     gather_context_logits: bool = False
     gather_generation_logits: bool = False
     max_beam_width: int = 4
+    weight_only: str | None = None          # None | "int8" (per output channel) | "int4" (per group)
+    group_size: int = 32                    # int4: input columns per scale
+    weight_only_skip: tuple[str, ...] = ()  # ("lm_head",): the output layer (and a tied embedding) stay in dtype
+    kv_cache_dtype: str = "auto"            # auto (the compute dtype) | int8 | fp8
+    kv_cache_scale: str | None = None       # "block_head" | "token_head": recorded by the loader that chose it
 
     def validated(self, model: ModelConfig | None = None) -> "BuildConfig":
         for name in ("max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens",
@@ -192,17 +205,26 @@ class BuildConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"{name}: must be a positive integer, got {value!r}")
-        normalize_dtype(self.dtype)
+        normalize_dtype(self.dtype, allow_auto=True)
+        check_precision_fields(self.weight_only, self.group_size, self.weight_only_skip, self.kv_cache_dtype,
+                               self.kv_cache_scale, ConfigError)
         if self.max_input_len > self.max_seq_len:
             raise ConfigError(f"max_input_len: {self.max_input_len} exceeds max_seq_len {self.max_seq_len}")
         if model is not None and self.max_seq_len > model.max_position_embeddings \
                 and model.position_embedding == "learned":
             raise ConfigError(f"max_seq_len: {self.max_seq_len} exceeds the model's "
                               f"{model.max_position_embeddings} learned positions")
+        if model is not None and self.weight_only == "int4":
+            for name, width in (("hidden_size", model.hidden_size), ("intermediate_size", model.intermediate_size),
+                                ("query width (num_heads * head_dim)", model.q_size)):
+                if width % self.group_size:
+                    raise ConfigError(f"group_size: {self.group_size} does not divide the model's {name} {width}")
         return self
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        d["weight_only_skip"] = list(self.weight_only_skip)
+        return d
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> "BuildConfig":
@@ -212,7 +234,9 @@ class BuildConfig:
             raise ConfigError(f"build config: unknown fields {sorted(unknown)}")
         d = dict(d)
         if "dtype" in d:
-            d["dtype"] = normalize_dtype(d["dtype"])
+            d["dtype"] = normalize_dtype(d["dtype"], allow_auto=True)
+        if isinstance(d.get("weight_only_skip"), list):
+            d["weight_only_skip"] = tuple(d["weight_only_skip"])
         return BuildConfig(**d).validated()
 
 
@@ -227,7 +251,9 @@ def default_build_config(model: ModelConfig, **overrides) -> BuildConfig:
     fields = dict(max_seq_len=max_seq_len, max_input_len=max(1, max_seq_len - 1), dtype="float32")
     fields.update(overrides)
     if "dtype" in fields:
-        fields["dtype"] = normalize_dtype(fields["dtype"])
+        fields["dtype"] = normalize_dtype(fields["dtype"], allow_auto=True)
+    if isinstance(fields.get("weight_only_skip"), list):
+        fields["weight_only_skip"] = tuple(fields["weight_only_skip"])
     return BuildConfig(**fields).validated(model)
 
 

@@ -8,6 +8,7 @@ limits then come from `default_build_config` plus any overrides.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from safetensors.torch import save_file
 
 from .config import BuildConfig, ConfigError, ModelConfig, default_build_config, normalize_dtype, read_json
 from .models import lookup_hf
+from .precision import QuantMode, resolve_dtype
 from .tensor_shard import TensorShard
 from .weights import Weights, check_weights, load_engine_weights, load_hf_weights
 
@@ -45,7 +47,17 @@ class Engine:
 
     @property
     def dtype(self) -> torch.dtype:
-        return TORCH_DTYPES[self.build_config.dtype]
+        """The compute dtype (BuildConfig.dtype as resolved on this machine)."""
+        return TORCH_DTYPES[self.model_config.dtype]
+
+    def weight_bytes(self) -> int:
+        """Bytes of every weight tensor held (quantized ones with their scales)."""
+        return sum(t.numel() * t.element_size() for t in self.weights.values())
+
+    def kv_bytes_per_token(self) -> int:
+        """KV cache bytes one token takes across the layers (with its scales), on one rank."""
+        from .model_runner import ModelRunner
+        return ModelRunner.kv_bytes_per_block(self) // self.build_config.tokens_per_block
 
     @staticmethod
     def from_dir(path: str | os.PathLike, shard: TensorShard | tuple[int, int] | None = None,
@@ -96,6 +108,19 @@ def _checked_shard(shard: TensorShard | tuple[int, int] | None, model: ModelConf
     return shard
 
 
+def resolved(model: ModelConfig, build: BuildConfig) -> ModelConfig:
+    """`model` with what runs here: the build dtype resolved on this machine ("auto": bf16 with CUDA
+    or a CPU with fast bf16, else float32) and the QuantMode of the build's precision fields."""
+    dtype = resolve_dtype(build.dtype, torch.cuda.is_available())
+    # TODO(precision): lifted as the weight-only linears and the quantized KV cache land.
+    if build.weight_only is not None:
+        raise ConfigError(f"weight_only: {build.weight_only!r} is not implemented yet")
+    if build.kv_cache_dtype != "auto":
+        raise ConfigError(f"kv_cache_dtype: {build.kv_cache_dtype!r} is not implemented yet")
+    return dataclasses.replace(model, dtype=dtype,
+                               quant_mode=int(QuantMode.from_build(build.weight_only, build.kv_cache_dtype)))
+
+
 def _load_engine_dir(directory: str, overrides: dict, shard: TensorShard | tuple[int, int] | None) -> Engine:
     data = read_json(os.path.join(directory, ENGINE_CONFIG_FILE), ENGINE_CONFIG_FILE)
     if data.get("format") != ENGINE_FORMAT or data.get("version") != ENGINE_VERSION:
@@ -110,9 +135,10 @@ def _load_engine_dir(directory: str, overrides: dict, shard: TensorShard | tuple
     except TypeError as e:
         raise ConfigError(f"{ENGINE_CONFIG_FILE}: {e}") from None
     build.validated(model)
+    model = resolved(model, build)
     shard = _checked_shard(shard, model)
     weights, num_bytes_read = load_engine_weights(os.path.join(directory, ENGINE_WEIGHTS_FILE), model,
-                                                  TORCH_DTYPES[build.dtype], shard)
+                                                  TORCH_DTYPES[model.dtype], shard)
     return Engine(model, build, weights, directory, shard, num_bytes_read)
 
 
@@ -121,8 +147,9 @@ def _load_hf_dir(directory: str, overrides: dict, shard: TensorShard | tuple[int
     arch = lookup_hf(hf)
     model = arch.config_from_hf(hf)
     build = default_build_config(model, **overrides)
+    model = resolved(model, build)
     shard = _checked_shard(shard, model)
-    weights, num_bytes_read = load_hf_weights(directory, model, TORCH_DTYPES[build.dtype], arch.read_weights, shard)
+    weights, num_bytes_read = load_hf_weights(directory, model, TORCH_DTYPES[model.dtype], arch.read_weights, shard)
     return Engine(model, build, weights, directory, shard, num_bytes_read)
 
 
@@ -143,8 +170,9 @@ def _load_gguf(checkpoint: GgufCheckpoint, source: str, overrides: dict,
     """The weights de-quantized to the build dtype; `source`: the path the caller gave."""
     model = checkpoint.model_config
     build = default_build_config(model, **overrides)
+    model = resolved(model, build)
     shard = _checked_shard(shard, model)
-    dtype = TORCH_DTYPES[build.dtype]
+    dtype = TORCH_DTYPES[model.dtype]
     weights = check_weights(checkpoint.read_weights(dtype), model, dtype, checkpoint.path, shard)
     return Engine(model, build, weights, source, shard, checkpoint.num_bytes_read)
 
@@ -153,7 +181,7 @@ def build_engine(checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLik
     """Convert an HF checkpoint or a GGUF file into an engine directory with the given build-time
     limits; from a GGUF file, also write its tokenizer there (runtime.gguf_tokenizer)."""
     if "dtype" in build_fields:
-        build_fields["dtype"] = normalize_dtype(build_fields["dtype"])
+        build_fields["dtype"] = normalize_dtype(build_fields["dtype"], allow_auto=True)
     source = os.fspath(checkpoint_dir)
     gguf_path = _gguf_source(source)
     if gguf_path is None:

@@ -78,6 +78,7 @@ class ExecutorConfig:
     max_draft_tokens: int = 0              # longest ExternalDraftTokensConfig.tokens (0: drafts refused)
     decoding_config: DecodingConfig | None = None   # the prompt-lookup drafter
     guided_decoding_config: Any = None     # batch_manager.guided_decoding.GuidedDecodingConfig
+    build_config: Any = None               # runtime.BuildConfig for a checkpoint or GGUF given directly
 
 
 def _non_negative_int(name: str, value: Any, allow_none: bool = False) -> None:
@@ -119,6 +120,7 @@ def core_params(config: ExecutorConfig) -> tuple[TrtGptModelType, SchedulerPolic
         device_ids=parallel.device_ids if parallel is not None else None, world_config=world,
         logits_post_processor_batched=post.processor_batched if post is not None else None,
         max_draft_tokens=config.max_draft_tokens, decoding_config=config.decoding_config,
-        guided_decoding_config=config.guided_decoding_config, peft_cache_manager_config=config.peft_cache_config)
+        guided_decoding_config=config.guided_decoding_config, peft_cache_manager_config=config.peft_cache_config,
+        build_config=config.build_config)
     policy = SchedulerPolicy(config.scheduler_config.capacity_scheduler_policy)
     return model_type, policy, params

@@ -1,0 +1,107 @@
+"""Numerical precision (the seeds' quantMode): `QuantMode` with TensorRT-LLM's names, the CPU's
+features read at run time, and the checks and resolution of a BuildConfig's precision fields
+(`dtype`, `weight_only`, `group_size`, `weight_only_skip`, `kv_cache_dtype`, `kv_cache_scale`)
+into what runs on this machine. Torch-free; runtime.config validates through it and the engine
+loader resolves through it.
+"""
+from __future__ import annotations
+
+import enum
+import functools
+import platform
+
+BUILD_DTYPES = ("auto", "float32", "float16", "bfloat16")
+WEIGHT_ONLY_MODES = ("int8", "int4")
+GROUP_SIZES = (32, 64, 128)
+WEIGHT_ONLY_SKIPPABLE = ("lm_head",)
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+KV_CACHE_SCALES = ("block_head", "token_head")
+
+
+class QuantMode(enum.IntFlag):
+    """TensorRT-LLM's QuantMode bits (the ones this runtime implements keep its values)."""
+    INT4_WEIGHTS = 1 << 0
+    INT8_WEIGHTS = 1 << 1
+    ACTIVATIONS = 1 << 2
+    PER_CHANNEL = 1 << 3
+    PER_TOKEN = 1 << 4
+    PER_GROUP = 1 << 5
+    INT8_KV_CACHE = 1 << 6
+    FP8_KV_CACHE = 1 << 7
+
+    def is_weight_only(self) -> bool:
+        return bool(self & (QuantMode.INT4_WEIGHTS | QuantMode.INT8_WEIGHTS)) and not self & QuantMode.ACTIVATIONS
+
+    def is_int8_weight_only(self) -> bool:
+        return self.is_weight_only() and bool(self & QuantMode.INT8_WEIGHTS)
+
+    def is_int4_weight_only(self) -> bool:
+        return self.is_weight_only() and bool(self & QuantMode.INT4_WEIGHTS)
+
+    def has_int8_kv_cache(self) -> bool:
+        return bool(self & QuantMode.INT8_KV_CACHE)
+
+    def has_fp8_kv_cache(self) -> bool:
+        return bool(self & QuantMode.FP8_KV_CACHE)
+
+    def has_kv_cache_quant(self) -> bool:
+        return self.has_int8_kv_cache() or self.has_fp8_kv_cache()
+
+    @staticmethod
+    def from_build(weight_only: str | None, kv_cache_dtype: str) -> "QuantMode":
+        mode = QuantMode(0)
+        if weight_only == "int8":
+            mode |= QuantMode.INT8_WEIGHTS | QuantMode.PER_CHANNEL
+        elif weight_only == "int4":
+            mode |= QuantMode.INT4_WEIGHTS | QuantMode.PER_GROUP
+        if kv_cache_dtype == "int8":
+            mode |= QuantMode.INT8_KV_CACHE
+        elif kv_cache_dtype == "fp8":
+            mode |= QuantMode.FP8_KV_CACHE
+        return mode
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """The feature flags of this machine's CPU (/proc/cpuinfo's `flags`; empty where unreadable).
+    Read at run time, never assumed from the build machine."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def has_fast_bf16(flags: frozenset[str] | None = None) -> bool:
+    """bf16 matmuls in hardware: AMX-BF16 or AVX512-BF16 (x86-64 only)."""
+    flags = cpu_flags() if flags is None else flags
+    return platform.machine() in ("x86_64", "AMD64") and bool({"amx_bf16", "avx512_bf16"} & flags)
+
+
+def resolve_dtype(dtype: str, cuda: bool, flags: frozenset[str] | None = None) -> str:
+    """`dtype` as it runs here: "auto" is bf16 on CUDA or on a CPU with fast bf16, else float32."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if cuda or has_fast_bf16(flags) else "float32"
+
+
+def check_precision_fields(weight_only, group_size, weight_only_skip, kv_cache_dtype, kv_cache_scale,
+                           error: type[ValueError]) -> None:
+    """`error(message naming the field)` for a value outside the modes above."""
+    if weight_only is not None and weight_only not in WEIGHT_ONLY_MODES:
+        raise error(f"weight_only: unsupported value {weight_only!r}; supported: None, "
+                    f"{', '.join(map(repr, WEIGHT_ONLY_MODES))}")
+    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size not in GROUP_SIZES:
+        raise error(f"group_size: must be one of {', '.join(map(str, GROUP_SIZES))}, got {group_size!r}")
+    if not isinstance(weight_only_skip, tuple) or any(name not in WEIGHT_ONLY_SKIPPABLE for name in weight_only_skip):
+        raise error(f"weight_only_skip: must be a tuple of {', '.join(map(repr, WEIGHT_ONLY_SKIPPABLE))}, "
+                    f"got {weight_only_skip!r}")
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise error(f"kv_cache_dtype: unsupported value {kv_cache_dtype!r}; supported: "
+                    f"{', '.join(map(repr, KV_CACHE_DTYPES))}")
+    if kv_cache_scale is not None and kv_cache_scale not in KV_CACHE_SCALES:
+        raise error(f"kv_cache_scale: unsupported value {kv_cache_scale!r}; supported: "
+                    f"{', '.join(map(repr, KV_CACHE_SCALES))}")
