@@ -60,21 +60,22 @@ def _cpu_supported() -> bool:
     return " avx2" in flags and " fma" in flags
 
 
-def build(directory: Path | None = None) -> Path:
-    """Compile cpu_native.cpp into the cache (once per source, flags, compiler and CPU); its path."""
+def build(directory: Path | None = None, source_path: Path = SOURCE) -> Path:
+    """Compile `source_path` (default cpu_native.cpp; any C++ source of this package's native CPU
+    kernels) into the cache, once per source, flags, compiler and CPU; the library's path."""
     from . import emu_backend  # its compiler and cache helpers (imported late: it imports the backends)
-    source = SOURCE.read_text()
+    source = source_path.read_text()
     key = "\0".join([source, " ".join(CXX_FLAGS), emu_backend.compiler_version(), _cpu_identity()])
     digest = hashlib.sha256(key.encode()).hexdigest()[:24]
     directory = directory or emu_backend.cache_dir().parent / "native"
-    library = directory / f"cpu-native-{digest}.so"
+    library = directory / f"{source_path.stem.replace('_', '-')}-{digest}.so"
     if library.exists():
         return library
     directory.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(suffix=".so", prefix=f".cpu-native-{digest}-", dir=directory)
+    fd, tmp_name = tempfile.mkstemp(suffix=".so", prefix=f".{library.stem}-", dir=directory)
     os.close(fd)
     try:
-        done = subprocess.run([emu_backend.CXX, *CXX_FLAGS, str(SOURCE), "-o", tmp_name],
+        done = subprocess.run([emu_backend.CXX, *CXX_FLAGS, str(source_path), "-o", tmp_name],
                               capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"cpu native kernels: {emu_backend.CXX} failed ({done.returncode}):\n"
