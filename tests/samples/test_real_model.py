@@ -82,8 +82,9 @@ def test_benchmark_real_text_workload_prints_answers(real_model_dir, capsys):
 def test_quality_sections_agree_with_transformers(real_model_dir, tmp_path):
     from samples.quality.cli import main
     out = tmp_path / "quality.json"
-    assert main(["--model", real_model_dir, "--sections", "perplexity,greedy,sampled,guided", "--windows", "2",
-                 "--window-len", "48", "--prompts", "2", "--max-tokens", "8", "--json", str(out)]) == 0
+    assert main(["--model", real_model_dir, "--sections", "perplexity,greedy,sampled,guided,precision",
+                 "--precision", "bf16", "--windows", "2", "--window-len", "48", "--prompts", "2", "--max-tokens", "8",
+                 "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     perplexity = report["perplexity"]
     for path in ("runtime (packed, paged)", "GptSession"):
@@ -94,3 +95,7 @@ def test_quality_sections_agree_with_transformers(real_model_dir, tmp_path):
     guided = report["guided"]
     assert guided["valid_json"] and guided["fits_schema"], guided
     assert json.loads(guided["text"])["capital"] == "Paris"
+    precision = report["precision"]
+    assert precision["fp32"]["perplexity"] == pytest.approx(perplexity["runtime (packed, paged)"]["perplexity"])
+    assert precision["bf16"]["dtype"] == "bfloat16" and abs(precision["bf16"]["perplexity_vs_fp32"]) < 0.01
+    assert precision["bf16"]["weight_bytes"] * 2 == precision["fp32"]["weight_bytes"]

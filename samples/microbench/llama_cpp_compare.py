@@ -1,0 +1,131 @@
+"""One stream, ours against llama.cpp on the same weights at the same precision, in one run.
+
+The weights: the real default model's GGUF (SmolLM2-135M-Instruct, Q4_1), de-quantized and written
+again with the `gguf` package as F32, Q8_0 and Q4_0 files. llama.cpp (the `xllamacpp` wheel, its
+server embedded in this process; `pip install --no-deps xllamacpp`) generates from each file; ours
+generates from engines built from the F32 file in float32 and in the matching weight-only modes
+(int8 for Q8_0, int4 group 32 for Q4_0). Each side: greedy, one request, the same prompt, N new
+tokens, the generation rate (tokens after the first / their time), best of --repeats.
+
+    python -m samples.microbench.llama_cpp_compare [--new-tokens 64] [--repeats 3] [--threads 2]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+PROMPT = "Here is part of Python's documentation. Explain what a generator is, in a few sentences."
+LLAMA_CPP_TYPES = ("F32", "Q8_0", "Q4_0")
+OUR_MODES = {"F32": {}, "Q8_0": {"weight_only": "int8"}, "Q4_0": {"weight_only": "int4", "group_size": 32}}
+
+
+def rewrite_gguf(source: str, destination: str, type_name: str) -> str:
+    """`source` with every 2-D weight de-quantized and stored as `type_name` (1-D tensors stay F32)."""
+    import gguf
+    reader = gguf.GGUFReader(source)
+    qtype = gguf.GGMLQuantizationType[type_name]
+    writer = gguf.GGUFWriter(destination, str(reader.fields["general.architecture"].contents()))
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        value_type = field.types[0]
+        sub_type = field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, field.contents(), value_type, sub_type)
+    for tensor in reader.tensors:
+        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
+        if values.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(tensor.name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(tensor.name, values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return destination
+
+
+def llama_cpp_rate(path: str, prompt: str, new_tokens: int, threads: int) -> float:
+    """llama.cpp's generation tokens/s for one greedy request (its own timings)."""
+    import xllamacpp
+    params = xllamacpp.CommonParams()
+    params.model.path = path
+    params.n_ctx = 1024
+    params.n_parallel = 1
+    params.cpuparams.n_threads = threads
+    params.cpuparams_batch.n_threads = threads
+    server = xllamacpp.Server(params)
+    body = {"prompt": prompt, "n_predict": new_tokens, "temperature": 0.0, "ignore_eos": True, "cache_prompt": False}
+    result = server.handle_completions(body)   # a dict (the server's JSON)
+    if not isinstance(result, dict) or "timings" not in result:
+        raise RuntimeError(f"llama.cpp: {result!r:.500}")
+    return float(result["timings"]["predicted_per_second"])
+
+
+def our_rate(engine_dir: str, prompt_ids: list[int], new_tokens: int) -> float:
+    """Our generation tokens/s for one greedy streamed request through the Executor: tokens after
+    the first over the time from the first to the last."""
+    from batch_manager.executor import Executor, ExecutorConfig, ModelType, OutputConfig, Request
+    with Executor(engine_dir, ModelType.DECODER_ONLY, ExecutorConfig()) as executor:
+        request_id = executor.enqueue_request(Request(prompt_ids, new_tokens, streaming=True,
+                                                      output_config=OutputConfig(exclude_input_from_output=True)))
+        stamps, done = [], False
+        while not done:
+            for response in executor.await_responses(request_id, timeout=600.0):
+                if response.has_error():
+                    raise RuntimeError(response.error_msg)
+                stamps += [time.perf_counter()] * len(response.result.output_token_ids[0])
+                done = response.result.is_final
+    return (len(stamps) - 1) / (stamps[-1] - stamps[0])
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--json", help="write the figures here")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from runtime import ConfigError, build_engine
+    from samples.default_model import real_model_gguf
+    from samples.real_text import load_tokenizer
+    source = real_model_gguf()
+    results: dict = {}
+    with tempfile.TemporaryDirectory() as work:
+        files = {t: rewrite_gguf(source, os.path.join(work, f"model-{t}.gguf"), t) for t in LLAMA_CPP_TYPES}
+        tokenizer_dir = os.path.join(work, "f32-engine")
+        build_engine(files["F32"], tokenizer_dir)
+        prompt_ids = load_tokenizer(tokenizer_dir)(PROMPT)["input_ids"]
+        for type_name in LLAMA_CPP_TYPES:
+            row = {"llama_cpp_tok_s": max(llama_cpp_rate(files[type_name], PROMPT, args.new_tokens, args.threads)
+                                          for _ in range(args.repeats))}
+            engine_dir = os.path.join(work, f"ours-{type_name}")
+            try:
+                build_engine(files["F32"], engine_dir, **OUR_MODES[type_name])
+                row["ours_tok_s"] = max(our_rate(engine_dir, prompt_ids, args.new_tokens) for _ in range(args.repeats))
+                row["ours_to_llama_cpp"] = row["ours_tok_s"] / row["llama_cpp_tok_s"]
+            except ConfigError as e:
+                row["ours_refused"] = str(e)
+            results[type_name] = row
+    fp32 = results["F32"].get("ours_tok_s")
+    print(f"one stream, {args.new_tokens} new tokens, {args.threads} threads, best of {args.repeats}:")
+    for type_name, row in results.items():
+        mode = {"F32": "float32", "Q8_0": "int8", "Q4_0": "int4 g32"}[type_name]
+        ours = (f"ours {mode} {row['ours_tok_s']:.1f} tok/s ({row['ours_to_llama_cpp']:.2f}x llama.cpp"
+                + (f", {row['ours_tok_s'] / fp32:.2f}x our float32)" if fp32 else ")")
+                if "ours_tok_s" in row else f"ours {mode}: refused ({row['ours_refused']})")
+        print(f"  {type_name:5s} llama.cpp {row['llama_cpp_tok_s']:.1f} tok/s; {ours}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return results
+
+
+if __name__ == "__main__":
+    main()
