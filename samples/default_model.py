@@ -109,7 +109,10 @@ def real_model_dir(cache_dir: str | None = None) -> str:
     from samples.quality.reference import SOURCE_FILE
     gguf_path = real_model_gguf()
     stat = os.stat(gguf_path)
-    directory = os.path.join(_cache_dir(cache_dir), f"smollm2-135m-instruct-{stat.st_size}-{int(stat.st_mtime)}")
+    # The leaf is the model's name (what the serving sample calls the model); its parent keys the build.
+    parent = os.path.join(_cache_dir(cache_dir), f"smollm2-{stat.st_size}-{int(stat.st_mtime)}")
+    os.makedirs(parent, exist_ok=True)
+    directory = os.path.join(parent, REAL_MODEL_NAME)
 
     def write(tmp: str) -> None:
         build_engine(gguf_path, tmp, dtype="float32", max_seq_len=2048)

@@ -53,8 +53,10 @@ def test_default_model_is_an_engine_with_its_tokenizer(real_model_dir):
     with open(os.path.join(real_model_dir, ENGINE_CONFIG_FILE)) as f:
         model = json.load(f)["model"]
     assert (model["num_layers"], model["hidden_size"], model["vocab_size"]) == (30, 576, 49152)
+    assert os.path.basename(real_model_dir) == "SmolLM2-135M-Instruct"   # the served model's name
     # built once: a second call finds it
-    assert default_model.default_model_dir(os.path.dirname(real_model_dir)) == real_model_dir
+    cache = os.path.dirname(os.path.dirname(real_model_dir))
+    assert default_model.default_model_dir(cache) == real_model_dir
 
 
 @needs_smollm2
