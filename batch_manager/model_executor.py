@@ -38,7 +38,8 @@ class ModelExecutor:
     def memory_usage(self) -> tuple[int, int, int]:
         """Bytes of runtime memory (weights + KV pool) on the CPU, the GPU, and pinned."""
         cpu, gpu = 0, 0
-        for t in [*self.runner.model.weight_tensors(), self.runner.kv_pool]:
+        kv_scales = [] if self.runner.kv_scales is None else [self.runner.kv_scales]
+        for t in [*self.runner.model.weight_tensors(), self.runner.kv_pool, *kv_scales]:
             if t.device.type == "cpu":
                 cpu += t.numel() * t.element_size()
             else:

@@ -32,6 +32,12 @@
 //   decode_attention_merge:
 //     grid (num_heads, batch), block (any multiple of 32), no shared memory; reads the partials,
 //     writes out storage_t [batch, num_heads, head_dim].
+//   decode_attention_partition_int8: the same over an int8 cache (runtime/kernels/kv_quant.py):
+//     k/v     int8 [num_blocks, tokens_per_block, num_kv_heads, head_dim]  contiguous (one layer)
+//     k_scales/v_scales float32 [num_blocks, tokens_per_block, num_kv_heads] contiguous; a key row
+//     reads as q * its scale (the scale applied to the row's dot product / probability). q and
+//     out stay storage_t; dynamic shared memory decode_smem_bytes(..., quantized=True) (two more
+//     floats per tile key: the tile's K and V scales).
 //   dtypes: storage_t per DTYPE (0 fp32, 1 fp16, 2 bf16); all arithmetic in float32.
 #include "prelude.cuh"
 
@@ -42,10 +48,16 @@
 #define THREADS_PER_KEY 4
 #endif
 
-extern "C" __global__ void __launch_bounds__(NUM_THREADS) decode_attention_partition(
+__device__ __forceinline__ float load_cache(const storage_t* p) { return load_float(p); }
+__device__ __forceinline__ float load_cache(const signed char* p) { return (float)*p; }
+
+// The partition kernel over a cache of cache_t; k_scales == nullptr: an unquantized cache.
+template <typename cache_t>
+__device__ __forceinline__ void decode_partition(
     storage_t* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_max,
-    float* __restrict__ part_sum, const storage_t* __restrict__ q, const storage_t* __restrict__ k_cache,
-    const storage_t* __restrict__ v_cache, const int* __restrict__ block_tables, const int* __restrict__ seq_lens,
+    float* __restrict__ part_sum, const storage_t* __restrict__ q, const cache_t* __restrict__ k_cache,
+    const cache_t* __restrict__ v_cache, const float* __restrict__ k_scales, const float* __restrict__ v_scales,
+    const int* __restrict__ block_tables, const int* __restrict__ seq_lens,
     const float* __restrict__ alibi_slopes, int num_heads, int num_kv_heads, int head_dim, int tokens_per_block,
     int table_stride, int partition_size, int tile_size, float scale, int window, int sink) {
   const int partition = blockIdx.x, kv_head = blockIdx.y, seq = blockIdx.z;
@@ -79,6 +91,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) decode_attention_parti
   const int floats = 2 * group * head_dim + group * tile_size + 3 * group;
   long long* rows = reinterpret_cast<long long*>(smem + floats + (floats & 1));
   // rows [tile_size]: element offset of each key's [head_dim] row for this KV head
+  float* k_scale_s = reinterpret_cast<float*>(rows + tile_size);  // [tile_size] (quantized cache only)
+  float* v_scale_s = k_scale_s + tile_size;                        // [tile_size] (quantized cache only)
 
   const long long row_elems = (long long)num_kv_heads * head_dim;
   const storage_t* q_seq = q + head_base * head_dim;
@@ -104,6 +118,11 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) decode_attention_parti
       const int pos = j < n_sink ? j : lo + (j - n_sink);
       const long long block = table[pos / tokens_per_block];
       rows[jj] = (block * tokens_per_block + pos % tokens_per_block) * row_elems + (long long)kv_head * head_dim;
+      if (k_scales != nullptr) {
+        const long long scale_index = (block * tokens_per_block + pos % tokens_per_block) * num_kv_heads + kv_head;
+        k_scale_s[jj] = k_scales[scale_index];
+        v_scale_s[jj] = v_scales[scale_index];
+      }
     }
     __syncthreads();
 
@@ -111,15 +130,17 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) decode_attention_parti
     for (int base = 0; base < n; base += keys_per_step) {
       const int jj = base + threadIdx.x / THREADS_PER_KEY;
       const bool valid = jj < n;
-      const storage_t* k_row = k_cache + (valid ? rows[jj] : 0);
+      const cache_t* k_row = k_cache + (valid ? rows[jj] : 0);
+      const float k_scale = (k_scales != nullptr && valid) ? k_scale_s[jj] : 1.0f;
       const int j = begin + tile + jj;
       const float distance = (float)((j < n_sink ? j : lo + (j - n_sink)) - (seq_len - 1));  // key - query pos
       for (int h = 0; h < group; ++h) {
         float dot = 0.0f;
         if (valid)
           for (int d = key_lane; d < head_dim; d += THREADS_PER_KEY)
-            dot += q_s[h * head_dim + d] * load_float(k_row + d);
+            dot += q_s[h * head_dim + d] * load_cache(k_row + d);
         dot = group_reduce_sum(dot, THREADS_PER_KEY);
+        if (k_scales != nullptr) dot *= k_scale;
         if (alibi_slopes != nullptr) dot += alibi_slopes[first_head + h] * distance;
         if (valid && key_lane == 0) probs[h * tile_size + jj] = dot;
       }
@@ -154,7 +175,10 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) decode_attention_parti
       const int h = item / head_dim, d = item % head_dim;
       const float* p = probs + h * tile_size;
       float acc = 0.0f;
-      for (int jj = 0; jj < n; ++jj) acc += p[jj] * load_float(v_cache + rows[jj] + d);
+      if (v_scales != nullptr)
+        for (int jj = 0; jj < n; ++jj) acc += p[jj] * v_scale_s[jj] * load_cache(v_cache + rows[jj] + d);
+      else
+        for (int jj = 0; jj < n; ++jj) acc += p[jj] * load_cache(v_cache + rows[jj] + d);
       acc_s[item] = acc_s[item] * stats[2 * group + h] + acc;
     }
     __syncthreads();  // the next tile overwrites rows and probs
@@ -172,6 +196,29 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) decode_attention_parti
       }
     }
   }
+}
+
+extern "C" __global__ void __launch_bounds__(NUM_THREADS) decode_attention_partition(
+    storage_t* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_max,
+    float* __restrict__ part_sum, const storage_t* __restrict__ q, const storage_t* __restrict__ k_cache,
+    const storage_t* __restrict__ v_cache, const int* __restrict__ block_tables, const int* __restrict__ seq_lens,
+    const float* __restrict__ alibi_slopes, int num_heads, int num_kv_heads, int head_dim, int tokens_per_block,
+    int table_stride, int partition_size, int tile_size, float scale, int window, int sink) {
+  decode_partition<storage_t>(out, part_acc, part_max, part_sum, q, k_cache, v_cache, nullptr, nullptr, block_tables,
+                              seq_lens, alibi_slopes, num_heads, num_kv_heads, head_dim, tokens_per_block,
+                              table_stride, partition_size, tile_size, scale, window, sink);
+}
+
+extern "C" __global__ void __launch_bounds__(NUM_THREADS) decode_attention_partition_int8(
+    storage_t* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_max,
+    float* __restrict__ part_sum, const storage_t* __restrict__ q, const signed char* __restrict__ k_cache,
+    const signed char* __restrict__ v_cache, const float* __restrict__ k_scales, const float* __restrict__ v_scales,
+    const int* __restrict__ block_tables, const int* __restrict__ seq_lens,
+    const float* __restrict__ alibi_slopes, int num_heads, int num_kv_heads, int head_dim, int tokens_per_block,
+    int table_stride, int partition_size, int tile_size, float scale, int window, int sink) {
+  decode_partition<signed char>(out, part_acc, part_max, part_sum, q, k_cache, v_cache, k_scales, v_scales,
+                                block_tables, seq_lens, alibi_slopes, num_heads, num_kv_heads, head_dim,
+                                tokens_per_block, table_stride, partition_size, tile_size, scale, window, sink);
 }
 
 extern "C" __global__ void decode_attention_merge(storage_t* __restrict__ out, const float* __restrict__ part_acc,

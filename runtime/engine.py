@@ -2,8 +2,9 @@
 
 An engine directory holds `engine.json` ({"format", "version", "model": ModelConfig,
 "build": BuildConfig}) and `weights.safetensors` with the canonical weight names in the build
-dtype. An HF checkpoint directory (`config.json` + safetensors), a `.gguf` file or a directory
-holding exactly one (runtime.gguf_checkpoint) is accepted wherever an engine directory is; its
+dtype (a weight-only build: the quantized matmul weights and their scales, runtime.weight_only).
+An HF checkpoint directory (`config.json` + safetensors), a `.gguf` file or a directory holding
+exactly one (runtime.gguf_checkpoint) is accepted wherever an engine directory is; its
 limits then come from `default_build_config` plus any overrides.
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ from .config import BuildConfig, ConfigError, ModelConfig, default_build_config,
 from .models import lookup_hf
 from .precision import QuantMode, resolve_dtype
 from .tensor_shard import TensorShard
+from .weight_only import quantize_weights, stored_layout
 from .weights import Weights, check_weights, load_engine_weights, load_hf_weights
 
 if TYPE_CHECKING:
@@ -99,7 +101,13 @@ class Engine:
             json.dump(config, f, indent=2)
 
 
-def _checked_shard(shard: TensorShard | tuple[int, int] | None, model: ModelConfig) -> TensorShard | None:
+def _checked_shard(shard: TensorShard | tuple[int, int] | None, model: ModelConfig,
+                   build: BuildConfig | None = None) -> TensorShard | None:
+    size = shard[1] if isinstance(shard, tuple) else None if shard is None else shard.size
+    if build is not None and build.weight_only is not None and size is not None and size > 1:
+        # NOTE: quantized weights are not sliced by rank yet (weight_only.py).
+        raise ConfigError(f"weight_only: {build.weight_only!r} with tensor parallelism {size} is not "
+                          "supported; use tensor parallelism 1 or weight_only None")
     if isinstance(shard, tuple):
         return TensorShard.of(model, *shard)
     if shard is not None and shard != TensorShard.of(model, shard.rank, shard.size):
@@ -112,13 +120,30 @@ def resolved(model: ModelConfig, build: BuildConfig) -> ModelConfig:
     """`model` with what runs here: the build dtype resolved on this machine ("auto": bf16 with CUDA
     or a CPU with fast bf16, else float32) and the QuantMode of the build's precision fields."""
     dtype = resolve_dtype(build.dtype, torch.cuda.is_available())
-    # TODO(precision): lifted as the weight-only linears and the quantized KV cache land.
-    if build.weight_only is not None:
-        raise ConfigError(f"weight_only: {build.weight_only!r} is not implemented yet")
-    if build.kv_cache_dtype != "auto":
-        raise ConfigError(f"kv_cache_dtype: {build.kv_cache_dtype!r} is not implemented yet")
     return dataclasses.replace(model, dtype=dtype,
                                quant_mode=int(QuantMode.from_build(build.weight_only, build.kv_cache_dtype)))
+
+
+KV_CACHE_SCALE = "token_head"   # the scale layout of a quantized KV cache (runtime/kernels/kv_quant.py)
+
+
+def with_kv_cache_scale(build: BuildConfig) -> BuildConfig:
+    """`build` with the KV scale layout recorded: "token_head" for an int8 / fp8 cache, None else.
+
+    NOTE: per (token, head) rather than per (block, head): a token's scale is written once with it,
+    so a cache write never re-scales earlier entries (a block's scale would grow as tokens arrive,
+    re-quantizing every row of the block), and blocks shared by reuse or beams never change. It
+    costs 4 bytes per row of head_dim bytes (6% at head_dim 64); samples/microbench/kv_cache_dtype.py
+    measures both layouts' error and bytes."""
+    if build.kv_cache_dtype == "auto":
+        if build.kv_cache_scale is not None:
+            raise ConfigError(f"kv_cache_scale: {build.kv_cache_scale!r} applies only to an int8 / fp8 "
+                              "kv_cache_dtype (it is 'auto')")
+        return build
+    if build.kv_cache_scale not in (None, KV_CACHE_SCALE):
+        raise ConfigError(f"kv_cache_scale: {build.kv_cache_scale!r} is not implemented; this runtime "
+                          f"stores {KV_CACHE_SCALE!r} scales")
+    return dataclasses.replace(build, kv_cache_scale=KV_CACHE_SCALE)
 
 
 def _load_engine_dir(directory: str, overrides: dict, shard: TensorShard | tuple[int, int] | None) -> Engine:
@@ -135,11 +160,29 @@ def _load_engine_dir(directory: str, overrides: dict, shard: TensorShard | tuple
     except TypeError as e:
         raise ConfigError(f"{ENGINE_CONFIG_FILE}: {e}") from None
     build.validated(model)
+    build = with_kv_cache_scale(build)
     model = resolved(model, build)
-    shard = _checked_shard(shard, model)
+    shard = _checked_shard(shard, model, build)
+    stored = _stored_weight_only(data["build"], build, model)
     weights, num_bytes_read = load_engine_weights(os.path.join(directory, ENGINE_WEIGHTS_FILE), model,
-                                                  TORCH_DTYPES[model.dtype], shard)
+                                                  TORCH_DTYPES[model.dtype], shard, stored)
+    if not stored:
+        weights = quantize_weights(weights, model, build)
     return Engine(model, build, weights, directory, shard, num_bytes_read)
+
+
+def _stored_weight_only(recorded: dict, build: BuildConfig, model: ModelConfig) -> dict:
+    """name -> (dtype, shape) of the quantized tensors an engine directory stores (empty when it
+    stores none); a load asking for other weight-only settings than those built is a ConfigError."""
+    fields = ("weight_only", "group_size", "weight_only_skip")
+    built = BuildConfig.from_dict(recorded)
+    if built.weight_only is None:
+        return {}
+    for name in fields:
+        if getattr(built, name) != getattr(build, name) and (name != "group_size" or build.weight_only == "int4"):
+            raise ConfigError(f"{name}: the engine was built with {name}={getattr(built, name)!r}; it cannot "
+                              f"load with {getattr(build, name)!r} (rebuild from the checkpoint)")
+    return stored_layout(model, build)
 
 
 def _load_hf_dir(directory: str, overrides: dict, shard: TensorShard | tuple[int, int] | None) -> Engine:
@@ -147,9 +190,11 @@ def _load_hf_dir(directory: str, overrides: dict, shard: TensorShard | tuple[int
     arch = lookup_hf(hf)
     model = arch.config_from_hf(hf)
     build = default_build_config(model, **overrides)
+    build = with_kv_cache_scale(build)
     model = resolved(model, build)
-    shard = _checked_shard(shard, model)
+    shard = _checked_shard(shard, model, build)
     weights, num_bytes_read = load_hf_weights(directory, model, TORCH_DTYPES[model.dtype], arch.read_weights, shard)
+    weights = quantize_weights(weights, model, build)
     return Engine(model, build, weights, directory, shard, num_bytes_read)
 
 
@@ -170,10 +215,12 @@ def _load_gguf(checkpoint: GgufCheckpoint, source: str, overrides: dict,
     """The weights de-quantized to the build dtype; `source`: the path the caller gave."""
     model = checkpoint.model_config
     build = default_build_config(model, **overrides)
+    build = with_kv_cache_scale(build)
     model = resolved(model, build)
-    shard = _checked_shard(shard, model)
+    shard = _checked_shard(shard, model, build)
     dtype = TORCH_DTYPES[model.dtype]
     weights = check_weights(checkpoint.read_weights(dtype), model, dtype, checkpoint.path, shard)
+    weights = quantize_weights(weights, model, build)
     return Engine(model, build, weights, source, shard, checkpoint.num_bytes_read)
 
 

@@ -33,6 +33,11 @@ ms native / oneDNN): 1 row 6.6 / 7.9, 4 rows 7.8 / 9.3, 8 rows 9.5 / 10.9, 12 ro
 16 rows 13.8 / 14.8, 64 rows 40.5 / 38.9: the kernel is a dot product per (row, output) tile,
 bound by the weight stream up to a few rows and by its FMA issue rate beyond; oneDNN's blocked
 GEMM wins at 64.
+
+bf16 weights (an engine in bfloat16): up to NATIVE_MAX_ROWS_BF16 rows the native bf16 kernel
+(kernels/cpu_native_bf16.py: half the bytes of float32, summed in float32), beyond it oneDNN's
+prepacked bf16 GEMM (AMX or AVX512-BF16 kernels, as the CPU has them; `w_xt` where this torch
+build has none).
 """
 from __future__ import annotations
 
@@ -42,10 +47,16 @@ import torch
 import torch.nn.functional as F
 
 from .kernels.cpu_native import native_ops
+from .kernels.cpu_native_bf16 import bf16_ops
 
 CPU_IMPLS = ("onednn", "w_xt")
 # Rows up to which the native kernel runs (oneDNN's blocked GEMM wins at 64: samples.microbench.linear).
 NATIVE_MAX_ROWS = 16
+# bf16 weights: rows up to which the native bf16 kernel runs, oneDNN's bf16 GEMM beyond. NOTE: every
+# weight of SmolLM2-135M per pass, 1 thread, AVX512-BF16 without AMX, ms native / oneDNN bf16:
+# 1 row 19.7 / 25.3, 4 rows 26.1 / 44.4, 8 rows 40.4 / 52.6, 16 rows 68.6 / 57.2; with AMX oneDNN
+# wins from about 8 rows (3-3.7x fp32 there).
+NATIVE_MAX_ROWS_BF16 = 8
 # Rows of one oneDNN call: longer inputs run in chunks of this many rows (the MLP chunks its
 # rows by the same count), so the number of distinct kernel shapes does not grow with
 # max_num_tokens.
@@ -78,15 +89,16 @@ def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 @functools.lru_cache(maxsize=None)
 def onednn_available(dtype: torch.dtype) -> bool:
     """Whether oneDNN's prepacked linear exists in this build and matches F.linear (probed once)."""
-    if dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+    if dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
         return False
     try:
         gen = torch.Generator().manual_seed(0)
-        weight, bias = torch.randn(24, 40, generator=gen), torch.randn(24, generator=gen)
-        x = torch.randn(5, 40, generator=gen)
+        weight, bias = torch.randn(24, 40, generator=gen).to(dtype), torch.randn(24, generator=gen).to(dtype)
+        x = torch.randn(5, 40, generator=gen).to(dtype)
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         y = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-        return bool(torch.allclose(y, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5))
+        tol = 1e-5 if dtype == torch.float32 else 2e-2   # bf16: its own rounding of the sums
+        return bool(torch.allclose(y.float(), F.linear(x, weight, bias).float(), rtol=tol, atol=tol))
     except (AttributeError, RuntimeError, NotImplementedError):
         return False
 
@@ -111,7 +123,10 @@ class Linear:
                 raise ValueError(f"impl: oneDNN linear is not available for {weight.dtype} in this torch build")
         # rows <= NATIVE_MAX_ROWS: the native kernel on [out, in] (where it runs); more: impl.
         self.native = native_ops() if device.type == "cpu" and weight.dtype == torch.float32 else None
-        self.plain = weight.contiguous() if self.native is not None else None
+        # bf16 weights: rows <= NATIVE_MAX_ROWS_BF16 take the native bf16 kernel (bias in float32).
+        self.native_bf16 = bf16_ops() if device.type == "cpu" and weight.dtype == torch.bfloat16 else None
+        self.bias_f32 = bias.float().contiguous() if self.native_bf16 is not None and bias is not None else None
+        self.plain = weight.contiguous() if self.native is not None or self.native_bf16 is not None else None
         # NOTE: oneDNN's reordered weight replaces the original (same byte count); nothing else
         # may read it as an [out, in] matrix.
         self.weight = (torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
@@ -121,6 +136,8 @@ class Linear:
         """x [rows, in] -> [rows, out] (on CPU's w_xt path a transposed view of [out, rows])."""
         if self.native is not None and x.shape[0] <= NATIVE_MAX_ROWS:
             return self.native.linear(x if x.stride(1) == 1 else x.contiguous(), self.plain, self.bias)
+        if self._takes_native_bf16(x):
+            return self.native_bf16.linear(x if x.stride(1) == 1 else x.contiguous(), self.plain, self.bias_f32)
         if self.impl == "onednn":
             return self._onednn(x)
         if self.impl == "linear":
@@ -136,7 +153,15 @@ class Linear:
         if (self.native is not None and x.shape[0] <= NATIVE_MAX_ROWS and residual.dtype == torch.float32
                 and residual.stride(1) == 1):
             return self.native.linear(x if x.stride(1) == 1 else x.contiguous(), self.plain, self.bias, out=residual)
+        if (self._takes_native_bf16(x) and residual.dtype in (torch.bfloat16, torch.float32)
+                and residual.stride(1) == 1):
+            return self.native_bf16.linear(x if x.stride(1) == 1 else x.contiguous(), self.plain, self.bias_f32,
+                                           out=residual)
         return residual + self(x)
+
+    def _takes_native_bf16(self, x: torch.Tensor) -> bool:
+        return (self.native_bf16 is not None and x.shape[0] <= NATIVE_MAX_ROWS_BF16
+                and x.dtype in (torch.bfloat16, torch.float32))
 
     def _onednn(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in] -> [rows, out] through calls of bucketed row counts (zero rows padded)."""

@@ -15,13 +15,16 @@ import torch
 import torch.nn.functional as F
 
 from .alibi import alibi_slopes
-from .config import ModelConfig
+from .config import ConfigError, ModelConfig
 from .kernels.cpu_native import native_ops
+from .kernels.cpu_native_bf16 import bf16_ops
+from .kernels.kv_quant import round_trip
 from .linear import Linear
 from .lora_step import LoraStepPlan
 from .rope import apply_rope, rope_cos_sin, rope_inv_freq
 from .tensor_parallel import TensorParallel
 from .tensor_shard import TensorShard
+from .weight_only import QuantizedLinear, is_quantized, lookup_rows
 from .weights import Weights
 
 _ACTIVATIONS = {
@@ -68,6 +71,10 @@ class Transformer:
         gather_logits_to_all: every rank gets the logits (else rank 0 only, the others None)."""
         self.config = config
         self.tp, self.shard = tensor_parallel, shard
+        if shard is not None and shard.size > 1 and any(is_quantized(weights, name) for name in weights):
+            # NOTE: engine.from_dir refuses it too; this catches a whole engine sliced in memory.
+            raise ConfigError(f"weight_only: quantized weights with tensor parallelism {shard.size} are not "
+                              "supported; use tensor parallelism 1 or weight_only None")
         self.gather_logits_to_all = gather_logits_to_all
         # The heads and intermediate columns this rank computes (the whole model without TP).
         self.local = shard.local_config(config) if shard is not None else config
@@ -77,7 +84,7 @@ class Transformer:
         self.sink_token_length = sink_token_length if attention_window is not None else 0
         self.w = {name: t.to(device) for name, t in weights.items()}
         self.device = device
-        self.dtype = self.w["embed_tokens"].dtype
+        self.dtype = self.w["final_norm.weight"].dtype   # the compute dtype (a weight-only table may be int8)
         self.scale = 1.0 / math.sqrt(config.head_dim)
         act = _ACTIVATIONS.get(config.activation)
         if act is None:
@@ -103,7 +110,8 @@ class Transformer:
             bias = self.w.get(prefix + ".bias")
             if not self.is_reducing_rank and prefix.endswith(("out", "mlp_out")):
                 bias = None
-            self.linears[prefix] = Linear(self.w[name], bias, device, linear_impl)
+            self.linears[prefix] = (QuantizedLinear(self.w, name, bias, device) if is_quantized(self.w, name)
+                                    else Linear(self.w[name], bias, device, linear_impl))
             self.w[name] = self.linears[prefix].weight
         # Tied embeddings keep their [V, H] table for the lookup; the head gets its own prepared
         # copy where the CPU kernel reorders it. Under TP each rank's head is padded with zero rows
@@ -113,9 +121,14 @@ class Transformer:
             pad = shard.vocab_chunk - head.shape[0]
             head = F.pad(head, (0, 0, 0, pad))
             head_bias = F.pad(head_bias, (0, pad)) if head_bias is not None else None
-        self.lm_head = Linear(head, head_bias, device, linear_impl)
-        # float32 RMSNorm on CPU in one native call (F.rms_norm is ~6 ops: 50 us for one row of 512)
-        self.native = native_ops() if device.type == "cpu" and self.dtype == torch.float32 else None
+        head_name = "lm_head" if "lm_head" in self.w else "embed_tokens"
+        self.lm_head = (QuantizedLinear(self.w, head_name, head_bias, device) if is_quantized(self.w, head_name)
+                        else Linear(head, head_bias, device, linear_impl))
+        # float32 or bf16 RMSNorm and silu * up on CPU in one native call each (F.rms_norm is ~6 ops:
+        # 50 us for one row of 512); bf16 ones (cpu_native_bf16) sum in float32.
+        self.native = None
+        if device.type == "cpu":
+            self.native = {torch.float32: native_ops, torch.bfloat16: bf16_ops}.get(self.dtype, lambda: None)()
         if "lm_head" in self.w or self.lm_head.weight is not self.w["embed_tokens"]:
             self.w["lm_head"] = self.lm_head.weight
 
@@ -140,9 +153,11 @@ class Transformer:
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.config.norm_eps)
         return weight * h.to(x.dtype)
 
-    def forward(self, step: StepLayout, kv_pool: torch.Tensor, kernels) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, step: StepLayout, kv_pool: torch.Tensor, kernels, kv_scales: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """kv_pool [num_layers, 2, num_blocks, tpb, kvH, D] -> (logits float32 [L, V],
-        context logits float32 [C, V] or None)."""
+        context logits float32 [C, V] or None). kv_scales float32 [num_layers, 2, num_blocks, tpb,
+        kvH]: the scales of a quantized pool (int8 / fp8), None otherwise."""
         cfg, w = self.config, self.w
         x = self._embed(step.input_ids)  # [T, H]
         if step.prompt_embeddings is not None:
@@ -158,7 +173,8 @@ class Transformer:
             p = f"layers.{layer}."
             h = self._norm(x, p + "input_norm")
             qkv = self._linear(h, p + "qkv", step.lora)
-            attn = self._attention(qkv, cos, sin, step, kv_pool[layer, 0], kv_pool[layer, 1], kernels)
+            scales = None if kv_scales is None else (kv_scales[layer, 0], kv_scales[layer, 1])
+            attn = self._attention(qkv, cos, sin, step, kv_pool[layer, 0], kv_pool[layer, 1], kernels, scales)
             # Under TP the row-parallel outputs are partial sums: rank 0 adds the residual (and the
             # biases), the others only their partials, and one all-reduce makes the sum everywhere.
             residual = x if self.is_reducing_rank else None
@@ -180,6 +196,8 @@ class Transformer:
         """int64 [T] -> [T, H]. Under TP a rank holds the rows of its vocabulary range: the others
         look up zeros, and an all-reduce sums them."""
         table = self.w["embed_tokens"]
+        if is_quantized(self.w, "embed_tokens"):   # a tied weight-only table: de-quantize the rows read
+            return lookup_rows(self.w, "embed_tokens", input_ids, self.dtype)
         if self.shard is None:
             return table[input_ids]
         start, stop = self.shard.vocab_range
@@ -247,8 +265,10 @@ class Transformer:
         return self.act(up)
 
     def _attention(self, qkv: torch.Tensor, cos, sin, step: StepLayout, k_cache: torch.Tensor,
-                   v_cache: torch.Tensor, kernels) -> torch.Tensor:
-        """qkv [T, q + 2 kv] -> attention output [T, q] (this rank's heads under TP)."""
+                   v_cache: torch.Tensor, kernels, scales: tuple[torch.Tensor, torch.Tensor] | None = None
+                   ) -> torch.Tensor:
+        """qkv [T, q + 2 kv] -> attention output [T, q] (this rank's heads under TP). scales: the
+        layer's (K, V) scales of a quantized cache."""
         cfg = self.local
         num_tokens = qkv.shape[0]
         num_qk_heads = cfg.num_heads + cfg.num_kv_heads
@@ -259,26 +279,31 @@ class Transformer:
             qk = apply_rope(qk, cos, sin, cfg.rotary_style)
         q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
         v = qkv[:, cfg.q_size + cfg.kv_size:].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-        kernels.write_kv(k_cache, v_cache, k, v, step.slot_mapping)
+        # Only a quantized cache passes scales: backends and test doubles without them keep working.
+        quant = {} if scales is None else {"k_scales": scales[0], "v_scales": scales[1]}
+        kernels.write_kv(k_cache, v_cache, k, v, step.slot_mapping, **quant)
         window, sink, slopes = self.attention_window, self.sink_token_length, self.alibi_slopes
         if not step.context_spans:  # generation only: token i is sequence i's one query
             out = kernels.decode_attention(q, k_cache, v_cache, step.generation_block_tables,
-                                           step.generation_seq_lens, self.scale, window, sink, slopes)
+                                           step.generation_seq_lens, self.scale, window, sink, slopes, **quant)
             return out.reshape(num_tokens, cfg.q_size)
         out = torch.empty_like(q)
         if step.generation_seq_ids.numel():
             idx = step.generation_token_index
             out[idx] = kernels.decode_attention(q[idx], k_cache, v_cache, step.generation_block_tables,
-                                                step.generation_seq_lens, self.scale, window, sink, slopes)
+                                                step.generation_seq_lens, self.scale, window, sink, slopes, **quant)
         for seq, start, n, past_len in step.context_spans:
             qs = q[start:start + n]
             if past_len == 0:  # NOTE: a fresh prompt attends to the keys just computed: no gather
                 ks, vs = k[start:start + n], v[start:start + n]
-                if qs.device.type == "cpu":  # attention math in float32 on CPU, as in the kernels
+                if scales is not None:   # NOTE: the keys as the cache holds them, as after a chunk or reuse
+                    ks, vs = round_trip(ks, k_cache.dtype), round_trip(vs, v_cache.dtype)
+                if qs.device.type == "cpu" or scales is not None:  # float32 math, as in the kernels
                     qs, ks, vs = qs.float(), ks.float(), vs.float()
                 out[start:start + n] = kernels.dense_attention(qs, ks, vs, 0, self.scale, window,
                                                                sink, slopes).to(q.dtype)
             else:
                 out[start:start + n] = kernels.context_attention(qs, k_cache, v_cache, step.block_tables[seq],
-                                                                 past_len, self.scale, window, sink, slopes)
+                                                                 past_len, self.scale, window, sink, slopes,
+                                                                 **quant)
         return out.view(num_tokens, cfg.q_size)

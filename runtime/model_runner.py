@@ -39,8 +39,10 @@ import os
 
 import torch
 
+from .config import ConfigError
 from .engine import Engine
 from .kernels import get_kernels
+from .kernels.kv_quant import KV_STORAGE_DTYPES, is_quantized_kv
 from .lora_step import LoraWeightStore
 from .model import StepLayout, Transformer
 from .prompt_tuning import TABLE_INPUTS, virtual_tokens
@@ -55,6 +57,11 @@ def effective_window(model_window: int | None, max_attention_window: int | None)
     """The window attention uses: the smaller of the model's own and the configured one."""
     windows = [w for w in (model_window, max_attention_window) if w is not None]
     return min(windows) if windows else None
+
+
+def kv_storage_dtype(engine: Engine) -> torch.dtype:
+    """The KV pool's element dtype: the compute dtype ("auto"), int8 or float8 e4m3."""
+    return KV_STORAGE_DTYPES.get(engine.build_config.kv_cache_dtype, engine.dtype)
 
 
 def available_memory_bytes(device: torch.device) -> int:
@@ -91,6 +98,9 @@ class ModelRunner:
         self.model_config = cfg
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.kernels = kernels if kernels is not None and not isinstance(kernels, str) else get_kernels(kernels)
+        if engine.build_config.kv_cache_dtype == "fp8" and self.kernels.name != "torch":
+            raise ConfigError(f"kv_cache_dtype: 'fp8' runs on the torch kernel backend only, not on "
+                              f"{self.kernels.name!r}; use 'int8' or 'auto'")
         self.tokens_per_block = engine.build_config.tokens_per_block
         self.num_blocks = num_blocks
         pool_bytes = num_blocks * self.kv_bytes_per_block(engine, tensor_parallel.size if tensor_parallel else 1)
@@ -107,8 +117,14 @@ class ModelRunner:
         self.model = Transformer(cfg, weights, self.device, self.attention_window, self.sink_token_length,
                                  linear_impl, tensor_parallel, self.shard, gather_logits_to_all)
         # [num_layers, K/V, num_blocks, tokens_per_block, num_kv_heads, head_dim]: this rank's KV heads
+        kv_dtype = kv_storage_dtype(engine)
         self.kv_pool = torch.zeros(cfg.num_layers, 2, num_blocks, self.tokens_per_block,
-                                   self.model.local.num_kv_heads, cfg.head_dim, dtype=engine.dtype, device=self.device)
+                                   self.model.local.num_kv_heads, cfg.head_dim, dtype=kv_dtype, device=self.device)
+        # float32 [num_layers, K/V, num_blocks, tokens_per_block, num_kv_heads]: the scale of each
+        # (token, head) row of a quantized pool (kernels/kv_quant.py); None for an unquantized one
+        self.kv_scales = None
+        if is_quantized_kv(kv_dtype):
+            self.kv_scales = torch.zeros(self.kv_pool.shape[:-1], dtype=torch.float32, device=self.device)
         self.lora_store = LoraWeightStore(self.device, engine.dtype, self.shard)   # task id -> resident adapter
 
     @staticmethod
@@ -125,16 +141,18 @@ class ModelRunner:
 
     @staticmethod
     def kv_bytes_per_block(engine: Engine, tensor_parallelism: int = 1) -> int:
-        """Bytes of one block of one rank's pool (its KV heads) under `tensor_parallelism` ranks."""
+        """Bytes of one block of one rank's pool (its KV heads) under `tensor_parallelism` ranks: the
+        values and, for a quantized cache, their float32 scales (one per token, head, K and V)."""
         cfg = engine.model_config
+        dtype = kv_storage_dtype(engine)
+        row_bytes = cfg.head_dim * dtype.itemsize + (4 if is_quantized_kv(dtype) else 0)
         return (cfg.num_layers * 2 * engine.build_config.tokens_per_block
-                * num_local_kv_heads(cfg.num_kv_heads, tensor_parallelism) * cfg.head_dim
-                * engine.dtype.itemsize)
+                * num_local_kv_heads(cfg.num_kv_heads, tensor_parallelism) * row_bytes)
 
     @torch.inference_mode()
     def forward(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         step = self._layout(inputs)
-        logits, context_logits = self.model.forward(step, self.kv_pool, self.kernels)
+        logits, context_logits = self.model.forward(step, self.kv_pool, self.kernels, self.kv_scales)
         outputs = {"logits": logits}
         if context_logits is not None:
             outputs["context_logits"] = context_logits
@@ -145,6 +163,8 @@ class ModelRunner:
         src = torch.tensor(src_block_ids, dtype=torch.int64, device=self.device)
         dst = torch.tensor(dst_block_ids, dtype=torch.int64, device=self.device)
         self.kernels.copy_blocks(self.kv_pool, src, dst)
+        if self.kv_scales is not None:
+            self.kernels.copy_blocks(self.kv_scales, src, dst)
 
     def _layout(self, inputs: dict[str, torch.Tensor]) -> StepLayout:
         _check_inputs(inputs)

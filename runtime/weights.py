@@ -37,6 +37,8 @@ Weights = dict[str, torch.Tensor]
 RawWeights = dict[str, Union["LazyTensor", torch.Tensor]]
 # Reads a checkpoint's tensors under the canonical names; one per architecture (runtime.models).
 WeightReader = Callable[["TensorSource", ModelConfig], RawWeights]
+# Tensors an engine stores quantized (runtime.weight_only): name -> (dtype, whole shape).
+StoredLayout = dict[str, tuple[torch.dtype, tuple[int, ...]]]
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -102,10 +104,11 @@ def fused(src: TensorSource, name_to_shape: dict[str, tuple[int, ...]]) -> LazyT
 
 
 def _checked(raw: RawWeights, cfg: ModelConfig, dtype: torch.dtype, where: str, src: TensorSource | None,
-             shard: TensorShard | None) -> Weights:
+             shard: TensorShard | None, stored: StoredLayout | None = None) -> Weights:
     """Check every canonical tensor's presence, whole shape and dtype; then read each (the rank's
-    slice of it with a shard) and convert to `dtype`."""
-    shapes = expected_shapes(cfg)
+    slice of it with a shard) and convert to `dtype`; `stored` names tensors read as they are."""
+    stored = stored or {}
+    shapes = {**expected_shapes(cfg), **{name: shape for name, (_, shape) in stored.items()}}
     for name, shape in shapes.items():
         tensor = raw.get(name)
         if tensor is None:
@@ -113,7 +116,10 @@ def _checked(raw: RawWeights, cfg: ModelConfig, dtype: torch.dtype, where: str, 
         if tuple(tensor.shape) != shape:
             raise WeightError(f"{where}: tensor {name!r} has shape {list(tensor.shape)}, "
                               f"expected {list(shape)} from the config")
-        if not tensor.is_floating_point():
+        if name in stored:
+            if tensor.dtype != stored[name][0]:
+                raise WeightError(f"{where}: tensor {name!r} has dtype {tensor.dtype}, expected {stored[name][0]}")
+        elif not tensor.is_floating_point():
             raise WeightError(f"{where}: tensor {name!r} has dtype {tensor.dtype}, expected floating point")
     out: Weights = {}
     for name in shapes:
@@ -122,7 +128,7 @@ def _checked(raw: RawWeights, cfg: ModelConfig, dtype: torch.dtype, where: str, 
             tensor = src.read(tensor, selection)
         elif selection is not None:   # a reader that built it in memory
             tensor = shard.slice(name, tensor)
-        out[name] = tensor.to(dtype).contiguous()
+        out[name] = tensor.contiguous() if name in stored else tensor.to(dtype).contiguous()
     return out
 
 
@@ -141,8 +147,10 @@ def load_hf_weights(directory: str, cfg: ModelConfig, dtype: torch.dtype, read: 
 
 
 def load_engine_weights(path: str, cfg: ModelConfig, dtype: torch.dtype,
-                        shard: TensorShard | None = None) -> tuple[Weights, int]:
-    """(canonical weights, whole or the shard's slices; tensor bytes read from the files)."""
+                        shard: TensorShard | None = None, stored: StoredLayout | None = None) -> tuple[Weights, int]:
+    """(canonical weights, whole or the shard's slices; tensor bytes read from the files).
+    `stored`: the weight-only tensors (runtime.weight_only.stored_layout), read as they are."""
     with TensorSource(os.path.dirname(path)) as src:
-        raw = {name: src.get(name) for name in expected_shapes(cfg) if name in src.names()}
-        return _checked(raw, cfg, dtype, path, src, shard), src.num_bytes_read
+        names = {**expected_shapes(cfg), **(stored or {})}
+        raw = {name: src.get(name) for name in names if name in src.names()}
+        return _checked(raw, cfg, dtype, path, src, shard, stored), src.num_bytes_read

@@ -1,8 +1,10 @@
 """CPU fast paths of decode and context attention, owned by the `torch` backend that runners get
-(TorchKernels(fast_paths=True)): float32 decode attention in the native kernel (cpu_native.py)
-where it runs, reading the cached blocks in place; otherwise decode rows grouped by length,
-gathers into per-thread reusable workspaces, and a decode plan per step reused by every layer.
-Every result equals the plain reference of torch_attention.py, which stays the definition.
+(TorchKernels(fast_paths=True)): float32 and bf16 decode attention in the native kernels
+(cpu_native.py, cpu_native_bf16.py) where they run, reading the cached blocks in place; otherwise
+decode rows grouped by length, gathers into per-thread reusable workspaces, and a decode plan per
+step reused by every layer. A quantized cache (int8 / fp8 with float32 scales, kv_quant.py) is
+gathered as stored and de-quantized in float32; int8 decode attention runs natively too. Every
+result equals the plain reference of torch_attention.py, which stays the definition.
 """
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from .cpu_native import native_ops
+from .cpu_native_bf16 import bf16_ops
+from .kv_quant import dequantize
 from .torch_attention import alibi_mask, block_ids, compute_dtype, dense_attention, visible
 
 # Fixed cost of one more attention call (gather K, gather V, SDPA), in block-rows: the work of
@@ -72,6 +76,7 @@ class CpuAttention:
         """use_native: float32 decode attention through the native kernel when it can run here."""
         self._threads = threading.local()
         self._native = native_ops() if use_native else None
+        self._native_bf16 = bf16_ops() if use_native else None   # bf16 queries over a bf16 cache
 
     def _thread_state(self) -> dict:
         return self._threads.__dict__
@@ -106,18 +111,30 @@ class CpuAttention:
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                         window: int | None, sink: int = 0, alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
-        """torch_attention.decode_attention: natively for float32 CPU caches (without ALiBi), else
-        one call per length group of the step's plan."""
-        if (self._native is not None and alibi_slopes is None and q.dtype == k_cache.dtype == torch.float32
+                         window: int | None, sink: int = 0, alibi_slopes: torch.Tensor | None = None,
+                         k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None) -> torch.Tensor:
+        """torch_attention.decode_attention: natively for float32 CPU caches, float32 queries over
+        int8 caches and bf16 queries over bf16 caches (without ALiBi), else one call per length
+        group of the step's plan."""
+        if (self._native is not None and alibi_slopes is None and q.dtype == torch.float32
                 and q.device.type == "cpu" and k_cache.is_contiguous() and v_cache.is_contiguous()):
-            return self._native.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, window, sink)
+            if k_scales is None and k_cache.dtype == torch.float32:
+                return self._native.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, window, sink)
+            if k_scales is not None and k_cache.dtype == torch.int8:
+                return self._native.decode_attention_int8(q, k_cache, v_cache, k_scales, v_scales, block_tables,
+                                                          seq_lens, scale, window, sink)
+        if (self._native_bf16 is not None and alibi_slopes is None and k_scales is None
+                and q.dtype == k_cache.dtype == v_cache.dtype == torch.bfloat16 and q.device.type == "cpu"
+                and k_cache.is_contiguous() and v_cache.is_contiguous()):
+            return self._native_bf16.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, window,
+                                                      sink)
         plan = self._decode_plan(block_tables, seq_lens, k_cache.shape[1], window, sink, alibi_slopes, q.device)
+        scales = None if k_scales is None else (k_scales, v_scales)
         if len(plan) == 1:
-            return self._decode_rows(q, k_cache, v_cache, plan[0], scale)
+            return self._decode_rows(q, k_cache, v_cache, plan[0], scale, scales)
         out = torch.empty_like(q)
         for group in plan:
-            out[group.rows] = self._decode_rows(q[group.rows], k_cache, v_cache, group, scale)
+            out[group.rows] = self._decode_rows(q[group.rows], k_cache, v_cache, group, scale, scales)
         return out
 
     def _decode_plan(self, block_tables: torch.Tensor, seq_lens: torch.Tensor, tokens_per_block: int,
@@ -152,12 +169,17 @@ class CpuAttention:
         return plan
 
     def _decode_rows(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: _DecodeGroup,
-                     scale: float) -> torch.Tensor:
-        """decode_attention over one group's rows, padded to their longest sequence."""
-        dtype = compute_dtype(q)
+                     scale: float, scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """decode_attention over one group's rows, padded to their longest sequence; `scales`: the
+        (K, V) scales of a quantized cache."""
+        dtype = compute_dtype(q) if scales is None else torch.float32
         # [n, kvH, L, D] views of the gathered keys and values (SDPA takes the strides as they are)
-        k = self._gather(k_cache, group.block_ids, group.num_rows, group.num_tokens, 0).to(dtype).transpose(1, 2)
-        v = self._gather(v_cache, group.block_ids, group.num_rows, group.num_tokens, 1).to(dtype).transpose(1, 2)
+        k = self._gather(k_cache, group.block_ids, group.num_rows, group.num_tokens, 0)
+        v = self._gather(v_cache, group.block_ids, group.num_rows, group.num_tokens, 1)
+        if scales is not None:
+            k = dequantize(k, self._gather(scales[0], group.block_ids, group.num_rows, group.num_tokens, 2))
+            v = dequantize(v, self._gather(scales[1], group.block_ids, group.num_rows, group.num_tokens, 3))
+        k, v = k.to(dtype).transpose(1, 2), v.to(dtype).transpose(1, 2)
         mask = group.mask if group.mask.dtype == torch.bool else group.mask.to(dtype)
         out = F.scaled_dot_product_attention(q.to(dtype)[:, :, None, :], k, v, attn_mask=mask, scale=scale,
                                              enable_gqa=True)  # [n, H, 1, D]
@@ -165,10 +187,15 @@ class CpuAttention:
 
     def context_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_table: torch.Tensor, past_len: int, scale: float,
-                          window: int | None, sink: int = 0, alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+                          window: int | None, sink: int = 0, alibi_slopes: torch.Tensor | None = None,
+                          k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None) -> torch.Tensor:
         """torch_attention.context_attention with the keys and values gathered into workspaces."""
         total = past_len + q.shape[0]
-        dtype = compute_dtype(q)
-        k = self.gather_kv(k_cache, block_table[None], total, workspace_slot=0)[0].to(dtype)  # [total, kvH, D]
-        v = self.gather_kv(v_cache, block_table[None], total, workspace_slot=1)[0].to(dtype)
+        dtype = compute_dtype(q) if k_scales is None else torch.float32
+        k = self.gather_kv(k_cache, block_table[None], total, workspace_slot=0)[0]  # [total, kvH, D]
+        v = self.gather_kv(v_cache, block_table[None], total, workspace_slot=1)[0]
+        if k_scales is not None:
+            k = dequantize(k, self.gather_kv(k_scales, block_table[None], total, workspace_slot=2)[0])
+            v = dequantize(v, self.gather_kv(v_scales, block_table[None], total, workspace_slot=3)[0])
+        k, v = k.to(dtype), v.to(dtype)
         return dense_attention(q.to(dtype), k, v, past_len, scale, window, sink, alibi_slopes).to(q.dtype)

@@ -1,5 +1,5 @@
 """Native CPU kernels of the generation path (cpu_native.cpp): small-row linear, RMSNorm, the
-gated MLP's silu(gate) * up and paged decode attention in float32, compiled at run time with the
+gated MLP's silu(gate) * up and paged decode attention in float32 (and over an int8 cache), compiled at run time with the
 system C++ compiler and loaded with ctypes, the emulation backend's build-and-load path. Callers:
 runtime/linear.py (rows up to linear.NATIVE_MAX_ROWS), runtime/model.py (RMSNorm, silu * up) and
 cpu_attention.py (decode attention); each keeps its torch path for every other case, and tests
@@ -37,6 +37,8 @@ _SIGNATURES = {
     "bm_rms_norm": [_P, _I64, _I64, _I64, _P, _F32, _P, _I64, _I32],
     "bm_silu_mul": [_P, _I64, _I64, _I64, _P, _I32],
     "bm_decode_attention": [_P, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _F32, _I64, _I64, _P, _I32],
+    "bm_decode_attention_int8": [_P, _P, _P, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _F32, _I64, _I64,
+                                 _P, _I32],
     "bm_token_bitmask": [_P, _P, _P, _I64, _I64, _I64, _I64, _I32],
     "bm_shm_all_reduce": [_P, _I64, _P, _I64, _I32, _I32, _I64, _I64, _P, _I64],
 }
@@ -102,6 +104,7 @@ class NativeCpuOps:
             fn.argtypes, fn.restype = argtypes, _RESTYPES.get(name)
         self._linear, self._rms_norm, self._silu_mul = self._lib.bm_linear, self._lib.bm_rms_norm, self._lib.bm_silu_mul
         self._decode_attention = self._lib.bm_decode_attention
+        self._decode_attention_int8 = self._lib.bm_decode_attention_int8
         self._token_bitmask = self._lib.bm_token_bitmask
         self._shm_all_reduce = self._lib.bm_shm_all_reduce
 
@@ -174,6 +177,28 @@ class NativeCpuOps:
                                tables.shape[1], lens.data_ptr(), batch, num_heads, num_kv_heads, head_dim,
                                tokens_per_block, scale, -1 if window is None else window, sink, out.data_ptr(),
                                torch.get_num_threads())
+        return out
+
+
+    def decode_attention_int8(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              k_scales: torch.Tensor, v_scales: torch.Tensor, block_tables: torch.Tensor,
+                              seq_lens: torch.Tensor, scale: float, window: int | None, sink: int = 0) -> torch.Tensor:
+        """interface.KernelBackend.decode_attention for int8 caches with their float32 scales
+        [num_blocks, tpb, kvH] and float32 queries, reading the blocks in place."""
+        assert q.dtype == torch.float32 and k_cache.dtype == v_cache.dtype == torch.int8
+        assert k_scales.dtype == v_scales.dtype == torch.float32 and k_scales.shape == k_cache.shape[:-1]
+        assert k_cache.is_contiguous() and v_cache.is_contiguous()
+        assert k_scales.is_contiguous() and v_scales.is_contiguous() and v_scales.shape == k_scales.shape
+        q = q.contiguous()
+        batch, num_heads, head_dim = q.shape
+        _, tokens_per_block, num_kv_heads, _ = k_cache.shape
+        tables = block_tables.to(torch.int32).contiguous()
+        lens = seq_lens.to(torch.int64).contiguous()
+        out = torch.empty_like(q)
+        self._decode_attention_int8(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_scales.data_ptr(),
+                                    v_scales.data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(), batch,
+                                    num_heads, num_kv_heads, head_dim, tokens_per_block, scale,
+                                    -1 if window is None else window, sink, out.data_ptr(), torch.get_num_threads())
         return out
 
 

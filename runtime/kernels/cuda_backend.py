@@ -112,27 +112,47 @@ class CudaKernels:
         return self.cpu_fallback and t.device.type == "cpu"
 
     # ---- ops --------------------------------------------------------------------------------------
-    def write_kv(self, k_cache, v_cache, k, v, slot_mapping) -> None:
+    def write_kv(self, k_cache, v_cache, k, v, slot_mapping, k_scales=None, v_scales=None) -> None:
         if self._use_reference(k_cache):
-            return self._reference.write_kv(k_cache, v_cache, k, v, slot_mapping)
+            return self._reference.write_kv(k_cache, v_cache, k, v, slot_mapping, k_scales, v_scales)
+        if k_scales is not None:   # int8 cache: the rows stay in their compute dtype, quantized in the kernel
+            _check_int8_cache(k_cache)
+            self.launchers.write_kv(k_cache, v_cache, _rows_contiguous(k), _rows_contiguous(v.to(k.dtype)),
+                                    slot_mapping.to(torch.int64).contiguous(), k_scales, v_scales)
+            return
         self.launchers.write_kv(k_cache, v_cache, _rows_contiguous(k.to(k_cache.dtype)),
                                 _rows_contiguous(v.to(v_cache.dtype)), slot_mapping.to(torch.int64).contiguous())
 
     def copy_blocks(self, kv_pool, src_block_ids, dst_block_ids) -> None:
         if self._use_reference(kv_pool):
             return self._reference.copy_blocks(kv_pool, src_block_ids, dst_block_ids)
-        self.launchers.copy_blocks(kv_pool, src_block_ids.to(torch.int64).contiguous(),
+        self.launchers.copy_blocks(self._as_compiled_dtype(kv_pool), src_block_ids.to(torch.int64).contiguous(),
                                    dst_block_ids.to(torch.int64).contiguous())
 
-    def decode_attention(self, q, k_cache, v_cache, block_tables, seq_lens, scale, window, sink=0, alibi_slopes=None):
+    def _as_compiled_dtype(self, pool: torch.Tensor) -> torch.Tensor:
+        """The pool as a view in a compiled storage dtype of the same bytes (copy_blocks only moves
+        them): an int8 pool or a float32 scale pool on a backend compiled for other dtypes."""
+        if pool.dtype in self.dtypes:
+            return pool
+        row_bytes = pool.shape[-1] * pool.element_size()
+        for dtype in self.dtypes:
+            if row_bytes % dtype.itemsize == 0 and pool.is_contiguous():
+                return pool.view(dtype)
+        raise ValueError(f"copy_blocks: a {pool.dtype} pool with rows of {row_bytes} bytes has no view in the "
+                         f"compiled dtypes {list(self.dtypes)}")
+
+    def decode_attention(self, q, k_cache, v_cache, block_tables, seq_lens, scale, window, sink=0, alibi_slopes=None,
+                         k_scales=None, v_scales=None):
         if self._use_reference(q):
             return self._reference.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, window, sink,
-                                                    alibi_slopes)
+                                                    alibi_slopes, k_scales, v_scales)
         if window is not None and (_as_int(window) is None or window <= 0):
             raise ValueError(f"window: must be None or a positive int, got {window!r}")
         if _as_int(sink) is None or sink < 0:
             raise ValueError(f"sink: must be a non-negative int, got {sink!r}")
-        if q.dtype != k_cache.dtype:
+        if k_scales is not None:
+            _check_int8_cache(k_cache)
+        elif q.dtype != k_cache.dtype:
             raise ValueError(f"q: dtype {q.dtype} differs from the cache's {k_cache.dtype}")
         if alibi_slopes is not None:
             if alibi_slopes.shape != (q.shape[1],):
@@ -143,12 +163,13 @@ class CudaKernels:
         out = torch.empty_like(q)
         self.launchers.decode_attention(out, q, k_cache, v_cache, block_tables.to(torch.int32).contiguous(),
                                         seq_lens.to(torch.int32).contiguous(), scale, _as_int(window or 0),
-                                        _as_int(sink), alibi_slopes)
+                                        _as_int(sink), alibi_slopes, k_scales, v_scales)
         return out
 
-    def context_attention(self, q, k_cache, v_cache, block_table, past_len, scale, window, sink=0, alibi_slopes=None):
+    def context_attention(self, q, k_cache, v_cache, block_table, past_len, scale, window, sink=0, alibi_slopes=None,
+                          k_scales=None, v_scales=None):
         return self._reference.context_attention(q, k_cache, v_cache, block_table, past_len, scale, window, sink,
-                                                 alibi_slopes)
+                                                 alibi_slopes, k_scales, v_scales)
 
     def dense_attention(self, q, k, v, past_len, scale, window, sink=0, alibi_slopes=None):
         return self._reference.dense_attention(q, k, v, past_len, scale, window, sink, alibi_slopes)
@@ -265,6 +286,12 @@ class _OnStreamDevice:
     def __call__(self, grid, block, args, shared_mem=0, stream=None):
         with import_cupy().cuda.Device(stream.device_id):
             self.kernel(grid, block, args, shared_mem=shared_mem, stream=stream)
+
+
+def _check_int8_cache(k_cache: torch.Tensor) -> None:
+    if k_cache.dtype != torch.int8:
+        raise ValueError(f"k_cache: the {k_cache.dtype} cache has no kernel here; quantized caches are int8 "
+                         "(fp8 runs on the torch backend)")
 
 
 def _as_int(value) -> int | None:

@@ -35,26 +35,34 @@ class KernelBackend(Protocol):
 
     # ---- KV cache and attention (runtime/model.py, runtime/model_runner.py) -------------------------
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
+                 slot_mapping: torch.Tensor, k_scales: torch.Tensor | None = None,
+                 v_scales: torch.Tensor | None = None) -> None:
         """k, v [T, kv_heads, head_dim] (any float dtype; stored as the cache's) -> the cache slots
-        slot_mapping int64 [T] (block * tokens_per_block + offset), in place."""
+        slot_mapping int64 [T] (block * tokens_per_block + offset), in place. With k_scales,
+        v_scales (float32 [num_blocks, tokens_per_block, kv_heads]) the caches are quantized (int8,
+        or fp8 e4m3 on the torch backend): each (token, head) row is stored as kv_quant.py defines,
+        its scale in the same slot of the scales. The attention ops below take the same scales
+        and read such a cache as q * scale, accumulating in float32."""
 
     def copy_blocks(self, kv_pool: torch.Tensor, src_block_ids: torch.Tensor, dst_block_ids: torch.Tensor) -> None:
         """kv_pool [num_layers, 2, num_blocks, tokens_per_block, kv_heads, head_dim]: block
         src[i] -> block dst[i] (int64 [m] each) in every layer, K and V, in place. Destinations are
-        distinct and none is also a source (copy-on-write into fresh blocks): pairs may run at once."""
+        distinct and none is also a source (copy-on-write into fresh blocks): pairs may run at once.
+        Any storage dtype, and the scale pools [num_layers, 2, num_blocks, tokens_per_block, kv_heads]."""
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                         window: int | None, sink: int = 0, alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+                         window: int | None, sink: int = 0, alibi_slopes: torch.Tensor | None = None,
+                         k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None) -> torch.Tensor:
         """Paged attention of one query per sequence, at position seq_lens - 1. q [B, H, D] (the
-        cache's dtype) -> [B, H, D]; H is a multiple of kv_heads (GQA/MQA). seq_lens int [B]
+        cache's dtype; the compute dtype with a quantized cache) -> [B, H, D]; H is a multiple of kv_heads (GQA/MQA). seq_lens int [B]
         counts the cached tokens including the query's own (already written); block_tables
         int32 [B, max_blocks]. softmax(scale * q.k (+ the ALiBi bias)) over the visible keys, times v."""
 
     def context_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_table: torch.Tensor, past_len: int, scale: float,
-                          window: int | None, sink: int = 0, alibi_slopes: torch.Tensor | None = None
+                          window: int | None, sink: int = 0, alibi_slopes: torch.Tensor | None = None,
+                          k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None
                           ) -> torch.Tensor:
         """One sequence's queries at positions past_len .. past_len + n - 1, whose keys (the n new
         ones included) are in the cache: q [n, H, D] -> [n, H, D]; block_table int32 [max_blocks].

@@ -70,16 +70,18 @@ def c_float(value: float) -> np.float32:
     return np.float32(float(value))
 
 
-def decode_smem_bytes(group: int, head_dim: int, tile_size: int) -> int:
-    """Dynamic shared memory of decode_attention_partition (mirrors its carving)."""
+def decode_smem_bytes(group: int, head_dim: int, tile_size: int, quantized: bool = False) -> int:
+    """Dynamic shared memory of decode_attention_partition (mirrors its carving); quantized: of
+    decode_attention_partition_int8 (two scales per tile key more)."""
     floats = 2 * group * head_dim + group * tile_size + 3 * group
     floats += floats & 1
-    return floats * 4 + tile_size * 8
+    return floats * 4 + tile_size * (16 if quantized else 8)
 
 
-def fit_tile_size(group: int, head_dim: int, wanted: int) -> int:
+def fit_tile_size(group: int, head_dim: int, wanted: int, quantized: bool = False) -> int:
     """The largest tile <= wanted whose shared memory fits MAX_SHARED_BYTES."""
-    largest = (MAX_SHARED_BYTES - decode_smem_bytes(group, head_dim, 0) - 4) // (4 * group + 8)
+    per_key = 4 * group + (16 if quantized else 8)
+    largest = (MAX_SHARED_BYTES - decode_smem_bytes(group, head_dim, 0) - 4) // per_key
     if largest < 1:
         raise ValueError(f"decode attention: {group} query heads per KV head x head_dim {head_dim} do not fit "
                          f"{MAX_SHARED_BYTES} bytes of shared memory")
@@ -113,12 +115,21 @@ class KvLaunchers:
         assert dim is None or t.dim() == dim, f"{name}: shape {list(t.shape)}, expected {dim} dims"
 
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
+                 slot_mapping: torch.Tensor, k_scales: torch.Tensor | None = None,
+                 v_scales: torch.Tensor | None = None) -> None:
         """k, v [T, kvH, D] (rows contiguous, any token stride) -> slots int64 [T] of k_cache, v_cache
-        [num_blocks, tpb, kvH, D] (contiguous)."""
-        dtype = k_cache.dtype
-        for name, t, rank in (("k_cache", k_cache, 4), ("v_cache", v_cache, 4), ("k", k, 3), ("v", v, 3)):
+        [num_blocks, tpb, kvH, D] (contiguous); with k_scales, v_scales (float32 [num_blocks, tpb,
+        kvH], contiguous) the caches are int8 and k, v any compiled storage dtype (write_kv_quant)."""
+        quantized = k_scales is not None
+        dtype = k.dtype if quantized else k_cache.dtype
+        for name, t, rank in (("k_cache", k_cache, 4), ("v_cache", v_cache, 4)):
+            self._check(name, t, torch.int8 if quantized else dtype, rank)
+        for name, t, rank in (("k", k, 3), ("v", v, 3)):
             self._check(name, t, dtype, rank)
+        if quantized:
+            for name, t in (("k_scales", k_scales), ("v_scales", v_scales)):
+                self._check(name, t, torch.float32, 3)
+                assert t.is_contiguous() and t.shape == k_cache.shape[:3], (name, t.shape, k_cache.shape)
         self._check("slot_mapping", slot_mapping, torch.int64, 1)
         assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
         num_tokens, num_kv_heads, head_dim = k.shape
@@ -128,6 +139,14 @@ class KvLaunchers:
             assert t.stride(2) == 1 and (num_kv_heads == 1 or t.stride(1) == head_dim), \
                 f"K/V rows must be contiguous, strides {t.stride()}"
         if num_tokens == 0:
+            return
+        if quantized:
+            kernel = self._function(dtype, "write_kv_quant")
+            kernel((num_tokens,), (self.config.copy_threads,),
+                   (c_ptr(k_cache), c_ptr(v_cache), c_ptr(k_scales), c_ptr(v_scales), c_ptr(k), c_ptr(v),
+                    c_ptr(slot_mapping), c_int(num_kv_heads), c_int(head_dim), c_long_long(k.stride(0)),
+                    c_long_long(v.stride(0))),
+                   shared_mem=0, stream=self._stream(k_cache.device))
             return
         kernel = self._function(dtype, "write_kv")
         kernel((num_tokens,), (self.config.copy_threads,),
@@ -162,13 +181,20 @@ class KvLaunchers:
 
     def decode_attention(self, out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, window: int,
-                         sink: int, alibi_slopes: torch.Tensor | None = None) -> None:
+                         sink: int, alibi_slopes: torch.Tensor | None = None, k_scales: torch.Tensor | None = None,
+                         v_scales: torch.Tensor | None = None) -> None:
         """out, q [B, H, D]; caches [num_blocks, tpb, kvH, D]; block_tables int32 [B, W]; seq_lens
-        int32 [B] (>= 1); window 0 = none; alibi_slopes float32 [H] or None. All contiguous."""
-        dtype = k_cache.dtype
+        int32 [B] (>= 1); window 0 = none; alibi_slopes float32 [H] or None; with k_scales, v_scales
+        (float32 [num_blocks, tpb, kvH]) int8 caches. All contiguous."""
+        quantized = k_scales is not None
+        dtype = q.dtype
         for name, t, rank in (("out", out, 3), ("q", q, 3), ("k_cache", k_cache, 4), ("v_cache", v_cache, 4)):
-            self._check(name, t, dtype, rank)
+            self._check(name, t, torch.int8 if quantized and name.endswith("cache") else dtype, rank)
             assert t.is_contiguous(), f"{name}: must be contiguous"
+        if quantized:
+            for name, t in (("k_scales", k_scales), ("v_scales", v_scales)):
+                self._check(name, t, torch.float32, 3)
+                assert t.is_contiguous() and t.shape == k_cache.shape[:3], (name, t.shape, k_cache.shape)
         self._check("block_tables", block_tables, torch.int32, 2)
         self._check("seq_lens", seq_lens, torch.int32, 1)
         batch, num_heads, head_dim = q.shape
@@ -188,7 +214,7 @@ class KvLaunchers:
         if window:
             max_visible = min(max_visible, window + sink)
         partition_size, num_partitions = plan_partitions(max_visible, self.config)
-        tile_size = fit_tile_size(group, head_dim, min(self.config.tile_size, partition_size))
+        tile_size = fit_tile_size(group, head_dim, min(self.config.tile_size, partition_size), quantized)
         assert num_kv_heads <= 65535 and batch <= 65535, (num_kv_heads, batch)
         part_acc = part_max = part_sum = None
         if num_partitions > 1:  # NOTE: freed on return; safe, torch's allocator is ordered on this stream
@@ -196,14 +222,15 @@ class KvLaunchers:
             part_max = torch.empty(batch, num_heads, num_partitions, dtype=torch.float32, device=q.device)
             part_sum = torch.empty_like(part_max)
         stream = self._stream(q.device)
-        kernel = self._function(dtype, "decode_attention_partition")
+        kernel = self._function(dtype, "decode_attention_partition_int8" if quantized else "decode_attention_partition")
+        caches = (c_ptr(k_cache), c_ptr(v_cache)) + ((c_ptr(k_scales), c_ptr(v_scales)) if quantized else ())
         kernel((num_partitions, num_kv_heads, batch), (self.config.attention_threads,),
-               (c_ptr(out), c_ptr(part_acc), c_ptr(part_max), c_ptr(part_sum), c_ptr(q), c_ptr(k_cache),
-                c_ptr(v_cache), c_ptr(block_tables), c_ptr(seq_lens), c_ptr(alibi_slopes), c_int(num_heads),
+               (c_ptr(out), c_ptr(part_acc), c_ptr(part_max), c_ptr(part_sum), c_ptr(q), *caches,
+                c_ptr(block_tables), c_ptr(seq_lens), c_ptr(alibi_slopes), c_int(num_heads),
                 c_int(num_kv_heads),
                 c_int(head_dim), c_int(tokens_per_block), c_int(block_tables.shape[1]), c_int(partition_size),
                 c_int(tile_size), c_float(scale), c_int(window), c_int(sink)),
-               shared_mem=decode_smem_bytes(group, head_dim, tile_size), stream=stream)
+               shared_mem=decode_smem_bytes(group, head_dim, tile_size, quantized), stream=stream)
         if num_partitions > 1:
             merge = self._function(dtype, "decode_attention_merge")
             merge((num_heads, batch), (min(self.config.copy_threads, 32 * -(-head_dim // 32)),),

@@ -14,8 +14,8 @@ PRELUDE = "prelude.cuh"
 SHIM = "emu/shim.h"
 # source file -> kernel entry points it defines
 KERNEL_SOURCES = {
-    "kv_cache.cu": ("write_kv", "copy_blocks"),
-    "paged_attention.cu": ("decode_attention_partition", "decode_attention_merge"),
+    "kv_cache.cu": ("write_kv", "write_kv_quant", "copy_blocks"),
+    "paged_attention.cu": ("decode_attention_partition", "decode_attention_partition_int8", "decode_attention_merge"),
     "philox.cu": ("philox_uniforms", "philox4x32_raw"),
     "logits_processing.cu": ("apply_penalties", "ban_tokens"),
     "sampling.cu": ("greedy_tokens", "log_softmax_rows", "sample_tokens"),

@@ -33,15 +33,19 @@ class TorchKernels:
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                         window: int | None, sink: int = 0, alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+                         window: int | None, sink: int = 0, alibi_slopes: torch.Tensor | None = None,
+                         k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None) -> torch.Tensor:
         attend = torch_attention.decode_attention if self._fast is None else self._fast.decode_attention
-        return attend(q, k_cache, v_cache, block_tables, seq_lens, scale, window, sink, alibi_slopes)
+        return attend(q, k_cache, v_cache, block_tables, seq_lens, scale, window, sink, alibi_slopes,
+                      k_scales, v_scales)
 
     def context_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_table: torch.Tensor, past_len: int, scale: float,
-                          window: int | None, sink: int = 0, alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+                          window: int | None, sink: int = 0, alibi_slopes: torch.Tensor | None = None,
+                          k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None) -> torch.Tensor:
         attend = torch_attention.context_attention if self._fast is None else self._fast.context_attention
-        return attend(q, k_cache, v_cache, block_table, past_len, scale, window, sink, alibi_slopes)
+        return attend(q, k_cache, v_cache, block_table, past_len, scale, window, sink, alibi_slopes,
+                      k_scales, v_scales)
 
     uniforms = staticmethod(torch_decoder.uniforms)
     apply_penalties = staticmethod(torch_decoder.apply_penalties)

@@ -5,6 +5,7 @@ next to transformers' static `generate` on the same dataset, and against the mat
     python -m samples.benchmark --backend ours --streaming --request-rate 20 --seed 1
     python -m samples.benchmark --dataset legacy.json --engine-dir DIR --output-json out.json --plot out.png
     python -m samples.benchmark --backend ours --api both        # GptManager and the Executor, one run
+    python -m samples.benchmark --backend ours --workload w64 --dtype bfloat16   # a bf16 engine
     torchrun --nproc-per-node 2 -m samples.benchmark --backend ours --threads 1   # 2 tensor-parallel ranks
 
 Dataset: the legacy JSON ({"samples": [{"input_ids", "output_len", "delay"}]}) or a seeded
@@ -69,13 +70,36 @@ def model_flops(cfg: ModelConfig, result: RunResult, prompt_lens: list[int]) -> 
     return total
 
 
+def with_dtype(model_dir: str, dtype: str) -> str:
+    """An engine directory of `model_dir` (engine, checkpoint or GGUF) built in `dtype` in a temporary
+    directory (removed at exit), with the source directory's other files (its tokenizer) beside it."""
+    import atexit
+    import shutil
+    import tempfile
+    from runtime import build_engine
+    from runtime.engine import ENGINE_CONFIG_FILE, ENGINE_WEIGHTS_FILE
+    directory = tempfile.mkdtemp(prefix=f"engine-{dtype}-")
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    build_engine(model_dir, directory, dtype=dtype)
+    if os.path.isdir(model_dir):
+        for name in os.listdir(model_dir):
+            source, target = os.path.join(model_dir, name), os.path.join(directory, name)
+            if (os.path.isfile(source) and not os.path.exists(target) and name != ENGINE_CONFIG_FILE
+                    and name != ENGINE_WEIGHTS_FILE and not name.endswith((".safetensors", ".gguf"))):
+                shutil.copy(source, target)
+    return directory
+
+
 def roofline_report(cfg: ModelConfig, result: RunResult, prompt_lens: list[int], reps: int) -> dict:
-    from samples.microbench.runtime import measure_matmul
+    """Against the matmul roofline of the model's dtype (float32 unless the engine runs in bf16)."""
+    from samples.microbench.runtime import DTYPES, measure_matmul
+    dtype = DTYPES.get(cfg.dtype, torch.float32)
     with torch.inference_mode():
-        gflops = max(max(measure_matmul(reps).values()), max(measure_matmul(reps).values()))
+        gflops = max(max(measure_matmul(reps, dtype).values()), max(measure_matmul(reps, dtype).values()))
     tokens_per_s = metrics(result)[TOKEN_THROUGHPUT]
     roofline_tokens_per_s = gflops * 1e9 / flops_per_generated_token(cfg)
-    return {"roofline_gflops": gflops, "roofline_token_throughput(token/sec)": roofline_tokens_per_s,
+    return {"roofline_gflops": gflops, "roofline_dtype": str(dtype).removeprefix("torch."),
+            "roofline_token_throughput(token/sec)": roofline_tokens_per_s,
             "token_throughput_of_roofline": tokens_per_s / roofline_tokens_per_s,
             "model_flops_utilization": model_flops(cfg, result, prompt_lens) / result.total_s / (gflops * 1e9)}
 
@@ -92,6 +116,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--real-text-prompts", type=int, default=32)
     p.add_argument("--real-text-max-tokens", type=int, default=128)
     p.add_argument("--cache-dir", help="where the default model is written (default ~/.cache/batch_manager)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "auto"],
+                   help="run ours in this dtype: the model is built into a temporary engine directory first")
     p.add_argument("--backend", default="both", choices=["ours", "hf", "both"],
                    help="ours: GptManager; hf: transformers' static generate; both: one after the other, "
                         "with the throughput ratio (default)")
@@ -184,6 +210,9 @@ def main(argv: list[str] | None = None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     model_dir = model_from_arguments(args.engine_dir, args.random_model, args.cache_dir)
+    args.hf_model_dir = model_dir   # the hf baseline reads the source model, whatever --dtype says
+    if args.dtype:
+        model_dir = with_dtype(model_dir, args.dtype)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size > 1 and int(os.environ.get("RANK", "0")) != 0:
         if args.backend in ("ours", "both"):
@@ -227,7 +256,7 @@ def run_w64(args, model_dir: str, world_size: int) -> dict:
         from samples.benchmark.hf import run_hf
         if any(delays_s):
             print("note: the hf baseline runs offline (static batches); arrival delays are ignored")
-        results["hf"] = run_hf(model_dir, samples, args.hf_batch_size, show_progress=not args.no_progress)
+        results["hf"] = run_hf(args.hf_model_dir, samples, args.hf_batch_size, show_progress=not args.no_progress)
         report["hf"] = {**metrics(results["hf"]), **results["hf"].extra}
         print(format_text(f"hf (transformers generate, static batch {args.hf_batch_size})", report["hf"]))
     if "ours" in report and "hf" in report:
@@ -235,7 +264,8 @@ def run_w64(args, model_dir: str, world_size: int) -> dict:
         print(f"[BENCHMARK] token_throughput ours {report['ours'][TOKEN_THROUGHPUT]:.1f} vs hf "
               f"{report['hf'][TOKEN_THROUGHPUT]:.1f} token/sec: {report['ratio_ours_to_hf']:.2f}x")
     if "ours" in report and "token_throughput_of_roofline" in report["ours"]:
-        print(f"[BENCHMARK] ours vs the fp32 matmul roofline ({report['ours']['roofline_gflops']:.0f} GFLOP/s): "
+        print(f"[BENCHMARK] ours vs the {report['ours']['roofline_dtype']} matmul roofline "
+              f"({report['ours']['roofline_gflops']:.0f} GFLOP/s): "
               f"{report['ours']['token_throughput_of_roofline']:.1%} of its generated-token rate, "
               f"{report['ours']['model_flops_utilization']:.1%} model FLOP utilisation (context included)")
     if args.plot:

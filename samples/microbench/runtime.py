@@ -1,7 +1,12 @@
 """Benchmark the runtime's ModelRunner: context and generation steps against the bounds of this
-machine, measured in the same run: the fp32 matmul roofline and the read bandwidth.
+machine, measured in the same run: the matmul roofline of the run's dtype and the read bandwidth.
 
-    python -m samples.bench_runtime [--model DIR] [--batch-sizes 1,8,64] [--threads N] [--json OUT]
+    python -m samples.bench_runtime [--model DIR] [--dtype float32|bfloat16] [--batch-sizes 1,8,64]
+                                    [--threads N] [--json OUT]
+
+--dtype converts the weights at load (the KV cache follows); several (float32,bfloat16) run one
+after the other in the same process. The float32 and bf16 matmul rates are both measured, and each
+row's bounds use its dtype (its GEMM rate, its bytes per weight).
 
 Context: one packed step of `batch` fresh prompts of --prompt-len tokens. Generation: one step of
 `batch` sequences, one new token each, with --past-len tokens already in the KV cache. FLOPs
@@ -12,7 +17,8 @@ per layer: QK^T and PV).
 Bounds of a step: streaming (the bytes a step must read from memory: every matmul weight, the
 layers' and the lm_head's, plus the cached keys and values it attends to; the embedding is a
 gather of a few rows and is not counted) divided by the best read bandwidth of a plain sum over
-a 256 MiB tensor; and the matmul roofline (the step's FLOPs at the best torch.mm rate). `share`
+a 256 MiB tensor; and the matmul roofline (the step's FLOPs at the best torch.mm rate in the
+run's dtype). `share`
 is the larger bound over the measured step: 100 % is the machine's limit.
 """
 from __future__ import annotations
@@ -33,9 +39,12 @@ MATMUL_SHAPES = [(m, 512, 1536) for m in (64, 128, 256, 512, 1024)] + [(2048, 20
 READ_BYTES = 256 << 20  # far above the last-level cache: a read of it streams from memory
 
 
-def matmul_gflops(m: int, k: int, n: int, reps: int) -> float:
-    """Best fp32 torch.mm throughput of [m x k] @ [k x n]."""
-    a, b = torch.randn(m, k), torch.randn(k, n)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def matmul_gflops(m: int, k: int, n: int, reps: int, dtype: torch.dtype = torch.float32) -> float:
+    """Best torch.mm throughput of [m x k] @ [k x n] in `dtype` (bf16: oneDNN's bf16 GEMM)."""
+    a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
     torch.mm(a, b)
     best_s = float("inf")
     for _ in range(reps):
@@ -97,8 +106,13 @@ def time_step(runner: ModelRunner, inputs: dict, warmup: int, iters: int) -> flo
     return statistics.median(times_s)
 
 
-def measure_matmul(reps: int) -> dict[str, float]:
-    return {f"{m}x{k}x{n}": matmul_gflops(m, k, n, reps) for m, k, n in MATMUL_SHAPES}
+def measure_matmul(reps: int, dtype: torch.dtype = torch.float32) -> dict[str, float]:
+    return {f"{m}x{k}x{n}": matmul_gflops(m, k, n, reps, dtype) for m, k, n in MATMUL_SHAPES}
+
+
+def measure_matmuls(reps: int) -> dict[str, dict[str, float]]:
+    """dtype name -> shape -> GFLOP/s, one dtype after the other."""
+    return {name: measure_matmul(reps, dtype) for name, dtype in DTYPES.items()}
 
 
 def bench_batch(runner: ModelRunner, batch: int, args) -> list[dict]:
@@ -142,11 +156,23 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=128, help="context tokens per sequence")
     p.add_argument("--past-len", type=int, default=128, help="cached tokens per sequence in generation")
     p.add_argument("--tokens-per-block", type=int, default=64)
+    p.add_argument("--dtype", help="compute dtype(s), comma-separated: float32, bfloat16 (default: the "
+                   "engine's own); several: each in turn in one run, with the step time ratios")
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps before each measurement")
     p.add_argument("--iters", type=int, default=3, help="timed context steps (generation: 4x as many); median")
     p.add_argument("--json", metavar="OUT", help="also write the results as JSON")
     return p.parse_args()
+
+
+def print_rows(rows: list[dict]) -> None:
+    print(f"{'dtype':<8}  {'batch':>5}  {'phase':<10}  {'step ms':>9}  {'tokens/s':>10}  {'GFLOP/s':>8}  "
+          f"{'of roofline':>11}  {'MB read':>8}  {'stream ms':>9}  {'matmul ms':>9}  {'share':>6}")
+    for r in rows:
+        print(f"{r['dtype']:<8}  {r['batch']:>5}  {r['phase']:<10}  {r['step_ms']:>9.1f}  {r['tokens_per_s']:>10.1f}  "
+              f"{r['gflops']:>8.1f}  {r['roofline_fraction']:>10.1%}  "
+              f"{(r['weight_bytes'] + r['kv_bytes']) / 1e6:>8.1f}  {r['stream_bound_ms']:>9.2f}  "
+              f"{r['matmul_bound_ms']:>9.2f}  {r['share_of_bound']:>6.1%}")
 
 
 def main() -> None:
@@ -155,44 +181,55 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     model_dir = model_from_arguments(args.model, args.random_model, args.cache_dir)
-    engine = Engine.from_dir(model_dir, tokens_per_block=args.tokens_per_block)
-    cfg = engine.model_config
+    dtypes = [d for d in (args.dtype or "").split(",") if d] or [None]
+    if any(d not in DTYPES for d in dtypes if d is not None):
+        raise SystemExit(f"--dtype: expected names among {sorted(DTYPES)}, got {args.dtype!r}")
+    engines = [Engine.from_dir(model_dir, tokens_per_block=args.tokens_per_block, **({"dtype": d} if d else {}))
+               for d in dtypes]
+    cfg = engines[0].model_config
     print(f"model: {model_dir}")
     print(f"  {cfg.architecture}, {cfg.num_params() / 1e6:.1f}M parameters ({cfg.num_layers} layers, hidden "
           f"{cfg.hidden_size}, {cfg.num_heads} heads / {cfg.num_kv_heads} kv, intermediate "
-          f"{cfg.intermediate_size}, vocab {cfg.vocab_size}), {engine.build_config.dtype}")
+          f"{cfg.intermediate_size}, vocab {cfg.vocab_size}), run in "
+          f"{', '.join(e.model_config.dtype for e in engines)}")
     print(f"  torch {torch.__version__}, {torch.get_num_threads()} threads")
 
     with torch.inference_mode():
-        matmul = measure_matmul(reps=max(5, args.iters))
+        matmul = measure_matmuls(reps=max(5, args.iters))
         read_gbs = read_bandwidth_gbs(reps=max(5, args.iters))
         blocks_per_seq = -(-(max(args.prompt_len, args.past_len) + 1) // args.tokens_per_block)
-        runner = ModelRunner(engine, num_blocks=max(batch_sizes) * blocks_per_seq)
-        results = [bench_batch(runner, batch, args) for batch in batch_sizes]
+        results = []
+        for engine in engines:   # NOTE: one runner at a time, so that no two pools compete for the cache
+            runner = ModelRunner(engine, num_blocks=max(batch_sizes) * blocks_per_seq)
+            results += [dict(r, dtype=engine.model_config.dtype) for batch in batch_sizes
+                        for r in bench_batch(runner, batch, args)]
+            del runner
         # NOTE: measured before and after the model, best kept: a busy machine only lowers the peak.
-        again = measure_matmul(reps=max(5, args.iters))
+        again = measure_matmuls(reps=max(5, args.iters))
         read_gbs = max(read_gbs, read_bandwidth_gbs(reps=max(5, args.iters)))
-    matmul = {name: max(g, again[name]) for name, g in matmul.items()}
-    roofline = max(matmul.values())
-    print("fp32 matmul GFLOP/s (m x k x n): " + ", ".join(f"{name} {g:.1f}" for name, g in matmul.items())
-          + f"; roofline (best) {roofline:.1f}")
+    matmul = {dt: {name: max(g, again[dt][name]) for name, g in rates.items()} for dt, rates in matmul.items()}
+    rooflines = {dt: max(rates.values()) for dt, rates in matmul.items()}
+    for dt, rates in matmul.items():
+        print(f"{dt} matmul GFLOP/s (m x k x n): " + ", ".join(f"{name} {g:.1f}" for name, g in rates.items())
+              + f"; roofline (best) {rooflines[dt]:.1f}")
+    print(f"bf16 / float32 matmul roofline: {rooflines['bfloat16'] / rooflines['float32']:.2f}x")
     print(f"read bandwidth (sum over {READ_BYTES >> 20} MiB, best): {read_gbs:.1f} GB/s")
-    rows = [with_bounds(r, roofline, read_gbs) for batch_rows in results for r in batch_rows]
-
-    print(f"\n{'batch':>5}  {'phase':<10}  {'step ms':>9}  {'tokens/s':>10}  {'GFLOP/s':>8}  {'of roofline':>11}  "
-          f"{'MB read':>8}  {'stream ms':>9}  {'matmul ms':>9}  {'share':>6}")
-    for r in rows:
-        print(f"{r['batch']:>5}  {r['phase']:<10}  {r['step_ms']:>9.1f}  {r['tokens_per_s']:>10.1f}  "
-              f"{r['gflops']:>8.1f}  {r['roofline_fraction']:>10.1%}  "
-              f"{(r['weight_bytes'] + r['kv_bytes']) / 1e6:>8.1f}  {r['stream_bound_ms']:>9.2f}  "
-              f"{r['matmul_bound_ms']:>9.2f}  {r['share_of_bound']:>6.1%}")
+    rows = [with_bounds(r, rooflines.get(r["dtype"], rooflines["float32"]), read_gbs) for r in results]
+    print("\nbounds per row in its dtype (its matmul roofline, its bytes per weight and cached value)")
+    print_rows(rows)
+    if len(engines) > 1:
+        first = engines[0].model_config.dtype
+        print(f"\nstep time ratios against {first} (same run):")
+        for r in rows:
+            base = next(b for b in rows if b["dtype"] == first and (b["batch"], b["phase"]) == (r["batch"], r["phase"]))
+            if r["dtype"] != first:
+                print(f"  {r['dtype']} batch {r['batch']} {r['phase']}: {base['step_ms'] / r['step_ms']:.2f}x")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model_dir": model_dir, "model": cfg.to_dict(), "num_params": cfg.num_params(),
                        "threads": torch.get_num_threads(), "prompt_len": args.prompt_len,
-                       "past_len": args.past_len, "matmul_gflops": matmul, "roofline_gflops": roofline,
-                       "read_bandwidth_gbs": read_gbs,
-                       "results": rows}, f, indent=2)
+                       "past_len": args.past_len, "matmul_gflops": matmul, "rooflines_gflops": rooflines,
+                       "read_bandwidth_gbs": read_gbs, "results": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

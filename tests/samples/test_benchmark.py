@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
+from pathlib import Path
 
 import pytest
 
@@ -127,3 +129,14 @@ def test_executor_quickstart(tiny_model_dirs):
                                     "--ttft-repeats", "2"])
     assert [len(t) for t in out["tokens"].values()] == [4, 4, 4]
     assert len(out["idle_ttft_s"]) == 2 and all(0 < t < 10 for t in out["idle_ttft_s"])
+
+
+def test_dtype_builds_a_bf16_engine_with_the_tokenizer_files(tiny_model_dirs, tmp_path):
+    engine_dir = tmp_path / "engine"
+    shutil.copytree(tiny_model_dirs[1], engine_dir)
+    (engine_dir / "tokenizer.json").write_text("{}")
+    converted = Path(benchmark.with_dtype(str(engine_dir), "bfloat16"))
+    assert json.loads((converted / "engine.json").read_text())["model"]["dtype"] == "bfloat16"
+    assert (converted / "tokenizer.json").read_text() == "{}"
+    report = benchmark.main(["--engine-dir", tiny_model_dirs[1], "--backend", "ours", *SMALL, "--dtype", "bfloat16"])
+    assert report["ours"]["num_error_samples"] == 0

@@ -1,0 +1,115 @@
+"""bfloat16 variants of the native CPU kernels (cpu_native.cpp's `bm_*_bf16`): the few-row linear
+(bf16 weights, bf16 or float32 activations), RMSNorm, silu(gate) * up and paged decode attention
+over a bf16 cache, each summing in float32. Same library, build and callers as cpu_native.py
+(linear.py, model.py, cpu_attention.py), which keep torch for every other case.
+
+The linear and decode attention come in two entry points: the best one compiled here (AVX512-BF16's
+dot product where the compiler targets it) and `_avx2`, which widens bf16 to float32 by a 16-bit
+shift and runs on any AVX2 CPU. BATCH_MANAGER_CPU_BF16_ISA=avx2 picks the latter (tests, A/B runs).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+
+import torch
+
+from .cpu_native import native_ops
+
+ISA_ENV_VAR = "BATCH_MANAGER_CPU_BF16_ISA"  # "avx2": the shifting path even where AVX512-BF16 exists
+ISAS = ("best", "avx2")
+
+_P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+_LINEAR = [_P, _I32, _I64, _I64, _P, _I64, _I64, _P, _P, _I32, _I64, _I32, _I32]
+_DECODE = [_P, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _F32, _I64, _I64, _P, _I32]
+_SIGNATURES = {
+    "bm_linear_bf16": _LINEAR, "bm_linear_bf16_avx2": _LINEAR,
+    "bm_rms_norm_bf16": [_P, _I64, _I64, _I64, _P, _F32, _P, _I64, _I32],
+    "bm_silu_mul_bf16": [_P, _I64, _I64, _I64, _P, _I32],
+    "bm_decode_attention_bf16": _DECODE, "bm_decode_attention_bf16_avx2": _DECODE,
+    "bm_bf16_has_dot_product": [],
+}
+
+
+class NativeBf16Ops:
+    """The bf16 entry points of the loaded library; `isa` "avx2" forces the shifting path."""
+
+    def __init__(self, lib: ctypes.CDLL, isa: str):
+        assert isa in ISAS
+        for name, argtypes in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, (ctypes.c_int if name == "bm_bf16_has_dot_product" else None)
+        suffix = "_avx2" if isa == "avx2" else ""
+        self._linear = getattr(lib, "bm_linear_bf16" + suffix)
+        self._decode_attention = getattr(lib, "bm_decode_attention_bf16" + suffix)
+        self._rms_norm, self._silu_mul = lib.bm_rms_norm_bf16, lib.bm_silu_mul_bf16
+        # Whether the linear and attention run AVX512-BF16's dot product (else the shifting path).
+        self.uses_dot_product = isa != "avx2" and bool(lib.bm_bf16_has_dot_product())
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x bf16 or float32 [rows, in] (rows contiguous), weight bf16 [out, in] contiguous, bias
+        float32 [out] or None -> [rows, out] in `out_dtype` (default x's). With `out` (bf16 or
+        float32 [rows, out], rows contiguous) the product is ADDED into it."""
+        assert weight.dtype == torch.bfloat16 and weight.is_contiguous() and x.dtype in (torch.bfloat16, torch.float32)
+        assert x.stride(1) == 1 and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
+        rows, (n, k) = x.shape[0], weight.shape
+        accumulate = out is not None
+        if out is None:
+            out = torch.empty(rows, n, dtype=out_dtype or x.dtype)
+        assert out.dtype in (torch.bfloat16, torch.float32) and out.shape == (rows, n) and out.stride(1) == 1
+        assert x.shape[1] == k
+        self._linear(x.data_ptr(), int(x.dtype == torch.bfloat16), rows, x.stride(0), weight.data_ptr(), n, k,
+                     None if bias is None else bias.data_ptr(), out.data_ptr(), int(out.dtype == torch.bfloat16),
+                     out.stride(0), int(accumulate), torch.get_num_threads())
+        return out
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x bf16 [rows, h] (rows contiguous), weight bf16 [h] -> bf16 x * rsqrt(mean(x^2) + eps) * weight."""
+        assert x.dtype == weight.dtype == torch.bfloat16 and x.dim() == 2 and x.stride(1) == 1
+        out = torch.empty(x.shape, dtype=torch.bfloat16)
+        self._rms_norm(x.data_ptr(), x.shape[0], x.stride(0), x.shape[1], weight.contiguous().data_ptr(), eps,
+                       out.data_ptr(), out.stride(0), torch.get_num_threads())
+        return out
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """x bf16 [rows, 2n] (gate | up, rows contiguous) -> bf16 silu(gate) * up [rows, n]."""
+        assert x.dtype == torch.bfloat16 and x.dim() == 2 and x.stride(1) == 1 and x.shape[1] % 2 == 0
+        rows, n = x.shape[0], x.shape[1] // 2
+        out = torch.empty(rows, n, dtype=torch.bfloat16)
+        self._silu_mul(x.data_ptr(), rows, x.stride(0), n, out.data_ptr(), torch.get_num_threads())
+        return out
+
+    def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                         window: int | None, sink: int = 0) -> torch.Tensor:
+        """interface.KernelBackend.decode_attention for bf16 q and caches (read in place): bf16 [B, H, D]."""
+        assert q.dtype == k_cache.dtype == v_cache.dtype == torch.bfloat16
+        assert k_cache.is_contiguous() and v_cache.is_contiguous()
+        q = q.contiguous()
+        batch, num_heads, head_dim = q.shape
+        _, tokens_per_block, num_kv_heads, _ = k_cache.shape
+        tables = block_tables.to(torch.int32).contiguous()
+        lens = seq_lens.to(torch.int64).contiguous()
+        out = torch.empty_like(q)
+        self._decode_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+                               tables.shape[1], lens.data_ptr(), batch, num_heads, num_kv_heads, head_dim,
+                               tokens_per_block, scale, -1 if window is None else window, sink, out.data_ptr(),
+                               torch.get_num_threads())
+        return out
+
+
+def bf16_ops(isa: str | None = None) -> NativeBf16Ops | None:
+    """The bf16 kernels; None wherever cpu_native.native_ops() is None. `isa` None: the
+    BATCH_MANAGER_CPU_BF16_ISA setting ("avx2" or, by default, the best compiled here)."""
+    isa = isa or os.environ.get(ISA_ENV_VAR, "").strip() or "best"
+    if isa not in ISAS:
+        raise ValueError(f"{ISA_ENV_VAR}: expected one of {ISAS}, got {isa!r}")
+    ops = native_ops()
+    return None if ops is None else _bound(ops._lib, isa)
+
+
+@functools.lru_cache(maxsize=None)
+def _bound(lib: ctypes.CDLL, isa: str) -> NativeBf16Ops:
+    return NativeBf16Ops(lib, isa)

@@ -1,0 +1,167 @@
+"""Native CPU weight-only int8 / int4 kernels (cpu_weight_only.cpp): the few-row linear and the
+tile de-quantization of the many-row path, float32 activations. Built through cpu_native.build and
+loaded with ctypes; `weight_only_ops()` is None where they cannot run (no AVX2/FMA, no compiler,
+BATCH_MANAGER_CPU_NATIVE=0). Caller: runtime.weight_only; tests hold them to its torch reference.
+
+The instruction set is the best the library was compiled for (AVX-512 under -march=native on a CPU
+with it, else AVX2); BATCH_MANAGER_WEIGHT_ONLY_ISA ("scalar", "avx2") or the `isa` argument forces
+a lower one, so the AVX2 and scalar paths are tested on any CPU.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+import subprocess
+from pathlib import Path
+
+import torch
+
+from . import cpu_native
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_weight_only.cpp")
+ISA_ENV_VAR = "BATCH_MANAGER_WEIGHT_ONLY_ISA"
+ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}
+
+_P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_SIGNATURES = {
+    "bm_wo_int8_linear": [_P, _I64, _I64, _P, _P, _I64, _I64, _P, _P, _I64, _I32, _I32, _I32],
+    "bm_wo_int4_linear": [_P, _I64, _I64, _P, _P, _P, _I64, _I64, _I64, _P, _P, _I64, _I32, _P, _I32, _I32],
+    "bm_wo_dequant_int8": [_P, _P, _I64, _I64, _I64, _P, _I32],
+    "bm_wo_dequant_int4": [_P, _P, _P, _I64, _I64, _I64, _I64, _P, _I32],
+    "bm_wo_max_isa": [],
+}
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class WeightOnlyOps:
+    """The loaded library; methods take CPU tensors and assert the layouts of the C contracts."""
+
+    def __init__(self, library: Path):
+        self._lib = ctypes.CDLL(str(library))
+        for name, argtypes in _SIGNATURES.items():
+            fn = getattr(self._lib, name)
+            fn.argtypes, fn.restype = argtypes, (ctypes.c_int if name == "bm_wo_max_isa" else None)
+        self.max_isa = int(self._lib.bm_wo_max_isa())
+
+    def _isa(self, isa: str | None) -> int:
+        name = isa or os.environ.get(ISA_ENV_VAR, "").strip() or "avx512"
+        if name not in ISAS:
+            raise ValueError(f"isa: expected one of {sorted(ISAS)}, got {name!r}")
+        return min(ISAS[name], self.max_isa)
+
+    @staticmethod
+    def _out(x: torch.Tensor, n: int, out: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+        assert x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1
+        if out is None:
+            return torch.empty(x.shape[0], n, dtype=torch.float32), 0
+        assert out.dtype == torch.float32 and out.shape == (x.shape[0], n) and out.stride(1) == 1
+        return out, 1
+
+    def int8_linear(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                    out: torch.Tensor | None = None, isa: str | None = None) -> torch.Tensor:
+        """x float32 [rows, in], weight int8 [out, in], scale float32 [out], bias float32 [out] or
+        None -> [rows, out]; with `out` the product is ADDED into it."""
+        n, k = weight.shape
+        assert weight.dtype == torch.int8 and weight.is_contiguous() and x.shape[1] == k
+        assert scale.dtype == torch.float32 and scale.is_contiguous() and scale.shape == (n,)
+        assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())
+        y, accumulate = self._out(x, n, out)
+        self._lib.bm_wo_int8_linear(x.data_ptr(), x.shape[0], x.stride(0), weight.data_ptr(), scale.data_ptr(), n, k,
+                                    _ptr(bias), y.data_ptr(), y.stride(0), accumulate, torch.get_num_threads(),
+                                    self._isa(isa))
+        return y
+
+    def int4_linear(self, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+                    bias: torch.Tensor | None, out: torch.Tensor | None = None, isa: str | None = None) -> torch.Tensor:
+        """x float32 [rows, in], packed uint8 [out, in / 2], scale and minimum float32
+        [out, in / group] -> [rows, out] (ADDED into `out` when given)."""
+        n, k = packed.shape[0], packed.shape[1] * 2
+        group_size = k // scale.shape[1]
+        assert packed.dtype == torch.uint8 and packed.is_contiguous() and x.shape[1] == k
+        assert group_size in (32, 64, 128) and scale.shape[1] * group_size == k
+        assert scale.dtype == minimum.dtype == torch.float32 and scale.is_contiguous() and minimum.is_contiguous()
+        assert scale.shape == minimum.shape == (n, k // group_size)
+        assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())
+        y, accumulate = self._out(x, n, out)
+        xsum = torch.empty(x.shape[0], k // group_size, dtype=torch.float32)
+        self._lib.bm_wo_int4_linear(x.data_ptr(), x.shape[0], x.stride(0), packed.data_ptr(), scale.data_ptr(),
+                                    minimum.data_ptr(), n, k, group_size, _ptr(bias), y.data_ptr(), y.stride(0),
+                                    accumulate, xsum.data_ptr(), torch.get_num_threads(), self._isa(isa))
+        return y
+
+    def bind(self, weight: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None,
+             bias: torch.Tensor | None, isa: str | None = None):
+        """`fn(x, out=None)`: int8_linear / int4_linear of this weight with the layout checks and
+        the constant arguments done once (a generation step calls ~100 linears: per-call Python
+        cost is a visible share of it)."""
+        if minimum is None:
+            self.int8_linear(torch.zeros(1, weight.shape[1]), weight, scale, bias, isa=isa)   # checks the layout
+            fn, n, k = self._lib.bm_wo_int8_linear, weight.shape[0], weight.shape[1]
+            head = (weight.data_ptr(), scale.data_ptr(), n, k, _ptr(bias))
+        else:
+            self.int4_linear(torch.zeros(1, weight.shape[1] * 2), weight, scale, minimum, bias, isa=isa)
+            fn, n, k = self._lib.bm_wo_int4_linear, weight.shape[0], weight.shape[1] * 2
+            head = (weight.data_ptr(), scale.data_ptr(), minimum.data_ptr(), n, k, k // scale.shape[1], _ptr(bias))
+        level, groups = self._isa(isa), None if minimum is None else scale.shape[1]
+        keep = (weight, scale, minimum, bias)   # the pointers above stay valid while fn lives
+        # int4: scratch for the rows' group sums (NOTE: one per bound weight; not thread-safe)
+        xsum_rows = 64
+        xsum = None if groups is None else torch.empty(xsum_rows, groups, dtype=torch.float32)
+
+        def linear(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+            assert keep and x.dtype == torch.float32 and x.stride(1) == 1 and x.shape[1] == k
+            rows = x.shape[0]
+            y = torch.empty(rows, n, dtype=torch.float32) if out is None else out
+            assert y.stride(1) == 1 and y.shape == (rows, n)
+            if groups is None:
+                fn(x.data_ptr(), rows, x.stride(0), *head, y.data_ptr(), y.stride(0), int(out is not None),
+                   torch.get_num_threads(), level)
+            else:
+                sums = xsum if rows <= xsum_rows else torch.empty(rows, groups, dtype=torch.float32)
+                fn(x.data_ptr(), rows, x.stride(0), *head, y.data_ptr(), y.stride(0), int(out is not None),
+                   sums.data_ptr(), torch.get_num_threads(), level)
+            return y
+        return linear
+
+    def dequant_int8(self, weight: torch.Tensor, scale: torch.Tensor, start: int, stop: int,
+                     out: torch.Tensor) -> torch.Tensor:
+        """float32 rows [start, stop) of the de-quantized weight into out [stop - start, in] (contiguous)."""
+        assert out.dtype == torch.float32 and out.is_contiguous() and out.shape == (stop - start, weight.shape[1])
+        self._lib.bm_wo_dequant_int8(weight.data_ptr(), scale.data_ptr(), start, stop, weight.shape[1],
+                                     out.data_ptr(), torch.get_num_threads())
+        return out
+
+    def dequant_int4(self, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, start: int, stop: int,
+                     out: torch.Tensor) -> torch.Tensor:
+        k = packed.shape[1] * 2
+        assert out.dtype == torch.float32 and out.is_contiguous() and out.shape == (stop - start, k)
+        self._lib.bm_wo_dequant_int4(packed.data_ptr(), scale.data_ptr(), minimum.data_ptr(), start, stop, k,
+                                     k // scale.shape[1], out.data_ptr(), torch.get_num_threads())
+        return out
+
+
+def weight_only_ops() -> WeightOnlyOps | None:
+    """The kernels (built and loaded once per process), or None where they cannot run here."""
+    if os.environ.get(cpu_native.ENV_VAR, "").strip() == "0":
+        return None
+    return _load()
+
+
+@functools.lru_cache(maxsize=None)
+def _load() -> WeightOnlyOps | None:
+    from . import emu_backend
+    if not cpu_native._cpu_supported() or not emu_backend.compiler_available():
+        logger.info("weight-only kernels: unavailable (needs x86-64 AVX2/FMA and %s); using torch", emu_backend.CXX)
+        return None
+    try:
+        return WeightOnlyOps(cpu_native.build(source_path=SOURCE))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+        logger.warning("weight-only kernels: build failed, using torch: %s", error)
+        return None
