@@ -146,6 +146,15 @@ def with_kv_cache_scale(build: BuildConfig) -> BuildConfig:
     return dataclasses.replace(build, kv_cache_scale=KV_CACHE_SCALE)
 
 
+def _settled(model: ModelConfig, build: BuildConfig, shard: TensorShard | tuple[int, int] | None
+             ) -> tuple[ModelConfig, BuildConfig, TensorShard | None]:
+    """Every loader's last step before reading weights: the KV scale layout recorded, what runs
+    here resolved into the model config, the shard checked against both."""
+    build = with_kv_cache_scale(build)
+    model = resolved(model, build)
+    return model, build, _checked_shard(shard, model, build)
+
+
 def _load_engine_dir(directory: str, overrides: dict, shard: TensorShard | tuple[int, int] | None) -> Engine:
     data = read_json(os.path.join(directory, ENGINE_CONFIG_FILE), ENGINE_CONFIG_FILE)
     if data.get("format") != ENGINE_FORMAT or data.get("version") != ENGINE_VERSION:
@@ -160,9 +169,7 @@ def _load_engine_dir(directory: str, overrides: dict, shard: TensorShard | tuple
     except TypeError as e:
         raise ConfigError(f"{ENGINE_CONFIG_FILE}: {e}") from None
     build.validated(model)
-    build = with_kv_cache_scale(build)
-    model = resolved(model, build)
-    shard = _checked_shard(shard, model, build)
+    model, build, shard = _settled(model, build, shard)
     stored = _stored_weight_only(data["build"], build, model)
     weights, num_bytes_read = load_engine_weights(os.path.join(directory, ENGINE_WEIGHTS_FILE), model,
                                                   TORCH_DTYPES[model.dtype], shard, stored)
@@ -190,9 +197,7 @@ def _load_hf_dir(directory: str, overrides: dict, shard: TensorShard | tuple[int
     arch = lookup_hf(hf)
     model = arch.config_from_hf(hf)
     build = default_build_config(model, **overrides)
-    build = with_kv_cache_scale(build)
-    model = resolved(model, build)
-    shard = _checked_shard(shard, model, build)
+    model, build, shard = _settled(model, build, shard)
     weights, num_bytes_read = load_hf_weights(directory, model, TORCH_DTYPES[model.dtype], arch.read_weights, shard)
     weights = quantize_weights(weights, model, build)
     return Engine(model, build, weights, directory, shard, num_bytes_read)
@@ -215,9 +220,7 @@ def _load_gguf(checkpoint: GgufCheckpoint, source: str, overrides: dict,
     """The weights de-quantized to the build dtype; `source`: the path the caller gave."""
     model = checkpoint.model_config
     build = default_build_config(model, **overrides)
-    build = with_kv_cache_scale(build)
-    model = resolved(model, build)
-    shard = _checked_shard(shard, model, build)
+    model, build, shard = _settled(model, build, shard)
     dtype = TORCH_DTYPES[model.dtype]
     weights = check_weights(checkpoint.read_weights(dtype), model, dtype, checkpoint.path, shard)
     weights = quantize_weights(weights, model, build)

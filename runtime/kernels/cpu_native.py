@@ -93,6 +93,53 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+# The wrappers' shared bodies: the float32 kernels below and the bf16 ones (cpu_native_bf16.py)
+# differ only in the element type and the entry point.
+
+def call_rms_norm(fn, x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
+    """x [rows, h] (rows contiguous), weight [h], both `dtype` -> x * rsqrt(mean(x^2) + eps) * weight."""
+    assert x.dtype == weight.dtype == dtype and x.dim() == 2 and x.stride(1) == 1
+    out = torch.empty(x.shape, dtype=dtype)
+    fn(x.data_ptr(), x.shape[0], x.stride(0), x.shape[1], weight.contiguous().data_ptr(), eps, out.data_ptr(),
+       out.stride(0), torch.get_num_threads())
+    return out
+
+
+def call_silu_mul(fn, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x `dtype` [rows, 2n] (gate | up, rows contiguous) -> silu(gate) * up [rows, n]."""
+    assert x.dtype == dtype and x.dim() == 2 and x.stride(1) == 1 and x.shape[1] % 2 == 0
+    rows, n = x.shape[0], x.shape[1] // 2
+    out = torch.empty(rows, n, dtype=dtype)
+    fn(x.data_ptr(), rows, x.stride(0), n, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def decode_arguments(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor,
+                     seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple]:
+    """(q contiguous, tables int32, lens int64, out like q, (batch, heads, kv heads, head_dim,
+    tokens_per_block)) of a decode-attention call over caches [blocks, tpb, kvH, D] read in place."""
+    q = q.contiguous()
+    batch, num_heads, head_dim = q.shape
+    _, tokens_per_block, num_kv_heads, _ = k_cache.shape
+    tables = block_tables.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int64).contiguous()
+    return q, tables, lens, torch.empty_like(q), (batch, num_heads, num_kv_heads, head_dim, tokens_per_block)
+
+
+def call_decode_attention(fn, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, window: int | None,
+                          sink: int, dtype: torch.dtype) -> torch.Tensor:
+    """interface.KernelBackend.decode_attention for `dtype` q and caches, reading the blocks in place."""
+    assert q.dtype == k_cache.dtype == v_cache.dtype == dtype
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    q, tables, lens, out, (batch, num_heads, num_kv_heads, head_dim, tpb) = decode_arguments(
+        q, k_cache, block_tables, seq_lens)
+    fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(),
+       batch, num_heads, num_kv_heads, head_dim, tpb, scale, -1 if window is None else window, sink,
+       out.data_ptr(), torch.get_num_threads())
+    return out
+
+
 class NativeCpuOps:
     """The loaded library; every method takes float32 CPU tensors and checks the layout it needs."""
 
@@ -147,38 +194,18 @@ class NativeCpuOps:
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x [rows, h] (rows contiguous), weight [h] -> x * rsqrt(mean(x^2) + eps) * weight."""
-        assert x.dtype == weight.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1
-        out = torch.empty(x.shape, dtype=torch.float32)
-        self._rms_norm(x.data_ptr(), x.shape[0], x.stride(0), x.shape[1], weight.contiguous().data_ptr(), eps,
-                       out.data_ptr(), out.stride(0), torch.get_num_threads())
-        return out
+        return call_rms_norm(self._rms_norm, x, weight, eps, torch.float32)
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, 2n] (gate | up, rows contiguous) -> silu(gate) * up [rows, n]: the gated MLP's hidden."""
-        assert x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1 and x.shape[1] % 2 == 0
-        rows, n = x.shape[0], x.shape[1] // 2
-        out = torch.empty(rows, n, dtype=torch.float32)
-        self._silu_mul(x.data_ptr(), rows, x.stride(0), n, out.data_ptr(), torch.get_num_threads())
-        return out
+        return call_silu_mul(self._silu_mul, x, torch.float32)
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                          window: int | None, sink: int = 0) -> torch.Tensor:
         """interface.KernelBackend.decode_attention for float32 caches, reading the blocks in place."""
-        assert q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
-        assert k_cache.is_contiguous() and v_cache.is_contiguous()
-        q = q.contiguous()
-        batch, num_heads, head_dim = q.shape
-        _, tokens_per_block, num_kv_heads, _ = k_cache.shape
-        tables = block_tables.to(torch.int32).contiguous()
-        lens = seq_lens.to(torch.int64).contiguous()
-        out = torch.empty_like(q)
-        self._decode_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
-                               tables.shape[1], lens.data_ptr(), batch, num_heads, num_kv_heads, head_dim,
-                               tokens_per_block, scale, -1 if window is None else window, sink, out.data_ptr(),
-                               torch.get_num_threads())
-        return out
-
+        return call_decode_attention(self._decode_attention, q, k_cache, v_cache, block_tables, seq_lens, scale,
+                                     window, sink, torch.float32)
 
     def decode_attention_int8(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               k_scales: torch.Tensor, v_scales: torch.Tensor, block_tables: torch.Tensor,
@@ -189,12 +216,8 @@ class NativeCpuOps:
         assert k_scales.dtype == v_scales.dtype == torch.float32 and k_scales.shape == k_cache.shape[:-1]
         assert k_cache.is_contiguous() and v_cache.is_contiguous()
         assert k_scales.is_contiguous() and v_scales.is_contiguous() and v_scales.shape == k_scales.shape
-        q = q.contiguous()
-        batch, num_heads, head_dim = q.shape
-        _, tokens_per_block, num_kv_heads, _ = k_cache.shape
-        tables = block_tables.to(torch.int32).contiguous()
-        lens = seq_lens.to(torch.int64).contiguous()
-        out = torch.empty_like(q)
+        q, tables, lens, out, (batch, num_heads, num_kv_heads, head_dim, tokens_per_block) = decode_arguments(
+            q, k_cache, block_tables, seq_lens)
         self._decode_attention_int8(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_scales.data_ptr(),
                                     v_scales.data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(), batch,
                                     num_heads, num_kv_heads, head_dim, tokens_per_block, scale,

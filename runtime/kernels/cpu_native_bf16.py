@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from .cpu_native import native_ops
+from .cpu_native import call_decode_attention, call_rms_norm, call_silu_mul, native_ops
 
 ISA_ENV_VAR = "BATCH_MANAGER_CPU_BF16_ISA"  # "avx2": the shifting path even where AVX512-BF16 exists
 ISAS = ("best", "avx2")
@@ -67,37 +67,18 @@ class NativeBf16Ops:
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x bf16 [rows, h] (rows contiguous), weight bf16 [h] -> bf16 x * rsqrt(mean(x^2) + eps) * weight."""
-        assert x.dtype == weight.dtype == torch.bfloat16 and x.dim() == 2 and x.stride(1) == 1
-        out = torch.empty(x.shape, dtype=torch.bfloat16)
-        self._rms_norm(x.data_ptr(), x.shape[0], x.stride(0), x.shape[1], weight.contiguous().data_ptr(), eps,
-                       out.data_ptr(), out.stride(0), torch.get_num_threads())
-        return out
+        return call_rms_norm(self._rms_norm, x, weight, eps, torch.bfloat16)
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """x bf16 [rows, 2n] (gate | up, rows contiguous) -> bf16 silu(gate) * up [rows, n]."""
-        assert x.dtype == torch.bfloat16 and x.dim() == 2 and x.stride(1) == 1 and x.shape[1] % 2 == 0
-        rows, n = x.shape[0], x.shape[1] // 2
-        out = torch.empty(rows, n, dtype=torch.bfloat16)
-        self._silu_mul(x.data_ptr(), rows, x.stride(0), n, out.data_ptr(), torch.get_num_threads())
-        return out
+        return call_silu_mul(self._silu_mul, x, torch.bfloat16)
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                          window: int | None, sink: int = 0) -> torch.Tensor:
         """interface.KernelBackend.decode_attention for bf16 q and caches (read in place): bf16 [B, H, D]."""
-        assert q.dtype == k_cache.dtype == v_cache.dtype == torch.bfloat16
-        assert k_cache.is_contiguous() and v_cache.is_contiguous()
-        q = q.contiguous()
-        batch, num_heads, head_dim = q.shape
-        _, tokens_per_block, num_kv_heads, _ = k_cache.shape
-        tables = block_tables.to(torch.int32).contiguous()
-        lens = seq_lens.to(torch.int64).contiguous()
-        out = torch.empty_like(q)
-        self._decode_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
-                               tables.shape[1], lens.data_ptr(), batch, num_heads, num_kv_heads, head_dim,
-                               tokens_per_block, scale, -1 if window is None else window, sink, out.data_ptr(),
-                               torch.get_num_threads())
-        return out
+        return call_decode_attention(self._decode_attention, q, k_cache, v_cache, block_tables, seq_lens, scale,
+                                     window, sink, torch.bfloat16)
 
 
 def bf16_ops(isa: str | None = None) -> NativeBf16Ops | None:
