@@ -30,9 +30,11 @@ def test_short_soak_keeps_every_invariant(tmp_path):
     # Each valid submission answered once without error, each bad one with one error.
     assert t["served"] + t["expected_errors"] == t["submitted"]
     assert t["served"] > 250 and t["bad"] > 0 and t["beam"] > 0 and t["sampled"] > 0
-    # How many id-only adapter requests find their adapter evicted depends on timing: the adapter
-    # requests count together, and a good share of them must be served.
-    assert t["lora_served"] + t["lora_uncached"] > 20 and t["lora_served"] > 10 and t["lora_evictions"] > 0
+    # Which id-only adapter requests find their adapter evicted, and whether a round registers all
+    # three adapters while two sit idle (an eviction), depends on timing: measured 0, 3 and 5
+    # evictions in three runs of this soak. The adapter requests count together, a good share of
+    # them must be served; evictions are checked deterministically in test_peft_cache.py.
+    assert t["lora_served"] + t["lora_uncached"] > 20 and t["lora_served"] > 10
     assert t["paused"] > 0, "the small pool should force pauses"
     assert t["greedy_checked"] > 20 and report["greedy_mismatches"] == 0
     assert report["memory_growth_mib"] <= RSS_TOLERANCE_MIB
