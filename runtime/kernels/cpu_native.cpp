@@ -103,6 +103,27 @@ void linear_range(const float* x, int64_t rows, int64_t ldx, const float* w, int
 
 constexpr int64_t kOutputsPerUnit = 48;  // a multiple of every tile's O; the unit of thread work
 
+// The keys a decode query at position len - 1 attends to: all, or the last `window` plus the
+// first `sink` (window < 0: no window). Shared by the decode-attention kernels of every cache dtype.
+inline void visible_keys(int64_t len, int64_t window, int64_t sink, std::vector<int64_t>& keys) {
+  const int64_t qpos = len - 1;
+  keys.clear();
+  for (int64_t j = 0; j < len; ++j)
+    if (window < 0 || j > qpos - window || j < sink) keys.push_back(j);
+}
+
+// Softmax, in place, of each of `group` rows of n scores (row g at scores + g * n).
+inline void softmax_rows(float* scores, int64_t group, int64_t n) {
+  for (int64_t g = 0; g < group; ++g) {
+    float* s = scores + g * n;
+    float m = -INFINITY, total = 0.f;
+    for (int64_t i = 0; i < n; ++i) m = std::max(m, s[i]);
+    for (int64_t i = 0; i < n; ++i) total += (s[i] = expf(s[i] - m));
+    const float inv = 1.f / total;
+    for (int64_t i = 0; i < n; ++i) s[i] *= inv;
+  }
+}
+
 }  // namespace
 
 extern "C" void bm_linear(const float* x, int64_t rows, int64_t ldx, const float* w, int64_t n, int64_t k,
@@ -179,10 +200,7 @@ extern "C" void bm_decode_attention(const float* q, const float* k_cache, const 
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < batch * num_kv_heads; ++task) {
       const int64_t b = task / num_kv_heads, kvh = task % num_kv_heads;
-      const int64_t len = seq_lens[b], qpos = len - 1;
-      keys.clear();
-      for (int64_t j = 0; j < len; ++j)
-        if (window < 0 || j > qpos - window || j < sink) keys.push_back(j);
+      visible_keys(seq_lens[b], window, sink, keys);
       const int64_t n = (int64_t)keys.size();
       scores.resize(group * n);
       const int32_t* table = block_tables + b * bt_stride;
@@ -199,16 +217,8 @@ extern "C" void bm_decode_attention(const float* q, const float* k_cache, const 
           scores[g * n + i] = dot * scale;
         }
       }
-      for (int64_t g = 0; g < group; ++g) {
-        float* s = scores.data() + g * n;
-        float m = -INFINITY, total = 0.f;
-        for (int64_t i = 0; i < n; ++i) m = std::max(m, s[i]);
-        for (int64_t i = 0; i < n; ++i) total += (s[i] = expf(s[i] - m));
-        const float inv = 1.f / total;
-        for (int64_t i = 0; i < n; ++i) s[i] *= inv;
-        float* o = out + (b * num_heads + kvh * group + g) * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) o[d] = 0.f;
-      }
+      softmax_rows(scores.data(), group, n);
+      std::fill_n(out + (b * num_heads + kvh * group) * head_dim, group * head_dim, 0.f);
       for (int64_t i = 0; i < n; ++i) {
         const int64_t j = keys[i];
         const float* vv = v_cache + ((int64_t)table[j / tokens_per_block] * tokens_per_block + j % tokens_per_block)
@@ -240,13 +250,10 @@ extern "C" void bm_decode_attention_int8(const float* q, const int8_t* k_cache, 
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < batch * num_kv_heads; ++task) {
       const int64_t b = task / num_kv_heads, kvh = task % num_kv_heads;
-      const int64_t len = seq_lens[b], qpos = len - 1;
       const int32_t* table = block_tables + b * bt_stride;
-      rows.clear();
-      for (int64_t j = 0; j < len; ++j)
-        if (window < 0 || j > qpos - window || j < sink)
-          rows.push_back(((int64_t)table[j / tokens_per_block] * tokens_per_block + j % tokens_per_block)
-                         * num_kv_heads + kvh);
+      visible_keys(seq_lens[b], window, sink, rows);
+      for (int64_t& j : rows)   // key position -> its row: slot * num_kv_heads + kv head
+        j = ((int64_t)table[j / tokens_per_block] * tokens_per_block + j % tokens_per_block) * num_kv_heads + kvh;
       const int64_t n = (int64_t)rows.size();
       scores.resize(group * n);
       row.resize(head_dim);
@@ -264,16 +271,8 @@ extern "C" void bm_decode_attention_int8(const float* q, const int8_t* k_cache, 
           scores[g * n + i] = dot * scale;
         }
       }
-      for (int64_t g = 0; g < group; ++g) {
-        float* s = scores.data() + g * n;
-        float m = -INFINITY, total = 0.f;
-        for (int64_t i = 0; i < n; ++i) m = std::max(m, s[i]);
-        for (int64_t i = 0; i < n; ++i) total += (s[i] = expf(s[i] - m));
-        const float inv = 1.f / total;
-        for (int64_t i = 0; i < n; ++i) s[i] *= inv;
-        float* o = out + (b * num_heads + kvh * group + g) * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) o[d] = 0.f;
-      }
+      softmax_rows(scores.data(), group, n);
+      std::fill_n(out + (b * num_heads + kvh * group) * head_dim, group * head_dim, 0.f);
       for (int64_t i = 0; i < n; ++i) {
         const int8_t* vv = v_cache + rows[i] / num_kv_heads * token_stride + kvh * head_dim;
         const float vs = v_scales[rows[i]];
@@ -553,10 +552,7 @@ void decode_attention_bf16(const uint16_t* q, const uint16_t* k_cache, const uin
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < batch * num_kv_heads; ++task) {
       const int64_t b = task / num_kv_heads, kvh = task % num_kv_heads;
-      const int64_t len = seq_lens[b], qpos = len - 1;
-      keys.clear();
-      for (int64_t j = 0; j < len; ++j)
-        if (window < 0 || j > qpos - window || j < sink) keys.push_back(j);
+      visible_keys(seq_lens[b], window, sink, keys);
       const int64_t n = (int64_t)keys.size();
       scores.resize(group * n);
       qf.resize(group * head_dim);
@@ -573,14 +569,7 @@ void decode_attention_bf16(const uint16_t* q, const uint16_t* k_cache, const uin
         for (int64_t g = 0; g < group; ++g)
           scores[g * n + i] = qk_dot<kDp>(qh + g * head_dim, qf.data() + g * head_dim, kv, head_dim) * scale;
       }
-      for (int64_t g = 0; g < group; ++g) {
-        float* s = scores.data() + g * n;
-        float m = -INFINITY, total = 0.f;
-        for (int64_t i = 0; i < n; ++i) m = std::max(m, s[i]);
-        for (int64_t i = 0; i < n; ++i) total += (s[i] = expf(s[i] - m));
-        const float inv = 1.f / total;
-        for (int64_t i = 0; i < n; ++i) s[i] *= inv;
-      }
+      softmax_rows(scores.data(), group, n);
       for (int64_t i = 0; i < n; ++i) {
         const uint16_t* vv = token(v_cache, keys[i]);
         for (int64_t g = 0; g < group; ++g) {
