@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from batch_manager import InferenceRequest
+from batch_manager import InferenceRequest, tensor_names
 from runtime import build_engine
 from tests.factories import make_checkpoint
 
@@ -103,6 +103,15 @@ class Client:
         assert len(finals) == 1, f"request {request_id}: {len(finals)} final responses"
         assert self.responses[request_id][-1][1], "the final response must be the last one"
         return finals[0]
+
+    def final_output_ids(self, request_ids) -> list[list[int]]:
+        """Beam 0's output ids of each request's final response, which must carry no error."""
+        outputs = []
+        for request_id in request_ids:
+            tensors, _, err = self.final(request_id)
+            assert err == "", err
+            outputs.append(tensors[tensor_names.OUTPUT_IDS][0, 0].tolist())
+        return outputs
 
 
 def wait_until(predicate, timeout_s: float = 10.0) -> bool:

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from batch_manager import GptManager, SchedulerPolicy, TrtGptModelOptionalParams, TrtGptModelType, tensor_names
+from batch_manager import GptManager, SchedulerPolicy, TrtGptModelOptionalParams, TrtGptModelType
 from runtime import Engine, GenerationOutput, ModelRunner, SamplingConfig, build_engine
 from runtime.kernels import cpu_native, cpu_native_bf16, torch_attention
 from runtime.kernels.cpu_native_bf16 import bf16_ops
@@ -214,12 +214,7 @@ def run_manager(engine_dir, prompts: list[list[int]]) -> list[list[int]]:
     with GptManager(str(engine_dir), TrtGptModelType.InflightFusedBatching, 4, SchedulerPolicy.GUARANTEED_NO_EVICT,
                     *client.callbacks(), optional_params=TrtGptModelOptionalParams()):
         client.wait(120)
-    outputs = []
-    for i in range(len(prompts)):
-        tensors, _, err = client.final(i)
-        assert err == "", err
-        outputs.append(tensors[tensor_names.OUTPUT_IDS][0, 0].tolist())
-    return outputs
+    return client.final_output_ids(range(len(prompts)))
 
 
 def test_manager_equals_session_greedy_in_bf16(checkpoint, tmp_path):

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from batch_manager import GptManager, SchedulerPolicy, TrtGptModelOptionalParams, TrtGptModelType, tensor_names
+from batch_manager import GptManager, SchedulerPolicy, TrtGptModelOptionalParams, TrtGptModelType
 from runtime import BuildConfig, ConfigError, Engine, GenerationOutput, ModelRunner, SamplingConfig, build_engine
 from runtime.weight_only import dequantize, is_quantized
 from tests.batch_manager.conftest import Client, make_request
@@ -132,12 +132,7 @@ def run_manager(engine_dir, prompts: list[list[int]], params: TrtGptModelOptiona
     with GptManager(str(engine_dir), TrtGptModelType.InflightFusedBatching, 4, SchedulerPolicy.GUARANTEED_NO_EVICT,
                     *client.callbacks(), optional_params=params or TrtGptModelOptionalParams()):
         client.wait(120)
-    outputs = []
-    for i in range(len(prompts)):
-        tensors, _, err = client.final(i)
-        assert err == "", err
-        outputs.append(tensors[tensor_names.OUTPUT_IDS][0, 0].tolist())
-    return outputs
+    return client.final_output_ids(range(len(prompts)))
 
 
 @pytest.mark.parametrize("source", ["engine_dir", "checkpoint"])

@@ -7,8 +7,7 @@ import random
 import pytest
 import torch
 
-from batch_manager import (GptManager, KvCacheConfig, SchedulerPolicy, TrtGptModelOptionalParams, TrtGptModelType,
-                           tensor_names)
+from batch_manager import GptManager, KvCacheConfig, SchedulerPolicy, TrtGptModelOptionalParams, TrtGptModelType
 from runtime import Engine, ModelRunner, build_engine
 from tests.batch_manager.conftest import Client, make_request
 from tests.factories import make_checkpoint, step_inputs
@@ -58,12 +57,7 @@ def run_manager(engine_dir: str, backend: str, prompts: dict[int, list[int]]) ->
                     *client.callbacks(), optional_params=params) as manager:
         assert manager._worker.executor.runner.kernels.name == backend
         client.wait(120)
-    out = {}
-    for i in prompts:
-        tensors, _, err = client.final(i)
-        assert err == ""
-        out[i] = tensors[tensor_names.OUTPUT_IDS][0, 0].tolist()
-    return out
+    return dict(zip(prompts, client.final_output_ids(prompts)))
 
 
 def test_gpt_manager_greedy_tokens_equal_torch(engine_dir):

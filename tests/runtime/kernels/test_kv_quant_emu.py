@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from batch_manager import GptManager, KvCacheConfig, SchedulerPolicy, TrtGptModelOptionalParams, TrtGptModelType
-from batch_manager import tensor_names
 from runtime import build_engine
 from runtime.kernels import torch_attention
 from runtime.kernels.cuda_backend import CudaKernels, cuda_available
@@ -88,12 +87,7 @@ def run_manager(engine_dir: str, backend: str, prompts: dict[int, list[int]]) ->
                     *client.callbacks(), optional_params=params) as manager:
         assert manager._worker.executor.runner.kv_pool.dtype == torch.int8
         client.wait(120)
-    out = {}
-    for i in prompts:
-        tensors, _, err = client.final(i)
-        assert err == ""
-        out[i] = tensors[tensor_names.OUTPUT_IDS][0, 0].tolist()
-    return out
+    return dict(zip(prompts, client.final_output_ids(prompts)))
 
 
 def test_gpt_manager_with_an_int8_cache_equals_torch(int8_engine_dir):
