@@ -22,7 +22,7 @@ from .config import BuildConfig, ConfigError, ModelConfig, default_build_config,
 from .models import lookup_hf
 from .precision import QuantMode, resolve_dtype
 from .tensor_shard import TensorShard
-from .weight_only import quantize_weights, stored_layout
+from .weight_only import quantize_weights, refuse_tensor_parallel, stored_layout
 from .weights import Weights, check_weights, load_engine_weights, load_hf_weights
 
 if TYPE_CHECKING:
@@ -104,10 +104,8 @@ class Engine:
 def _checked_shard(shard: TensorShard | tuple[int, int] | None, model: ModelConfig,
                    build: BuildConfig | None = None) -> TensorShard | None:
     size = shard[1] if isinstance(shard, tuple) else None if shard is None else shard.size
-    if build is not None and build.weight_only is not None and size is not None and size > 1:
-        # NOTE: quantized weights are not sliced by rank yet (weight_only.py).
-        raise ConfigError(f"weight_only: {build.weight_only!r} with tensor parallelism {size} is not "
-                          "supported; use tensor parallelism 1 or weight_only None")
+    if build is not None and build.weight_only is not None and size is not None:
+        refuse_tensor_parallel(build.weight_only, size)
     if isinstance(shard, tuple):
         return TensorShard.of(model, *shard)
     if shard is not None and shard != TensorShard.of(model, shard.rank, shard.size):

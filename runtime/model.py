@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from .alibi import alibi_slopes
-from .config import ConfigError, ModelConfig
+from .config import ModelConfig
 from .kernels.cpu_native import native_ops
 from .kernels.cpu_native_bf16 import bf16_ops
 from .kernels.kv_quant import round_trip
@@ -24,7 +24,7 @@ from .lora_step import LoraStepPlan
 from .rope import apply_rope, rope_cos_sin, rope_inv_freq
 from .tensor_parallel import TensorParallel
 from .tensor_shard import TensorShard
-from .weight_only import QuantizedLinear, is_quantized, lookup_rows
+from .weight_only import QuantizedLinear, is_quantized, lookup_rows, refuse_tensor_parallel
 from .weights import Weights
 
 _ACTIVATIONS = {
@@ -71,10 +71,9 @@ class Transformer:
         gather_logits_to_all: every rank gets the logits (else rank 0 only, the others None)."""
         self.config = config
         self.tp, self.shard = tensor_parallel, shard
-        if shard is not None and shard.size > 1 and any(is_quantized(weights, name) for name in weights):
+        if shard is not None and any(is_quantized(weights, name) for name in weights):
             # NOTE: engine.from_dir refuses it too; this catches a whole engine sliced in memory.
-            raise ConfigError(f"weight_only: quantized weights with tensor parallelism {shard.size} are not "
-                              "supported; use tensor parallelism 1 or weight_only None")
+            refuse_tensor_parallel("int4" if any(name.endswith("_min") for name in weights) else "int8", shard.size)
         self.gather_logits_to_all = gather_logits_to_all
         # The heads and intermediate columns this rank computes (the whole model without TP).
         self.local = shard.local_config(config) if shard is not None else config

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .config import BuildConfig, ModelConfig
+from .config import BuildConfig, ConfigError, ModelConfig
 from .kernels.cpu_weight_only import weight_only_ops
 from .weights import Weights, expected_shapes
 
@@ -107,6 +107,13 @@ def quantize_weights(weights: Weights, cfg: ModelConfig, build: BuildConfig) -> 
         else:
             out[name], out[name + "_scale"], out[name + "_min"] = quantize_int4(weights[name], build.group_size)
     return out
+
+
+def refuse_tensor_parallel(mode: str, size: int) -> None:
+    """Quantized weights are not sliced by rank yet: a ConfigError naming weight_only for size > 1."""
+    if size > 1:
+        raise ConfigError(f"weight_only: {mode!r} with tensor parallelism {size} is not supported; use "
+                          "tensor parallelism 1 or weight_only None")
 
 
 def is_quantized(weights: Weights, name: str) -> bool:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import struct
 
 import gguf
 import numpy as np
