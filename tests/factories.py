@@ -61,6 +61,15 @@ def make_checkpoint(directory: str | os.PathLike, arch: str = "llama", seed: int
     return model
 
 
+def make_checkpoints(tmp_path_factory, archs=("llama", "mistral")) -> dict:
+    """arch -> (checkpoint dir, transformers model), arch i written with seed i."""
+    out = {}
+    for seed, arch in enumerate(archs):
+        path = tmp_path_factory.mktemp(arch)
+        out[arch] = (path, make_checkpoint(path, arch, seed=seed))
+    return out
+
+
 def step_inputs(seqs: list[tuple[list[int], int, list[int]]], context_logits: bool = False) -> dict:
     """seqs: (new tokens, past length, block ids) per sequence -> ModelRunner.forward inputs."""
     return pack_step([SequenceStep(tokens, past, blocks, context_logits) for tokens, past, blocks in seqs])

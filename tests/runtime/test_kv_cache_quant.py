@@ -12,7 +12,7 @@ from runtime import BuildConfig, ConfigError, Engine, ModelRunner, build_engine
 from runtime.kernels import TorchKernels, torch_attention
 from runtime.kernels.kv_quant import dequantize, quantize_rows
 from runtime.precision import QuantMode
-from tests.factories import make_checkpoint, step_inputs
+from tests.factories import make_checkpoints, step_inputs
 from tests.runtime.test_paged_cache import one_shot_logits, random_tokens, shuffled_block_tables
 
 SELF_ATOL = 1e-4      # a quantized runner against itself (same stored values, other paths)
@@ -23,11 +23,7 @@ INT8_ATOL, FP8_ATOL, MEAN_ATOL = 0.4, 1.0, 0.08
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    paths = {}
-    for seed, arch in enumerate(("llama", "mistral")):
-        paths[arch] = tmp_path_factory.mktemp(arch)
-        make_checkpoint(paths[arch], arch, seed=seed)
-    return paths
+    return {arch: path for arch, (path, _) in make_checkpoints(tmp_path_factory).items()}
 
 
 def engine_of(checkpoints, arch="llama", **build):

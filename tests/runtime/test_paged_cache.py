@@ -7,7 +7,7 @@ import torch
 
 from runtime import Engine, ModelRunner
 from runtime.kernels import TorchKernels
-from tests.factories import make_checkpoint, step_inputs
+from tests.factories import make_checkpoints, step_inputs
 
 ATOL = 1e-4
 VOCAB = 128
@@ -33,11 +33,7 @@ def shuffled_block_tables(num_blocks: int, blocks_per_seq: int, num_seqs: int, s
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """arch -> checkpoint dir."""
-    paths = {}
-    for seed, arch in enumerate(("llama", "mistral")):
-        paths[arch] = tmp_path_factory.mktemp(arch)
-        make_checkpoint(paths[arch], arch, seed=seed)
-    return paths
+    return {arch: path for arch, (path, _) in make_checkpoints(tmp_path_factory).items()}
 
 
 @pytest.fixture(scope="module")

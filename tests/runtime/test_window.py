@@ -9,7 +9,7 @@ import torch
 
 from runtime import Engine, ModelRunner
 from runtime.model_runner import effective_window
-from tests.factories import make_checkpoint, step_inputs
+from tests.factories import make_checkpoints, step_inputs
 
 ATOL = 1e-4
 VOCAB = 128
@@ -32,11 +32,7 @@ def masked_reference(model, tokens: list[int], window: int, sink: int) -> torch.
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """arch -> (checkpoint dir, transformers model)."""
-    out = {}
-    for seed, arch in enumerate(("llama", "mistral")):
-        path = tmp_path_factory.mktemp(arch)
-        out[arch] = (path, make_checkpoint(path, arch, seed=seed))
-    return out
+    return make_checkpoints(tmp_path_factory)
 
 
 @pytest.mark.parametrize("window, sink", [(6, 3), (6, 0), (5, 4), (1, 1), (4, 8)])
