@@ -22,7 +22,7 @@ from .config import BuildConfig, ConfigError, ModelConfig, default_build_config,
 from .models import lookup_hf
 from .precision import QuantMode, resolve_dtype
 from .tensor_shard import TensorShard
-from .weight_only import quantize_weights, refuse_tensor_parallel, stored_layout
+from .weight_only import quantize_weights, stored_layout
 from .weights import Weights, check_weights, load_engine_weights, load_hf_weights
 
 if TYPE_CHECKING:
@@ -103,14 +103,13 @@ class Engine:
 
 def _checked_shard(shard: TensorShard | tuple[int, int] | None, model: ModelConfig,
                    build: BuildConfig | None = None) -> TensorShard | None:
-    size = shard[1] if isinstance(shard, tuple) else None if shard is None else shard.size
-    if build is not None and build.weight_only is not None and size is not None:
-        refuse_tensor_parallel(build.weight_only, size)
     if isinstance(shard, tuple):
-        return TensorShard.of(model, *shard)
+        shard = TensorShard.of(model, *shard)
     if shard is not None and shard != TensorShard.of(model, shard.rank, shard.size):
         raise ValueError(f"shard: {shard} was not made for this model (expected "
                          f"{TensorShard.of(model, shard.rank, shard.size)})")
+    if shard is not None and build is not None and build.weight_only == "int4":
+        shard.check_group_size(build.group_size)
     return shard
 
 
@@ -169,10 +168,12 @@ def _load_engine_dir(directory: str, overrides: dict, shard: TensorShard | tuple
     build.validated(model)
     model, build, shard = _settled(model, build, shard)
     stored = _stored_weight_only(data["build"], build, model)
+    # A float engine loaded with weight_only is quantized whole, then sliced (_quantized_slices).
+    read_shard = None if build.weight_only is not None and not stored else shard
     weights, num_bytes_read = load_engine_weights(os.path.join(directory, ENGINE_WEIGHTS_FILE), model,
-                                                  TORCH_DTYPES[model.dtype], shard, stored)
+                                                  TORCH_DTYPES[model.dtype], read_shard, stored)
     if not stored:
-        weights = quantize_weights(weights, model, build)
+        weights = _quantized_slices(quantize_weights(weights, model, build), shard if read_shard is None else None)
     return Engine(model, build, weights, directory, shard, num_bytes_read)
 
 
@@ -196,9 +197,24 @@ def _load_hf_dir(directory: str, overrides: dict, shard: TensorShard | tuple[int
     model = arch.config_from_hf(hf)
     build = default_build_config(model, **overrides)
     model, build, shard = _settled(model, build, shard)
-    weights, num_bytes_read = load_hf_weights(directory, model, TORCH_DTYPES[model.dtype], arch.read_weights, shard)
-    weights = quantize_weights(weights, model, build)
+    read_shard = None if build.weight_only is not None else shard
+    weights, num_bytes_read = load_hf_weights(directory, model, TORCH_DTYPES[model.dtype], arch.read_weights,
+                                              read_shard)
+    weights = _quantized_slices(quantize_weights(weights, model, build), shard if read_shard is None else None)
     return Engine(model, build, weights, directory, shard, num_bytes_read)
+
+
+def _quantized_slices(weights: Weights, shard: TensorShard | None) -> Weights:
+    """The rank's slices of whole weights quantized in memory (all of them without a shard).
+
+    NOTE: a checkpoint is quantized whole and then sliced, so every rank holds the slices of the
+    one quantized model (an int8 row's scale is its whole row's, not the rank's columns'): the
+    load reads the whole checkpoint on each rank, where an engine built with weight_only reads
+    only the rank's slices of its stored tensors."""
+    if shard is None:
+        return weights
+    shapes = {name: tuple(t.shape) for name, t in weights.items()}
+    return {name: shard.slice(name, t, shapes) for name, t in weights.items()}
 
 
 def _gguf_source(path: str) -> str | None:
@@ -220,8 +236,9 @@ def _load_gguf(checkpoint: GgufCheckpoint, source: str, overrides: dict,
     build = default_build_config(model, **overrides)
     model, build, shard = _settled(model, build, shard)
     dtype = TORCH_DTYPES[model.dtype]
-    weights = check_weights(checkpoint.read_weights(dtype), model, dtype, checkpoint.path, shard)
-    weights = quantize_weights(weights, model, build)
+    read_shard = None if build.weight_only is not None else shard
+    weights = check_weights(checkpoint.read_weights(dtype), model, dtype, checkpoint.path, read_shard)
+    weights = _quantized_slices(quantize_weights(weights, model, build), shard if read_shard is None else None)
     return Engine(model, build, weights, source, shard, checkpoint.num_bytes_read)
 
 

@@ -24,7 +24,7 @@ from .lora_step import LoraStepPlan
 from .rope import apply_rope, rope_cos_sin, rope_inv_freq
 from .tensor_parallel import TensorParallel
 from .tensor_shard import TensorShard
-from .weight_only import QuantizedLinear, is_quantized, lookup_rows, refuse_tensor_parallel
+from .weight_only import QuantizedLinear, is_quantized, lookup_rows, padded_rows
 from .weights import Weights
 
 _ACTIVATIONS = {
@@ -71,9 +71,6 @@ class Transformer:
         gather_logits_to_all: every rank gets the logits (else rank 0 only, the others None)."""
         self.config = config
         self.tp, self.shard = tensor_parallel, shard
-        if shard is not None and any(is_quantized(weights, name) for name in weights):
-            # NOTE: engine.from_dir refuses it too; this catches a whole engine sliced in memory.
-            refuse_tensor_parallel("int4" if any(name.endswith("_min") for name in weights) else "int8", shard.size)
         self.gather_logits_to_all = gather_logits_to_all
         # The heads and intermediate columns this rank computes (the whole model without TP).
         self.local = shard.local_config(config) if shard is not None else config
@@ -115,14 +112,14 @@ class Transformer:
         # Tied embeddings keep their [V, H] table for the lookup; the head gets its own prepared
         # copy where the CPU kernel reorders it. Under TP each rank's head is padded with zero rows
         # to the vocab chunk (the gather needs equal parts; the padding columns are dropped).
-        head, head_bias = self.w.get("lm_head", self.w["embed_tokens"]), self.w.get("lm_head.bias")
+        head_name = "lm_head" if "lm_head" in self.w else "embed_tokens"
+        head, head_bias, head_weights = self.w[head_name], self.w.get("lm_head.bias"), self.w
         if shard is not None and head.shape[0] < shard.vocab_chunk:
             pad = shard.vocab_chunk - head.shape[0]
-            head = F.pad(head, (0, 0, 0, pad))
+            head, head_weights = F.pad(head, (0, 0, 0, pad)), padded_rows(self.w, head_name, pad)
             head_bias = F.pad(head_bias, (0, pad)) if head_bias is not None else None
-        head_name = "lm_head" if "lm_head" in self.w else "embed_tokens"
-        self.lm_head = (QuantizedLinear(self.w, head_name, head_bias, device) if is_quantized(self.w, head_name)
-                        else Linear(head, head_bias, device, linear_impl))
+        self.lm_head = (QuantizedLinear(head_weights, head_name, head_bias, device)
+                        if is_quantized(self.w, head_name) else Linear(head, head_bias, device, linear_impl))
         # float32 or bf16 RMSNorm and silu * up on CPU in one native call each (F.rms_norm is ~6 ops:
         # 50 us for one row of 512); bf16 ones (cpu_native_bf16) sum in float32.
         self.native = None
@@ -196,14 +193,18 @@ class Transformer:
         look up zeros, and an all-reduce sums them."""
         table = self.w["embed_tokens"]
         if is_quantized(self.w, "embed_tokens"):   # a tied weight-only table: de-quantize the rows read
-            return lookup_rows(self.w, "embed_tokens", input_ids, self.dtype)
+            def rows(ids: torch.Tensor) -> torch.Tensor:
+                return lookup_rows(self.w, "embed_tokens", ids, self.dtype)
+        else:
+            def rows(ids: torch.Tensor) -> torch.Tensor:
+                return table[ids]
         if self.shard is None:
-            return table[input_ids]
+            return rows(input_ids)
         start, stop = self.shard.vocab_range
         local = input_ids - start
         outside = (local < 0) | (local >= stop - start)
-        x = table[local.clamp(0, max(stop - start - 1, 0))] if stop > start else \
-            table.new_zeros(input_ids.shape[0], self.config.hidden_size)
+        x = rows(local.clamp(0, max(stop - start - 1, 0))) if stop > start else \
+            torch.zeros(input_ids.shape[0], self.config.hidden_size, dtype=self.dtype, device=self.device)
         x[outside] = 0
         return self.tp.all_reduce(x)
 

@@ -113,7 +113,8 @@ class ModelRunner:
         self.shard = self._shard(engine, tensor_parallel)
         weights = engine.weights
         if self.shard is not None and engine.shard is None:
-            weights = {name: self.shard.slice(name, t) for name, t in weights.items()}
+            shapes = {name: tuple(t.shape) for name, t in weights.items()}
+            weights = {name: self.shard.slice(name, t, shapes) for name, t in weights.items()}
         self.model = Transformer(cfg, weights, self.device, self.attention_window, self.sink_token_length,
                                  linear_impl, tensor_parallel, self.shard, gather_logits_to_all)
         # [num_layers, K/V, num_blocks, tokens_per_block, num_kv_heads, head_dim]: this rank's KV heads

@@ -11,13 +11,28 @@ query heads read (replicated), so each rank's KV pool holds only the heads it at
 from __future__ import annotations
 
 import dataclasses
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
-from .config import ModelConfig
+from .config import ConfigError, ModelConfig
 
 Ranges = tuple[tuple[int, int], ...]   # [start, stop) spans, ascending
+
+
+# The suffixes of a weight-only weight's scales and mins (runtime.weight_only).
+_QUANTIZED_PART = re.compile(r"_(scale|min)$")
+
+
+def check_group_alignment(spans: "Ranges", group_size: int, what: str, size: int) -> None:
+    """ConfigError naming group_size when a span of input columns does not start and end on a group."""
+    for start, stop in spans:
+        if start % group_size or stop % group_size:
+            raise ConfigError(f"group_size: {group_size} does not divide the {stop - start} input columns "
+                              f"of {what} each of {size} tensor-parallel ranks holds (columns {start}..{stop}); "
+                              "use a group size that divides them, or fewer ranks")
 
 
 def num_local_kv_heads(num_kv_heads: int, size: int) -> int:
@@ -131,9 +146,29 @@ class TensorShard:
         i = self.intermediate_size
         return ((start, stop), (i + start, i + stop))
 
-    def selection(self, name: str) -> tuple[int, Ranges] | None:
+    def selection(self, name: str, shapes: Mapping[str, tuple[int, ...]] | None = None
+                  ) -> tuple[int, Ranges] | None:
         """(dim, spans) of the canonical weight `name` this rank holds, or None: it holds it whole
-        (norms, position embeddings, the row-parallel linears' biases)."""
+        (norms, position embeddings, the row-parallel linears' biases).
+
+        A weight-only tensor (runtime.weight_only: `W` int8 / packed int4, `W_scale`, `W_min`)
+        takes its float weight's rows; of a row-parallel weight's input columns, an int8 `W` takes
+        the same columns and keeps its per-row scales whole, a packed int4 `W` half the columns
+        and its scales and mins one per group. `shapes` (whole shapes by name) tells the packings
+        apart; a span that splits an int4 group is a ConfigError naming group_size."""
+        base = _QUANTIZED_PART.sub("", name)
+        sel = self._float_selection(base)
+        if sel is None or sel[0] == 0 or shapes is None or base + "_scale" not in shapes:
+            return sel
+        dim, spans = sel
+        if base + "_min" not in shapes:   # int8: per-row scales
+            return None if name != base else sel
+        group_size = 2 * shapes[base][1] // shapes[base + "_scale"][1]
+        check_group_alignment(spans, group_size, base, self.size)
+        divisor = 2 if name == base else group_size
+        return dim, tuple((start // divisor, stop // divisor) for start, stop in spans)
+
+    def _float_selection(self, name: str) -> tuple[int, Ranges] | None:
         suffix = name.rsplit(".", 2)
         linear = suffix[-2] if len(suffix) >= 2 and name.startswith("layers.") else None
         if name in ("embed_tokens", "lm_head", "lm_head.bias"):
@@ -148,8 +183,14 @@ class TensorShard:
             return 1, self.intermediate_columns()
         return None
 
+    def check_group_size(self, group_size: int) -> None:
+        """ConfigError naming group_size when an int4 group would straddle two ranks' input columns
+        of a row-parallel linear (the attention output's or the MLP down projection's)."""
+        check_group_alignment(self.out_columns(), group_size, "the attention output", self.size)
+        check_group_alignment(self.intermediate_columns(), group_size, "the MLP down projection", self.size)
+
     def local_shape(self, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
-        """The shape of the rank's slice of a canonical weight of `shape`."""
+        """The shape of the rank's slice of a canonical weight of `shape` (a float one)."""
         sel = self.selection(name)
         if sel is None:
             return tuple(shape)
@@ -158,10 +199,12 @@ class TensorShard:
         out[dim] = sum(stop - start for start, stop in spans)
         return tuple(out)
 
-    def slice(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    def slice(self, name: str, tensor: torch.Tensor, shapes: Mapping[str, tuple[int, ...]] | None = None
+              ) -> torch.Tensor:
         """The rank's slice of a whole canonical weight held in memory (GptSession given a whole
-        engine; LoRA factors). Loading from files reads only the slice: runtime.weights."""
-        sel = self.selection(name)
+        engine; LoRA factors); `shapes` as for `selection`. Loading from files reads only the
+        slice: runtime.weights."""
+        sel = self.selection(name, shapes)
         if sel is None:
             return tensor
         return take(tensor, *sel)

@@ -9,15 +9,16 @@ Stored under the canonical weight name `W` (e.g. `layers.0.qkv.weight`, `lm_head
         w = q * scale + min with q in 0..15 per group of group_size input columns; in group g,
         byte j holds column g*gs + j (low nibble) and g*gs + gs/2 + j (high nibble), GGUF
         Q4_0 / Q4_1's layout (Q4_1: scale d, min m; Q4_0: scale d, min -8 d).
-Scales and mins are float32 whatever the compute dtype; norms and biases stay in it. Tensor
-parallelism with weight_only is refused at load (runtime.engine): the slices are not cut yet.
+Scales and mins are float32 whatever the compute dtype; norms and biases stay in it. Under tensor
+parallelism a rank holds the slices of the one quantized model (runtime.tensor_shard.selection:
+an int4 group never straddles two ranks).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from .config import BuildConfig, ConfigError, ModelConfig
+from .config import BuildConfig, ModelConfig
 from .kernels.cpu_weight_only import weight_only_ops
 from .weights import Weights, expected_shapes
 
@@ -109,11 +110,11 @@ def quantize_weights(weights: Weights, cfg: ModelConfig, build: BuildConfig) -> 
     return out
 
 
-def refuse_tensor_parallel(mode: str, size: int) -> None:
-    """Quantized weights are not sliced by rank yet: a ConfigError naming weight_only for size > 1."""
-    if size > 1:
-        raise ConfigError(f"weight_only: {mode!r} with tensor parallelism {size} is not supported; use "
-                          "tensor parallelism 1 or weight_only None")
+def padded_rows(weights: Weights, name: str, num_rows: int) -> Weights:
+    """`name` and its scales and mins (when quantized) with `num_rows` zero rows appended: rows that
+    compute 0 (a rank's lm_head padded to the vocabulary chunk)."""
+    parts = [part for part in (name, name + "_scale", name + "_min") if part in weights]
+    return {part: F.pad(weights[part], (0, 0) * (weights[part].dim() - 1) + (0, num_rows)) for part in parts}
 
 
 def is_quantized(weights: Weights, name: str) -> bool:

@@ -123,11 +123,11 @@ def _checked(raw: RawWeights, cfg: ModelConfig, dtype: torch.dtype, where: str, 
             raise WeightError(f"{where}: tensor {name!r} has dtype {tensor.dtype}, expected floating point")
     out: Weights = {}
     for name in shapes:
-        tensor, selection = raw[name], shard.selection(name) if shard is not None else None
+        tensor, selection = raw[name], shard.selection(name, shapes) if shard is not None else None
         if isinstance(tensor, LazyTensor):
             tensor = src.read(tensor, selection)
         elif selection is not None:   # a reader that built it in memory
-            tensor = shard.slice(name, tensor)
+            tensor = shard.slice(name, tensor, shapes)
         out[name] = tensor.contiguous() if name in stored else tensor.to(dtype).contiguous()
     return out
 

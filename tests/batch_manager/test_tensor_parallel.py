@@ -1,6 +1,7 @@
 """GptManager and the Executor over 2 tensor-parallel ranks (gloo, spawned processes on loopback)
 against one process on the same engine: identical greedy, beam and seeded-sampling tokens and
-log probs / generation logits within 1e-4 for a mixed workload under each batching type, with
+log probs / generation logits within 1e-4 for a mixed workload under each batching type and with
+int8 / int4 weight-only engines, with
 block reuse and chunked context, overlap, LoRA adapters and prompt tables, draft tokens, guided
 decoding, a bad request and a failing callback; the idle leader's heartbeat keeps the followers
 waiting past the timeout without spinning the CPU; the Executor takes requests on rank 0 only;
@@ -159,6 +160,26 @@ def test_lora_adapters_and_prompt_tables(pool, engine):
              dict(id=2, prompt=PROMPTS[4], lora=2, adapter=adapters[2]), dict(id=3, prompt=PROMPTS[7], lora=1),
              dict(id=4, prompt=[128, 129, 130, 5, 9, 17], prompt_table=3)]
     check_same(pool, engine[0], int(TrtGptModelType.InflightFusedBatching), {}, specs, [0, 0, 0, 3, 3])
+
+
+@pytest.fixture(scope="module")
+def weight_only_engines(tmp_path_factory):
+    """mode -> engine dir of a tiny LLaMA (intermediate 128: each rank's 64 columns hold whole groups)."""
+    root = tmp_path_factory.mktemp("tp_weight_only")
+    make_checkpoint(root / "hf", "llama", seed=5, intermediate_size=128)
+    out = {}
+    for mode, fields in (("int8", dict(weight_only="int8")), ("int4", dict(weight_only="int4", group_size=32))):
+        build_engine(root / "hf", root / mode, tokens_per_block=4, max_batch_size=8, max_input_len=48,
+                     max_seq_len=96, max_num_tokens=128, gather_generation_logits=True, **fields)
+        out[mode] = str(root / mode)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_weight_only_engine_matches_one_process(pool, weight_only_engines, mode):
+    """Each rank serves its slices of the quantized model: the same tokens as one process."""
+    check_same(pool, weight_only_engines[mode], int(TrtGptModelType.InflightFusedBatching), {}, MIXED,
+               [0, 0, 1, 2, 2, 4, 6, 6])
 
 
 def test_overlap(pool, engine):

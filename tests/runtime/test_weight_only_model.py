@@ -120,8 +120,8 @@ def test_bad_settings_are_config_errors_naming_the_field(checkpoints):
         Engine.from_dir(checkpoints["llama"], weight_only="int3")
     with pytest.raises(ConfigError, match="weight_only_skip"):
         BuildConfig(weight_only="int8", weight_only_skip=("embed",)).validated()
-    with pytest.raises(ConfigError, match="weight_only"):   # not sliced by rank (yet)
-        Engine.from_dir(checkpoints["llama"], shard=(0, 2), weight_only="int8")
+    with pytest.raises(ConfigError, match="group_size"):   # 2 ranks' 48 MLP-down columns split a group of 32
+        Engine.from_dir(checkpoints["llama"], shard=(0, 2), weight_only="int4", group_size=32)
 
 
 # --- GptManager equals GptSession in each mode -------------------------------------------------------
@@ -218,12 +218,3 @@ def test_engine_dir_with_wrong_quantized_tensors_is_refused(checkpoints, tmp_pat
         save_file(damaged, tmp_path / "weights.safetensors")
         with pytest.raises(WeightError, match="layers.0.qkv.weight|layers.1.out.weight_scale|lm_head_scale"):
             Engine.from_dir(tmp_path)
-
-
-def test_a_whole_quantized_engine_is_not_sliced_for_tensor_parallelism(checkpoints):
-    from runtime.model import Transformer
-    from runtime.tensor_shard import TensorShard
-    engine = Engine.from_dir(checkpoints["llama"], weight_only="int8")
-    shard = TensorShard.of(engine.model_config, 0, 2)
-    with pytest.raises(ConfigError, match="weight_only"):
-        Transformer(engine.model_config, engine.weights, torch.device("cpu"), shard=shard)
