@@ -5,7 +5,9 @@ again with the `gguf` package as F32, Q8_0 and Q4_0 files. llama.cpp (the `xllam
 server embedded in this process; `pip install --no-deps xllamacpp`) generates from each file; ours
 generates from engines built from the F32 file in float32 and in the matching weight-only modes
 (int8 for Q8_0, int4 group 32 for Q4_0). Each side: greedy, one request, the same prompt, N new
-tokens, the generation rate (tokens after the first / their time), best of --repeats.
+tokens, the generation rate (tokens after the first / their time), best of --repeats. Every
+measurement runs in a fresh process: llama.cpp's threads and a thread pool left by an engine build
+would otherwise share the cores with the side being timed (runtime.engine.build_engine's NOTE).
 
     python -m samples.microbench.llama_cpp_compare [--new-tokens 64] [--repeats 3] [--threads 2]
 """
@@ -50,6 +52,14 @@ def rewrite_gguf(source: str, destination: str, type_name: str) -> str:
     return destination
 
 
+def in_fresh_process(fn, *args):
+    """fn(*args) in a new spawned process (fn and its arguments picklable): its result."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
+
+
 def llama_cpp_rate(path: str, prompt: str, new_tokens: int, threads: int) -> float:
     """llama.cpp's generation tokens/s for one greedy request (its own timings)."""
     import xllamacpp
@@ -67,9 +77,11 @@ def llama_cpp_rate(path: str, prompt: str, new_tokens: int, threads: int) -> flo
     return float(result["timings"]["predicted_per_second"])
 
 
-def our_rate(engine_dir: str, prompt_ids: list[int], new_tokens: int) -> float:
+def our_rate(engine_dir: str, prompt_ids: list[int], new_tokens: int, threads: int | None = None) -> float:
     """Our generation tokens/s for one greedy streamed request through the Executor: tokens after
     the first over the time from the first to the last."""
+    if threads is not None:
+        torch.set_num_threads(threads)
     from batch_manager.executor import Executor, ExecutorConfig, ModelType, OutputConfig, Request
     with Executor(engine_dir, ModelType.DECODER_ONLY, ExecutorConfig()) as executor:
         request_id = executor.enqueue_request(Request(prompt_ids, new_tokens, streaming=True,
@@ -103,12 +115,13 @@ def main(argv: list[str] | None = None) -> dict:
         build_engine(files["F32"], tokenizer_dir)
         prompt_ids = load_tokenizer(tokenizer_dir)(PROMPT)["input_ids"]
         for type_name in LLAMA_CPP_TYPES:
-            row = {"llama_cpp_tok_s": max(llama_cpp_rate(files[type_name], PROMPT, args.new_tokens, args.threads)
-                                          for _ in range(args.repeats))}
+            row = {"llama_cpp_tok_s": max(in_fresh_process(llama_cpp_rate, files[type_name], PROMPT, args.new_tokens,
+                                                           args.threads) for _ in range(args.repeats))}
             engine_dir = os.path.join(work, f"ours-{type_name}")
             try:
                 build_engine(files["F32"], engine_dir, **OUR_MODES[type_name])
-                row["ours_tok_s"] = max(our_rate(engine_dir, prompt_ids, args.new_tokens) for _ in range(args.repeats))
+                row["ours_tok_s"] = max(in_fresh_process(our_rate, engine_dir, prompt_ids, args.new_tokens, args.threads)
+                                        for _ in range(args.repeats))
                 row["ours_to_llama_cpp"] = row["ours_tok_s"] / row["llama_cpp_tok_s"]
             except ConfigError as e:
                 row["ours_refused"] = str(e)

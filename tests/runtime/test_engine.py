@@ -79,6 +79,19 @@ def test_build_engine_round_trip(checkpoints, tmp_path, arch):
                                atol=0, rtol=0)
 
 
+def test_build_engine_converts_on_its_own_thread(checkpoints, tmp_path, monkeypatch):
+    """The caller's thread keeps no OpenMP pool of the conversion (runtime.engine.build_engine's
+    NOTE): the work runs on another thread, its errors are raised on the caller's."""
+    import threading
+    threads = []
+    save = Engine.save
+    monkeypatch.setattr(Engine, "save", lambda self, d: (threads.append(threading.get_ident()), save(self, d))[1])
+    build_engine(checkpoints["llama"], tmp_path / "engine")
+    assert threads and threads[0] != threading.get_ident()
+    with pytest.raises(ConfigError, match="max_batch_size"):
+        build_engine(checkpoints["llama"], tmp_path / "bad", max_batch_size=0)
+
+
 def test_engine_json_records_both_configs(checkpoints, tmp_path):
     built = build_engine(checkpoints["mistral"], tmp_path, **BUILD_FIELDS)
     data = json.loads((tmp_path / "engine.json").read_text())
