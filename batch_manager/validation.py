@@ -10,6 +10,7 @@ from typing import Any, Callable
 import torch
 
 from runtime.decoding import DecodingParams, parse_word_list
+from runtime.decoding.fields import SAMPLING_FIELDS
 from runtime.prompt_tuning import check_prompt_table, table_digest
 
 from . import tensor_names as tn
@@ -143,34 +144,17 @@ def _word_list(tensors: dict, name: str, vocab_size: int) -> tuple[tuple[int, ..
 
 
 # DecodingParams field -> the request tensor that sets it, for error messages.
-_TENSOR_NAMES = {"top_k": tn.RUNTIME_TOP_K, "top_p": tn.RUNTIME_TOP_P, "top_p_reset_id": tn.TOP_P_RESET_IDS,
-                 "length_penalty": tn.LENGTH_PENALTY, "diversity_rate": tn.BEAM_SEARCH_DIVERSITY_RATE,
-                 "no_repeat_ngram_size": tn.NO_REPEAT_NGRAM_SIZE}
+_TENSOR_NAMES = {f.param: f.tensor for f in SAMPLING_FIELDS}
 
 
 def _decoding_params(tensors: dict, limits: AdmissionLimits, normalize_log_probs: bool) -> DecodingParams:
     """The request's decoding settings, checked by the one validator (DecodingParams.validate)."""
     end_id = _scalar(tensors, tn.END_ID, "int", None)
+    scalars = {f.param: _scalar(tensors, f.tensor, f.kind, f.default) for f in SAMPLING_FIELDS
+               if f.param != "random_seed"}
     params = DecodingParams(
-        beam_width=_scalar(tensors, tn.BEAM_WIDTH, "int", 1),
-        temperature=_scalar(tensors, tn.TEMPERATURE, "float", 1.0),
-        top_k=_scalar(tensors, tn.RUNTIME_TOP_K, "int", 0),
-        top_p=_scalar(tensors, tn.RUNTIME_TOP_P, "float", 0.0),
-        top_p_decay=_scalar(tensors, tn.TOP_P_DECAY, "float", 1.0),
-        top_p_min=_scalar(tensors, tn.TOP_P_MIN, "float", 1e-6),
-        top_p_reset_id=_scalar(tensors, tn.TOP_P_RESET_IDS, "int", -1),
-        min_p=_scalar(tensors, tn.MIN_P, "float", 0.0),
-        num_top_log_probs=_scalar(tensors, tn.NUM_TOP_LOG_PROBS, "int", 0),
-        num_return_sequences=_scalar(tensors, tn.NUM_RETURN_SEQUENCES, "int", 1),
-        min_length=_scalar(tensors, tn.MIN_LENGTH, "int", 0),
-        repetition_penalty=_scalar(tensors, tn.REPETITION_PENALTY, "float", 1.0),
-        presence_penalty=_scalar(tensors, tn.PRESENCE_PENALTY, "float", 0.0),
-        frequency_penalty=_scalar(tensors, tn.FREQUENCY_PENALTY, "float", 0.0),
+        **scalars,
         random_seed=_seed(tensors),
-        length_penalty=_scalar(tensors, tn.LENGTH_PENALTY, "float", 0.0),
-        early_stopping=_scalar(tensors, tn.EARLY_STOPPING, "int", 1),
-        diversity_rate=_scalar(tensors, tn.BEAM_SEARCH_DIVERSITY_RATE, "float", 0.0),
-        no_repeat_ngram_size=_scalar(tensors, tn.NO_REPEAT_NGRAM_SIZE, "int", 0),
         end_id=None if end_id == -1 else end_id,   # -1: no end id, as unset
         normalize_log_probs=normalize_log_probs,
         bad_words=_word_list(tensors, tn.BAD_WORDS_LIST, limits.vocab_size),

@@ -18,6 +18,7 @@ from .beam_blocks import beam_holder, fork_beams, free_beams, prepare_beam_write
 from .config import ModelConfig
 from .decoding import DecodeOutcome, Decoder, DecodeState
 from .decoding import DecodingParams, parse_word_list
+from .decoding.fields import SAMPLING_FIELDS
 from .engine import Engine
 from .kv_cache_manager import KvCacheManager
 from .model_runner import ModelRunner
@@ -45,7 +46,7 @@ def _per_sequence(name: str, value, batch_size: int, default):
 
 
 # DecodingParams field -> SamplingConfig field, for error messages.
-_SAMPLING_CONFIG_NAMES = {"top_p_reset_id": "top_p_reset_ids", "diversity_rate": "beam_search_diversity_rate"}
+_SAMPLING_CONFIG_NAMES = {f.param: f.session for f in SAMPLING_FIELDS if f.session is not None}
 
 
 @dataclass
@@ -73,15 +74,7 @@ class SamplingConfig:
                         normalize_log_probs: bool = True) -> list[DecodingParams]:
         """One validated DecodingParams per sequence (runtime/decoding/params.py has the semantics;
         an unset random_seed is 0, as in TensorRT-LLM)."""
-        fields = {"temperature": ("temperature", 1.0), "min_length": ("min_length", 0),
-                  "repetition_penalty": ("repetition_penalty", 1.0),
-                  "presence_penalty": ("presence_penalty", 0.0), "frequency_penalty": ("frequency_penalty", 0.0),
-                  "random_seed": ("random_seed", 0), "top_k": ("top_k", 0), "top_p": ("top_p", 0.0),
-                  "top_p_decay": ("top_p_decay", 1.0), "top_p_min": ("top_p_min", 1e-6),
-                  "top_p_reset_ids": ("top_p_reset_id", -1),
-                  "beam_search_diversity_rate": ("diversity_rate", 0.0), "length_penalty": ("length_penalty", 0.0),
-                  "early_stopping": ("early_stopping", 1), "no_repeat_ngram_size": ("no_repeat_ngram_size", 0),
-                  "min_p": ("min_p", 0.0)}
+        fields = {f.session: (f.param, f.default) for f in SAMPLING_FIELDS if f.session is not None}
         columns = {param: _per_sequence(name, getattr(self, name), batch_size, default)
                    for name, (param, default) in fields.items()}
         result = []

@@ -10,6 +10,7 @@ from typing import Any, Callable
 import torch
 
 from runtime.decoding import DecodingParams
+from runtime.decoding.fields import SAMPLING_FIELDS
 
 from .. import tensor_names as tn
 from ..guided_decoding import check_guide
@@ -24,19 +25,10 @@ from ..validation import (INT_DTYPES, AdmissionLimits, RequestError, cache_salt,
 from .request import (ExternalDraftTokensConfig, FinishReason, LoraConfig, OutputConfig, PromptTuningConfig, Request,
                       Result, SamplingConfig)
 
-# DecodingParams field -> (SamplingConfig field, default when None).
-_SAMPLING_FIELDS = {
-    "beam_width": ("beam_width", 1), "top_k": ("top_k", 0), "top_p": ("top_p", 0.0),
-    "top_p_min": ("top_p_min", 1e-6), "top_p_reset_id": ("top_p_reset_ids", -1), "top_p_decay": ("top_p_decay", 1.0),
-    "random_seed": ("seed", 0), "temperature": ("temperature", 1.0), "min_length": ("min_tokens", 0),
-    "diversity_rate": ("beam_search_diversity_rate", 0.0), "repetition_penalty": ("repetition_penalty", 1.0),
-    "length_penalty": ("length_penalty", 0.0), "early_stopping": ("early_stopping", 1),
-    "no_repeat_ngram_size": ("no_repeat_ngram_size", 0), "presence_penalty": ("presence_penalty", 0.0),
-    "frequency_penalty": ("frequency_penalty", 0.0), "min_p": ("min_p", 0.0),
-    "num_return_sequences": ("num_return_sequences", 1),
-}
-_NAMES = {field: f"sampling_config.{name}" for field, (name, _) in _SAMPLING_FIELDS.items()}
-_NAMES.update(end_id="end_id", embedding_bias="embedding_bias", num_top_log_probs="output_config.num_top_log_probs")
+# DecodingParams field -> the name the Executor's user knows, for error messages.
+_NAMES = {f.param: (f.executor if "." in f.executor else f"sampling_config.{f.executor}")
+          for f in SAMPLING_FIELDS if f.executor is not None}
+_NAMES.update(end_id="end_id", embedding_bias="embedding_bias")
 _FIELD_NAMES = {"max_new_tokens": "max_tokens", "pad_id": "pad_id", "draft_input_ids": "external_draft_tokens_config",
                 "num_return_sequences": "sampling_config.num_return_sequences",
                 "beam_width": "sampling_config.beam_width",
@@ -192,9 +184,10 @@ def _decoding_params(request: Request, limits: AdmissionLimits, normalize_log_pr
     if not isinstance(sampling, SamplingConfig):
         raise RequestError(f"sampling_config: expected a SamplingConfig, got {type(sampling).__name__}")
     values = {}
-    for field, (name, default) in _SAMPLING_FIELDS.items():
-        value = getattr(sampling, name)
-        values[field] = default if value is None else value
+    for f in SAMPLING_FIELDS:
+        if f.executor_sampling is not None:
+            value = getattr(sampling, f.executor_sampling)
+            values[f.param] = f.default if value is None else value
     if isinstance(values["early_stopping"], bool):
         values["early_stopping"] = int(values["early_stopping"])
     if request.end_id is not None:

@@ -7,6 +7,9 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
+from runtime.decoding.fields import SAMPLING_FIELDS
+
+
 def _alias(kwargs: dict, old: str, new: str, value):
     """`value` of the new name, or that of the older one (not both)."""
     if old not in kwargs:
@@ -25,10 +28,8 @@ def _no_more(kwargs: dict, cls: str) -> None:
 class SamplingConfig:
     """None = the default of the field (DecodingParams). `random_seed` and `min_length` are the
     older names of `seed` and `min_tokens`."""
-    FIELDS = ("beam_width", "top_k", "top_p", "top_p_min", "top_p_reset_ids", "top_p_decay", "seed", "temperature",
-              "min_tokens", "beam_search_diversity_rate", "repetition_penalty", "length_penalty",
-              "early_stopping", "no_repeat_ngram_size", "presence_penalty", "frequency_penalty", "min_p",
-              "num_return_sequences")
+    # Its attributes: the field table's (runtime.decoding.fields); __init__ spells each once.
+    FIELDS = tuple(f.executor_sampling for f in SAMPLING_FIELDS if f.executor_sampling is not None)
 
     def __init__(self, beam_width=1, top_k=None, top_p=None, top_p_min=None, top_p_reset_ids=None,
                  top_p_decay=None, seed=None, temperature=None, min_tokens=None, beam_search_diversity_rate=None,

@@ -12,21 +12,20 @@ from typing import Callable
 from batch_manager import InferenceRequest, tensor_names as tn
 from batch_manager.executor import Executor, ExecutorConfig, OutputConfig, Request, SamplingConfig
 from runtime.decoding import parse_word_list
+from runtime.decoding.fields import SAMPLING_FIELDS
 from samples.serve.bridge import SHUTTING_DOWN, ManagerBridge, ResponseEvent, _Handler
 from samples.serve.metrics import TritonMetrics
 
 logger = logging.getLogger(__name__)
 
-# wire tensor -> SamplingConfig field
-_SAMPLING = {tn.BEAM_WIDTH: "beam_width", tn.TEMPERATURE: "temperature", tn.RUNTIME_TOP_K: "top_k",
-             tn.RUNTIME_TOP_P: "top_p", tn.MIN_LENGTH: "min_tokens", tn.REPETITION_PENALTY: "repetition_penalty",
-             tn.PRESENCE_PENALTY: "presence_penalty", tn.FREQUENCY_PENALTY: "frequency_penalty",
-             tn.LENGTH_PENALTY: "length_penalty", tn.EARLY_STOPPING: "early_stopping",
-             tn.NO_REPEAT_NGRAM_SIZE: "no_repeat_ngram_size"}
+# wire tensor -> SamplingConfig field (the field table's; the seed is masked to uint64 below)
+_SAMPLING = {f.tensor: f.executor_sampling for f in SAMPLING_FIELDS
+             if f.executor_sampling is not None and f.param != "random_seed"}
 # the Executor's field names -> the body's, to lead its errors with the body field
-_EXECUTOR_TO_BODY = {"input_token_ids": "input_ids", "max_tokens": "max_new_tokens", "sampling_config.seed": "seed",
-                     "sampling_config.min_tokens": "min_length", "sampling_config.top_k": "top_k",
-                     "sampling_config.top_p": "top_p"}
+_EXECUTOR_TO_BODY = {"input_token_ids": "input_ids", "max_tokens": "max_new_tokens",
+                     **{f"sampling_config.{f.executor_sampling}": f.body for f in SAMPLING_FIELDS
+                        if f.executor_sampling is not None and f.body is not None},
+                     **{f.executor: f.body for f in SAMPLING_FIELDS if f.executor and "." in f.executor and f.body}}
 
 
 def to_executor_request(r: InferenceRequest) -> Request:

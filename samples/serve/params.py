@@ -13,27 +13,17 @@ import torch
 
 from batch_manager import InferenceRequest, tensor_names as tn
 from runtime.decoding import to_word_list
+from runtime.decoding.fields import SAMPLING_FIELDS
 from samples.serve.value_repr import short_repr, some_sorted
 
-# body field -> (wire tensor name, kind, torch dtype)
+# body field -> (wire tensor name, kind, torch dtype): the sampling settings of the field table
+# (runtime.decoding.fields; the seed is int64, as GptManager's random_seed), then the request's own.
 SCALAR_FIELDS = {
+    **{f.body: (f.tensor, f.kind, torch.int64 if f.param == "random_seed" else
+                torch.int32 if f.kind == "int" else torch.float32) for f in SAMPLING_FIELDS if f.body is not None},
     "end_id": (tn.END_ID, "int", torch.int32),
     "pad_id": (tn.PAD_ID, "int", torch.int32),
-    "beam_width": (tn.BEAM_WIDTH, "int", torch.int32),
-    "temperature": (tn.TEMPERATURE, "float", torch.float32),
-    "top_k": (tn.RUNTIME_TOP_K, "int", torch.int32),
-    "top_p": (tn.RUNTIME_TOP_P, "float", torch.float32),
-    "seed": (tn.RANDOM_SEED, "int", torch.int64),
-    "min_length": (tn.MIN_LENGTH, "int", torch.int32),
-    "repetition_penalty": (tn.REPETITION_PENALTY, "float", torch.float32),
-    "presence_penalty": (tn.PRESENCE_PENALTY, "float", torch.float32),
-    "frequency_penalty": (tn.FREQUENCY_PENALTY, "float", torch.float32),
-    "length_penalty": (tn.LENGTH_PENALTY, "float", torch.float32),
-    "early_stopping": (tn.EARLY_STOPPING, "int", torch.int32),
-    "no_repeat_ngram_size": (tn.NO_REPEAT_NGRAM_SIZE, "int", torch.int32),
     "return_log_probs": (tn.RETURN_LOG_PROBS, "bool", torch.bool),
-    "num_top_log_probs": (tn.NUM_TOP_LOG_PROBS, "int", torch.int32),
-    "min_p": (tn.MIN_P, "float", torch.float32),
 }
 WORD_LIST_FIELDS = {"stop_words": tn.STOP_WORDS_LIST, "bad_words": tn.BAD_WORDS_LIST}
 OTHER_FIELDS = {"input_ids", "text", "max_new_tokens", "stream", "embedding_bias"}
