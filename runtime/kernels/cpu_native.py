@@ -7,23 +7,23 @@ hold these kernels to it.
 
 `native_ops()` is None where the kernels cannot run (no x86-64 AVX2/FMA, no compiler, or
 BATCH_MANAGER_CPU_NATIVE=0); callers then stay on torch. Build cache: one library per sha256 of
-(source, flags, compiler version, CPU model and flags) in `native/` beside the emu backend's
-cache directory (by default ~/.cache/batch_manager/native); written under a temporary name and
-renamed. The first build takes about a second; later processes only load.
+(source, flags, compiler version, CPU model and flags) in `native/` (native_build.py, the one
+builder of the package's native libraries). The first build takes about a second; later
+processes only load.
 """
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
 import platform
 import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
+
+from .native_build import CXX, build_library, compiler_available, native_cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -65,28 +65,8 @@ def _cpu_supported() -> bool:
 def build(directory: Path | None = None, source_path: Path = SOURCE) -> Path:
     """Compile `source_path` (default cpu_native.cpp; any C++ source of this package's native CPU
     kernels) into the cache, once per source, flags, compiler and CPU; the library's path."""
-    from . import emu_backend  # its compiler and cache helpers (imported late: it imports the backends)
-    source = source_path.read_text()
-    key = "\0".join([source, " ".join(CXX_FLAGS), emu_backend.compiler_version(), _cpu_identity()])
-    digest = hashlib.sha256(key.encode()).hexdigest()[:24]
-    directory = directory or emu_backend.cache_dir().parent / "native"
-    library = directory / f"{source_path.stem.replace('_', '-')}-{digest}.so"
-    if library.exists():
-        return library
-    directory.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(suffix=".so", prefix=f".{library.stem}-", dir=directory)
-    os.close(fd)
-    try:
-        done = subprocess.run([emu_backend.CXX, *CXX_FLAGS, str(source_path), "-o", tmp_name],
-                              capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"cpu native kernels: {emu_backend.CXX} failed ({done.returncode}):\n"
-                               f"{done.stderr[-4000:]}")
-        os.replace(tmp_name, library)
-    finally:
-        Path(tmp_name).unlink(missing_ok=True)
-    logger.info("cpu native kernels: built %s", library)
-    return library
+    return build_library(source_path.read_text(), CXX_FLAGS, source_path.stem.replace("_", "-"),
+                         directory or native_cache_dir(), "cpu native kernels", extra_key=_cpu_identity())
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -235,9 +215,8 @@ def native_ops() -> NativeCpuOps | None:
 
 @functools.lru_cache(maxsize=None)
 def _load() -> NativeCpuOps | None:
-    from . import emu_backend
-    if not _cpu_supported() or not emu_backend.compiler_available():
-        logger.info("cpu native kernels: unavailable (needs x86-64 AVX2/FMA and %s); using torch", emu_backend.CXX)
+    if not _cpu_supported() or not compiler_available():
+        logger.info("cpu native kernels: unavailable (needs x86-64 AVX2/FMA and %s); using torch", CXX)
         return None
     try:
         return NativeCpuOps(build())

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from . import cpu_native
+from .native_build import CXX, compiler_available
 
 logger = logging.getLogger(__name__)
 
@@ -156,9 +157,8 @@ def weight_only_ops() -> WeightOnlyOps | None:
 
 @functools.lru_cache(maxsize=None)
 def _load() -> WeightOnlyOps | None:
-    from . import emu_backend
-    if not cpu_native._cpu_supported() or not emu_backend.compiler_available():
-        logger.info("weight-only kernels: unavailable (needs x86-64 AVX2/FMA and %s); using torch", emu_backend.CXX)
+    if not cpu_native._cpu_supported() or not compiler_available():
+        logger.info("weight-only kernels: unavailable (needs x86-64 AVX2/FMA and %s); using torch", CXX)
         return None
     try:
         return WeightOnlyOps(cpu_native.build(source_path=SOURCE))

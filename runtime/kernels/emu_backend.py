@@ -8,33 +8,29 @@ CPU, and swaps only the module loader, the device type and the stream.
 Build cache: one shared library per (source, specialising defines), named by a sha256 of the
 whole translation unit (shim + prelude + source + defines + generated launch wrappers), the
 compiler flags and `g++ --version`, in $BATCH_MANAGER_EMU_CACHE, else
-$XDG_CACHE_HOME/batch_manager/emu (default ~/.cache/batch_manager/emu). Libraries are written
-under a temporary name and renamed, so concurrent builds are safe. The first construction
-compiles (seconds per module); later ones only load.
+$XDG_CACHE_HOME/batch_manager/emu (default ~/.cache/batch_manager/emu), built by native_build.py
+(the one builder of the package's native libraries). The first construction compiles (seconds
+per module); later ones only load.
 """
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import subprocess
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
-from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from . import sources
+from .native_build import CXX, build_library, compiler_available
+from .native_build import emu_cache_dir as cache_dir
 from .cuda_backend import CudaKernels
 from .launchers import DTYPE_CODES, LaunchConfig
 
 logger = logging.getLogger(__name__)
 
-CACHE_ENV_VAR = "BATCH_MANAGER_EMU_CACHE"
-CXX = os.environ.get("CXX", "g++")
 CXX_FLAGS = ("-std=c++20", "-O2", "-pthread", "-fPIC", "-shared", "-fno-strict-aliasing")
 # ThreadSanitizer build: catches shared-memory races such as a missing __syncthreads. The process
 # that loads such a library must start with libtsan preloaded (LD_PRELOAD=$(g++ -print-file-name=libtsan.so)).
@@ -55,26 +51,6 @@ void invoke(void (*kernel)(P...), A... args) { kernel(arg_cast<P>(args)...); }
 """
 
 
-def cache_dir() -> Path:
-    override = os.environ.get(CACHE_ENV_VAR)
-    if override:
-        return Path(override)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "batch_manager" / "emu"
-
-
-@lru_cache(maxsize=None)
-def compiler_version(cxx: str = CXX) -> str:
-    return subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
-
-
-def compiler_available() -> bool:
-    try:
-        return subprocess.run([CXX, "--version"], capture_output=True, timeout=30).returncode == 0
-    except (OSError, subprocess.SubprocessError):
-        return False
-
-
 def translation_unit(code: str) -> str:
     """shim + kernel program + one `emu_launch_<kernel>` C wrapper per entry point."""
     lines = [sources.read(sources.SHIM), code, _WRAPPER_HELPERS]
@@ -91,31 +67,7 @@ def translation_unit(code: str) -> str:
 
 def build(code: str, flags: tuple[str, ...] = CXX_FLAGS, directory: Path | None = None) -> Path:
     """Compile `code` with the shim into a cached shared library; returns its path."""
-    unit = translation_unit(code)
-    digest = hashlib.sha256("\0".join([unit, " ".join(flags), compiler_version()]).encode()).hexdigest()[:24]
-    directory = directory or cache_dir()
-    library = directory / f"kernels-{digest}.so"
-    if library.exists():
-        return library
-    directory.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(suffix=".so", prefix=f".kernels-{digest}-", dir=directory)
-    os.close(fd)
-    # The translation unit stays next to the library, so debuggers and sanitizer reports point at it;
-    # its content is fixed by the digest, so concurrent writers replace it with identical text.
-    source_path = directory / f"kernels-{digest}.cpp"
-    source_tmp = Path(tmp_name).with_suffix(".cpp")
-    source_tmp.write_text(unit)
-    os.replace(source_tmp, source_path)
-    try:
-        done = subprocess.run([CXX, *flags, "-x", "c++", str(source_path), "-o", tmp_name],
-                              capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"emu kernels: {CXX} failed ({done.returncode}):\n{done.stderr[-4000:]}")
-        os.replace(tmp_name, library)
-    finally:
-        Path(tmp_name).unlink(missing_ok=True)
-    logger.info("emu kernels: built %s", library)
-    return library
+    return build_library(translation_unit(code), flags, "kernels", directory or cache_dir(), "emu kernels")
 
 
 class EmuFunction:
