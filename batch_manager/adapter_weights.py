@@ -29,7 +29,7 @@ class AdapterWeights:
         self._claims: dict[int, list[tuple[weakref.ref, bytes]]] = {}
 
     def digest(self, adapter) -> bytes:
-        """A runtime.lora.LoraAdapter's factors converted to the cache's dtype -> their digest."""
+        """A runtime.adapters.lora.LoraAdapter's factors converted to the cache's dtype -> their digest."""
         h = hashlib.blake2b(digest_size=16)
         for name in sorted(adapter.factors):
             h.update(name.encode())

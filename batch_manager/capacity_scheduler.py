@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from runtime.beam_blocks import beam_holder, free_beams, max_beam_blocks, prepare_beam_writes
-from runtime.kv_cache_manager import KvCacheManager
+from runtime.cache.beam_blocks import beam_holder, free_beams, max_beam_blocks, prepare_beam_writes
+from runtime.cache.kv_cache_manager import KvCacheManager
 
 from .llm_request import LlmRequest, RequestState
 from .options import SchedulerPolicy

@@ -25,7 +25,7 @@ import threading
 import time
 from typing import Any
 
-from runtime.tensor_parallel import DistributedError, TensorParallel
+from runtime.parallel.tensor_parallel import DistributedError, TensorParallel
 
 logger = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ import torch
 
 from runtime import BuildConfig, Engine, ModelRunner, WorldConfig
 from runtime.engine import ENGINE_CONFIG_FILE
-from runtime.kv_cache_manager import KvCacheManager
-from runtime.tensor_parallel import init_tensor_parallel, local_device
+from runtime.cache.kv_cache_manager import KvCacheManager
+from runtime.parallel.tensor_parallel import init_tensor_parallel, local_device
 
 from .adapter_weights import AdapterWeights
 from .capacity_scheduler import make_capacity_scheduler

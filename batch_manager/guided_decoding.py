@@ -10,7 +10,7 @@ import tempfile
 from dataclasses import dataclass
 
 from runtime.decoding.guided import GrammarCompiler, make_tokenizer
-from runtime.gguf_tokenizer import save_gguf_tokenizer
+from runtime.loading.gguf_tokenizer import save_gguf_tokenizer
 
 
 class GuideType(enum.Enum):

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from runtime.config import ModelConfig
-from runtime.lora import adapter_from_tensors, lora_modules
-from runtime.peft_adapter import load_peft_adapter
+from runtime.adapters.lora import adapter_from_tensors, lora_modules
+from runtime.adapters.peft_adapter import load_peft_adapter
 
 from .peft_cache import AdapterRef, PeftCache
 
@@ -85,7 +85,7 @@ def adapter_ref(task_id, weights, config, cfg: ModelConfig, peft: PeftCacheManag
                 names: tuple[str, str, str] = ("lora_task_id", "lora_weights", "lora_config")) -> AdapterRef | None:
     """A request's LoRA fields -> AdapterRef (payload None: id only), or None without a task id.
     ValueError naming the field and the value (weights without an id, one of weights / config
-    without the other, a bad id, and what runtime.lora.adapter_from_tensors refuses)."""
+    without the other, a bad id, and what runtime.adapters.lora.adapter_from_tensors refuses)."""
     id_name, w_name, c_name = names
     if task_id is None:
         if weights is not None or config is not None:

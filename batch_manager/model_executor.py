@@ -12,7 +12,7 @@ from typing import Callable
 
 from runtime import ModelRunner
 from runtime.step_inputs import SequenceStep, pack_step
-from runtime.tensor_parallel import DistributedError
+from runtime.parallel.tensor_parallel import DistributedError
 
 from .distributed import StepBroadcaster
 

@@ -25,7 +25,7 @@ from typing import Any
 class AdapterRef:
     """A request's adapter, as admission validated it."""
     task_id: int
-    payload: Any = None        # runtime.lora.LoraAdapter when the request brought weights; None: id only
+    payload: Any = None        # runtime.adapters.lora.LoraAdapter when the request brought weights; None: id only
     host_cost: int = 0         # its size in the host cache's unit (bytes or rows)
     device_rows: int = 0       # rows it takes in the device cache
 

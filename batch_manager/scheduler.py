@@ -7,8 +7,8 @@ micro-batch stage (who runs this step, chunking contexts) and returns a frozen `
 """
 from __future__ import annotations
 
-from runtime.beam_blocks import beam_holder, fork_beams
-from runtime.kv_cache_manager import KvCacheManager
+from runtime.cache.beam_blocks import beam_holder, fork_beams
+from runtime.cache.kv_cache_manager import KvCacheManager
 
 from .capacity_scheduler import CapacityScheduler
 from .llm_request import FinishReason, LlmRequest, RequestState

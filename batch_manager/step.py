@@ -63,7 +63,7 @@ class ScheduledStep:
     separate_context_forward: bool = False           # InflightBatching: context and generation apart
     released_request_ids: tuple[int, ...] = ()       # ended since the last step: free their stores first
     # The PEFT cache's changes since the last step, applied before the forward: evictions (task
-    # ids) first, then loads ((task id, runtime.lora.LoraAdapter): a reference, not a copy).
+    # ids) first, then loads ((task id, runtime.adapters.lora.LoraAdapter): a reference, not a copy).
     adapter_evictions: tuple[int, ...] = ()
     adapter_loads: tuple[tuple[int, Any], ...] = ()
 

@@ -11,7 +11,7 @@ import torch
 
 from runtime.decoding import DecodingParams, parse_word_list
 from runtime.decoding.fields import SAMPLING_FIELDS
-from runtime.prompt_tuning import check_prompt_table, table_digest
+from runtime.adapters.prompt_tuning import check_prompt_table, table_digest
 
 from . import tensor_names as tn
 from .inference_request import InferenceRequest

@@ -2,13 +2,13 @@
 GptSession (static-batch generation) and the kernel backends."""
 from .config import BuildConfig, ConfigError, ModelConfig
 from .engine import Engine, build_engine
-from .gguf_tokenizer import save_gguf_tokenizer
+from .loading.gguf_tokenizer import save_gguf_tokenizer
 from .models import SUPPORTED_ARCHITECTURES
 from .precision import QuantMode
 from .model_runner import ModelRunner
 from .session import GenerationInput, GenerationOutput, GptSession, SamplingConfig
-from .world_config import WorldConfig
-from .weights import WeightError
+from .parallel.world_config import WorldConfig
+from .loading.weights import WeightError
 
 __all__ = ["BuildConfig", "ConfigError", "ModelConfig", "SUPPORTED_ARCHITECTURES", "Engine", "build_engine",
            "ModelRunner", "GenerationInput", "GenerationOutput", "GptSession", "SamplingConfig", "WorldConfig",

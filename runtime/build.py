@@ -8,7 +8,7 @@ import sys
 from .config import BuildConfig, ConfigError
 from .engine import build_engine
 from .precision import BUILD_DTYPES, GROUP_SIZES, KV_CACHE_DTYPES, WEIGHT_ONLY_MODES, WEIGHT_ONLY_SKIPPABLE, QuantMode
-from .weights import WeightError
+from .loading.weights import WeightError
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

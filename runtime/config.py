@@ -135,12 +135,9 @@ class ModelConfig:
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> "ModelConfig":
-        """engine.json's "model" object -> ModelConfig; a variant field that the file predates
-        takes the value its architecture's registry entry fixes."""
-        from .models.registry import lookup  # NOTE: lazy, the registry's entries import this module
+        """A ModelConfig's `to_dict()` -> ModelConfig. engine.json files written before a variant
+        field existed: runtime.models.model_config_from_dict fills it from the architecture."""
         d = dict(d)
-        for name, value in lookup(d.get("architecture")).variant.items():
-            d.setdefault(name, value)
         rope = d.get("rope")
         d["rope"] = RopeConfig(**rope) if rope is not None else None
         fields = {f.name for f in dataclasses.fields(ModelConfig)}

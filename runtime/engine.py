@@ -2,9 +2,9 @@
 
 An engine directory holds `engine.json` ({"format", "version", "model": ModelConfig,
 "build": BuildConfig}) and `weights.safetensors` with the canonical weight names in the build
-dtype (a weight-only build: the quantized matmul weights and their scales, runtime.weight_only).
+dtype (a weight-only build: the quantized matmul weights and their scales, runtime.models.weight_only).
 An HF checkpoint directory (`config.json` + safetensors), a `.gguf` file or a directory holding
-exactly one (runtime.gguf_checkpoint) is accepted wherever an engine directory is; its
+exactly one (runtime.loading.gguf_checkpoint) is accepted wherever an engine directory is; its
 limits then come from `default_build_config` plus any overrides.
 """
 from __future__ import annotations
@@ -21,14 +21,15 @@ import torch
 from safetensors.torch import save_file
 
 from .config import BuildConfig, ConfigError, ModelConfig, default_build_config, normalize_dtype, read_json
-from .models import lookup_hf
+from .kernels.kv_quant import KV_STORAGE_DTYPES, is_quantized_kv
+from .models import lookup_hf, model_config_from_dict
 from .precision import QuantMode, resolve_dtype
-from .tensor_shard import TensorShard
-from .weight_only import quantize_weights, stored_layout
-from .weights import Weights, check_weights, load_engine_weights, load_hf_weights
+from .parallel.tensor_shard import TensorShard, num_local_kv_heads
+from .models.weight_only import quantize_weights, stored_layout
+from .loading.weights import Weights, check_weights, load_engine_weights, load_hf_weights
 
 if TYPE_CHECKING:
-    from .gguf_checkpoint import GgufCheckpoint
+    from .loading.gguf_checkpoint import GgufCheckpoint
 
 ENGINE_CONFIG_FILE = "engine.json"
 ENGINE_WEIGHTS_FILE = "weights.safetensors"
@@ -59,10 +60,19 @@ class Engine:
         """Bytes of every weight tensor held (quantized ones with their scales)."""
         return sum(t.numel() * t.element_size() for t in self.weights.values())
 
-    def kv_bytes_per_token(self) -> int:
-        """KV cache bytes one token takes across the layers (with its scales), on one rank."""
-        from .model_runner import ModelRunner
-        return ModelRunner.kv_bytes_per_block(self) // self.build_config.tokens_per_block
+    @property
+    def kv_storage_dtype(self) -> torch.dtype:
+        """The KV pool's element dtype: the compute dtype ("auto"), int8 or float8 e4m3."""
+        return KV_STORAGE_DTYPES.get(self.build_config.kv_cache_dtype, self.dtype)
+
+    def kv_bytes_per_token(self, tensor_parallelism: int = 1) -> int:
+        """KV cache bytes one token takes across the layers, on one of `tensor_parallelism` ranks
+        (its KV heads): the values and, for a quantized cache, their float32 scales (one per
+        token, head, K and V)."""
+        cfg = self.model_config
+        dtype = self.kv_storage_dtype
+        row_bytes = cfg.head_dim * dtype.itemsize + (4 if is_quantized_kv(dtype) else 0)
+        return cfg.num_layers * 2 * num_local_kv_heads(cfg.num_kv_heads, tensor_parallelism) * row_bytes
 
     @staticmethod
     def from_dir(path: str | os.PathLike, shard: TensorShard | tuple[int, int] | None = None,
@@ -78,7 +88,7 @@ class Engine:
         directory = os.fspath(path)
         gguf_path = _gguf_source(directory)
         if gguf_path is not None:
-            from .gguf_checkpoint import GgufCheckpoint   # NOTE: lazy, only GGUF loading needs the gguf package
+            from .loading.gguf_checkpoint import GgufCheckpoint   # NOTE: lazy, only GGUF loading needs the gguf package
             with GgufCheckpoint(gguf_path) as checkpoint:
                 return _load_gguf(checkpoint, directory, build_overrides, shard)
         if not os.path.isdir(directory):
@@ -164,7 +174,7 @@ def _load_engine_dir(directory: str, overrides: dict, shard: TensorShard | tuple
     if not isinstance(data.get("model"), dict) or not isinstance(data.get("build"), dict):
         raise ConfigError(f"{ENGINE_CONFIG_FILE}: 'model' and 'build' must be objects")
     try:
-        model = ModelConfig.from_dict(data["model"])
+        model = model_config_from_dict(data["model"])
         build = BuildConfig.from_dict({**data["build"], **overrides})
     except TypeError as e:
         raise ConfigError(f"{ENGINE_CONFIG_FILE}: {e}") from None
@@ -228,7 +238,7 @@ def _gguf_source(path: str) -> str | None:
             return None
     elif not path.endswith(".gguf"):
         return None
-    from .gguf_checkpoint import find_gguf
+    from .loading.gguf_checkpoint import find_gguf
     return find_gguf(path)
 
 
@@ -247,7 +257,7 @@ def _load_gguf(checkpoint: GgufCheckpoint, source: str, overrides: dict,
 
 def build_engine(checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike, **build_fields) -> Engine:
     """Convert an HF checkpoint or a GGUF file into an engine directory with the given build-time
-    limits; from a GGUF file, also write its tokenizer there (runtime.gguf_tokenizer).
+    limits; from a GGUF file, also write its tokenizer there (runtime.loading.gguf_tokenizer).
 
     NOTE: the conversion runs on a short-lived thread. On CPU a thread that has run torch's
     OpenMP regions keeps its thread pool until it exits; with the caller's pool alive beside the
@@ -285,8 +295,8 @@ def _build_engine(checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLi
         engine = Engine.from_dir(source, **build_fields)
         engine.save(output_dir)
         return engine
-    from .gguf_checkpoint import GgufCheckpoint
-    from .gguf_tokenizer import tokenizer_files, write_files
+    from .loading.gguf_checkpoint import GgufCheckpoint
+    from .loading.gguf_tokenizer import tokenizer_files, write_files
     with GgufCheckpoint(gguf_path) as checkpoint:
         files = tokenizer_files(checkpoint.file)   # before writing anything: a tokenizer error leaves no engine
         engine = _load_gguf(checkpoint, source, build_fields, None)

@@ -12,8 +12,8 @@
   num_logits            int32 [S]     optional (default 1 each): logits of each sequence's last n new
                                       tokens, 1 <= n <= its input length (a token + D drafts: D + 1)
   lora_task_ids         int64 [S]     optional: each sequence's LoRA adapter (-1: none), resident in
-                                      `lora_store` (runtime.lora_step)
-  prompt_embedding_table float [P, H] optional, with the two below (runtime.prompt_tuning): the
+                                      `lora_store` (runtime.adapters.lora_step)
+  prompt_embedding_table float [P, H] optional, with the two below (runtime.adapters.prompt_tuning): the
   prompt_table_offsets  int32 [S]     step's prompt tables stacked, each sequence's first row (-1:
   prompt_vocab_sizes    int32 [S]     none) and row count; an id vocab_size + j takes row j
 
@@ -42,12 +42,12 @@ import torch
 from .config import ConfigError
 from .engine import Engine
 from .kernels import get_kernels
-from .kernels.kv_quant import KV_STORAGE_DTYPES, is_quantized_kv
-from .lora_step import LoraWeightStore
-from .model import StepLayout, Transformer
-from .prompt_tuning import TABLE_INPUTS, virtual_tokens
-from .tensor_parallel import TensorParallel
-from .tensor_shard import TensorShard, num_local_kv_heads
+from .kernels.kv_quant import is_quantized_kv
+from .adapters.lora_step import LoraWeightStore
+from .models.transformer import StepLayout, Transformer
+from .adapters.prompt_tuning import TABLE_INPUTS, virtual_tokens
+from .parallel.tensor_parallel import TensorParallel
+from .parallel.tensor_shard import TensorShard
 
 REQUIRED_INPUTS = ("input_ids", "input_lengths", "past_lengths", "block_tables")
 OPTIONAL_INPUTS = ("position_ids", "return_context_logits", "num_logits", "lora_task_ids", *TABLE_INPUTS)
@@ -57,11 +57,6 @@ def effective_window(model_window: int | None, max_attention_window: int | None)
     """The window attention uses: the smaller of the model's own and the configured one."""
     windows = [w for w in (model_window, max_attention_window) if w is not None]
     return min(windows) if windows else None
-
-
-def kv_storage_dtype(engine: Engine) -> torch.dtype:
-    """The KV pool's element dtype: the compute dtype ("auto"), int8 or float8 e4m3."""
-    return KV_STORAGE_DTYPES.get(engine.build_config.kv_cache_dtype, engine.dtype)
 
 
 def available_memory_bytes(device: torch.device) -> int:
@@ -79,9 +74,9 @@ class ModelRunner:
                  max_attention_window: int | None = None, sink_token_length: int | None = None,
                  linear_impl: str | None = None, tensor_parallel: TensorParallel | None = None,
                  gather_logits_to_all: bool = True):
-        """linear_impl: the CPU matmul kernel (one of runtime.linear.CPU_IMPLS; default: the
+        """linear_impl: the CPU matmul kernel (one of runtime.models.linear.CPU_IMPLS; default: the
         fastest this torch build has); ignored on GPUs.
-        tensor_parallel: this rank's world (runtime.tensor_parallel); every rank then runs the same
+        tensor_parallel: this rank's world (runtime.parallel.tensor_parallel); every rank then runs the same
         forwards, in the same order. The engine holds the rank's slices (Engine.from_dir with its
         shard) or whole weights (sliced here). gather_logits_to_all: every rank gets the logits;
         else rank 0 only (the others' outputs hold None)."""
@@ -118,7 +113,7 @@ class ModelRunner:
         self.model = Transformer(cfg, weights, self.device, self.attention_window, self.sink_token_length,
                                  linear_impl, tensor_parallel, self.shard, gather_logits_to_all)
         # [num_layers, K/V, num_blocks, tokens_per_block, num_kv_heads, head_dim]: this rank's KV heads
-        kv_dtype = kv_storage_dtype(engine)
+        kv_dtype = engine.kv_storage_dtype
         self.kv_pool = torch.zeros(cfg.num_layers, 2, num_blocks, self.tokens_per_block,
                                    self.model.local.num_kv_heads, cfg.head_dim, dtype=kv_dtype, device=self.device)
         # float32 [num_layers, K/V, num_blocks, tokens_per_block, num_kv_heads]: the scale of each
@@ -144,11 +139,7 @@ class ModelRunner:
     def kv_bytes_per_block(engine: Engine, tensor_parallelism: int = 1) -> int:
         """Bytes of one block of one rank's pool (its KV heads) under `tensor_parallelism` ranks: the
         values and, for a quantized cache, their float32 scales (one per token, head, K and V)."""
-        cfg = engine.model_config
-        dtype = kv_storage_dtype(engine)
-        row_bytes = cfg.head_dim * dtype.itemsize + (4 if is_quantized_kv(dtype) else 0)
-        return (cfg.num_layers * 2 * engine.build_config.tokens_per_block
-                * num_local_kv_heads(cfg.num_kv_heads, tensor_parallelism) * row_bytes)
+        return engine.kv_bytes_per_token(tensor_parallelism) * engine.build_config.tokens_per_block
 
     @torch.inference_mode()
     def forward(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -14,17 +14,17 @@ from typing import Callable, Sequence
 
 import torch
 
-from .beam_blocks import beam_holder, fork_beams, free_beams, prepare_beam_writes
+from .cache.beam_blocks import beam_holder, fork_beams, free_beams, prepare_beam_writes
 from .config import ModelConfig
 from .decoding import DecodeOutcome, Decoder, DecodeState
 from .decoding import DecodingParams, parse_word_list
 from .decoding.fields import SAMPLING_FIELDS
 from .engine import Engine
-from .kv_cache_manager import KvCacheManager
+from .cache.kv_cache_manager import KvCacheManager
 from .model_runner import ModelRunner
-from .prompt_tuning import per_sequence_tables
+from .adapters.prompt_tuning import per_sequence_tables
 from .step_inputs import SequenceStep, pack_step
-from .tensor_parallel import WorldConfig, init_tensor_parallel, local_device
+from .parallel.tensor_parallel import WorldConfig, init_tensor_parallel, local_device
 from .token_record import BeamOutputs, TokenRecord
 
 logger = logging.getLogger(__name__)

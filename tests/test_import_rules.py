@@ -17,9 +17,9 @@ PACKAGES = ("batch_manager", "runtime", "cuda_src", "samples")
 RUNTIME_USERS = {"batch_manager.model_executor", "batch_manager.kv_sizing", "batch_manager.gpt_manager",
                  "batch_manager.validation", "batch_manager.request_decoder", "batch_manager.engine_builder",
                  "batch_manager.executor.conversion", "batch_manager.guided_decoding", "batch_manager.lora",
-                 "batch_manager.distributed"}
+                 "batch_manager.distributed", "batch_manager.executor.request"}
 # Pure-Python runtime modules that batch_manager's pure modules may import (block bookkeeping).
-RUNTIME_LEAVES = {"runtime.kv_cache_manager", "runtime.beam_blocks", "runtime.token_record", "runtime.world_config"}
+RUNTIME_LEAVES = {"runtime.cache.kv_cache_manager", "runtime.cache.beam_blocks", "runtime.token_record", "runtime.parallel.world_config"}
 PURE_MODULES = {"batch_manager.scheduler", "batch_manager.llm_request", "batch_manager.stats",
                 "batch_manager.options", "batch_manager.tensor_names", "batch_manager.capacity_scheduler",
                 "batch_manager.micro_batch_scheduler", "batch_manager.step", "batch_manager.callbacks",
@@ -103,9 +103,9 @@ def test_the_walk_finds_the_modules_and_their_imports():
     assert RUNTIME_USERS | PURE_MODULES | RUNTIME_LEAVES <= set(MODULES)
     assert "runtime.kernels" in MODULES
     assert touches(imports("batch_manager.engine_builder"), "runtime")
-    assert "runtime.kv_cache_manager" in imports("batch_manager.scheduler")
-    assert "runtime.kv_cache_manager" in imports("runtime.beam_blocks")
-    assert non_leaf_runtime({"runtime", "runtime.kv_cache_manager.RELEASED", "runtime.session"}) == {
+    assert "runtime.cache.kv_cache_manager" in imports("batch_manager.scheduler")
+    assert "runtime.cache.kv_cache_manager" in imports("runtime.cache.beam_blocks")
+    assert non_leaf_runtime({"runtime", "runtime.cache.kv_cache_manager.RELEASED", "runtime.session"}) == {
         "runtime", "runtime.session"}
 
 
@@ -124,6 +124,39 @@ def test_bookkeeping_modules_import_no_torch_numpy_or_runtime_beyond_its_leaves(
     names = project_closure(module)
     assert [top for top in HEAVY if touches(names, top)] == []
     assert non_leaf_runtime(names) == set()
+
+
+def module_dependencies(module: str) -> set[str]:
+    """The project modules `module` imports, at any depth of its code (lazy imports too): for
+    `from pkg import name`, pkg.name where that is a module, else pkg."""
+    path = MODULES[module]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = resolve(module, path.name == "__init__.py", node)
+            found.update(f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names)
+    modules = set()
+    for name in found:
+        parts = name.split(".")
+        owner = next((".".join(parts[:k]) for k in range(len(parts), 0, -1) if ".".join(parts[:k]) in MODULES), None)
+        if owner is not None and owner != module:
+            modules.add(owner)
+    return modules
+
+
+def test_no_import_cycles_in_the_packages():
+    """Not even through a lazy import: a cycle means two modules that should be one, or a third
+    one missing (the engine's KV sizing and the model registry's config parsing had them)."""
+    import graphlib
+    graph = {m: module_dependencies(m) for m in MODULES if m.split(".")[0] in ("runtime", "batch_manager")}
+    graphlib.TopologicalSorter(graph).static_order()   # raises CycleError naming the cycle
+
+
+def test_the_runtime_root_holds_at_most_a_dozen_modules():
+    root = sorted(p.name for p in (REPO / "runtime").glob("*.py"))
+    assert len(root) <= 12, root
 
 
 def test_no_module_imports_cupy_at_top_level():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -110,8 +111,13 @@ def _tracked_modules() -> set[str]:
 def installed(tmp_path_factory):
     """(wheel path, the probe's JSON) — the wheel is built and installed once per run."""
     work = tmp_path_factory.mktemp("packaging")
+    # NOTE: built from a copy of the source: setuptools builds through the tree's build/ directory
+    # and keeps stale files there, so a module moved since an earlier build would ship twice.
+    source = work / "source"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", ".venv", "build", "dist", "*.egg-info",
+                                                                 "__pycache__"))
     built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                            "-w", str(work / "dist"), str(ROOT)], capture_output=True, text=True, timeout=300)
+                            "-w", str(work / "dist"), str(source)], capture_output=True, text=True, timeout=300)
     assert built.returncode == 0, built.stderr[-3000:]
     (wheel,) = (work / "dist").glob("batch_manager-*.whl")
 

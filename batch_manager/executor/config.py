@@ -7,7 +7,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from runtime.world_config import WorldConfig
+from runtime.parallel.world_config import WorldConfig
 
 from ..options import KvCacheConfig as _CoreKvCacheConfig
 from ..lora import PeftCacheManagerConfig

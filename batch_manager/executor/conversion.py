@@ -15,7 +15,7 @@ from runtime.decoding.fields import SAMPLING_FIELDS
 from .. import tensor_names as tn
 from ..guided_decoding import check_guide
 from ..llm_request import FinishReason as CoreFinishReason
-from runtime.prompt_tuning import check_prompt_table
+from runtime.adapters.prompt_tuning import check_prompt_table
 
 from ..llm_request import LlmRequest
 from ..lora import adapter_ref

@@ -1,7 +1,7 @@
 """Native CPU kernels of the generation path (cpu_native.cpp): small-row linear, RMSNorm, the
 gated MLP's silu(gate) * up and paged decode attention in float32 (and over an int8 cache), compiled at run time with the
 system C++ compiler and loaded with ctypes, the emulation backend's build-and-load path. Callers:
-runtime/linear.py (rows up to linear.NATIVE_MAX_ROWS), runtime/model.py (RMSNorm, silu * up) and
+runtime/models/linear.py (rows up to linear.NATIVE_MAX_ROWS), runtime/models/transformer.py (RMSNorm, silu * up) and
 cpu_attention.py (decode attention); each keeps its torch path for every other case, and tests
 hold these kernels to it.
 

@@ -10,7 +10,7 @@ KV layouts shared by every backend:
   sink:             s >= 0 sink tokens (StreamingLLM): keys at positions < s stay visible to every
                     later query even outside the window (only meaningful with a window)
   alibi_slopes:     None or float32 [H] (the query heads): the score of query head h at position p
-                    for the key at position k gains slope_h * (k - p) (ALiBi, runtime/alibi.py);
+                    for the key at position k gains slope_h * (k - p) (ALiBi, runtime/models/alibi.py);
                     positions are the absolute cache positions, whatever the window
   A block-table entry whose block holds no key visible to any query of the call may be negative
   (its block was released); kernels never read such blocks.
@@ -33,7 +33,7 @@ NO_TOKEN = -1   # greedy / sample of a row with no allowed token (log prob -inf)
 class KernelBackend(Protocol):
     name: str  # "torch" | "cuda" | "emu"
 
-    # ---- KV cache and attention (runtime/model.py, runtime/model_runner.py) -------------------------
+    # ---- KV cache and attention (runtime/models/transformer.py, runtime/model_runner.py) -------------------------
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  slot_mapping: torch.Tensor, k_scales: torch.Tensor | None = None,
                  v_scales: torch.Tensor | None = None) -> None:

@@ -1,7 +1,7 @@
 """What an architecture entry is, and the readers of HF `config.json` fields the entries share.
 
 An entry maps a checkpoint's config onto ModelConfig and its tensor names onto the canonical ones
-(runtime.weights); the shared model code sees only the resulting variant fields.
+(runtime.loading.weights); the shared model code sees only the resulting variant fields.
 """
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from ..config import ConfigError, ModelConfig, RopeConfig
-from ..weights import WeightReader
+from ..loading.weights import WeightReader
 
 
 @dataclass(frozen=True)

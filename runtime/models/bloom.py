@@ -6,7 +6,7 @@ from types import MappingProxyType
 from typing import Any
 
 from ..config import ConfigError, ModelConfig
-from ..weights import RawWeights, TensorSource, per_head_qkv
+from ..loading.weights import RawWeights, TensorSource, per_head_qkv
 from .base import Architecture, positive_int, token_ids
 
 VARIANT = MappingProxyType(dict(

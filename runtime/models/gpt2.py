@@ -5,7 +5,7 @@ from types import MappingProxyType
 from typing import Any
 
 from ..config import ConfigError, ModelConfig
-from ..weights import LazyTensor, RawWeights, TensorSource, WeightError
+from ..loading.weights import LazyTensor, RawWeights, TensorSource, WeightError
 from .base import Architecture, positive_int, token_ids
 
 VARIANT = MappingProxyType(dict(

@@ -7,7 +7,7 @@ from types import MappingProxyType
 from typing import Any
 
 from ..config import ModelConfig
-from ..weights import RawWeights, TensorSource, per_head_qkv
+from ..loading.weights import RawWeights, TensorSource, per_head_qkv
 from .base import Architecture, positive_int, rope_from_hf, rotary_fraction_from_hf, token_ids
 
 VARIANT = MappingProxyType(dict(position_embedding="rope", rotary_style="neox", norm_type="layernorm",

@@ -6,7 +6,7 @@ from types import MappingProxyType
 from typing import Any
 
 from ..config import ModelConfig, RopeConfig
-from ..weights import RawWeights, TensorSource, fused
+from ..loading.weights import RawWeights, TensorSource, fused
 from .base import Architecture, positive_int, token_ids
 
 VARIANT = MappingProxyType(dict(

@@ -7,7 +7,7 @@ from types import MappingProxyType
 from typing import Any
 
 from ..config import ConfigError, ModelConfig
-from ..weights import RawWeights, TensorSource, fused
+from ..loading.weights import RawWeights, TensorSource, fused
 from .base import Architecture, positive_int, rope_from_hf, rotary_fraction_from_hf, token_ids
 
 VARIANT = MappingProxyType(dict(position_embedding="rope", rotary_style="neox", rotary_fraction=1.0,

@@ -8,7 +8,7 @@ from types import MappingProxyType
 from typing import Any
 
 from ..config import ConfigError, ModelConfig
-from ..weights import RawWeights, TensorSource, fused
+from ..loading.weights import RawWeights, TensorSource, fused
 from . import llama
 from .base import Architecture, positive_int, rope_from_hf, rotary_fraction_from_hf, token_ids
 

@@ -67,5 +67,13 @@ def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     return lookup_hf(hf).config_from_hf(hf)
 
 
+def model_config_from_dict(d: dict[str, Any]) -> ModelConfig:
+    """engine.json's "model" object -> ModelConfig; a variant field that the file predates takes
+    the value its architecture's entry fixes (ConfigError naming an unknown architecture)."""
+    if not isinstance(d, dict):
+        raise ConfigError(f"model config: expected an object, got {type(d).__name__}")
+    return ModelConfig.from_dict({**lookup(d.get("architecture")).variant, **d})
+
+
 for _arch in (GPT2, LLAMA, MISTRAL, QWEN2, GPTJ, GPT_NEOX, BLOOM, FALCON, PHI, PHI3):
     register(_arch)

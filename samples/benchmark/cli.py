@@ -29,7 +29,7 @@ import sys
 import torch
 
 from runtime.config import ModelConfig, default_build_config, read_json
-from runtime.models import model_config_from_hf
+from runtime.models import model_config_from_dict, model_config_from_hf
 from samples.benchmark.dataset import (LengthDistribution, arrival_delays_s, load_dataset, save_dataset,
                                        synthetic_dataset)
 from samples.benchmark.report import RunResult, format_text, iteration_breakdown, metrics
@@ -43,7 +43,7 @@ def model_limits(model_dir: str) -> tuple[ModelConfig, int]:
     engine_json = os.path.join(model_dir, "engine.json")
     if os.path.exists(engine_json):
         data = read_json(engine_json, "engine.json")
-        return ModelConfig.from_dict(data["model"]), int(data["build"]["max_seq_len"])
+        return model_config_from_dict(data["model"]), int(data["build"]["max_seq_len"])
     cfg = model_config_from_hf(read_json(os.path.join(model_dir, "config.json"), "config.json"))
     return cfg, default_build_config(cfg).max_seq_len
 

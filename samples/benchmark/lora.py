@@ -15,7 +15,7 @@ import torch
 
 from batch_manager import GptManager, SchedulerPolicy, TrtGptModelOptionalParams, TrtGptModelType
 from runtime.config import ModelConfig
-from runtime.lora import lora_modules
+from runtime.adapters.lora import lora_modules
 from samples.benchmark.cli import model_limits
 from samples.benchmark.dataset import LengthDistribution, Sample, synthetic_dataset
 from samples.benchmark.ours import BenchmarkClient, make_request

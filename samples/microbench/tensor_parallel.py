@@ -65,7 +65,7 @@ def measure_share(reps: int) -> None:
     import torch.distributed as dist
 
     from runtime import Engine, ModelRunner, WorldConfig
-    from runtime.tensor_parallel import init_tensor_parallel
+    from runtime.parallel.tensor_parallel import init_tensor_parallel
     from samples.default_model import default_model_dir
     tp = init_tensor_parallel(WorldConfig(tensor_parallelism=None), torch.device("cpu"))
     engine = Engine.from_dir(default_model_dir())

@@ -10,7 +10,7 @@ import torch
 
 from batch_manager.adapter_weights import AdapterWeights
 from batch_manager.peft_cache import AdapterRef, PeftCache
-from runtime.lora import adapter_from_tensors
+from runtime.adapters.lora import adapter_from_tensors
 from runtime.models import model_config_from_hf
 from tests.factories import hf_config
 

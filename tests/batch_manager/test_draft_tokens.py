@@ -19,7 +19,7 @@ from batch_manager.micro_batch_scheduler import MicroBatchScheduler
 from batch_manager.scheduler import Scheduler
 from batch_manager.step import RequestResult, StepResult
 from runtime.decoding import DecodingParams
-from runtime.kv_cache_manager import KvCacheManager
+from runtime.cache.kv_cache_manager import KvCacheManager
 from tests.batch_manager.conftest import NUM_NEW_TOKENS, Client, kv_of, make_request
 
 VOCAB = 128   # tests.factories' tiny checkpoints

@@ -377,7 +377,7 @@ def test_an_unreferenced_manager_is_shut_down_when_collected(tiny_engine):
 
 def test_the_model_is_built_and_run_on_the_worker_thread(tiny_engine, monkeypatch):
     """The caller's thread runs no torch work of ours (an OpenMP pool left on it slows CPU steps)."""
-    import runtime.model as model_module
+    import runtime.models.transformer as model_module
     engine_dir, _ = tiny_engine
     threads = []
     original = model_module.Transformer.__init__

@@ -13,7 +13,7 @@ import torch
 
 from batch_manager import (GptManager, KvCacheConfig, SchedulerPolicy, TrtGptModelOptionalParams, TrtGptModelType,
                            tensor_names)
-from runtime.kv_cache_manager import max_blocks_held
+from runtime.cache.kv_cache_manager import max_blocks_held
 from tests.batch_manager.conftest import NUM_NEW_TOKENS, Client, make_request, inject_faults, kv_of
 
 SYSTEM_PROMPT = [(7 * i + 3) % 120 + 3 for i in range(24)]   # 6 blocks of 4 tokens

@@ -5,7 +5,7 @@ from __future__ import annotations
 from batch_manager.capacity_scheduler import GuaranteedNoEvictScheduler, MaxUtilizationScheduler
 from batch_manager.llm_request import FinishReason, LlmRequest, RequestState
 from batch_manager.peft_cache import AdapterRef, PeftCache
-from runtime.kv_cache_manager import KvCacheManager
+from runtime.cache.kv_cache_manager import KvCacheManager
 
 
 def ref(task_id: int, rows: int = 2, cost: int = 10, payload: str | None = "w") -> AdapterRef:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from batch_manager.capacity_scheduler import (GuaranteedNoEvictScheduler, MaxUtilizationScheduler,
                                               StaticBatchScheduler)
-from runtime.kv_cache_manager import KvCacheManager
+from runtime.cache.kv_cache_manager import KvCacheManager
 from batch_manager.llm_request import FinishReason, LlmRequest, RequestState
 
 

@@ -12,8 +12,8 @@ from batch_manager.options import SchedulerPolicy
 from batch_manager.capacity_scheduler import (GuaranteedNoEvictScheduler, MaxUtilizationScheduler,
                                               StaticBatchScheduler, free_request_blocks, make_capacity_scheduler)
 from batch_manager.micro_batch_scheduler import MicroBatchScheduler
-from runtime.beam_blocks import beam_holder, fork_beams
-from runtime.kv_cache_manager import KvCacheManager
+from runtime.cache.beam_blocks import beam_holder, fork_beams
+from runtime.cache.kv_cache_manager import KvCacheManager
 
 GENERATED_TOKEN = 7
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from batch_manager.capacity_scheduler import GuaranteedNoEvictScheduler
-from runtime.kv_cache_manager import KvCacheManager
+from runtime.cache.kv_cache_manager import KvCacheManager
 from batch_manager.llm_request import FinishReason, LlmRequest, RequestState
 from batch_manager.micro_batch_scheduler import MicroBatchScheduler
 from batch_manager.model_executor import ModelExecutor

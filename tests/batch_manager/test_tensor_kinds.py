@@ -9,7 +9,7 @@ import torch
 from batch_manager.executor.conversion import to_llm_request as executor_request
 from batch_manager.executor.request import ExternalDraftTokensConfig, PromptTuningConfig, Request
 from batch_manager.validation import RequestError, to_llm_request
-from runtime.prompt_tuning import virtual_tokens
+from runtime.adapters.prompt_tuning import virtual_tokens
 from tests.batch_manager.test_lora_validation import limits, request
 
 TABLE = torch.randn(4, 64)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.beam_blocks import beam_holder, fork_beams, free_beams, max_beam_blocks, prepare_beam_writes
-from runtime.kv_cache_manager import KvCacheManager
+from runtime.cache.beam_blocks import beam_holder, fork_beams, free_beams, max_beam_blocks, prepare_beam_writes
+from runtime.cache.kv_cache_manager import KvCacheManager
 
 
 def tables(kv, request_id, num_beams):

@@ -12,7 +12,7 @@ from batch_manager import GptManager, SchedulerPolicy, TrtGptModelOptionalParams
 from runtime import Engine, GenerationOutput, ModelRunner, SamplingConfig, build_engine
 from runtime.kernels import cpu_native, cpu_native_bf16, torch_attention
 from runtime.kernels.cpu_native_bf16 import bf16_ops
-from runtime.linear import NATIVE_MAX_ROWS_BF16, Linear, onednn_available
+from runtime.models.linear import NATIVE_MAX_ROWS_BF16, Linear, onednn_available
 from runtime.precision import cpu_flags
 from tests.batch_manager.conftest import Client, make_request
 from tests.factories import make_checkpoint, step_inputs

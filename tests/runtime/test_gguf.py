@@ -1,4 +1,4 @@
-"""GGUF checkpoints (runtime.gguf_file, gguf_archs, gguf_checkpoint): tiny files written as llama.cpp
+"""GGUF checkpoints (runtime.loading.gguf_file, gguf_archs, gguf_checkpoint): tiny files written as llama.cpp
 writes them load with their source checkpoint's config and weights exactly, and with transformers'
 GGUF loading's (weights, logits, greedy tokens); every tensor type de-quantizes as gguf.quants does;
 tensor-parallel ranks get their slices; hostile files are ValueErrors naming the field or tensor."""
@@ -15,8 +15,8 @@ from safetensors.torch import save_file
 
 from runtime import (ConfigError, Engine, GenerationInput, GenerationOutput, GptSession, ModelRunner, SamplingConfig,
                      WeightError, WorldConfig)
-from runtime.gguf_file import GgufFile
-from runtime.tensor_shard import TensorShard
+from runtime.loading.gguf_file import GgufFile
+from runtime.parallel.tensor_shard import TensorShard
 from tests import factories
 from tests.runtime import arch_factories
 from tests.runtime.gguf_factories import Q, k_quant_blocks, random_blocks, state_dict_copy, write_gguf, write_tensors

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from runtime import ConfigError, Engine, WeightError, save_gguf_tokenizer
-from runtime.gguf_file import GgufFile
+from runtime.loading.gguf_file import GgufFile
 from tests import factories
 from tests.runtime.gguf_factories import write_gguf
 

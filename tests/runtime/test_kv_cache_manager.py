@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from runtime.kv_cache_manager import KvCacheManager
+from runtime.cache.kv_cache_manager import KvCacheManager
 
 
 def make_kv(num_blocks: int = 8, tokens_per_block: int = 4) -> KvCacheManager:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from runtime import Engine, ModelRunner
-from runtime.gguf_tokenizer import save_gguf_tokenizer
+from runtime.loading.gguf_tokenizer import save_gguf_tokenizer
 from samples.real_text import documentation_text
 from samples.smollm2 import smollm2_gguf_path
 from tests.factories import step_inputs

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from runtime import Engine, ModelRunner
-from runtime.tensor_parallel import WorldConfig, init_tensor_parallel
+from runtime.parallel.tensor_parallel import WorldConfig, init_tensor_parallel
 from tests.distributed import RankPool
 from tests.factories import make_checkpoint
 from tests.runtime.test_tensor_parallel import NUM_BLOCKS, TOLERANCE, _forwards

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from runtime import Engine, ModelRunner
-from runtime.lora import LORA_MODULE_IDS, adapter_from_tensors
-from runtime.lora_step import LoraWeightStore
-from runtime.peft_adapter import load_peft_adapter
+from runtime.adapters.lora import LORA_MODULE_IDS, adapter_from_tensors
+from runtime.adapters.lora_step import LoraWeightStore
+from runtime.adapters.peft_adapter import load_peft_adapter
 from runtime.step_inputs import SequenceStep, pack_step
 from tests.factories import make_checkpoint
 from tests.lora_helpers import ALL_TARGETS, make_peft_adapter

@@ -15,14 +15,14 @@ from safetensors.torch import load_file, save_file
 
 from runtime import ConfigError, Engine, ModelConfig, ModelRunner, SUPPORTED_ARCHITECTURES, build_engine
 from runtime.config import RopeConfig
-from runtime.models import (Architecture, lookup, lookup_hf, model_config_from_hf, register,
+from runtime.models import (Architecture, lookup, lookup_hf, model_config_from_dict, model_config_from_hf, register,
                             supported_architectures, unregister)
-from runtime.weights import TensorSource, Weights, expected_shapes, fused
+from runtime.loading.weights import TensorSource, Weights, expected_shapes, fused
 from tests.factories import make_checkpoint, step_inputs
 
 RUNTIME = Path(__file__).resolve().parents[2] / "runtime"
-SHARED_MODULES = ("config.py", "weights.py", "model.py", "rope.py", "alibi.py", "engine.py", "model_runner.py",
-                  "session.py")
+SHARED_MODULES = ("config.py", "loading/weights.py", "models/transformer.py", "models/rope.py", "models/alibi.py",
+                  "models/linear.py", "models/weight_only.py", "engine.py", "model_runner.py", "session.py")
 # The entries whose tiny checkpoints tests.factories makes (the first release's architectures); the
 # later ones have theirs in tests/runtime/arch_factories.py and their own tests (test_more_architectures.py).
 FACTORY_ARCHS = ("gpt2", "llama", "mistral", "qwen2")
@@ -118,7 +118,7 @@ def test_unknown_architecture_is_a_config_error_naming_it():
     with pytest.raises(ConfigError, match="architecture: unsupported 'mamba'; supported: gpt2, llama"):
         lookup("mamba")
     with pytest.raises(ConfigError, match="architecture: unsupported None"):
-        ModelConfig.from_dict({"vocab_size": 8})
+        model_config_from_dict({"vocab_size": 8})
 
 
 def test_register_refuses_a_taken_name_or_class_name():
@@ -142,7 +142,7 @@ def test_engine_json_without_variant_fields_takes_the_architecture_values(checkp
     (tmp_path / "engine.json").write_text(json.dumps(data))
     loaded = Engine.from_dir(tmp_path)
     assert loaded.model_config == built.model_config
-    assert loaded.model_config.to_dict() == ModelConfig.from_dict(built.model_config.to_dict()).to_dict()
+    assert loaded.model_config.to_dict() == model_config_from_dict(built.model_config.to_dict()).to_dict()
     torch.testing.assert_close(context_logits(loaded), context_logits(built), atol=0, rtol=0)
 
 

@@ -14,7 +14,7 @@ from batch_manager import (GptManager, KvCacheConfig, SchedulerPolicy, TrtGptMod
                            tensor_names)
 from runtime import ConfigError, Engine, GenerationOutput, ModelRunner, SamplingConfig, build_engine
 from runtime.models import lookup, lookup_hf, model_config_from_hf
-from runtime.weights import expected_shapes
+from runtime.loading.weights import expected_shapes
 from tests.batch_manager.conftest import Client, make_request
 from tests.factories import step_inputs
 from tests.runtime.arch_factories import CASES, make_checkpoint

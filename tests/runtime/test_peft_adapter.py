@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from runtime.lora import LORA_MODULE_IDS
-from runtime.peft_adapter import load_peft_adapter
+from runtime.adapters.lora import LORA_MODULE_IDS
+from runtime.adapters.peft_adapter import load_peft_adapter
 
 PREFIX = "base_model.model.model.layers"
 MODULES = {"q_proj": ("self_attn", 8, 8), "down_proj": ("mlp", 12, 8)}   # name -> (parent, in, out)
@@ -62,7 +62,7 @@ def test_regex_keys_are_refused_naming_the_key(tmp_path, field, key):
 def test_a_catastrophic_pattern_cannot_stall_the_loader(tmp_path):
     """Run in a child process: before the fix this pattern backtracked for ever holding the GIL."""
     write_adapter(tmp_path, alpha_pattern={"([a-z_.0-9]+)+Z": 2})
-    code = ("import sys\nfrom runtime.peft_adapter import load_peft_adapter\ntry:\n    load_peft_adapter(sys.argv[1])\n"
+    code = ("import sys\nfrom runtime.adapters.peft_adapter import load_peft_adapter\ntry:\n    load_peft_adapter(sys.argv[1])\n"
             "except ValueError as e:\n    print(e)\n")
     root = Path(__file__).resolve().parents[2]
     done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,

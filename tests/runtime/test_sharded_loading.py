@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from runtime import Engine, WeightError, build_engine
-from runtime.tensor_parallel import TensorShard
-from runtime.weights import TensorSource
+from runtime.parallel.tensor_parallel import TensorShard
+from runtime.loading.weights import TensorSource
 from tests.factories import make_checkpoint as make_factory_checkpoint
 from tests.runtime.arch_factories import CASES, make_checkpoint
 

@@ -7,7 +7,7 @@ import gc
 import pytest
 import torch
 
-from runtime.kv_cache_manager import RELEASED
+from runtime.cache.kv_cache_manager import RELEASED
 from runtime.step_inputs import SequenceStep, pack_step
 
 

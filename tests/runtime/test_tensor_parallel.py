@@ -13,7 +13,7 @@ import torch
 
 from runtime import Engine, GenerationInput, GenerationOutput, GptSession, ModelRunner, SamplingConfig
 from runtime.kernels.cpu_native import native_ops
-from runtime.tensor_parallel import SHM_ALL_REDUCE_ENV, TensorShard, WorldConfig, init_tensor_parallel
+from runtime.parallel.tensor_parallel import SHM_ALL_REDUCE_ENV, TensorShard, WorldConfig, init_tensor_parallel
 from tests.distributed import RankPool
 from tests.factories import make_checkpoint, step_inputs
 from tests.runtime import arch_factories
@@ -111,7 +111,7 @@ def test_each_rank_holds_its_kv_heads_and_slopes(pool, checkpoints):
     (qwen0, _), _ = pool.run(rank_pool_shape, checkpoints["qwen2_one_kv_head"])
     assert qwen0[4] == 1                                          # the one KV head, on both
     (_, slope0), (_, slope1) = pool.run(rank_pool_shape, checkpoints["bloom_alibi"])
-    from runtime.alibi import alibi_slopes
+    from runtime.models.alibi import alibi_slopes
     assert (slope0, slope1) == (float(alibi_slopes(4)[0]), float(alibi_slopes(4)[2]))
 
 

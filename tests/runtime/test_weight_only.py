@@ -1,4 +1,4 @@
-"""Weight-only int8 / int4 kernels (runtime.weight_only, kernels/cpu_weight_only) against the torch
+"""Weight-only int8 / int4 kernels (runtime.models.weight_only, kernels/cpu_weight_only) against the torch
 reference (de-quantize, then F.linear), at SmolLM2-135M's shapes and odd ones, on every
 instruction-set path the CPU has (the AVX2 and scalar paths forced on any CPU)."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from runtime.kernels.cpu_weight_only import ISA_ENV_VAR, weight_only_ops
-from runtime.weight_only import QuantizedLinear, dequantize, quantize_int4, quantize_int8, reference_linear
+from runtime.models.weight_only import QuantizedLinear, dequantize, quantize_int4, quantize_int8, reference_linear
 
 OPS = weight_only_ops()
 needs_native = pytest.mark.skipif(OPS is None, reason="the native weight-only kernels cannot run here")

@@ -10,7 +10,7 @@ import torch
 
 from batch_manager import GptManager, SchedulerPolicy, TrtGptModelOptionalParams, TrtGptModelType
 from runtime import BuildConfig, ConfigError, Engine, GenerationOutput, ModelRunner, SamplingConfig, build_engine
-from runtime.weight_only import dequantize, is_quantized
+from runtime.models.weight_only import dequantize, is_quantized
 from tests.batch_manager.conftest import Client, make_request
 from tests.factories import make_checkpoint, step_inputs
 from tests.runtime.test_model_parity import generation_input, make_session
@@ -153,8 +153,8 @@ def test_manager_equals_session_greedy(checkpoints, tmp_path, mode, source):
 
 
 def test_lora_adds_its_products_over_a_quantized_base(checkpoints, tmp_path):
-    from runtime.lora import adapter_from_tensors
-    from runtime.peft_adapter import load_peft_adapter
+    from runtime.adapters.lora import adapter_from_tensors
+    from runtime.adapters.peft_adapter import load_peft_adapter
     from runtime.step_inputs import SequenceStep, pack_step
     from tests.lora_helpers import ALL_TARGETS, make_peft_adapter
     model = make_checkpoint(tmp_path / "hf", "llama", seed=5)
@@ -208,7 +208,7 @@ def test_bfloat16_activations_over_quantized_weights(checkpoints, mode):
 
 def test_engine_dir_with_wrong_quantized_tensors_is_refused(checkpoints, tmp_path):
     from safetensors.torch import load_file, save_file
-    from runtime.weights import WeightError
+    from runtime.loading.weights import WeightError
     build_engine(checkpoints["llama"], tmp_path, weight_only="int8")
     tensors = load_file(tmp_path / "weights.safetensors")
     cases = {"dtype": {**tensors, "layers.0.qkv.weight": tensors["layers.0.qkv.weight"].float()},

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from runtime import ConfigError, Engine, ModelRunner, build_engine
-from runtime.tensor_parallel import TensorShard, WorldConfig, init_tensor_parallel
+from runtime.parallel.tensor_parallel import TensorShard, WorldConfig, init_tensor_parallel
 from tests.distributed import RankPool
 from tests.factories import make_checkpoint
 from tests.runtime.test_tensor_parallel import NUM_BLOCKS, TOLERANCE, _forwards

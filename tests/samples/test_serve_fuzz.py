@@ -39,7 +39,9 @@ VALID = {
     "presence_penalty": st.floats(-1.0, 1.0), "frequency_penalty": st.floats(-1.0, 1.0),
     "length_penalty": st.floats(-1.0, 1.0), "early_stopping": st.integers(0, 2),
     "no_repeat_ngram_size": st.integers(0, 3), "return_log_probs": st.booleans(),
-    "num_top_log_probs": st.integers(0, 5), "min_p": probability,
+    "num_top_log_probs": st.integers(0, 5), "min_p": probability, "top_p_decay": st.floats(0.1, 1.0),
+    "top_p_min": st.floats(1e-6, 1.0), "top_p_reset_ids": st.integers(-1, 127),
+    "beam_search_diversity_rate": st.floats(0.0, 1.0),
     "stop_words": st.lists(words, min_size=1, max_size=3), "bad_words": st.lists(words, min_size=1, max_size=3),
     "embedding_bias": st.lists(st.floats(-2.0, 2.0), min_size=128, max_size=128),
 }

@@ -9,7 +9,7 @@ import pytest
 
 from batch_manager.executor import KvCacheConfig, KvCacheEventType, Request
 from batch_manager.executor.kv_events import KvEventBuffer
-from runtime.kv_cache_manager import KvCacheManager, block_hash
+from runtime.cache.kv_cache_manager import KvCacheManager, block_hash
 from tests.batch_manager.executor.helpers import collect, executor_for
 
 

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from runtime.alibi import alibi_slopes
+from runtime.models.alibi import alibi_slopes
 from runtime.kernels import TorchKernels, torch_attention
 from runtime.kernels.cuda_backend import cuda_available
 from runtime.kernels.emu_backend import EmuKernels

@@ -1,16 +1,16 @@
 """The native CPU kernels (cpu_native.py) against their torch definitions: small-row linear
 (F.linear), RMSNorm (F.rms_norm), paged decode attention (torch_attention.decode_attention); the
-routing of runtime.linear and the torch backend to them; a whole model with and without them."""
+routing of runtime.models.linear and the torch backend to them; a whole model with and without them."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-import runtime.linear as linear_module
+import runtime.models.linear as linear_module
 from runtime import Engine, ModelRunner
 from runtime.kernels import cpu_native, get_kernels, torch_attention
-from runtime.linear import NATIVE_MAX_ROWS, Linear
+from runtime.models.linear import NATIVE_MAX_ROWS, Linear
 from tests.factories import make_checkpoint
 
 pytestmark = pytest.mark.skipif(cpu_native.native_ops() is None, reason="native CPU kernels cannot run here")

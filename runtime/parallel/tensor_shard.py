@@ -1,5 +1,5 @@
 """Which slice of every weight a tensor-parallel rank holds: `TensorShard`, plain arithmetic
-over the model's config and the canonical weight layout (runtime.weights).
+over the model's config and the canonical weight layout (runtime.loading.weights).
 
 The split (Megatron's): q/k/v and the MLP's up/gate are column-parallel (a rank computes its heads
 and its intermediate columns), the attention output and the MLP's down projection are
@@ -17,12 +17,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import ConfigError, ModelConfig
+from ..config import ConfigError, ModelConfig
 
 Ranges = tuple[tuple[int, int], ...]   # [start, stop) spans, ascending
 
 
-# The suffixes of a weight-only weight's scales and mins (runtime.weight_only).
+# The suffixes of a weight-only weight's scales and mins (runtime.models.weight_only).
 _QUANTIZED_PART = re.compile(r"_(scale|min)$")
 
 
@@ -48,7 +48,7 @@ def _spans(start: int, stop: int) -> Ranges:
 class TensorShard:
     """Rank `rank` of `size`: the heads, intermediate columns and vocabulary rows it holds.
 
-    Weights are in the canonical layout (runtime.weights): qkv rows [all q, all k, all v],
+    Weights are in the canonical layout (runtime.loading.weights): qkv rows [all q, all k, all v],
     mlp_in rows [gate, up] (gated) or [fc], out and mlp_out [hidden, in]."""
     rank: int
     size: int
@@ -151,7 +151,7 @@ class TensorShard:
         """(dim, spans) of the canonical weight `name` this rank holds, or None: it holds it whole
         (norms, position embeddings, the row-parallel linears' biases).
 
-        A weight-only tensor (runtime.weight_only: `W` int8 / packed int4, `W_scale`, `W_min`)
+        A weight-only tensor (runtime.models.weight_only: `W` int8 / packed int4, `W_scale`, `W_min`)
         takes its float weight's rows; of a row-parallel weight's input columns, an int8 `W` takes
         the same columns and keeps its per-row scales whole, a packed int4 `W` half the columns
         and its scales and mins one per group. `shapes` (whole shapes by name) tells the packings
@@ -203,7 +203,7 @@ class TensorShard:
               ) -> torch.Tensor:
         """The rank's slice of a whole canonical weight held in memory (GptSession given a whole
         engine; LoRA factors); `shapes` as for `selection`. Loading from files reads only the
-        slice: runtime.weights."""
+        slice: runtime.loading.weights."""
         sel = self.selection(name, shapes)
         if sel is None:
             return tensor

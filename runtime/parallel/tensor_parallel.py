@@ -1,7 +1,7 @@
 """Tensor parallelism over torch.distributed: joining the world and the collectives the model
 and the manager use (`TensorParallel`: gloo on CPUs, NCCL on GPUs for the model's tensors, gloo for
-control messages; on one host's CPUs, shared memory: runtime.shm_collectives). Which slice of
-every weight a rank holds: runtime.tensor_shard.
+control messages; on one host's CPUs, shared memory: runtime.parallel.shm_collectives). Which slice of
+every weight a rank holds: runtime.parallel.tensor_shard.
 
 Processes come from `torchrun` (or any launcher setting RANK / WORLD_SIZE / MASTER_ADDR /
 MASTER_PORT); left unset, the tensor parallelism is the launcher's world size. Every collective has
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .config import ModelConfig
+from ..config import ModelConfig
 from .shm_collectives import SHM_ALL_REDUCE_ENV, SharedMemoryCollectives
 from .tensor_shard import Ranges, TensorShard, take
 from .world_config import DIST_TIMEOUT_ENV, DistributedError, WorldConfig, dist_timeout_s, launcher_world_size

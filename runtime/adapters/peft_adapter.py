@@ -1,4 +1,4 @@
-"""Hugging Face PEFT LoRA adapter directories -> TensorRT-LLM's LoRA tensors (runtime.lora's format).
+"""Hugging Face PEFT LoRA adapter directories -> TensorRT-LLM's LoRA tensors (runtime.adapters.lora's format).
 
 A directory holds `adapter_config.json` (r, lora_alpha, target_modules, use_rslora, optional
 rank_pattern / alpha_pattern: their keys are module names or dotted module-path suffixes, matched

@@ -1,5 +1,5 @@
 """GGUF checkpoints: a `.gguf` file, or a directory holding exactly one, as a model: its ModelConfig
-(runtime.gguf_archs) and its weights under the canonical names (runtime.weights), each de-quantized
+(runtime.loading.gguf_archs) and its weights under the canonical names (runtime.loading.weights), each de-quantized
 in memory to the engine dtype (the loader then checks them and takes a tensor-parallel rank's
 slices). Called by runtime.engine.
 """
@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from .config import ConfigError
+from ..config import ConfigError
 from .gguf_archs import model_config_from_gguf
 from .gguf_file import GgufFile
 from .tensor_files import WeightError

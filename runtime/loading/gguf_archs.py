@@ -2,7 +2,7 @@
 
 Each entry builds the HF `config.json` dict its registry entry reads (runtime.models) from the file's
 `{arch}.*` and `tokenizer.ggml.*` keys and its tensor names, so that one mapping per architecture
-(config_from_hf) serves both formats. Called by runtime.gguf_checkpoint.
+(config_from_hf) serves both formats. Called by runtime.loading.gguf_checkpoint.
 """
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
-from .config import ConfigError, ModelConfig
+from ..config import ConfigError, ModelConfig
 from .gguf_file import GgufFile
-from .models import lookup
+from ..models import lookup
 
 # Tensors that change what the model computes in ways the runtime does not implement.
 UNSUPPORTED_TENSORS = {"rope_freqs.weight": "per-dimension rotary frequency factors (LLaMA 3 rope scaling)",

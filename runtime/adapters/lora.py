@@ -9,7 +9,7 @@ The model fuses q/k/v into one `qkv` linear and gate/up into one `mlp_in` linear
 its B A x to a column range of one of the four linears of a layer (`LoraModule`). An adapter is
 kept per linear as one concatenated A [R, Hi] and a block-placed B [Ho_linear, R] (zeros outside
 each module's block), so one linear costs two matmuls per adapter whatever its modules. The
-runtime's store of resident adapters and the per-step computation: runtime.lora_step.
+runtime's store of resident adapters and the per-step computation: runtime.adapters.lora_step.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import ModelConfig
+from ..config import ModelConfig
 
 # TensorRT-LLM's module ids (LoraManager.LORA_MODULE_IDS, the ones a decoder-only model has).
 LORA_MODULE_IDS = {"attn_qkv": 0, "attn_q": 1, "attn_k": 2, "attn_v": 3, "attn_dense": 4,

@@ -1,5 +1,5 @@
 """Weights: read safetensors checkpoints (HF layouts or our engine layout) into canonical tensors,
-whole or one tensor-parallel rank's slices (runtime.tensor_parallel.TensorShard).
+whole or one tensor-parallel rank's slices (runtime.parallel.tensor_parallel.TensorShard).
 
 Canonical names (what the model uses; engine directories store exactly these):
   embed_tokens [V, H]; position_embeddings [P, H] (learned positions only);
@@ -10,10 +10,10 @@ Canonical names (what the model uses; engine directories store exactly these):
   layers.{i}.mlp_in.{weight,bias} [I or 2 I (gate then up), H]; layers.{i}.mlp_out.{weight,bias} [H, I];
   final_norm.{weight,bias}; lm_head [V, H] (absent when tied to embed_tokens); lm_head.bias [V]
   (lm_head_bias only, tied or not).
-Weights come from safetensors (or, de-quantized in memory, from a GGUF file: runtime.gguf_checkpoint,
+Weights come from safetensors (or, de-quantized in memory, from a GGUF file: runtime.loading.gguf_checkpoint,
 through `check_weights`): pickle files are never opened. Each architecture's reader
 (runtime.models) maps its HF names onto these, as `LazyTensor`s (shapes and places in the files, no
-data: runtime.tensor_files); the loader checks the shapes, then reads each canonical tensor, or only
+data: runtime.loading.tensor_files); the loader checks the shapes, then reads each canonical tensor, or only
 a rank's slice of it, by byte offsets.
 """
 from __future__ import annotations
@@ -23,21 +23,21 @@ from typing import TYPE_CHECKING, Callable, Union
 
 import torch
 
-from .config import ModelConfig
+from ..config import ModelConfig
 from .tensor_files import LazyTensor, TensorSource, WeightError
 
 __all__ = ["LazyTensor", "RawWeights", "TensorSource", "WeightError", "WeightReader", "Weights", "check_weights",
            "expected_shapes", "fused", "load_engine_weights", "load_hf_weights", "per_head_qkv"]
 
 if TYPE_CHECKING:
-    from .tensor_shard import TensorShard
+    from ..parallel.tensor_shard import TensorShard
 
 Weights = dict[str, torch.Tensor]
 # What a reader returns: canonical name -> a lazy tensor (read by the loader) or one in memory.
 RawWeights = dict[str, Union["LazyTensor", torch.Tensor]]
 # Reads a checkpoint's tensors under the canonical names; one per architecture (runtime.models).
 WeightReader = Callable[["TensorSource", ModelConfig], RawWeights]
-# Tensors an engine stores quantized (runtime.weight_only): name -> (dtype, whole shape).
+# Tensors an engine stores quantized (runtime.models.weight_only): name -> (dtype, whole shape).
 StoredLayout = dict[str, tuple[torch.dtype, tuple[int, ...]]]
 
 
@@ -149,7 +149,7 @@ def load_hf_weights(directory: str, cfg: ModelConfig, dtype: torch.dtype, read: 
 def load_engine_weights(path: str, cfg: ModelConfig, dtype: torch.dtype,
                         shard: TensorShard | None = None, stored: StoredLayout | None = None) -> tuple[Weights, int]:
     """(canonical weights, whole or the shard's slices; tensor bytes read from the files).
-    `stored`: the weight-only tensors (runtime.weight_only.stored_layout), read as they are."""
+    `stored`: the weight-only tensors (runtime.models.weight_only.stored_layout), read as they are."""
     with TensorSource(os.path.dirname(path)) as src:
         names = {**expected_shapes(cfg), **(stored or {})}
         raw = {name: src.get(name) for name in names if name in src.names()}

@@ -15,17 +15,17 @@ import torch
 import torch.nn.functional as F
 
 from .alibi import alibi_slopes
-from .config import ModelConfig
-from .kernels.cpu_native import native_ops
-from .kernels.cpu_native_bf16 import bf16_ops
-from .kernels.kv_quant import round_trip
+from ..config import ModelConfig
+from ..kernels.cpu_native import native_ops
+from ..kernels.cpu_native_bf16 import bf16_ops
+from ..kernels.kv_quant import round_trip
 from .linear import Linear
-from .lora_step import LoraStepPlan
+from ..adapters.lora_step import LoraStepPlan
 from .rope import apply_rope, rope_cos_sin, rope_inv_freq
-from .tensor_parallel import TensorParallel
-from .tensor_shard import TensorShard
+from ..parallel.tensor_parallel import TensorParallel
+from ..parallel.tensor_shard import TensorShard
 from .weight_only import QuantizedLinear, is_quantized, lookup_rows, padded_rows
-from .weights import Weights
+from ..loading.weights import Weights
 
 _ACTIVATIONS = {
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
@@ -66,7 +66,7 @@ class Transformer:
         """attention_window: the window every layer uses (None = full causal attention); the
         caller folds the model's own sliding window in. sink_token_length: keys at positions
         below it stay visible outside the window (only with a window). linear_impl: forces a CPU
-        matmul kernel (one of runtime.linear.CPU_IMPLS; default: the fastest available).
+        matmul kernel (one of runtime.models.linear.CPU_IMPLS; default: the fastest available).
         tensor_parallel, shard: this rank's world and the slices `weights` hold (TensorShard);
         gather_logits_to_all: every rank gets the logits (else rank 0 only, the others None)."""
         self.config = config

@@ -66,7 +66,7 @@ class SharedMemoryCollectives:
         it and run the native kernels; else None everywhere (gloo)."""
         import torch.distributed as dist
 
-        from .kernels.cpu_native import native_ops
+        from ..kernels.cpu_native import native_ops
         native = native_ops() if os.environ.get(SHM_ALL_REDUCE_ENV, "").strip() != "0" else None
         hosts: list = [None] * size
         dist.all_gather_object(hosts, socket.gethostname(), group=control_group)

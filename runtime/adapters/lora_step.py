@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from .lora import LoraAdapter
-from .tensor_shard import TensorShard, take
+from ..parallel.tensor_shard import TensorShard, take
 
 # Stacked factors are kept for this many sets of adapters (a steady stream of steps sees few).
 MAX_STACKED_SETS = 8

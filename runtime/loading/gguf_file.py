@@ -3,7 +3,7 @@ its header once, every count, length and offset checked against the file's size 
 so that a hostile header is a ConfigError (metadata) or WeightError (tensor) naming the field or
 tensor; then it gives typed metadata values and tensors de-quantized by `gguf.quants.dequantize`
 (types and block sizes from the `gguf` package). Nothing in the file is executed. Used by
-runtime.gguf_checkpoint (config, weights) and runtime.gguf_tokenizer.
+runtime.loading.gguf_checkpoint (config, weights) and runtime.loading.gguf_tokenizer.
 
 NOTE: `gguf.GGUFReader` is not used: it parses arrays element by element through numpy memmap
 views (about 4 s for the header of a 135M model with a 49k vocabulary, where this walk takes 0.1 s)
@@ -23,7 +23,7 @@ import gguf
 import numpy as np
 import torch
 
-from .config import ConfigError
+from ..config import ConfigError
 from .tensor_files import WeightError
 
 GGUF_MAGIC = b"GGUF"

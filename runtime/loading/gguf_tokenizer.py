@@ -10,7 +10,7 @@ import json
 import os
 from typing import TYPE_CHECKING, Any
 
-from .config import ConfigError
+from ..config import ConfigError
 
 if TYPE_CHECKING:
     from .gguf_file import GgufFile

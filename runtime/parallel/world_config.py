@@ -1,6 +1,6 @@
 """WorldConfig: the processes one model runs on, the timeout of their collectives, and the error
 a failed one raises (plain data, no torch: the manager's options import it). The collectives are
-in runtime.tensor_parallel, the weight slices in runtime.tensor_shard."""
+in runtime.parallel.tensor_parallel, the weight slices in runtime.parallel.tensor_shard."""
 from __future__ import annotations
 
 import os

@@ -1,7 +1,7 @@
 """Tensors of safetensors files read by byte offsets: the header parsed and checked here, whole
 tensors mapped in place, slices read with preadv. `TensorSource.get` gives a `LazyTensor` (rows of
 stored tensors, maybe transposed: shape and places in the files, no data) that the architectures'
-readers compose (runtime.weights, runtime.models); `TensorSource.read` reads one, or only a
+readers compose (runtime.loading.weights, runtime.models); `TensorSource.read` reads one, or only a
 tensor-parallel rank's selection of it, and counts the bytes read.
 """
 from __future__ import annotations
@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from .config import read_json
+from ..config import read_json
 
 if TYPE_CHECKING:
-    from .tensor_shard import Ranges
+    from ..parallel.tensor_shard import Ranges
 
 # safetensors dtype -> torch dtype. Non-float ones are mapped only so that the check names them.
 SAFETENSORS_DTYPES = {name: getattr(torch, attr) for name, attr in (

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from .config import RopeConfig
+from ..config import RopeConfig
 
 
 def rope_inv_freq(rope: RopeConfig, rotary_dim: int) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Weight-only int8 / int4 weights (BuildConfig.weight_only): quantization at load, the stored
-layout of an engine directory, the torch reference, and `QuantizedLinear`, which runtime.model
-uses in place of runtime.linear.Linear for a quantized weight.
+layout of an engine directory, the torch reference, and `QuantizedLinear`, which runtime.models.transformer
+uses in place of runtime.models.linear.Linear for a quantized weight.
 
 Stored under the canonical weight name `W` (e.g. `layers.0.qkv.weight`, `lm_head`, a tied
 `embed_tokens`):
@@ -10,7 +10,7 @@ Stored under the canonical weight name `W` (e.g. `layers.0.qkv.weight`, `lm_head
         byte j holds column g*gs + j (low nibble) and g*gs + gs/2 + j (high nibble), GGUF
         Q4_0 / Q4_1's layout (Q4_1: scale d, min m; Q4_0: scale d, min -8 d).
 Scales and mins are float32 whatever the compute dtype; norms and biases stay in it. Under tensor
-parallelism a rank holds the slices of the one quantized model (runtime.tensor_shard.selection:
+parallelism a rank holds the slices of the one quantized model (runtime.parallel.tensor_shard.selection:
 an int4 group never straddles two ranks).
 """
 from __future__ import annotations
@@ -18,9 +18,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .config import BuildConfig, ModelConfig
-from .kernels.cpu_weight_only import weight_only_ops
-from .weights import Weights, expected_shapes
+from ..config import BuildConfig, ModelConfig
+from ..kernels.cpu_weight_only import weight_only_ops
+from ..loading.weights import Weights, expected_shapes
 
 _LINEAR_SUFFIXES = (".qkv.weight", ".out.weight", ".mlp_in.weight", ".mlp_out.weight")
 # Rows up to which the native kernel runs; above, torch's GEMM on de-quantized tiles. Measured on
