@@ -11,9 +11,8 @@ import torch
 
 from runtime import ConfigError, Engine, ModelRunner, build_engine
 from runtime.parallel.tensor_parallel import TensorShard, WorldConfig, init_tensor_parallel
-from tests.distributed import RankPool
 from tests.factories import make_checkpoint
-from tests.runtime.test_tensor_parallel import NUM_BLOCKS, TOLERANCE, _forwards
+from tests.runtime.test_tensor_parallel import NUM_BLOCKS, TOLERANCE, _forwards, pool  # noqa: F401 (fixture)
 
 # case -> (arch, checkpoint overrides, build fields): every rank's row-parallel input columns
 # (heads 2 x 16, intermediate 128 / 2) hold whole groups of 32.
@@ -23,13 +22,6 @@ CASES = {
     "qwen2_tied_int4": ("qwen2", {"intermediate_size": 128}, dict(weight_only="int4", group_size=32)),
     "gpt2_odd_vocab_int8": ("gpt2", {"vocab_size": 129}, dict(weight_only="int8")),
 }
-
-
-@pytest.fixture(scope="module")
-def pool():
-    ranks = RankPool(2)
-    yield ranks
-    ranks.close()
 
 
 @pytest.fixture(scope="module")
