@@ -181,12 +181,12 @@ def _load_engine_dir(directory: str, overrides: dict, shard: TensorShard | tuple
     build.validated(model)
     model, build, shard = _settled(model, build, shard)
     stored = _stored_weight_only(data["build"], build, model)
-    # A float engine loaded with weight_only is quantized whole, then sliced (_quantized_slices).
-    read_shard = None if build.weight_only is not None and not stored else shard
-    weights, num_bytes_read = load_engine_weights(os.path.join(directory, ENGINE_WEIGHTS_FILE), model,
-                                                  TORCH_DTYPES[model.dtype], read_shard, stored)
-    if not stored:
-        weights = _quantized_slices(quantize_weights(weights, model, build), shard if read_shard is None else None)
+    path, dtype = os.path.join(directory, ENGINE_WEIGHTS_FILE), TORCH_DTYPES[model.dtype]
+    if stored:   # built quantized: the rank's slices of the stored tensors, as they are
+        weights, num_bytes_read = load_engine_weights(path, model, dtype, shard, stored)
+    else:
+        weights, num_bytes_read = _read_quantized(lambda s: load_engine_weights(path, model, dtype, s),
+                                                  model, build, shard)
     return Engine(model, build, weights, directory, shard, num_bytes_read)
 
 
@@ -210,24 +210,28 @@ def _load_hf_dir(directory: str, overrides: dict, shard: TensorShard | tuple[int
     model = arch.config_from_hf(hf)
     build = default_build_config(model, **overrides)
     model, build, shard = _settled(model, build, shard)
-    read_shard = None if build.weight_only is not None else shard
-    weights, num_bytes_read = load_hf_weights(directory, model, TORCH_DTYPES[model.dtype], arch.read_weights,
-                                              read_shard)
-    weights = _quantized_slices(quantize_weights(weights, model, build), shard if read_shard is None else None)
+    weights, num_bytes_read = _read_quantized(
+        lambda s: load_hf_weights(directory, model, TORCH_DTYPES[model.dtype], arch.read_weights, s), model, build,
+        shard)
     return Engine(model, build, weights, directory, shard, num_bytes_read)
 
 
-def _quantized_slices(weights: Weights, shard: TensorShard | None) -> Weights:
-    """The rank's slices of whole weights quantized in memory (all of them without a shard).
+def _read_quantized(read: Callable[[TensorShard | None], tuple[Weights, int]], model: ModelConfig,
+                    build: BuildConfig, shard: TensorShard | None) -> tuple[Weights, int]:
+    """(the float weights `read(shard)` returns, quantized under `build` (as they are without
+    weight_only); the bytes read).
 
-    NOTE: a checkpoint is quantized whole and then sliced, so every rank holds the slices of the
-    one quantized model (an int8 row's scale is its whole row's, not the rank's columns'): the
-    load reads the whole checkpoint on each rank, where an engine built with weight_only reads
-    only the rank's slices of its stored tensors."""
-    if shard is None:
-        return weights
-    shapes = {name: tuple(t.shape) for name, t in weights.items()}
-    return {name: shard.slice(name, t, shapes) for name, t in weights.items()}
+    NOTE: with weight_only under a shard the weights are read whole, quantized, then sliced, so
+    every rank holds the slices of the one quantized model (an int8 row's scale is its whole
+    row's, not the rank's columns'): each rank reads the whole checkpoint, where an engine built
+    with weight_only reads only the rank's slices of its stored tensors."""
+    if build.weight_only is None or shard is None:
+        weights, num_bytes_read = read(shard)
+        return quantize_weights(weights, model, build), num_bytes_read
+    whole, num_bytes_read = read(None)
+    whole = quantize_weights(whole, model, build)
+    shapes = {name: tuple(t.shape) for name, t in whole.items()}
+    return {name: shard.slice(name, t, shapes) for name, t in whole.items()}, num_bytes_read
 
 
 def _gguf_source(path: str) -> str | None:
@@ -249,10 +253,10 @@ def _load_gguf(checkpoint: GgufCheckpoint, source: str, overrides: dict,
     build = default_build_config(model, **overrides)
     model, build, shard = _settled(model, build, shard)
     dtype = TORCH_DTYPES[model.dtype]
-    read_shard = None if build.weight_only is not None else shard
-    weights = check_weights(checkpoint.read_weights(dtype), model, dtype, checkpoint.path, read_shard)
-    weights = _quantized_slices(quantize_weights(weights, model, build), shard if read_shard is None else None)
-    return Engine(model, build, weights, source, shard, checkpoint.num_bytes_read)
+    weights, num_bytes_read = _read_quantized(
+        lambda s: (check_weights(checkpoint.read_weights(dtype), model, dtype, checkpoint.path, s),
+                   checkpoint.num_bytes_read), model, build, shard)
+    return Engine(model, build, weights, source, shard, num_bytes_read)
 
 
 def build_engine(checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike, **build_fields) -> Engine:

@@ -17,7 +17,7 @@ from batch_manager.executor.conversion import to_llm_request as executor_to_llm_
 from batch_manager.validation import AdmissionLimits, to_llm_request
 from runtime import SamplingConfig as SessionSamplingConfig
 from runtime.decoding import DecodingParams
-from runtime.decoding.fields import SAMPLING_FIELDS
+from runtime.decoding.fields import BY_PARAM, SAMPLING_FIELDS
 from samples.serve.executor_bridge import to_executor_request
 from samples.serve.params import parse_generate_body
 from tests.batch_manager.test_validation import make_request
@@ -72,8 +72,7 @@ def test_each_front_door_spells_every_field_of_its_own():
 
 @pytest.mark.parametrize("param", [None] + list(VALUES))
 def test_manager_tensors(limits, param):
-    tensors = {} if param is None else {(f := next(f for f in SAMPLING_FIELDS if f.param == param)).tensor:
-                                        _tensor(f, VALUES[param])}
+    tensors = {} if param is None else {BY_PARAM[param].tensor: _tensor(BY_PARAM[param], VALUES[param])}
     r = to_llm_request(make_request(**tensors), limits, arrival_index=0)
     assert settings(r.decoding) == expected(param)
 
@@ -81,7 +80,7 @@ def test_manager_tensors(limits, param):
 def executor_request(param: str | None) -> Request:
     sampling, output = {}, {}
     if param is not None:
-        f = next(f for f in SAMPLING_FIELDS if f.param == param)
+        f = BY_PARAM[param]
         if "." in f.executor:
             output[f.executor.split(".", 1)[1]] = VALUES[param]
         else:
@@ -97,7 +96,7 @@ def test_executor_request(limits, param):
 
 @pytest.mark.parametrize("param", [None] + [f.param for f in SAMPLING_FIELDS if f.session is not None])
 def test_session_sampling_config(param):
-    kwargs = {} if param is None else {next(f for f in SAMPLING_FIELDS if f.param == param).session: VALUES[param]}
+    kwargs = {} if param is None else {BY_PARAM[param].session: VALUES[param]}
     config = SessionSamplingConfig(beam_width=1, **kwargs)
     (params,) = config.decoding_params(1, end_id=2, vocab_size=VOCAB)
     assert settings(params) == expected(param)
@@ -109,7 +108,7 @@ def test_serving_body(limits, param, bridge):
     """/generate's body through GptManager's tensors, or through the Executor bridge's Request."""
     body = {"input_ids": [1, 2, 3], "max_new_tokens": 4}
     if param is not None:
-        body[next(f for f in SAMPLING_FIELDS if f.param == param).body] = VALUES[param]
+        body[BY_PARAM[param].body] = VALUES[param]
     request = parse_generate_body(body).to_request(7)
     if bridge == "manager":
         r = to_llm_request(request, limits, arrival_index=0)
