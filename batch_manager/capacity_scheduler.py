@@ -46,39 +46,39 @@ class CapacityScheduler:
 
     def register(self, r: LlmRequest) -> str | None:
         """A newly admitted request: its adapter joins the cache. -> the error refusing it, or None."""
-        if r.lora is None:
+        if r.spec.lora is None:
             return None
         if self.peft_cache is None:
             return "lora_task_id: this manager has no PEFT cache"
-        error = self.peft_cache.register(r.lora)
-        if error is None:
-            r.lora = replace(r.lora, payload=None)   # the cache holds the weights now
-            instance = self.peft_cache.instance(r.lora.task_id)
-            r.cache_salt = (r.cache_salt or b"") + b"#" + instance.to_bytes(8, "little")
+        error = self.peft_cache.register(r.spec.lora)
+        if error is None:   # the cache holds the weights now; its blocks are keyed by the cached instance
+            instance = self.peft_cache.instance(r.spec.lora.task_id)
+            r.spec = replace(r.spec, lora=replace(r.spec.lora, payload=None),
+                             cache_salt=(r.spec.cache_salt or b"") + b"#" + instance.to_bytes(8, "little"))
         else:
-            r.lora = None
+            r.spec = replace(r.spec, lora=None)
         return error
 
     def release(self, r: LlmRequest) -> None:
         """`r` stops holding KV blocks (paused or ended): free them and unpin its adapter."""
         free_request_blocks(self.kv, r)
         if r.holds_adapter:
-            self.peft_cache.release(r.lora.task_id)
+            self.peft_cache.release(r.spec.lora.task_id)
             r.holds_adapter = False
 
     def end(self, r: LlmRequest) -> None:
         """`r` ended: release it and its claim on the cached adapter."""
         self.release(r)
-        if r.lora is not None:
-            self.peft_cache.unregister(r.lora.task_id)
-            r.lora = None
+        if r.spec.lora is not None:
+            self.peft_cache.unregister(r.spec.lora.task_id)
+            r.spec = replace(r.spec, lora=None)
 
     def take_adapter_changes(self) -> tuple[tuple, tuple[int, ...]]:
         """(loads, evictions) for the runtime's adapter store since the last step."""
         return self.peft_cache.take_changes() if self.peft_cache is not None else ((), ())
 
     def _can_start_adapter(self, r: LlmRequest) -> bool:
-        return r.lora is None or self.peft_cache.can_acquire(r.lora.task_id)
+        return r.spec.lora is None or self.peft_cache.can_acquire(r.spec.lora.task_id)
 
     def schedule(self, requests: list[LlmRequest], in_flight: frozenset[LlmRequest] = frozenset()) -> CapacityOutput:
         """`requests`: active (unfinished) requests in admission order."""
@@ -107,8 +107,8 @@ class CapacityScheduler:
         return True
 
     def _worst_case_blocks(self, r: LlmRequest) -> int:
-        if r.beam_width > 1:
-            return max_beam_blocks(self.kv, r.beam_width, r.max_num_tokens)
+        if r.spec.num_sequences > 1:
+            return max_beam_blocks(self.kv, r.spec.num_sequences, r.max_num_tokens)
         # Drafts never take a request past max_num_tokens (the scheduler clips them); a window
         # counts the longest step, drafts included.
         return self.kv.max_blocks_held(r.prompt_len + r.max_draft_len, r.max_num_tokens)
@@ -124,9 +124,9 @@ class CapacityScheduler:
 
     def _start(self, r: LlmRequest) -> None:
         """Admit `r`: it starts holding blocks, beginning with its cached prefix."""
-        if r.lora is not None:
-            ok = self.peft_cache.acquire(r.lora.task_id)
-            assert ok, f"request {r.request_id}: adapter {r.lora.task_id} was checked resident-able"
+        if r.spec.lora is not None:
+            ok = self.peft_cache.acquire(r.spec.lora.task_id)
+            assert ok, f"request {r.request_id}: adapter {r.spec.lora.task_id} was checked resident-able"
             r.holds_adapter = True
         r.set_state(RequestState.CONTEXT)
         r.start_index = self._num_starts
@@ -161,13 +161,13 @@ def free_request_blocks(kv: KvCacheManager, r: LlmRequest) -> None:
 
 def waiting_by_priority(requests: list[LlmRequest]) -> list[LlmRequest]:
     """The requests waiting for blocks (new or paused), higher priority first, FIFO among equals."""
-    return sorted((r for r in requests if r.state == RequestState.WAITING), key=lambda r: -r.priority)
+    return sorted((r for r in requests if r.state == RequestState.WAITING), key=lambda r: -r.spec.priority)
 
 
 def _reusable_tokens(r: LlmRequest) -> list[int]:
     """Tokens whose cached KV `r` may reuse: none when it wants the logits of its whole prompt, or
     when it resumes several beams (each recomputes its own sequence)."""
-    return [] if r.return_context_logits or r.num_live_beams > 1 else r.reuse_token_slice(0, r.num_tokens)
+    return [] if r.spec.return_context_logits or r.num_live_beams > 1 else r.reuse_token_slice(0, r.num_tokens)
 
 
 class GuaranteedNoEvictScheduler(CapacityScheduler):
@@ -206,7 +206,7 @@ class MaxUtilizationScheduler(CapacityScheduler):
 
     def schedule(self, requests: list[LlmRequest], in_flight: frozenset[LlmRequest] = frozenset()) -> CapacityOutput:
         running = sorted((r for r in requests if r.holds_blocks and r not in in_flight),
-                         key=lambda r: (-r.priority, r.start_index))
+                         key=lambda r: (-r.spec.priority, r.start_index))
         out = CapacityOutput()
         num_holding = sum(1 for r in requests if r.holds_blocks)
         while running:

@@ -29,7 +29,7 @@ from .micro_batch_scheduler import MicroBatchScheduler
 from .model_executor import ModelExecutor
 from .options import DecodingConfig, KvCacheConfig, SchedulerPolicy, TrtGptModelOptionalParams, TrtGptModelType
 from .scheduler import Scheduler
-from .validation import AdmissionLimits
+from .admission import AdmissionLimits
 from .worker import Worker, WorkerConfig
 
 logger = logging.getLogger(__name__)

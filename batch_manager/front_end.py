@@ -7,12 +7,12 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Iterable, Protocol
 
+from .admission import AdmissionLimits, to_spec
 from .callbacks import UserCallbacks
 from .inference_request import InferenceRequest
-from .llm_request import LlmRequest
+from .llm_request import LlmRequest, RequestOutput, RequestSpec
 from .responses import response_tensors
 from .stats import IterationStats, stats_json
-from .validation import AdmissionLimits, to_llm_request
 
 logger = logging.getLogger(__name__)
 
@@ -39,16 +39,17 @@ class FrontEnd(Protocol):
     def fetch(self, max_num_requests: int) -> Fetched:
         """At most `max_num_requests` new requests."""
 
-    def admit(self, item: Any, arrival_index: int) -> LlmRequest:
-        """A fetched item as a validated LlmRequest; raises ValueError (answered as that request's
+    def admit(self, item: Any) -> RequestSpec:
+        """A fetched item as a validated RequestSpec; raises ValueError (answered as that request's
         error) for bad input."""
 
     def poll_stop_ids(self) -> Iterable[Any]:
         """Ids of requests to end with what they have."""
 
-    def respond(self, r: LlmRequest, is_final: bool) -> None:
-        """Answer `r` (streamed tokens, or its final response). May raise while building the
-        response, before anything is sent: the worker then fails the request."""
+    def respond(self, spec: RequestSpec, output: RequestOutput, is_final: bool) -> None:
+        """Answer a request from its output: its final response, or (streaming) the tokens
+        generated since its last response, if any. May raise while building the response, before
+        anything is sent: the worker then fails the request."""
 
     def respond_error(self, request_id: Any, message: str) -> None:
         """A final error response."""
@@ -70,6 +71,7 @@ class CallbackFrontEnd:
         self.terminate_req_id = terminate_req_id
         self.exclude_input_in_output, self.normalize_log_probs = exclude_input_in_output, normalize_log_probs
         self.is_static_batching = is_static_batching
+        self._num_sent: dict[int, int] = {}   # request id -> generated tokens streamed so far
 
     num_pending = 0   # the user's own queue is out of sight: nothing is fetched after a shutdown
 
@@ -97,17 +99,27 @@ class CallbackFrontEnd:
         terminate_id = self.terminate_req_id
         return terminate_id is not None and type(request.request_id) is int and request.request_id == terminate_id
 
-    def admit(self, item: InferenceRequest, arrival_index: int) -> LlmRequest:
-        return to_llm_request(item, self.limits, arrival_index, self.normalize_log_probs)
+    def admit(self, item: InferenceRequest) -> RequestSpec:
+        return to_spec(item, self.limits, self.normalize_log_probs)
 
     def poll_stop_ids(self) -> list[Any]:
         return self.callbacks.poll_stop_signals()
 
-    def respond(self, r: LlmRequest, is_final: bool) -> None:
-        tensors = response_tensors(r, self.exclude_input_in_output)
-        self.callbacks.send_response(r.request_id, tensors, is_final, "")
+    def respond(self, spec: RequestSpec, output: RequestOutput, is_final: bool) -> None:
+        request_id = output.request_id
+        sent = self._num_sent.get(request_id, 0)
+        if not is_final and output.num_generated <= sent:
+            return
+        tensors = response_tensors(spec, output, sent, self.exclude_input_in_output)
+        if is_final:
+            self._num_sent.pop(request_id, None)
+        else:
+            self._num_sent[request_id] = output.num_generated
+        self.callbacks.send_response(request_id, tensors, is_final, "")
 
     def respond_error(self, request_id: Any, message: str) -> None:
+        if type(request_id) is int:
+            self._num_sent.pop(request_id, None)
         self.callbacks.send_response(request_id, [], True, message)
 
     def report_stats(self, stats: IterationStats, scheduled_ids: frozenset[int], scheduler,

@@ -59,6 +59,19 @@ class GptManager:
         return self._worker.num_active_requests
 
     @property
+    def kv_cache_manager(self):
+        """The KV block manager (runtime.cache.KvCacheManager), for reading: free blocks, reuse,
+        `check_invariants()`. Rank 0 only; it changes on the worker thread."""
+        return _leader(self._worker).scheduler.kv
+
+    @property
+    def model_executor(self):
+        """The step executor (batch_manager.model_executor.ModelExecutor): its `runner`, its
+        `execute(step)` (the worker calls it once per step) and its `fault_injector` hook, for
+        benchmarks and fault-injection tests. Rank 0 only."""
+        return _leader(self._worker).executor
+
+    @property
     def is_running(self) -> bool:
         """False after shutdown, termination, or a fatal internal error (see `fatal_error`)."""
         return self._worker.is_running
@@ -79,6 +92,12 @@ class GptManager:
         worker = getattr(self, "_worker", None)
         if worker is not None:
             worker.shutdown()
+
+
+def _leader(worker):
+    if not hasattr(worker, "scheduler"):
+        raise RuntimeError("a rank > 0 of a tensor-parallel world has no scheduler or step executor of its own")
+    return worker
 
 
 def _build_worker(engine_dir, model_type: TrtGptModelType, max_beam_width: int, policy: SchedulerPolicy,

@@ -60,7 +60,7 @@ class MicroBatchScheduler:
             n, budget = r.num_tokens_to_compute, self.max_num_tokens - num_tokens
             r.context_chunk_size = None
             cost = n + len(r.draft_tokens)   # drafts ride on the last chunk (beam width 1)
-            if cost > budget and self.enable_chunked_context and budget > 0 and not r.return_context_logits \
+            if cost > budget and self.enable_chunked_context and budget > 0 and not r.spec.return_context_logits \
                     and k == 1 and n > 1:
                 r.context_chunk_size = cost = min(budget, n - 1)
             if cost * k <= budget or batch.num_requests == 0:

@@ -61,8 +61,8 @@ class ModelExecutor:
         for r in step.requests:
             if r.new is not None:
                 self.decoder.open(r.request_id, r.new)
-                if r.new.prompt_table is not None:
-                    self._prompt_tables[r.request_id] = r.new.prompt_table
+                if r.new.spec.prompt_table is not None:
+                    self._prompt_tables[r.request_id] = r.new.spec.prompt_table
         results: list[RequestResult] = []
         for group in step.forward_groups:
             try:

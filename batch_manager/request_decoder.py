@@ -36,12 +36,10 @@ class RequestDecoder:
         return len(self._entries)
 
     def open(self, request_id: int, new: NewRequest) -> None:
-        state = DecodeState(new.decoding_params, new.record, new.max_new_tokens, new.return_generation_logits)
-        state.draft_logits, state.draft_acceptance_threshold = new.draft_logits, new.draft_acceptance_threshold
-        if new.guide is not None:
-            state.guide = new.guide.start()
-        self._entries[request_id] = _Entry(state, new.logits_post_processor, new.use_batched_post_processor,
-                                           new.client_id)
+        spec = new.spec
+        state = DecodeState(spec.decoding, new.record, spec.max_new_tokens, spec.return_generation_logits)
+        self._entries[request_id] = _Entry(state, spec.logits_post_processor, spec.use_batched_post_processor,
+                                           spec.client_id)
 
     def release(self, request_ids) -> None:
         for request_id in request_ids:
@@ -71,11 +69,7 @@ class RequestDecoder:
                     results[requests[i].request_id] = RequestResult(
                         requests[i].request_id, error=_no_token_error(state, state.num_generated + len(o.tokens)))
                     continue
-                results[requests[i].request_id] = RequestResult(
-                    requests[i].request_id, new_tokens=o.tokens, new_log_probs=o.log_probs,
-                    new_generation_logits=o.logits, cum_log_prob=o.cum_log_prob,
-                    beams=o.beams, finish_reason=o.finish_reason, num_accepted_draft_tokens=o.num_accepted_drafts,
-                    new_top_log_probs=o.top_log_probs)
+                results[requests[i].request_id] = RequestResult(requests[i].request_id, o)
         self.release(r.request_id for r in requests if r.request_id in failures or
                      self._entries[r.request_id].state.is_finished)
         return results

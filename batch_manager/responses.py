@@ -1,93 +1,99 @@
-"""Response tensors: the six named outputs of API.md for a final or a streamed response."""
+"""Rendering a `RequestOutput` for a front end: `render` gives the per-sequence values both front
+ends answer with (the Executor's `Result` takes them as they are), `response_tensors` GptManager's
+six named output tensors (API.md) of a final or a streamed response. Each front end keeps its own
+cursor of the generated tokens it sent (`start`)."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from . import tensor_names as tn
 from .inference_request import NamedTensor
-from .llm_request import LlmRequest
+from .llm_request import RequestOutput, RequestSpec
 
 
-def response_tensors(r: LlmRequest, exclude_input_in_output: bool) -> list[NamedTensor]:
-    """Streaming: the tokens generated since the last response. Non-streaming: prompt + generated
-    (generated only with exclude_input_in_output). Beam width 1: every tensor has beam dim 1."""
-    if r.beam_width > 1:
-        return _beam_response_tensors(r, exclude_input_in_output)
-    start = r.num_sent_tokens if r.is_streaming else 0
-    if r.is_streaming:
-        tokens = r.generated[start:]
-    else:
-        tokens = r.generated if exclude_input_in_output else r.prompt + r.generated
-    log_probs = r.log_probs[start:] if r.return_log_probs else None
-    generation_logits = r.generation_logits[start:]
-    top_log_probs = r.top_log_probs[start:]
-    num_generated = len(r.generated) - (r.num_sent_tokens if r.is_streaming else 0)
-    r.num_sent_tokens = len(r.generated)
-
-    output_ids = torch.tensor(tokens, dtype=torch.int32).view(1, 1, len(tokens))
-    sequence_length = torch.tensor([[len(tokens)]], dtype=torch.int32)
-    if log_probs is not None:
-        output_log_probs = torch.tensor(log_probs, dtype=torch.float32).view(1, 1, len(log_probs))
-        cum_log_probs = torch.tensor([[r.cum_log_prob]], dtype=torch.float32)
-    else:
-        output_log_probs = torch.zeros(1, 1, num_generated, dtype=torch.float32)
-        cum_log_probs = torch.zeros(1, 1, dtype=torch.float32)
-    context_logits = _context_logits(r)
-    if r.return_generation_logits and generation_logits:
-        generation_logits_t = torch.stack(generation_logits).to(torch.float32)[None, None]
-    elif r.return_generation_logits:
-        generation_logits_t = torch.zeros(1, 1, 0, 1, dtype=torch.float32)
-    else:
-        generation_logits_t = torch.zeros(1, 1, 1, 1, dtype=torch.float32)
-    tensors = [NamedTensor(output_ids, tn.OUTPUT_IDS), NamedTensor(sequence_length, tn.SEQUENCE_LENGTH),
-               NamedTensor(output_log_probs, tn.OUTPUT_LOG_PROBS), NamedTensor(cum_log_probs, tn.CUM_LOG_PROBS),
-               NamedTensor(context_logits, tn.CONTEXT_LOGITS), NamedTensor(generation_logits_t, tn.GENERATION_LOGITS)]
-    k = r.decoding.num_top_log_probs if r.decoding is not None else 0
-    if k:   # [1, 1, generated, k]
-        values = torch.tensor([v for v, _ in top_log_probs], dtype=torch.float32).view(1, 1, -1, k)
-        ids = torch.tensor([i for _, i in top_log_probs], dtype=torch.int32).view(1, 1, -1, k)
-        tensors += [NamedTensor(values, tn.TOP_LOG_PROBS), NamedTensor(ids, tn.TOP_LOG_PROB_IDS)]
-    return tensors
+@dataclass(frozen=True)
+class Rendered:
+    """One response's values, per output sequence S (1 at beam width 1)."""
+    token_ids: list[list[int]]            # per sequence; with the prompt first when asked
+    log_probs: torch.Tensor               # float32 [S, n] (zeros unless return_log_probs)
+    cum_log_probs: torch.Tensor           # float32 [S]
+    generation_logits: torch.Tensor | None   # float32 [S, n, V] when return_generation_logits
+    top_log_probs: torch.Tensor | None    # float32 [1, n, k] with num_top_log_probs k
+    top_log_prob_ids: torch.Tensor | None  # int32 [1, n, k]
 
 
-def _context_logits(r: LlmRequest) -> torch.Tensor:
-    if r.return_context_logits and r.context_logits is not None and r.is_finished:
-        return r.context_logits.to(torch.float32)[None]
-    return torch.zeros(1, 1, 1, dtype=torch.float32)
+def render(spec: RequestSpec, output: RequestOutput, start: int, with_prompt: bool) -> Rendered:
+    """Width 1: the generated tokens from `start` on (a stream's new tokens), after the prompt when
+    `with_prompt`. Beam search and samples: every sequence whole (beams reorder between steps, so
+    "new tokens only" has no meaning for them), from 0."""
+    sequences = output.sequences
+    if len(sequences) > 1:
+        start = 0
+    prefix = spec.prompt if with_prompt else []
+    token_ids = [prefix + s.tokens[start:] for s in sequences]
+    num_generated = max(len(s.tokens) for s in sequences) - start
+    log_probs = torch.zeros(len(sequences), num_generated, dtype=torch.float32)
+    cum_log_probs = torch.zeros(len(sequences), dtype=torch.float32)
+    if spec.return_log_probs:
+        for i, s in enumerate(sequences):
+            values = s.log_probs[start:]
+            log_probs[i, :len(values)] = torch.tensor(values, dtype=torch.float32)
+            cum_log_probs[i] = s.cum_log_prob
+        if len(sequences) == 1:   # the end token has no log prob: the row is one shorter then
+            log_probs = log_probs[:, :len(sequences[0].log_probs[start:])]
+    generation_logits = None
+    if spec.return_generation_logits:
+        rows = [s.generation_logits[start:] for s in sequences]
+        vocab = next((r[0].shape[-1] for r in rows if r), 1)
+        generation_logits = torch.zeros(len(sequences), max(len(r) for r in rows), vocab, dtype=torch.float32)
+        for i, r in enumerate(rows):
+            if r:
+                generation_logits[i, :len(r)] = torch.stack(r).to(torch.float32)
+    top_log_probs = top_log_prob_ids = None
+    k = spec.decoding.num_top_log_probs
+    if k:   # width 1 only
+        entries = sequences[0].top_log_probs[start:]
+        top_log_probs = torch.tensor([v for v, _ in entries], dtype=torch.float32).view(1, -1, k)
+        top_log_prob_ids = torch.tensor([i for _, i in entries], dtype=torch.int32).view(1, -1, k)
+    return Rendered(token_ids, log_probs, cum_log_probs, generation_logits, top_log_probs, top_log_prob_ids)
 
 
-def _beam_response_tensors(r: LlmRequest, exclude_input_in_output: bool) -> list[NamedTensor]:
-    """Beam search: every response (streamed or final) carries all current beams whole, best
-    first — beams reorder between steps, so "new tokens only" has no meaning for them. Streamed
-    responses hold the generated tokens; a final non-streaming one prompt + generated unless
-    exclude_input_in_output. Rows are padded with pad_id to the longest beam."""
-    # Before its first decoding step (stopped or failed at once) a request has no beams yet:
-    # every beam is then the prompt alone, so the beam dimension is still beam_width.
-    beams = r.beam_tokens or [list(r.generated)] * r.beam_width
-    prefix = [] if (r.is_streaming or exclude_input_in_output) else r.prompt
-    rows = [prefix + tokens for tokens in beams]
-    width = max(len(row) for row in rows)
-    num_beams = len(rows)
-    output_ids = torch.full((1, num_beams, width), r.pad_id, dtype=torch.int32)
+def context_logits(spec: RequestSpec, output: RequestOutput) -> torch.Tensor | None:
+    """float32 [prompt_len, V] in a final response, when asked."""
+    if spec.return_context_logits and output.context_logits is not None and output.is_finished:
+        return output.context_logits.to(torch.float32)
+    return None
+
+
+def response_tensors(spec: RequestSpec, output: RequestOutput, start: int,
+                     exclude_input_in_output: bool) -> list[NamedTensor]:
+    """GptManager's response: streaming, the tokens generated from `start` on (beam width 1);
+    otherwise prompt + generated (generated only with exclude_input_in_output). Beam search:
+    every beam whole, rows padded with pad_id to the longest. Tensors not asked for keep their
+    legacy placeholder shapes ([1, 1, 1] context logits, [1, 1, 1, 1] generation logits)."""
+    with_prompt = not spec.is_streaming and not exclude_input_in_output
+    rendered = render(spec, output, start if spec.is_streaming else 0, with_prompt)
+    rows = rendered.token_ids
+    output_ids = torch.full((1, len(rows), max(len(row) for row in rows)), spec.pad_id, dtype=torch.int32)
     for b, row in enumerate(rows):
         output_ids[0, b, :len(row)] = torch.tensor(row, dtype=torch.int32)
     sequence_length = torch.tensor([[len(row) for row in rows]], dtype=torch.int32)
-    max_generated = max(len(tokens) for tokens in beams)
-    output_log_probs = torch.zeros(1, num_beams, max_generated, dtype=torch.float32)
-    cum_log_probs = torch.zeros(1, num_beams, dtype=torch.float32)
-    if r.return_log_probs and r.beam_log_probs:
-        for b, log_probs in enumerate(r.beam_log_probs):
-            output_log_probs[0, b, :len(log_probs)] = torch.tensor(log_probs, dtype=torch.float32)
-        cum_log_probs[0] = torch.tensor(r.beam_cum_log_probs, dtype=torch.float32)
-    if r.return_generation_logits and r.generation_logits:
-        vocab = r.generation_logits[0][0].shape[-1] if r.generation_logits[0] else 1
-        generation_logits = torch.zeros(1, num_beams, max_generated, vocab, dtype=torch.float32)
-        for b, rows_b in enumerate(r.generation_logits):
-            if rows_b:
-                generation_logits[0, b, :len(rows_b)] = torch.stack(rows_b).to(torch.float32)
-    else:
+    log_probs, cum_log_probs = rendered.log_probs[None], rendered.cum_log_probs[None]
+    logits = context_logits(spec, output)
+    logits = torch.zeros(1, 1, 1, dtype=torch.float32) if logits is None else logits[None]
+    generation_logits = rendered.generation_logits
+    if generation_logits is None or (len(rows) > 1 and generation_logits.shape[1] == 0):
         generation_logits = torch.zeros(1, 1, 1, 1, dtype=torch.float32)
-    r.num_sent_tokens = len(r.generated)
-    return [NamedTensor(output_ids, tn.OUTPUT_IDS), NamedTensor(sequence_length, tn.SEQUENCE_LENGTH),
-            NamedTensor(output_log_probs, tn.OUTPUT_LOG_PROBS), NamedTensor(cum_log_probs, tn.CUM_LOG_PROBS),
-            NamedTensor(_context_logits(r), tn.CONTEXT_LOGITS), NamedTensor(generation_logits, tn.GENERATION_LOGITS)]
+    elif generation_logits.shape[1] == 0:   # asked, none yet: [1, 1, 0, 1]
+        generation_logits = torch.zeros(1, 1, 0, 1, dtype=torch.float32)
+    else:
+        generation_logits = generation_logits[None]
+    tensors = [NamedTensor(output_ids, tn.OUTPUT_IDS), NamedTensor(sequence_length, tn.SEQUENCE_LENGTH),
+               NamedTensor(log_probs, tn.OUTPUT_LOG_PROBS), NamedTensor(cum_log_probs, tn.CUM_LOG_PROBS),
+               NamedTensor(logits, tn.CONTEXT_LOGITS), NamedTensor(generation_logits, tn.GENERATION_LOGITS)]
+    if rendered.top_log_probs is not None:   # [1, 1, generated, k]
+        tensors += [NamedTensor(rendered.top_log_probs[None], tn.TOP_LOG_PROBS),
+                    NamedTensor(rendered.top_log_prob_ids[None], tn.TOP_LOG_PROB_IDS)]
+    return tensors

@@ -65,7 +65,7 @@ class Scheduler:
             r.finish(FinishReason.ERROR, error)
 
     def _uses_drafter(self, r: LlmRequest) -> bool:
-        return bool(self.prompt_lookup_num_tokens) and r.beam_width == 1 and r.decoding.is_greedy
+        return bool(self.prompt_lookup_num_tokens) and r.spec.num_sequences == 1 and r.spec.decoding.is_greedy
 
     def stop(self, request_id: int) -> None:
         """End a request with what it has; its blocks go in `pop_finished`."""
@@ -77,7 +77,7 @@ class Scheduler:
         """End a request with an error (also one that finished but could not be answered)."""
         r = self._requests[request_id]
         if r.is_finished:
-            r.finish_reason, r.error = FinishReason.ERROR, message
+            r.output.finish(FinishReason.ERROR, r.max_new_tokens, message)
         else:
             r.finish(FinishReason.ERROR, message)
 
@@ -134,11 +134,12 @@ class Scheduler:
         compiled (off this thread), and one whose guide failed to compile ends with that error."""
         ready = []
         for r in requests:
-            if r.guide is not None and r.state == RequestState.WAITING:
-                if not r.guide.done():
+            guide = r.spec.decoding.guide
+            if guide is not None and r.state == RequestState.WAITING:
+                if not guide.done():
                     continue
-                if r.guide.exception() is not None:
-                    r.finish(FinishReason.ERROR, str(r.guide.exception()))
+                if guide.exception() is not None:
+                    r.finish(FinishReason.ERROR, str(guide.exception()))
                     continue
             ready.append(r)
         return ready
@@ -168,10 +169,7 @@ class Scheduler:
         new = None
         if not r.has_decoder_state:
             r.has_decoder_state = True
-            new = NewRequest(r.decoding, r.record, r.max_new_tokens, r.return_generation_logits,
-                             r.logits_post_processor, r.use_batched_post_processor, r.client_id,
-                             r.draft_logits, r.draft_acceptance_threshold,
-                             None if r.guide is None else r.guide.result(), prompt_table=r.prompt_table)
+            new = NewRequest(r.spec, r.record)
         return ScheduledRequest(
             request_id=r.request_id,
             token_ids=tuple(tuple(r.beam_token_slice(b, past, past + n)) + drafts for b in beams),
@@ -179,8 +177,8 @@ class Scheduler:
             block_tables=tuple(tuple(self.kv.block_table(beam_holder(r.request_id, b))) for b in beams),
             is_last_chunk=is_last_chunk, block_copies=copies, num_draft_tokens=len(drafts),
             # Whole-prompt logits: such a request is never chunked and reuses no prefix.
-            return_context_logits=r.return_context_logits and r.context_logits is None and past == 0,
-            new=new, lora_task_id=None if r.lora is None else r.lora.task_id)
+            return_context_logits=r.spec.return_context_logits and r.output.context_logits is None and past == 0,
+            new=new, lora_task_id=None if r.spec.lora is None else r.spec.lora.task_id)
 
     def update(self, step: ScheduledStep, result: StepResult) -> None:
         """Advance each scheduled request by the tokens it computed, register its newly full
@@ -196,7 +194,7 @@ class Scheduler:
                 r.finish(FinishReason.ERROR, res.error)
                 continue
             # Rejected drafts: their KV is rolled back (never counted computed, never registered).
-            accepted = res.num_accepted_draft_tokens
+            accepted = 0 if res.outcome is None else res.outcome.num_accepted_drafts
             r.num_computed_tokens += scheduled.num_step_tokens - scheduled.num_draft_tokens + accepted
             if scheduled.is_last_chunk:
                 self._record(r, res)
@@ -213,24 +211,17 @@ class Scheduler:
 
     def _record(self, r: LlmRequest, res: RequestResult) -> None:
         if res.context_logits is not None:
-            r.context_logits = res.context_logits
-        finished = res.finish_reason is not None
-        beams = res.beams
-        if beams is None:
-            r.log_probs += res.new_log_probs
-            r.top_log_probs += res.new_top_log_probs
-            r.generation_logits += res.new_generation_logits
-            r.cum_log_prob = res.cum_log_prob
-        else:
-            r.beam_tokens = [list(t) for t in beams.tokens]
-            r.beam_log_probs = [list(lp) for lp in beams.log_probs]
-            r.beam_cum_log_probs = list(beams.cum_log_probs)
-            r.generation_logits = [list(rows) for rows in beams.generation_logits]
-            if not finished:   # KV tables follow the live beams (all of one length)
-                fork_beams(self.kv, r.request_id, r.num_live_beams, list(beams.parents))
-                r.num_live_beams = len(beams.live_tokens)
-        r.record.apply(res.new_tokens, beams, finished)
+            r.output.context_logits = res.context_logits
+        outcome = res.outcome
+        finished = outcome.finish_reason is not None
+        beams = outcome.beams
+        if beams is not None and not finished:   # KV tables follow the live beams (all of one length)
+            fork_beams(self.kv, r.request_id, r.num_live_beams, list(beams.parents))
+            r.num_live_beams = len(beams.live_tokens)
+        r.record.apply(outcome.tokens, beams, finished)
+        r.output.apply(outcome)
+        r.output.num_generated = r.record.num_generated
         if finished:
-            r.finish(_FINISH_REASONS[res.finish_reason])
+            r.finish(_FINISH_REASONS[outcome.finish_reason])
         elif r.state == RequestState.CONTEXT:
             r.set_state(RequestState.GENERATION)

@@ -5,25 +5,18 @@ scheduler applies a result in `Scheduler.update`."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
-from runtime.token_record import BeamOutputs, TokenRecord
+from runtime.token_record import TokenRecord
+
+from .llm_request import RequestSpec
 
 
 @dataclass(frozen=True)
 class NewRequest:
     """What the executor's per-request stores (decoder state) open from, on a request's first step."""
-    decoding_params: Any                 # runtime.decoding.params.DecodingParams (validated)
+    spec: RequestSpec
     record: TokenRecord                  # the request's tokens: the scheduler writes, the decoder reads
-    max_new_tokens: int
-    return_generation_logits: bool = False
-    logits_post_processor: Callable | None = None
-    use_batched_post_processor: bool = False
-    client_id: Any = None                # the Executor request's client_id, handed to post-processors
-    draft_logits: Any = None             # float32 [D, V]: the external drafts' distribution, when given
-    draft_acceptance_threshold: float | None = None
-    guide: Any = None                    # guided decoding: the compiled grammar (runtime.decoding.guided.Template)
-    prompt_table: Any = None             # float32 [T, hidden] (prompt tuning): the executor keeps it until release
 
 
 @dataclass(frozen=True)
@@ -83,16 +76,9 @@ class ScheduledStep:
 class RequestResult:
     """One scheduled request's outcome; a request that ran a non-final context chunk decodes nothing."""
     request_id: int
+    outcome: Any = None                    # runtime.decoding.DecodeOutcome: what its decoder step chose
     error: str | None = None               # the step failed for this request (or allowed it no token): it ends
-    new_tokens: tuple[int, ...] = ()       # beam width 1: tokens appended (none when the end id ended it)
-    new_log_probs: tuple[float, ...] = ()
-    new_generation_logits: tuple = ()      # float32 [V] per new token, when gathered
-    cum_log_prob: float = 0.0              # includes an end token's log prob
-    beams: BeamOutputs | None = None       # beam search
     context_logits: Any = None             # float32 [prompt_len, V] when requested
-    finish_reason: str | None = None       # "end_id" | "stop_words" | "length" when it finished
-    num_accepted_draft_tokens: int = 0     # drafts among new_tokens: their KV (computed this step) is kept
-    new_top_log_probs: tuple = ()          # per new token: (k log probs, k ids), when asked
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from .options import TrtGptModelType
 from .scheduler import Scheduler
 from .stats import IterationStats
 from .step import ScheduledStep
-from .validation import RequestError
+from .admission import RequestError
 
 logger = logging.getLogger(__name__)
 
@@ -177,12 +177,12 @@ class Worker:
                     raise RequestError(f"request_id: expected an integer in [0, 2**64), got {request_id!r}")
                 if request_id in self.scheduler:
                     raise RequestError(f"request_id: {request_id} already exists among the active requests")
-                llm_request = self.front_end.admit(request, self._num_admitted)
+                spec = self.front_end.admit(request)
             except Exception as e:  # noqa: BLE001 - any bad input becomes that request's error
                 self.front_end.respond_error(request_id, f"Cannot process new request: {e}")
                 continue
+            self.scheduler.add(LlmRequest(request_id, spec, self._num_admitted))
             self._num_admitted += 1
-            self.scheduler.add(llm_request)
 
     def _apply_stop_signals(self) -> None:
         for request_id in self.front_end.poll_stop_ids():
@@ -195,8 +195,10 @@ class Worker:
         """Streamed tokens of the step's unfinished requests, then every final response."""
         for scheduled in step.requests:
             r = self.scheduler.get(scheduled.request_id)
-            if r is not None and r.is_streaming and not r.is_finished and len(r.generated) > r.num_sent_tokens:
-                self._respond(r, False)
+            if r is not None and r.spec.is_streaming and not r.is_finished:
+                error = self._respond(r, False)
+                if error is not None:
+                    self.scheduler.fail(r.request_id, error)
         self._send_final_responses()
 
     def _send_final_responses(self) -> None:
@@ -204,22 +206,22 @@ class Worker:
         for r in self.scheduler.pop_finished(in_flight_ids):
             if self.front_end.has_stats:
                 self._finished.append(r)
-            if r.finish_reason == FinishReason.ERROR or not self._respond(r, True):
-                self.front_end.respond_error(r.request_id, r.error or "error")
+            if r.output.finish_reason == FinishReason.ERROR:
+                error = r.output.error or "error"
+            else:
+                error = self._respond(r, True)
+            if error is not None:
+                self.front_end.respond_error(r.request_id, error)
 
-    def _respond(self, r: LlmRequest, is_final: bool) -> bool:
-        """False (and `r` failed) when its response cannot be built: one bad request must not
-        take the worker down."""
+    def _respond(self, r: LlmRequest, is_final: bool) -> str | None:
+        """-> the error when its response cannot be built (nothing was sent then): one bad request
+        must not take the worker down."""
         try:
-            self.front_end.respond(r, is_final)
-            return True
+            self.front_end.respond(r.spec, r.output, is_final)
+            return None
         except Exception as e:  # noqa: BLE001
             logger.exception("building the response of request %s failed", r.request_id)
-            if r.request_id in self.scheduler:
-                self.scheduler.fail(r.request_id, f"failed to build the response: {e!r}")
-            else:
-                r.finish_reason, r.error = FinishReason.ERROR, f"failed to build the response: {e!r}"
-            return False
+            return f"failed to build the response: {e!r}"
 
     def _fail_all(self, message: str) -> None:
         """Fail every active and queued request. Also runs after a crash, over state that may be

@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("batch_manager", "runtime", "cuda_src", "samples")
 
 RUNTIME_USERS = {"batch_manager.model_executor", "batch_manager.kv_sizing", "batch_manager.gpt_manager",
-                 "batch_manager.validation", "batch_manager.request_decoder", "batch_manager.engine_builder",
+                 "batch_manager.admission", "batch_manager.request_decoder", "batch_manager.engine_builder",
                  "batch_manager.executor.conversion", "batch_manager.guided_decoding", "batch_manager.lora",
                  "batch_manager.distributed", "batch_manager.executor.request"}
 # Pure-Python runtime modules that batch_manager's pure modules may import (block bookkeeping).

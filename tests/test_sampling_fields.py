@@ -13,14 +13,14 @@ import torch
 
 from batch_manager import tensor_names as tn
 from batch_manager.executor import OutputConfig, Request, SamplingConfig
-from batch_manager.executor.conversion import to_llm_request as executor_to_llm_request
-from batch_manager.validation import AdmissionLimits, to_llm_request
+from batch_manager.executor.conversion import to_spec as executor_to_spec
+from batch_manager.admission import AdmissionLimits, to_spec
 from runtime import SamplingConfig as SessionSamplingConfig
 from runtime.decoding import DecodingParams
 from runtime.decoding.fields import BY_PARAM, SAMPLING_FIELDS
 from samples.serve.executor_bridge import to_executor_request
 from samples.serve.params import parse_generate_body
-from tests.batch_manager.test_validation import make_request
+from tests.batch_manager.test_admission import make_request
 
 VOCAB = 128
 # A value other than the default for each field, valid alone (exact in float32: tensors carry them).
@@ -29,7 +29,8 @@ VALUES = {"beam_width": 2, "temperature": 0.5, "top_k": 5, "top_p": 0.875, "top_
           "repetition_penalty": 1.5, "presence_penalty": 0.5, "frequency_penalty": 0.25, "no_repeat_ngram_size": 2,
           "length_penalty": 0.5, "early_stopping": 0, "diversity_rate": 0.5, "random_seed": 42}
 # What a front door sets itself (not from the table): left out of the comparison.
-PER_REQUEST = {"end_id", "normalize_log_probs", "bad_words", "stop_words", "embedding_bias"}
+PER_REQUEST = {"end_id", "normalize_log_probs", "bad_words", "stop_words", "embedding_bias", "draft_logits",
+               "draft_acceptance_threshold", "guide"}
 
 
 @pytest.fixture
@@ -73,7 +74,7 @@ def test_each_front_door_spells_every_field_of_its_own():
 @pytest.mark.parametrize("param", [None] + list(VALUES))
 def test_manager_tensors(limits, param):
     tensors = {} if param is None else {BY_PARAM[param].tensor: _tensor(BY_PARAM[param], VALUES[param])}
-    r = to_llm_request(make_request(**tensors), limits, arrival_index=0)
+    r = to_spec(make_request(**tensors), limits)
     assert settings(r.decoding) == expected(param)
 
 
@@ -90,7 +91,7 @@ def executor_request(param: str | None) -> Request:
 
 @pytest.mark.parametrize("param", [None] + list(VALUES))
 def test_executor_request(limits, param):
-    r, _ = executor_to_llm_request(executor_request(param), 7, limits, True, {}, False)
+    r, _ = executor_to_spec(executor_request(param), limits, True, {}, False)
     assert settings(r.decoding) == expected(param)
 
 
@@ -111,7 +112,7 @@ def test_serving_body(limits, param, bridge):
         body[BY_PARAM[param].body] = VALUES[param]
     request = parse_generate_body(body).to_request(7)
     if bridge == "manager":
-        r = to_llm_request(request, limits, arrival_index=0)
+        r = to_spec(request, limits)
     else:
-        r, _ = executor_to_llm_request(to_executor_request(request), 7, limits, True, {}, False)
+        r, _ = executor_to_spec(to_executor_request(request), limits, True, {}, False)
     assert settings(r.decoding) == expected(param)

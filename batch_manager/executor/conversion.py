@@ -1,7 +1,7 @@
-"""The Executor's two conversions: a `Request` into a validated LlmRequest (on the caller's
-thread, through the same checks as GptManager's tensors: `validation.make_llm_request` and
-`DecodingParams.validate`), and an LlmRequest into a `Result` (on the worker thread, from the
-same response tensors GptManager sends)."""
+"""The Executor's two conversions: a `Request` into a `RequestSpec` (on the caller's thread,
+through the same checks as GptManager's tensors: `admission.make_spec` and
+`DecodingParams.validate`), and a request's `RequestOutput` into a `Result` (on the worker
+thread, rendered as GptManager's responses are: `responses.render`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,23 +12,23 @@ import torch
 from runtime.decoding import DecodingParams
 from runtime.decoding.fields import SAMPLING_FIELDS
 
-from .. import tensor_names as tn
-from ..guided_decoding import check_guide
-from ..llm_request import FinishReason as CoreFinishReason
 from runtime.adapters.prompt_tuning import check_prompt_table
 
-from ..llm_request import LlmRequest
+from ..admission import (INT_DTYPES, AdmissionLimits, RequestError, cache_salt, check_decoding, check_drafts,
+                         check_prompt, make_spec)
+from ..guided_decoding import check_guide
+from ..llm_request import FinishReason as CoreFinishReason
+from ..llm_request import RequestOutput, RequestSpec
 from ..lora import adapter_ref
-from ..responses import response_tensors
-from ..validation import (INT_DTYPES, AdmissionLimits, RequestError, cache_salt, check_decoding, check_drafts,
-                          check_prompt, make_llm_request)
+from ..responses import context_logits, render
 from .request import (ExternalDraftTokensConfig, FinishReason, LoraConfig, OutputConfig, PromptTuningConfig, Request,
                       Result, SamplingConfig)
 
 # DecodingParams field -> the name the Executor's user knows, for error messages.
 _NAMES = {f.param: (f.executor if "." in f.executor else f"sampling_config.{f.executor}")
           for f in SAMPLING_FIELDS if f.executor is not None}
-_NAMES.update(end_id="end_id", embedding_bias="embedding_bias")
+_NAMES.update(end_id="end_id", embedding_bias="embedding_bias",
+              draft_acceptance_threshold="external_draft_tokens_config.acceptance_threshold")
 _FIELD_NAMES = {"max_new_tokens": "max_tokens", "pad_id": "pad_id", "draft_input_ids": "external_draft_tokens_config",
                 "num_return_sequences": "sampling_config.num_return_sequences",
                 "beam_width": "sampling_config.beam_width",
@@ -39,14 +39,14 @@ _LORA_NAMES = ("lora_config.task_id", "lora_config.weights", "lora_config.config
 
 @dataclass(frozen=True)
 class OutputOptions:
-    """What shapes a request's results, beside its LlmRequest."""
+    """What shapes a request's results, beside its RequestSpec."""
     exclude_input_from_output: bool
     return_all_generated_tokens: bool
 
 
-def to_llm_request(request: Request, request_id: int, limits: AdmissionLimits, normalize_log_probs: bool,
-                   post_processors: dict[str, Callable], has_batched_post_processor: bool
-                   ) -> tuple[LlmRequest, OutputOptions]:
+def to_spec(request: Request, limits: AdmissionLimits, normalize_log_probs: bool,
+            post_processors: dict[str, Callable], has_batched_post_processor: bool
+            ) -> tuple[RequestSpec, OutputOptions]:
     """ValueError (RequestError) naming the field and the value for bad input."""
     if not isinstance(request, Request):
         raise RequestError(f"request: expected an executor Request, got {type(request).__name__}")
@@ -65,8 +65,8 @@ def to_llm_request(request: Request, request_id: int, limits: AdmissionLimits, n
         raise RequestError(f"priority: {priority!r} outside [0, 1]")
     post_processor, use_batched = _post_processor(request.logits_post_processor_name, post_processors,
                                                  has_batched_post_processor)
-    r = make_llm_request(
-        request_id, prompt, max_tokens, limits, names=_FIELD_NAMES,
+    spec = make_spec(
+        "being enqueued", prompt, max_tokens, limits, names=_FIELD_NAMES,
         pad_id=lambda: 0 if request.pad_id is None else _int("pad_id", request.pad_id),
         decoding=lambda: check_decoding(_decoding_params(request, limits, normalize_log_probs), limits, _NAMES),
         output_flags=lambda: {name: bool(getattr(output, name)) for name in
@@ -75,10 +75,9 @@ def to_llm_request(request: Request, request_id: int, limits: AdmissionLimits, n
         use_batched_post_processor=use_batched, priority=float(priority), client_id=request.client_id,
         lora=lora, prompt_table=table, cache_salt=cache_salt(lora, table),
         drafts=lambda: _drafts(request.external_draft_tokens_config, limits),
-        guide=lambda: check_guide(request.guided_decoding_params, limits.guides, "guided_decoding_params"),
-        draft_acceptance_threshold=_threshold(request.external_draft_tokens_config))
-    _claim_adapter(r.lora, limits)   # last: a refused request leaves no claim behind
-    return r, OutputOptions(bool(output.exclude_input_from_output), bool(request.return_all_generated_tokens))
+        guide=lambda: check_guide(request.guided_decoding_params, limits.guides, "guided_decoding_params"))
+    _claim_adapter(spec.lora, limits)   # last: a refused request leaves no claim behind
+    return spec, OutputOptions(bool(output.exclude_input_from_output), bool(request.return_all_generated_tokens))
 
 
 def _drafts(config, limits: AdmissionLimits) -> tuple[list[int], Any]:
@@ -96,17 +95,6 @@ def _drafts(config, limits: AdmissionLimits) -> tuple[list[int], Any]:
                            f"{' on the meta device' if getattr(logits, 'is_meta', False) else ''}")
     return check_drafts(tokens, logits, limits, "external_draft_tokens_config.tokens",
                         "external_draft_tokens_config.logits")
-
-
-def _threshold(config) -> float | None:
-    value = getattr(config, "acceptance_threshold", None)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < float("inf"):
-        raise RequestError(f"external_draft_tokens_config.acceptance_threshold: must be a finite number >= 0, "
-                           f"got {value!r}")
-    return float(value)
-
 
 
 def _lora(config, limits: AdmissionLimits):
@@ -203,7 +191,9 @@ def _decoding_params(request: Request, limits: AdmissionLimits, normalize_log_pr
         if bias.dtype.is_floating_point:   # shape and finiteness: DecodingParams.validate
             bias = bias.to(torch.float32).clone()
     output = request.output_config
+    threshold = getattr(request.external_draft_tokens_config, "acceptance_threshold", None)
     return DecodingParams(**values, end_id=request.end_id, normalize_log_probs=normalize_log_probs,
+                          draft_acceptance_threshold=threshold,
                           num_top_log_probs=getattr(output, "num_top_log_probs", 0),
                           bad_words=_words("bad_words", request.bad_words, limits.vocab_size),
                           stop_words=_words("stop_words", request.stop_words, limits.vocab_size),
@@ -230,36 +220,22 @@ _FINISH_REASONS = {CoreFinishReason.END_ID: FinishReason.END_ID, CoreFinishReaso
                    CoreFinishReason.LENGTH: FinishReason.LENGTH, CoreFinishReason.STOPPED: FinishReason.CANCELLED}
 
 
-def to_result(r: LlmRequest, is_final: bool, options: OutputOptions) -> Result:
-    """The next result of `r` (streamed or final), from GptManager's response tensors."""
-    if options.return_all_generated_tokens and r.is_streaming and r.beam_width == 1:
-        r.num_sent_tokens = 0   # every generated token so far, not only the new ones
-    tensors = {t.name: t.tensor for t in response_tensors(r, options.exclude_input_from_output)}
-    lengths = tensors[tn.SEQUENCE_LENGTH][0].tolist()
-    output_ids = tensors[tn.OUTPUT_IDS][0]
-    tokens = [output_ids[b, :n].tolist() for b, n in enumerate(lengths)]
-    result = Result(is_final=is_final, output_token_ids=tokens, finish_reasons=_finish_reasons(r, is_final),
-                    decoding_iter=len(r.generated))
-    if r.return_log_probs:
-        result.cum_log_probs = tensors[tn.CUM_LOG_PROBS][0]
-        result.log_probs = tensors[tn.OUTPUT_LOG_PROBS][0]
-    if r.return_context_logits and is_final:
-        result.context_logits = tensors[tn.CONTEXT_LOGITS][0]
-    if r.return_generation_logits:
-        result.generation_logits = tensors[tn.GENERATION_LOGITS][0]
-    if tn.TOP_LOG_PROBS in tensors:
-        result.top_log_probs = tensors[tn.TOP_LOG_PROBS][0]
-        result.top_log_prob_ids = tensors[tn.TOP_LOG_PROB_IDS][0]
+def to_result(spec: RequestSpec, output: RequestOutput, start: int, is_final: bool, options: OutputOptions) -> Result:
+    """The next result of a request (streamed or final): generated tokens from `start` on."""
+    if options.return_all_generated_tokens:
+        start = 0   # every generated token so far, not only the new ones
+    with_prompt = not spec.is_streaming and not options.exclude_input_from_output
+    rendered = render(spec, output, start if spec.is_streaming else 0, with_prompt)
+    if is_final:
+        reasons = [_FINISH_REASONS.get(s.finish_reason, FinishReason.NOT_FINISHED) for s in output.sequences]
+    else:
+        reasons = [FinishReason.NOT_FINISHED] * len(output.sequences)
+    result = Result(is_final=is_final, output_token_ids=rendered.token_ids, finish_reasons=reasons,
+                    decoding_iter=output.num_generated)
+    if spec.return_log_probs:
+        result.cum_log_probs, result.log_probs = rendered.cum_log_probs, rendered.log_probs
+    if is_final:
+        result.context_logits = context_logits(spec, output)
+    result.generation_logits = rendered.generation_logits
+    result.top_log_probs, result.top_log_prob_ids = rendered.top_log_probs, rendered.top_log_prob_ids
     return result
-
-
-def _finish_reasons(r: LlmRequest, is_final: bool) -> list[FinishReason]:
-    num_beams = max(1, len(r.beam_tokens)) if r.beam_width > 1 else 1
-    if not is_final:
-        return [FinishReason.NOT_FINISHED] * num_beams
-    reason = _FINISH_REASONS.get(r.finish_reason, FinishReason.NOT_FINISHED)
-    if r.beam_width == 1 or reason == FinishReason.CANCELLED or not r.beam_tokens:
-        return [reason] * (num_beams if r.beam_width == 1 else r.beam_width)
-    # A beam shorter than max_new_tokens ended on the end id (or a stop word); the others on length.
-    early = FinishReason.STOP_WORDS if reason == FinishReason.STOP_WORDS else FinishReason.END_ID
-    return [FinishReason.LENGTH if len(b) >= r.max_new_tokens else early for b in r.beam_tokens]

@@ -140,6 +140,26 @@ class Executor:
     def fatal_error(self) -> str | None:
         return self._worker.fatal_error
 
+    def get_num_active_requests(self) -> int:
+        """Requests enqueued and not yet finished: waiting in the queue or admitted."""
+        if isinstance(self._worker, Follower):
+            return 0
+        return self._worker.num_active_requests + self._front_end.num_pending
+
+    @property
+    def kv_cache_manager(self):
+        """The KV block manager (runtime.cache.KvCacheManager), for reading: free blocks, reuse,
+        `check_invariants()`. Rank 0 only; it changes on the worker thread."""
+        self._check_leader()
+        return self._worker.scheduler.kv
+
+    def get_bookkeeping_counts(self) -> dict[str, int]:
+        """What the Executor still holds for requests: every count is 0 once each request has
+        ended and its final response was handed over (a leak check for soak tests)."""
+        counts = self._front_end.bookkeeping_counts()
+        counts["active"] = 0 if isinstance(self._worker, Follower) else self._worker.num_active_requests
+        return counts
+
     def get_latest_iteration_stats(self) -> list[IterationStats]:
         """The iterations since the last call (at most iter_stats_max_iterations, newest last)."""
         return self._front_end.stats.drain_iterations()

@@ -7,15 +7,15 @@ from __future__ import annotations
 import threading
 from typing import Callable
 
+from ..admission import AdmissionLimits
 from ..front_end import Fetched
 from ..llm_request import FinishReason as CoreFinishReason
-from ..llm_request import LlmRequest
+from ..llm_request import LlmRequest, RequestOutput, RequestSpec
 from ..stats import IterationStats as CoreIterationStats
-from ..validation import AdmissionLimits
-from .conversion import OutputOptions, to_llm_request, to_result
-from .queues import RequestQueue, ResponseStore
+from .conversion import OutputOptions, to_result, to_spec
+from .queues import QueuedRequest, RequestQueue, ResponseStore
 from .request import Request, Response
-from .stats import IterationStats, RequestStatsPerIteration, StatsRings, request_stats
+from .stats import IterationStats, RequestStatsPerIteration, StatsRings, queued_stats, request_stats
 
 
 class ExecutorFrontEnd:
@@ -29,6 +29,7 @@ class ExecutorFrontEnd:
         self._post_processors, self._has_batched = dict(post_processors), has_batched_post_processor
         self._is_static_batching = is_static_batching
         self._options: dict[int, OutputOptions] = {}   # request id -> result shaping, until its final
+        self._num_sent: dict[int, int] = {}            # request id -> generated tokens streamed so far
         self._stop_lock, self._stop_ids = threading.Lock(), set()
         self._next_id = 1
 
@@ -38,22 +39,25 @@ class ExecutorFrontEnd:
         """Validate every request, then queue them all, or none: ValueError naming the field for
         bad input; RuntimeError once closed; QueueFullError past max_queue_size. `listener`: see
         `ResponseStore.listen` (set before the worker can answer)."""
-        converted = [to_llm_request(request, 0, self.limits, self._normalize_log_probs, self._post_processors,
-                                    self._has_batched) for request in requests]
+        converted = [to_spec(request, self.limits, self._normalize_log_probs, self._post_processors,
+                             self._has_batched) for request in requests]
         queue = self.requests
         with queue.lock:
             if queue.closed:
                 raise RuntimeError("Executor: shut down; no requests can be enqueued")
             if queue.max_size is not None and len(queue) + len(converted) > queue.max_size:
                 queue.push_all(converted)   # raises QueueFullError with the size
-            ids = []
-            for r, options in converted:
-                r.request_id, self._next_id = self._next_id, self._next_id + 1
-                self._options[r.request_id] = options
-                self.responses.register(r.request_id, listener)
-                ids.append(r.request_id)
-            queue.push_all([r for r, _ in converted])
+            ids = list(range(self._next_id, self._next_id + len(converted)))
+            self._next_id += len(converted)
+            for request_id, (_, options) in zip(ids, converted):
+                self._options[request_id] = options
+                self.responses.register(request_id, listener)
+            queue.push_all([QueuedRequest(request_id, spec) for request_id, (spec, _) in zip(ids, converted)])
         return ids
+
+    def bookkeeping_counts(self) -> dict[str, int]:
+        return dict(queued=len(self.requests), result_shaping=len(self._options), streams=len(self._num_sent),
+                    known_ids=self.responses.num_known, ready=self.responses.num_ready())
 
     def close(self) -> None:
         with self.requests.lock:
@@ -61,10 +65,11 @@ class ExecutorFrontEnd:
 
     def cancel(self, request_id: int) -> None:
         """A queued request is answered at once; an admitted one stops at the worker's next poll."""
-        r = self.requests.remove(request_id)
-        if r is not None:
-            r.finish(CoreFinishReason.STOPPED)
-            self.respond(r, True)
+        queued = self.requests.remove(request_id)
+        if queued is not None:
+            output = RequestOutput.empty(request_id, queued.spec.num_sequences)
+            output.finish(CoreFinishReason.STOPPED, queued.spec.max_new_tokens)
+            self.respond(queued.spec, output, True)
             return
         with self._stop_lock:
             self._stop_ids.add(request_id)
@@ -83,24 +88,30 @@ class ExecutorFrontEnd:
         requests = self.requests.pop(max_num_requests)
         return Fetched(requests, len(requests))
 
-    def admit(self, item: LlmRequest, arrival_index: int) -> LlmRequest:
-        item.arrival_index = arrival_index
-        return item
+    def admit(self, item: QueuedRequest) -> RequestSpec:
+        return item.spec
 
     def poll_stop_ids(self) -> list[int]:
         with self._stop_lock:
             ids, self._stop_ids = list(self._stop_ids), set()
         return ids
 
-    def respond(self, r: LlmRequest, is_final: bool) -> None:
-        options = self._options[r.request_id]
-        result = to_result(r, is_final, options)
+    def respond(self, spec: RequestSpec, output: RequestOutput, is_final: bool) -> None:
+        request_id = output.request_id
+        sent = self._num_sent.get(request_id, 0)
+        if not is_final and output.num_generated <= sent:
+            return
+        result = to_result(spec, output, sent, is_final, self._options[request_id])
         if is_final:
-            self._options.pop(r.request_id, None)
-        self.responses.push(Response(r.request_id, result, client_id=r.client_id), is_final)
+            self._options.pop(request_id, None)
+            self._num_sent.pop(request_id, None)
+        else:
+            self._num_sent[request_id] = output.num_generated
+        self.responses.push(Response(request_id, result, client_id=spec.client_id), is_final)
 
     def respond_error(self, request_id: int, message: str) -> None:
         self._options.pop(request_id, None)
+        self._num_sent.pop(request_id, None)
         self.responses.push(Response(request_id, error_msg=message), True)
 
     def report_stats(self, stats: CoreIterationStats, scheduled_ids: frozenset[int], scheduler,
@@ -111,5 +122,5 @@ class ExecutorFrontEnd:
             requests = scheduler.active_requests() + finished
             per_request = RequestStatsPerIteration(stats.iteration, [
                 *(request_stats(r, r.request_id in scheduled_ids) for r in requests),
-                *(request_stats(r, False) for r in self.requests.snapshot())])
+                *(queued_stats(queued.request_id) for queued in self.requests.snapshot())])
         self.stats.add(iteration, per_request)

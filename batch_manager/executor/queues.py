@@ -6,9 +6,10 @@ import heapq
 import logging
 import threading
 from collections import deque
+from dataclasses import dataclass
 from typing import Callable
 
-from ..llm_request import LlmRequest
+from ..llm_request import RequestSpec
 from .request import Response
 from .waits import wait_for
 
@@ -19,33 +20,39 @@ class QueueFullError(RuntimeError):
     """enqueue_request with max_queue_size requests already waiting."""
 
 
+@dataclass(frozen=True)
+class QueuedRequest:
+    request_id: int
+    spec: RequestSpec
+
+
 class RequestQueue:
     """Validated requests not yet fetched by the worker: higher priority first, FIFO among equals."""
 
     def __init__(self, max_size: int | None):
         self.max_size = max_size
         self.lock = threading.Lock()
-        self._heap: list[tuple[float, int, LlmRequest]] = []
+        self._heap: list[tuple[float, int, QueuedRequest]] = []
         self._num_pushed = 0
         self.closed = False
 
     def __len__(self) -> int:
         return len(self._heap)
 
-    def push_all(self, requests: list[LlmRequest]) -> None:
+    def push_all(self, requests: list[QueuedRequest]) -> None:
         """Call with `lock` held."""
         if self.max_size is not None and len(self._heap) + len(requests) > self.max_size:
             raise QueueFullError(f"Executor: the request queue is full (max_queue_size={self.max_size}, "
                                  f"{len(self._heap)} waiting)")
         for r in requests:
-            heapq.heappush(self._heap, (-r.priority, self._num_pushed, r))
+            heapq.heappush(self._heap, (-r.spec.priority, self._num_pushed, r))
             self._num_pushed += 1
 
-    def pop(self, max_num: int) -> list[LlmRequest]:
+    def pop(self, max_num: int) -> list[QueuedRequest]:
         with self.lock:
             return [heapq.heappop(self._heap)[2] for _ in range(min(max_num, len(self._heap)))]
 
-    def remove(self, request_id: int) -> LlmRequest | None:
+    def remove(self, request_id: int) -> QueuedRequest | None:
         with self.lock:
             for i, (_, _, r) in enumerate(self._heap):
                 if r.request_id == request_id:
@@ -55,7 +62,7 @@ class RequestQueue:
                     return r
             return None
 
-    def snapshot(self) -> list[LlmRequest]:
+    def snapshot(self) -> list[QueuedRequest]:
         with self.lock:
             return [r for _, _, r in sorted(self._heap)]
 
@@ -76,6 +83,11 @@ class ResponseStore:
         self._num_id_waits: dict[int, int] = {}   # request id -> calls waiting for it by id
         self._num_ready = 0
         self.closed = False
+
+    @property
+    def num_known(self) -> int:
+        with self._ready:
+            return len(self._known)
 
     def register(self, request_id: int, listener: Callable[[], None] | None = None) -> None:
         with self._ready:

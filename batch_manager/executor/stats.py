@@ -82,6 +82,12 @@ def request_stats(r: LlmRequest, scheduled: bool) -> RequestStats:
                         num_reused_blocks=r.num_reused_blocks)
 
 
+def queued_stats(request_id: int) -> RequestStats:
+    """A request still in the Executor's queue."""
+    return RequestStats(id=request_id, stage=RequestStage.QUEUED, context_prefill_position=0,
+                        num_generated_tokens=0, scheduled=False, paused=False, num_reused_blocks=0)
+
+
 class StatsRings:
     """Written on the worker thread, drained by the getters on any thread."""
 

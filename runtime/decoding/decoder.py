@@ -19,6 +19,7 @@ No token allowed: a token whose processed logit is -inf is never chosen. Where a
 from __future__ import annotations
 
 import itertools
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -55,11 +56,13 @@ class DecodeState:
         self.top_p = params.top_p
         # "end_id" | "stop_words" | "length" | "no_token" (no token was allowed: every logit -inf)
         self.finish_reason: str | None = None
-        # External drafts of a sampled request: their draft model's logits [D, V] (else a draft is
-        # taken as certain: q one-hot), and TensorRT-LLM's constant acceptance threshold if set.
-        self.draft_logits: torch.Tensor | None = None
-        self.draft_acceptance_threshold: float | None = None
+        # External drafts (params.draft_logits): dropped once their step is decoded.
+        self.draft_logits: torch.Tensor | None = params.draft_logits
+        self.draft_acceptance_threshold: float | None = params.draft_acceptance_threshold
         self.guide: Guide | None = None   # guided decoding: the grammar's matcher state (guided.py)
+        if params.guide is not None:
+            template = params.guide.result() if isinstance(params.guide, Future) else params.guide
+            self.guide = template.start()
 
     @property
     def num_rows(self) -> int:

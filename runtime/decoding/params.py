@@ -119,6 +119,13 @@ class DecodingParams:
     bad_words: WordList = ()
     stop_words: WordList = ()
     embedding_bias: torch.Tensor | None = field(default=None, compare=False)  # float32 [V]
+    # External draft tokens of a sampled request: their draft model's logits float32 [D, V] (else a
+    # draft is taken as certain: q one-hot), and TensorRT-LLM's constant acceptance threshold.
+    draft_logits: torch.Tensor | None = field(default=None, compare=False)
+    draft_acceptance_threshold: float | None = None
+    # Guided decoding: the compiled grammar (guided.Template), or a Future of it; a request is
+    # decoded only once it is done.
+    guide: object = field(default=None, compare=False)
 
     @property
     def is_beam_search(self) -> bool:
@@ -166,6 +173,11 @@ class DecodingParams:
             fail("num_top_log_probs", f"needs beam width 1, got {self.beam_width}")
         if self.end_id is not None and not (isinstance(self.end_id, int) and 0 <= self.end_id < vocab_size):
             fail("end_id", f"outside [0, {vocab_size}) (None: no end id)")
+        threshold = self.draft_acceptance_threshold
+        if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, (int, float))
+                                      or not 0.0 <= threshold < math.inf):
+            name = (names or {}).get("draft_acceptance_threshold", "draft_acceptance_threshold")
+            raise ValueError(f"{name}: must be a finite number >= 0, got {threshold!r}")
         if self.embedding_bias is not None:
             bias = self.embedding_bias
             name = (names or {}).get("embedding_bias", "embedding_bias")

@@ -132,17 +132,14 @@ def run_executor_round(engine_dir: str, pool_tokens: int, num_requests: int, num
         time.sleep(0.005)
     stop.set()
     consumer.join()
-    worker, front_end = executor._worker, executor._front_end   # internals: what must be empty now
-    kv = worker.scheduler.kv
+    kv = executor.kv_cache_manager
     try:
         kv.check_invariants()
         kv_ok = True
     except AssertionError:
         kv_ok = False
-    leftovers = dict(queued=len(front_end.requests), options=len(front_end._options),
-                     known_ids=len(front_end.responses._known), ready=front_end.responses.num_ready(),
-                     active=worker.num_active_requests, used_blocks=kv.num_used_blocks)
-    del executor, worker, front_end
+    leftovers = dict(executor.get_bookkeeping_counts(), used_blocks=kv.num_used_blocks)
+    del executor, kv
     threads_after = threading.active_count()
     return dict(policy=policy.name, enable_block_reuse=config.kv_cache_config.enable_block_reuse,
                 requests=num_requests, **dict(tally.counts), in_flight_at_shutdown=in_flight,

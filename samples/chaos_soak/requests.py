@@ -61,8 +61,21 @@ def word_list(words: list[list[int]]) -> torch.Tensor:
     return to_word_list(words)[None]
 
 
+class HostileRequest(InferenceRequest):
+    """An InferenceRequest whose `raw_tensors` skip emplace's name and type checks, as a hostile
+    client's could: the manager reads a request's tensors through `input_tensors` only."""
+
+    def __init__(self, request_id):
+        super().__init__(request_id)
+        self.raw_tensors: dict = {}
+
+    @property
+    def input_tensors(self) -> dict:
+        return {**super().input_tensors, **self.raw_tensors}
+
+
 def _base(request_id: int, prompt: list[int], max_new_tokens: int, streaming: bool) -> InferenceRequest:
-    r = InferenceRequest(request_id)
+    r = HostileRequest(request_id)
     r.input_ids = torch.tensor(prompt, dtype=torch.int32)
     r.max_new_tokens = torch.tensor([[max_new_tokens]], dtype=torch.int32)
     r.is_streaming = streaming
@@ -129,8 +142,8 @@ def make_valid(rng: random.Random, request_id: int) -> tuple[InferenceRequest, S
 
 def _bad_kinds():
     """(name the error must contain, mutation of a valid request) for each kind of bad input."""
-    def set_raw(name, value):   # bypasses emplace's name check, as a hostile client could
-        return lambda r: r._tensors.__setitem__(name, value)
+    def set_raw(name, value):
+        return lambda r: r.raw_tensors.__setitem__(name, value)
 
     def lora(task_id, weights, config):
         def mutate(r):

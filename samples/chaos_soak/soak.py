@@ -153,9 +153,8 @@ def run_round(engine_dir: str, config: RoundConfig, num_requests: int, num_produ
     start = time.monotonic()
     manager = build_round_manager(engine_dir, config, (client.get, client.send, client.poll_stop,
                                                         client.report_stats))
-    worker = manager._worker   # test hooks: the block manager (checked) and the executor's fault hook
-    client.kv = worker.scheduler.kv
-    worker.executor.fault_injector = client.fault_injector
+    client.kv = manager.kv_cache_manager   # checked after each round
+    manager.model_executor.fault_injector = client.fault_injector
     shares = [num_requests // num_producers + (i < num_requests % num_producers) for i in range(num_producers)]
     producers = [threading.Thread(target=_produce, args=(client, seed * 1000 + i, n), name=f"producer-{i}")
                  for i, n in enumerate(shares)]
@@ -171,7 +170,7 @@ def run_round(engine_dir: str, config: RoundConfig, num_requests: int, num_produ
     shutdown_start = time.monotonic()
     manager.shutdown()                                          # ... and shut down with them in flight
     shutdown_end = time.monotonic()
-    kv = worker.scheduler.kv
+    kv = client.kv
     leaked = kv.num_blocks - kv.num_free_blocks
     nonzero_refs = sum(1 for b in range(kv.num_blocks) if kv.ref_count(b) != 0)
     try:
@@ -179,7 +178,7 @@ def run_round(engine_dir: str, config: RoundConfig, num_requests: int, num_produ
         kv_ok = True
     except AssertionError:
         kv_ok = False
-    del manager, worker
+    del manager
     gc.collect()
     threads_after = threading.active_count()
     mismatches, checked = check_greedy_sample(client, session, random.Random(seed))

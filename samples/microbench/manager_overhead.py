@@ -91,7 +91,7 @@ def measure(engine_dir: str, num_active: int, iterations: int, free_forward: boo
                                        kv_cache_config=KvCacheConfig(max_tokens=num_active * (prompt_len + iterations + 20 + 128)))
     manager = GptManager(engine_dir, TrtGptModelType.InflightFusedBatching, 1, SchedulerPolicy.GUARANTEED_NO_EVICT,
                          get, lambda *a: None, None, stats, params)
-    executor = manager._worker.executor
+    executor = manager.model_executor
     runner = executor.runner
     if free_forward:
         runner.forward = FreeForward(runner.model_config.vocab_size)

@@ -68,7 +68,7 @@ def main() -> None:
     client = BenchmarkClient()
     with GptManager(model_dir, TrtGptModelType.InflightFusedBatching, 1, SchedulerPolicy.GUARANTEED_NO_EVICT,
                     *client.callbacks(), exclude_input_in_output=True) as manager:
-        executor = manager._worker.executor
+        executor = manager.model_executor
         forward = executor.runner.forward = GenerationTimer(executor.runner.forward)
         execute = executor.execute = GenerationTimer(executor.execute)
         client.reset(1, None)  # warm-up: the first request, untimed

@@ -89,7 +89,7 @@ class ExecutorBridge:
             return len(self._handlers)
 
     def num_active_requests(self) -> int:
-        return self.executor._worker.num_active_requests + self.executor._front_end.num_pending
+        return self.executor.get_num_active_requests()
 
     def close(self) -> None:
         self.is_closed = True

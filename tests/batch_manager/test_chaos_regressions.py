@@ -53,10 +53,10 @@ def test_a_response_that_cannot_be_built_fails_only_its_request(tiny_engine, pro
     from batch_manager import front_end as worker_module   # where GptManager builds its responses
     build = worker_module.response_tensors
 
-    def fragile(r, exclude_input_in_output):
-        if r.request_id == 0:
+    def fragile(spec, output, start, exclude_input_in_output):
+        if output.request_id == 0:
             raise RuntimeError("cannot build")
-        return build(r, exclude_input_in_output)
+        return build(spec, output, start, exclude_input_in_output)
     monkeypatch.setattr(worker_module, "response_tensors", fragile)
     client = Client([make_request(0, prompts[0], streaming=True), make_request(1, prompts[1]),
                      make_request(2, prompts[2], streaming=True)])

@@ -14,11 +14,11 @@ import torch
 from batch_manager import (DecodingConfig, GptManager, KvCacheConfig, SchedulerPolicy, TrtGptModelOptionalParams,
                            TrtGptModelType, tensor_names)
 from batch_manager.capacity_scheduler import GuaranteedNoEvictScheduler
-from batch_manager.llm_request import LlmRequest
+from batch_manager.llm_request import LlmRequest, RequestSpec
 from batch_manager.micro_batch_scheduler import MicroBatchScheduler
 from batch_manager.scheduler import Scheduler
 from batch_manager.step import RequestResult, StepResult
-from runtime.decoding import DecodingParams
+from runtime.decoding import DecodeOutcome, DecodingParams
 from runtime.cache.kv_cache_manager import KvCacheManager
 from tests.batch_manager.conftest import NUM_NEW_TOKENS, Client, kv_of, make_request
 
@@ -199,8 +199,8 @@ def scheduler(num_blocks=16, reuse=False) -> Scheduler:
 
 
 def drafting_request(request_id, prompt, drafts, max_new_tokens=8) -> LlmRequest:
-    return LlmRequest(request_id=request_id, prompt=prompt, max_new_tokens=max_new_tokens, decoding=DecodingParams(),
-                      draft_tokens=list(drafts), max_draft_len=len(drafts), arrival_index=request_id)
+    return LlmRequest(request_id, RequestSpec(prompt, max_new_tokens, DecodingParams(), draft_tokens=tuple(drafts)),
+                      arrival_index=request_id)
 
 
 def test_rejected_drafts_are_rolled_back_and_never_cached():
@@ -211,7 +211,7 @@ def test_rejected_drafts_are_rolled_back_and_never_cached():
     assert r.token_ids == ((10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21),) and r.num_draft_tokens == 6
     assert r.block_tables == ((0, 1, 2),)                  # 12 tokens: room for every draft
     # Drafts 16, 17 accepted, then the model's own 30: 9 tokens, 8 of them computed.
-    s.update(step, StepResult((RequestResult(1, new_tokens=(16, 17, 30), num_accepted_draft_tokens=2),)))
+    s.update(step, StepResult((RequestResult(1, DecodeOutcome((16, 17, 30), num_accepted_drafts=2)),)))
     req = s.get(1)
     assert (req.generated, req.num_computed_tokens, req.draft_tokens) == ([16, 17, 30], 8, [])
     assert s.kv.block_table(1) == [0, 1, 2]                 # 9 tokens still need 3 blocks
@@ -227,7 +227,7 @@ def test_a_rejection_frees_the_blocks_past_the_new_length():
     step, _ = s.schedule()
     assert step.context_requests[0].block_tables == ((0, 1, 2),)   # 3 + 6 tokens
     free_before = s.kv.num_free_blocks
-    s.update(step, StepResult((RequestResult(1, new_tokens=(40,), num_accepted_draft_tokens=0),)))
+    s.update(step, StepResult((RequestResult(1, DecodeOutcome((40,))),)))
     assert s.kv.block_table(1) == [0]                              # 4 tokens: one block
     assert s.kv.num_free_blocks == free_before + 2
     s.kv.check_invariants()
@@ -246,14 +246,13 @@ def test_the_drafter_rests_above_its_batch_size():
     s = Scheduler(kv, GuaranteedNoEvictScheduler(kv, 8), MicroBatchScheduler(8, 64), prompt_lookup_num_tokens=3,
                   max_matching_ngram_size=2, prompt_lookup_max_batch_size=2)
     for i in range(3):
-        s.add(LlmRequest(request_id=i, prompt=[5, 6, 7, 5, 6], max_new_tokens=8, decoding=DecodingParams(),
-                         arrival_index=i))
+        s.add(LlmRequest(i, RequestSpec([5, 6, 7, 5, 6], 8, DecodingParams()), arrival_index=i))
     step, _ = s.schedule()
-    s.update(step, StepResult(tuple(RequestResult(i, new_tokens=(7,)) for i in range(3))))
+    s.update(step, StepResult(tuple(RequestResult(i, DecodeOutcome((7,))) for i in range(3))))
     step, _ = s.schedule()                      # 3 generating > 2: no drafts
     assert [r.num_draft_tokens for r in step.generation_requests] == [0, 0, 0]
     s.stop(2)
-    s.update(step, StepResult(tuple(RequestResult(i, new_tokens=(5,)) for i in range(3))))
+    s.update(step, StepResult(tuple(RequestResult(i, DecodeOutcome((5,))) for i in range(3))))
     s.pop_finished()
     step, _ = s.schedule()                      # 2 generating: prompt lookup proposes [6, 7, 5]
     assert [r.drafts for r in step.generation_requests] == [(6, 7, 5), (6, 7, 5)]

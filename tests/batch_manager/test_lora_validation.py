@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from batch_manager import InferenceRequest
-from batch_manager.executor.conversion import to_llm_request as executor_request
+from batch_manager.executor.conversion import to_spec as executor_request
 from batch_manager.executor.request import LoraConfig, Request
 from batch_manager.lora import PeftCacheManagerConfig
-from batch_manager.validation import AdmissionLimits, RequestError, to_llm_request
+from batch_manager.admission import AdmissionLimits, RequestError, to_spec
 from runtime.config import ModelConfig
 from runtime.models import model_config_from_hf
 from tests.factories import hf_config
@@ -47,10 +47,10 @@ def task(task_id: int) -> torch.Tensor:
 
 def test_a_valid_adapter_becomes_an_adapter_ref():
     w, c = adapter([(1, 0, 4), (3, 1, 8), (7, 0, 2)])
-    r = to_llm_request(request(lora_task_id=task(5), lora_weights=w[None], lora_config=c[None]), limits(), 0)
+    r = to_spec(request(lora_task_id=task(5), lora_weights=w[None], lora_config=c[None]), limits())
     assert r.lora.task_id == 5 and r.lora.payload.ranks == (4, 8, 2)
     assert r.lora.device_rows == 3 and r.lora.host_cost == (4 * (H + Q) + 8 * (H + KV) + 2 * (H + I)) * 4
-    assert to_llm_request(request(lora_task_id=task(5)), limits(), 0).lora.payload is None
+    assert to_spec(request(lora_task_id=task(5)), limits()).lora.payload is None
 
 
 @pytest.mark.parametrize("tensors, message", [
@@ -92,26 +92,26 @@ def test_a_valid_adapter_becomes_an_adapter_ref():
 ])
 def test_bad_lora_tensors_name_the_field_and_value(tensors, message):
     with pytest.raises(RequestError) as e:
-        to_llm_request(request(**tensors), limits(), 0)
+        to_spec(request(**tensors), limits())
     assert message in str(e.value)
 
 
 def test_gpt2_has_no_mlp_gate_module():
     w, c = adapter([(7, 0, 4)])
     with pytest.raises(RequestError, match=r"lora_config: row 0 names module 7 \(mlp_gate\), which this gpt2 model"):
-        to_llm_request(request(lora_task_id=task(1), lora_weights=w, lora_config=c), limits("gpt2"), 0)
+        to_spec(request(lora_task_id=task(1), lora_weights=w, lora_config=c), limits("gpt2"))
 
 
 def test_max_adapter_size_comes_from_the_cache_config():
     w, c = adapter([(1, 0, 16)])
     with pytest.raises(RequestError, match="adapter size 16, outside \\[1, max_adapter_size=8\\]"):
-        to_llm_request(request(lora_task_id=task(1), lora_weights=w, lora_config=c), limits(max_adapter_size=8), 0)
+        to_spec(request(lora_task_id=task(1), lora_weights=w, lora_config=c), limits(max_adapter_size=8))
 
 
 def test_executor_lora_config_errors_name_its_fields():
     w, c = adapter([(1, 0, 4)])
     lim = limits()
-    r, _ = executor_request(Request([1, 2, 3], 4, lora_config=LoraConfig(3, w, c)), 1, lim, True, {}, False)
+    r, _ = executor_request(Request([1, 2, 3], 4, lora_config=LoraConfig(3, w, c)), lim, True, {}, False)
     assert r.lora.task_id == 3
     for config, message in [(LoraConfig(3, w), "lora_config.config: missing"),
                             (LoraConfig(-1), "lora_config.task_id: expected an integer in [0, 2**63), got -1"),
@@ -120,5 +120,5 @@ def test_executor_lora_config_errors_name_its_fields():
                             (LoraConfig(3, w, c.to("meta")), "lora_config.config: a tensor on the meta device"),
                             ("task 3", "lora_config: expected a LoraConfig, got str")]:
         with pytest.raises(RequestError) as e:
-            executor_request(Request([1, 2, 3], 4, lora_config=config), 1, lim, True, {}, False)
+            executor_request(Request([1, 2, 3], 4, lora_config=config), lim, True, {}, False)
         assert message in str(e.value)

@@ -3,7 +3,8 @@ residency: requests wait for room, adapters in use are never evicted, idle ones 
 from __future__ import annotations
 
 from batch_manager.capacity_scheduler import GuaranteedNoEvictScheduler, MaxUtilizationScheduler
-from batch_manager.llm_request import FinishReason, LlmRequest, RequestState
+from batch_manager.llm_request import FinishReason, LlmRequest, RequestSpec, RequestState
+from runtime.decoding import DecodingParams
 from batch_manager.peft_cache import AdapterRef, PeftCache
 from runtime.cache.kv_cache_manager import KvCacheManager
 
@@ -62,9 +63,8 @@ def test_host_trim_drops_idle_adapters_lru_first_and_keeps_those_in_use():
 
 
 def make_request(request_id: int, task_id: int | None, prompt_len: int = 8) -> LlmRequest:
-    r = LlmRequest(request_id=request_id, prompt=list(range(1, prompt_len + 1)), max_new_tokens=4)
-    r.lora = None if task_id is None else AdapterRef(task_id, f"w{task_id}", 10, 2)
-    return r
+    lora = None if task_id is None else AdapterRef(task_id, f"w{task_id}", 10, 2)
+    return LlmRequest(request_id, RequestSpec(list(range(1, prompt_len + 1)), 4, DecodingParams(), lora=lora))
 
 
 def test_a_request_waits_until_its_adapter_can_be_resident():

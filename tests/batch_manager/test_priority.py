@@ -6,12 +6,13 @@ from __future__ import annotations
 from batch_manager.capacity_scheduler import (GuaranteedNoEvictScheduler, MaxUtilizationScheduler,
                                               StaticBatchScheduler)
 from runtime.cache.kv_cache_manager import KvCacheManager
-from batch_manager.llm_request import FinishReason, LlmRequest, RequestState
+from batch_manager.llm_request import FinishReason, LlmRequest, RequestSpec, RequestState
+from runtime.decoding import DecodingParams
 
 
 def make_request(request_id: int, priority: float, prompt_len: int = 2, max_new_tokens: int = 2) -> LlmRequest:
-    return LlmRequest(request_id=request_id, prompt=list(range(prompt_len)), max_new_tokens=max_new_tokens,
-                      arrival_index=request_id, priority=priority)
+    return LlmRequest(request_id, RequestSpec(list(range(prompt_len)), max_new_tokens, DecodingParams(),
+                                              priority=priority), arrival_index=request_id)
 
 
 def forward(r: LlmRequest) -> None:

@@ -8,27 +8,47 @@ from datetime import datetime, timedelta
 import pytest
 import torch
 
-from batch_manager.llm_request import FinishReason, LlmRequest, RequestState
+from batch_manager.admission import AdmissionLimits
+from batch_manager.callbacks import UserCallbacks
+from batch_manager.front_end import CallbackFrontEnd
+from batch_manager.llm_request import FinishReason, RequestOutput, RequestSpec
 from batch_manager.responses import response_tensors
 from batch_manager.stats import IterationStats, stats_json
+from runtime.decoding import DecodingParams
 
 VOCAB = 5
 OUTPUT_NAMES = ["output_ids", "sequence_length", "output_log_probs", "cum_log_probs", "context_logits",
                 "generation_logits"]
 
 
-def make_request(prompt=(1, 2, 3), generated=(10, 11), finished: bool = True, **kw) -> LlmRequest:
-    r = LlmRequest(request_id=1, prompt=list(prompt), max_new_tokens=8, **kw)
-    r.set_state(RequestState.CONTEXT)
-    r.set_state(RequestState.GENERATION)
-    r.generated = list(generated)
-    if finished:
-        r.finish(FinishReason.LENGTH)
-    return r
+class Answered:
+    """A request's spec and output, answered as a front end does: it keeps the cursor of the
+    generated tokens it sent."""
+
+    def __init__(self, prompt=(1, 2, 3), generated=(10, 11), finished: bool = True, **spec_fields):
+        self.spec = RequestSpec(list(prompt), 8, DecodingParams(), **spec_fields)
+        self.output = RequestOutput.empty(1, 1)
+        self.sequence = self.output.sequences[0]
+        self.sent = 0
+        self.generate(*generated)
+        if finished:
+            self.finish(FinishReason.LENGTH)
+
+    def generate(self, *tokens: int) -> None:
+        self.sequence.tokens += tokens
+        self.output.num_generated = len(self.sequence.tokens)
+
+    def finish(self, reason: FinishReason) -> None:
+        self.output.finish(reason, self.spec.max_new_tokens)
 
 
-def as_dict(r: LlmRequest, exclude_input_in_output: bool = False) -> dict[str, torch.Tensor]:
-    tensors = response_tensors(r, exclude_input_in_output)
+def make_request(**kw) -> Answered:
+    return Answered(**kw)
+
+
+def as_dict(r: Answered, exclude_input_in_output: bool = False) -> dict[str, torch.Tensor]:
+    tensors = response_tensors(r.spec, r.output, r.sent, exclude_input_in_output)
+    r.sent = r.output.num_generated
     assert [t.name for t in tensors] == OUTPUT_NAMES
     return {t.name: t.tensor for t in tensors}
 
@@ -66,30 +86,40 @@ def test_streaming_sends_only_new_tokens():
     assert_tensor(out["output_ids"], torch.int32, [[[10]]])
     assert_tensor(out["sequence_length"], torch.int32, [[1]])
     assert_tensor(out["output_log_probs"], torch.float32, torch.zeros(1, 1, 1))
-    assert r.num_sent_tokens == 1
-    r.generated += [11, 12]
+    r.generate(11, 12)
     out = as_dict(r, exclude_input_in_output=False)      # streaming never repeats the prompt
     assert_tensor(out["output_ids"], torch.int32, [[[11, 12]]])
     assert_tensor(out["sequence_length"], torch.int32, [[2]])
     assert_tensor(out["output_log_probs"], torch.float32, torch.zeros(1, 1, 2))
-    assert r.num_sent_tokens == 3
     r.finish(FinishReason.END_ID)                        # final response with nothing new
     out = as_dict(r)
     assert_tensor(out["output_ids"], torch.int32, torch.zeros(1, 1, 0))
     assert_tensor(out["sequence_length"], torch.int32, [[0]])
-    assert r.num_sent_tokens == 3
 
 
-def test_non_streaming_response_marks_everything_sent():
-    r = make_request()
-    as_dict(r)
-    assert r.num_sent_tokens == 2
+def test_the_callback_front_end_streams_each_token_once():
+    """Its cursor: a streamed response only when tokens were generated since the last one; the
+    final one always (with what is left)."""
+    sent = []
+    callbacks = UserCallbacks(lambda n: [], lambda *args: sent.append(args), lambda: [], None)
+    limits = AdmissionLimits(VOCAB, 8, 16, 1, 16, 4, False, False)
+    front_end = CallbackFrontEnd(callbacks, limits, None, False, True, False)
+    r = make_request(generated=[10], finished=False, is_streaming=True)
+    front_end.respond(r.spec, r.output, False)
+    front_end.respond(r.spec, r.output, False)          # nothing new: nothing sent
+    r.generate(11, 12)
+    front_end.respond(r.spec, r.output, False)
+    r.finish(FinishReason.END_ID)
+    front_end.respond(r.spec, r.output, True)
+    tokens = [{t.name: t.tensor for t in tensors}["output_ids"][0, 0].tolist() for _, tensors, _, _ in sent]
+    assert tokens == [[10], [11, 12], []]
+    assert [is_final for _, _, is_final, _ in sent] == [False, False, True]
 
 
 def test_log_probs_when_requested():
     r = make_request(return_log_probs=True)
-    r.log_probs = [-0.5, -1.25]
-    r.cum_log_prob = -1.75
+    r.sequence.log_probs = [-0.5, -1.25]
+    r.sequence.cum_log_prob = -1.75
     out = as_dict(r)
     assert_tensor(out["output_log_probs"], torch.float32, [[[-0.5, -1.25]]])
     assert_tensor(out["cum_log_probs"], torch.float32, [[-1.75]])
@@ -97,11 +127,11 @@ def test_log_probs_when_requested():
 
 def test_streaming_log_probs_chunk_and_cumulative_sum():
     r = make_request(generated=[10], finished=False, is_streaming=True, return_log_probs=True)
-    r.log_probs, r.cum_log_prob = [-0.5], -0.5
+    r.sequence.log_probs, r.sequence.cum_log_prob = [-0.5], -0.5
     as_dict(r)
-    r.generated.append(11)
-    r.log_probs.append(-0.25)
-    r.cum_log_prob = -0.75
+    r.generate(11)
+    r.sequence.log_probs.append(-0.25)
+    r.sequence.cum_log_prob = -0.75
     out = as_dict(r)
     assert_tensor(out["output_log_probs"], torch.float32, [[[-0.25]]])
     assert_tensor(out["cum_log_probs"], torch.float32, [[-0.75]])
@@ -109,7 +139,7 @@ def test_streaming_log_probs_chunk_and_cumulative_sum():
 
 def test_context_logits_when_requested_in_the_final_response():
     r = make_request(return_context_logits=True, finished=False, is_streaming=True)
-    r.context_logits = torch.arange(3 * VOCAB, dtype=torch.float16).view(3, VOCAB)
+    r.output.context_logits = torch.arange(3 * VOCAB, dtype=torch.float16).view(3, VOCAB)
     assert_tensor(as_dict(r)["context_logits"], torch.float32, torch.zeros(1, 1, 1))   # not final yet
     r.finish(FinishReason.LENGTH)
     assert_tensor(as_dict(r)["context_logits"], torch.float32,
@@ -119,14 +149,14 @@ def test_context_logits_when_requested_in_the_final_response():
 def test_generation_logits_when_requested():
     rows = [torch.full((VOCAB,), float(i)) for i in range(3)]
     r = make_request(generated=[10, 11], return_generation_logits=True)
-    r.generation_logits = rows[:2]
+    r.sequence.generation_logits = rows[:2]
     assert_tensor(as_dict(r)["generation_logits"], torch.float32, torch.stack(rows[:2]).view(1, 1, 2, VOCAB))
 
     r = make_request(generated=[10, 11], finished=False, is_streaming=True, return_generation_logits=True)
-    r.generation_logits = rows[:2]
+    r.sequence.generation_logits = rows[:2]
     as_dict(r)
-    r.generated.append(12)
-    r.generation_logits.append(rows[2])
+    r.generate(12)
+    r.sequence.generation_logits.append(rows[2])
     assert_tensor(as_dict(r)["generation_logits"], torch.float32, rows[2].view(1, 1, 1, VOCAB))
 
 

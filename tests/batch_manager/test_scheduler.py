@@ -7,7 +7,8 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from batch_manager.llm_request import FinishReason, LlmRequest, RequestState
+from batch_manager.llm_request import FinishReason, LlmRequest, RequestSpec, RequestState
+from runtime.decoding import DecodingParams
 from batch_manager.options import SchedulerPolicy
 from batch_manager.capacity_scheduler import (GuaranteedNoEvictScheduler, MaxUtilizationScheduler,
                                               StaticBatchScheduler, free_request_blocks, make_capacity_scheduler)
@@ -19,7 +20,7 @@ GENERATED_TOKEN = 7
 
 
 def make_request(request_id: int, prompt_len: int = 2, max_new_tokens: int = 2) -> LlmRequest:
-    return LlmRequest(request_id=request_id, prompt=list(range(prompt_len)), max_new_tokens=max_new_tokens,
+    return LlmRequest(request_id, RequestSpec(list(range(prompt_len)), max_new_tokens, DecodingParams()),
                       arrival_index=request_id)
 
 
@@ -41,7 +42,7 @@ def in_generation(request_id: int, num_generated: int = 1, prompt_len: int = 2) 
     r = make_request(request_id, prompt_len, max_new_tokens=num_generated + 4)
     r.set_state(RequestState.CONTEXT)
     r.set_state(RequestState.GENERATION)
-    r.generated = [GENERATED_TOKEN] * num_generated
+    r.generated[:] = [GENERATED_TOKEN] * num_generated
     r.num_computed_tokens = r.num_tokens - 1
     return r
 
@@ -347,15 +348,18 @@ class CapacityMachine(RuleBasedStateMachine):
         half = self.num_blocks * self.tokens_per_block // 2
         prompt = data.draw(st.lists(st.integers(0, 1), min_size=1, max_size=half))
         max_new_tokens = data.draw(st.integers(1, half))
-        r = make_request(self.next_id, len(prompt), max_new_tokens)
-        r.prompt = list(prompt)
-        if self.max_beam_width > 1:
-            r.beam_width = data.draw(st.integers(1, self.max_beam_width))
-            # As admission refuses a request that cannot fit the pool alone.
-            while r.beam_width > 1 and self.scheduler._worst_case_blocks(r) > self.num_blocks:
-                r.max_new_tokens -= 1
-                if r.max_new_tokens == 0:
-                    r.prompt, r.max_new_tokens = r.prompt[:1], 1
+        beam_width = data.draw(st.integers(1, self.max_beam_width)) if self.max_beam_width > 1 else 1
+
+        def request() -> LlmRequest:
+            spec = RequestSpec(list(prompt), max_new_tokens, DecodingParams(beam_width=beam_width))
+            return LlmRequest(self.next_id, spec, arrival_index=self.next_id)
+        r = request()
+        # As admission refuses a request that cannot fit the pool alone.
+        while beam_width > 1 and self.scheduler._worst_case_blocks(r) > self.num_blocks:
+            max_new_tokens -= 1
+            if max_new_tokens == 0:
+                prompt, max_new_tokens = prompt[:1], 1
+            r = request()
         self.active.append(r)
         self.next_id += 1
 
@@ -378,11 +382,11 @@ class CapacityMachine(RuleBasedStateMachine):
             r.num_computed_tokens += n
         else:
             forward(r)
-            if r.beam_width > 1 and not r.is_finished:
-                parents = data.draw(st.lists(st.integers(0, r.num_live_beams - 1), min_size=r.beam_width,
-                                             max_size=r.beam_width))
+            if r.spec.num_sequences > 1 and not r.is_finished:
+                parents = data.draw(st.lists(st.integers(0, r.num_live_beams - 1), min_size=r.spec.num_sequences,
+                                             max_size=r.spec.num_sequences))
                 fork_beams(self.kv, r.request_id, r.num_live_beams, parents)
-                r.num_live_beams = r.beam_width
+                r.num_live_beams = r.spec.num_sequences
         self.kv.store_computed_blocks(r.request_id, r.token_slice(self.kv.num_stored_tokens(r.request_id),
                                                                   r.num_computed_tokens), r.num_computed_tokens)
 

@@ -3,17 +3,20 @@
 as a pure function of a step on a tiny real model."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from batch_manager.capacity_scheduler import GuaranteedNoEvictScheduler
 from runtime.cache.kv_cache_manager import KvCacheManager
-from batch_manager.llm_request import FinishReason, LlmRequest, RequestState
+from batch_manager.llm_request import FinishReason, LlmRequest, RequestSpec, RequestState
 from batch_manager.micro_batch_scheduler import MicroBatchScheduler
 from batch_manager.model_executor import ModelExecutor
 from batch_manager.scheduler import Scheduler
-from batch_manager.step import BeamOutputs, RequestResult, StepResult
+from batch_manager.step import RequestResult, StepResult
 from runtime import Engine, ModelRunner
-from runtime.decoding import DecodingParams
+from runtime.decoding import DecodeOutcome, DecodingParams
+from runtime.token_record import BeamOutputs
 from tests.batch_manager.conftest import NUM_NEW_TOKENS
 
 
@@ -24,8 +27,8 @@ def make_scheduler(num_blocks: int = 16, tokens_per_block: int = 4, max_num_toke
 
 
 def request(request_id: int, prompt: list[int], max_new_tokens: int = 4, beam_width: int = 1) -> LlmRequest:
-    return LlmRequest(request_id=request_id, prompt=prompt, max_new_tokens=max_new_tokens, beam_width=beam_width,
-                      decoding=DecodingParams(beam_width=beam_width), arrival_index=request_id)
+    return LlmRequest(request_id, RequestSpec(prompt, max_new_tokens, DecodingParams(beam_width=beam_width)),
+                      arrival_index=request_id)
 
 
 def test_a_context_step_then_a_generation_step():
@@ -36,9 +39,9 @@ def test_a_context_step_then_a_generation_step():
     (r,) = step.context_requests
     assert (r.request_id, r.token_ids, r.past_length, r.block_tables) == (7, ((5, 6, 7, 8, 9, 10),), 0, ((0, 1),))
     assert r.is_last_chunk and r.new is not None and r.new.record.prompt == [5, 6, 7, 8, 9, 10]
-    scheduler.update(step, StepResult((RequestResult(7, new_tokens=(11,), new_log_probs=(-0.5,), cum_log_prob=-0.5),)))
+    scheduler.update(step, StepResult((RequestResult(7, DecodeOutcome((11,), (-0.5,), cum_log_prob=-0.5)),)))
     state = scheduler.get(7)
-    assert (state.generated, state.log_probs, state.num_computed_tokens, state.state) == \
+    assert (state.generated, state.output.sequences[0].log_probs, state.num_computed_tokens, state.state) == \
         ([11], [-0.5], 6, RequestState.GENERATION)
     step, _ = scheduler.schedule()
     (r,) = step.generation_requests
@@ -53,8 +56,8 @@ def test_a_chunked_context_decodes_only_after_its_last_chunk():
         step, _ = scheduler.schedule()
         (r,) = step.context_requests
         chunks.append((r.token_ids[0], r.past_length, r.is_last_chunk))
-        tokens = (50,) if r.is_last_chunk else ()
-        scheduler.update(step, StepResult((RequestResult(1, new_tokens=tokens),)))
+        outcome = DecodeOutcome((50,)) if r.is_last_chunk else None
+        scheduler.update(step, StepResult((RequestResult(1, outcome),)))
     assert chunks == [((3, 4, 5, 6), 0, False), ((7, 8, 9, 10), 4, False), ((11, 12), 8, True)]
     assert scheduler.get(1).generated == [50] and scheduler.get(1).state == RequestState.GENERATION
 
@@ -64,9 +67,9 @@ def test_finished_requests_free_their_blocks_and_their_store_in_the_next_step():
     scheduler.add(request(1, [3, 4, 5]))
     scheduler.add(request(2, [6, 7]))
     step, _ = scheduler.schedule()
-    scheduler.update(step, StepResult((RequestResult(1, new_tokens=(9,), finish_reason="end_id"),
+    scheduler.update(step, StepResult((RequestResult(1, DecodeOutcome((9,), finish_reason="end_id")),
                                        RequestResult(2, error="boom"))))
-    assert [r.finish_reason for r in (scheduler.get(1), scheduler.get(2))] == [FinishReason.END_ID, FinishReason.ERROR]
+    assert [r.output.finish_reason for r in (scheduler.get(1), scheduler.get(2))] == [FinishReason.END_ID, FinishReason.ERROR]
     done = scheduler.pop_finished()
     assert sorted(r.request_id for r in done) == [1, 2] and scheduler.num_active == 0
     assert scheduler.kv.num_free_blocks == scheduler.kv.num_blocks
@@ -83,7 +86,7 @@ def test_a_request_stopped_while_in_flight_keeps_its_blocks_until_its_result_is_
     scheduler.stop(1)
     assert scheduler.pop_finished(in_flight_ids=frozenset({1})) == []
     assert scheduler.kv.holds(1)
-    scheduler.update(step, StepResult((RequestResult(1, new_tokens=(9,)),)))
+    scheduler.update(step, StepResult((RequestResult(1, DecodeOutcome((9,))),)))
     assert scheduler.get(1).generated == []            # stopped: the late token is not recorded
     assert [r.request_id for r in scheduler.pop_finished()] == [1] and not scheduler.kv.holds(1)
 
@@ -94,7 +97,7 @@ def test_beams_fork_their_tables_after_the_first_decode():
     step, _ = scheduler.schedule()
     beams = BeamOutputs(parents=(0, 0), live_tokens=((20,), (21,)), tokens=((20,), (21,)),
                         log_probs=((-0.1,), (-0.2,)), cum_log_probs=(-0.1, -0.2))
-    scheduler.update(step, StepResult((RequestResult(1, beams=beams),)))
+    scheduler.update(step, StepResult((RequestResult(1, DecodeOutcome(beams=beams)),)))
     r = scheduler.get(1)
     assert (r.num_live_beams, r.record.beams, r.generated) == (2, [[20], [21]], [20])
     step, _ = scheduler.schedule()
@@ -141,12 +144,13 @@ def test_a_fault_fails_only_its_forward_group(tiny_engine, prompts):
             raise RuntimeError("injected")
     executor.fault_injector = fault
     by_id = {r.request_id: r for r in executor.execute(step).results}
-    assert "injected" in by_id[1].error and by_id[1].new_tokens == ()
-    assert by_id[0].error is None and len(by_id[0].new_tokens) == 1
+    assert "injected" in by_id[1].error and by_id[1].outcome is None
+    assert by_id[0].error is None and len(by_id[0].outcome.tokens) == 1
 
 
 def _tokens(result: StepResult) -> list:
-    return [(r.request_id, r.new_tokens, r.finish_reason, r.error) for r in result.results]
+    return [(r.request_id, r.error) if r.outcome is None else (r.request_id, r.outcome.tokens, r.outcome.finish_reason)
+            for r in result.results]
 
 
 def test_context_logits_come_back_for_the_whole_prompt(tiny_engine, prompts):
@@ -154,7 +158,7 @@ def test_context_logits_come_back_for_the_whole_prompt(tiny_engine, prompts):
     executor = ModelExecutor(ModelRunner(Engine.from_dir(engine_dir), 64))
     scheduler = make_scheduler(num_blocks=64, max_num_tokens=128)
     r = request(0, prompts[3])
-    r.return_context_logits = True
+    r.spec = dataclasses.replace(r.spec, return_context_logits=True)
     scheduler.add(r)
     step, _ = scheduler.schedule()
     (result,) = executor.execute(step).results

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batch_manager.executor.conversion import to_llm_request as executor_request
+from batch_manager.executor.conversion import to_spec as executor_request
 from batch_manager.executor.request import ExternalDraftTokensConfig, PromptTuningConfig, Request
-from batch_manager.validation import RequestError, to_llm_request
+from batch_manager.admission import RequestError, to_spec
 from runtime.adapters.prompt_tuning import virtual_tokens
 from tests.batch_manager.test_lora_validation import limits, request
 
@@ -18,13 +18,13 @@ VOCAB_SIZE = torch.tensor([4], dtype=torch.int32)
 
 def gpt_manager_error(**tensors) -> str:
     with pytest.raises(RequestError) as e:
-        to_llm_request(request(**tensors), limits(), 0)
+        to_spec(request(**tensors), limits())
     return str(e.value)
 
 
 def executor_error(request_: Request) -> str:
     with pytest.raises(RequestError) as e:
-        executor_request(request_, 1, limits(), True, {}, False)
+        executor_request(request_, limits(), True, {}, False)
     return str(e.value)
 
 

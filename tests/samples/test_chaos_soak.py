@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from batch_manager.validation import AdmissionLimits, RequestError, to_llm_request
+from batch_manager.admission import AdmissionLimits, RequestError, to_spec
 from runtime.models import model_config_from_hf
 from samples.default_model import llama_hf_config
 from samples.chaos_soak.requests import BAD_KINDS, MAX_BEAM_WIDTH, make_bad
@@ -69,10 +69,10 @@ def test_each_bad_kind_is_refused_at_admission_naming_its_field(index):
         assert request.request_id < 0   # refused by the worker before validation (test_gpt_manager)
         return
     if field == "lora_task_id":         # an id never cached: refused by the PEFT cache at admission (test_lora)
-        assert to_llm_request(request, LIMITS, 0).lora.payload is None
+        assert to_spec(request, LIMITS).lora.payload is None
         return
     with pytest.raises(RequestError, match=field):
-        to_llm_request(request, LIMITS, 0)
+        to_spec(request, LIMITS)
 
 
 def test_cli_writes_the_report(tmp_path, capsys):

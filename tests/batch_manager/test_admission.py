@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from batch_manager import InferenceRequest, NamedTensor, tensor_names
-from batch_manager.llm_request import LlmRequest
-from batch_manager.validation import AdmissionLimits, RequestError, to_llm_request
+from batch_manager.llm_request import RequestSpec
+from batch_manager.admission import AdmissionLimits, RequestError, to_spec
 
 VOCAB = 128
 
@@ -34,7 +34,7 @@ def make_request(prompt=(1, 2, 3), max_new_tokens: int = 4, request_id: int = 7,
 
 def rejection(request: InferenceRequest, limits: AdmissionLimits) -> str:
     with pytest.raises(RequestError) as info:
-        to_llm_request(request, limits, arrival_index=0)
+        to_spec(request, limits)
     return str(info.value)
 
 
@@ -177,7 +177,7 @@ def test_unsigned_input_ids_are_accepted_or_refused_by_name(limits, dtype):
     r = make_request()
     r.input_ids = torch.tensor([1, 2, 3], dtype=dtype)
     try:
-        assert to_llm_request(r, limits, arrival_index=0).prompt == [1, 2, 3]
+        assert to_spec(r, limits).prompt == [1, 2, 3]
     except RequestError as e:
         assert "input_ids" in str(e)
 
@@ -185,16 +185,16 @@ def test_unsigned_input_ids_are_accepted_or_refused_by_name(limits, dtype):
 # -- accepted requests -----------------------------------------------------------------------------
 
 def test_prompt_plus_output_len_above_max_seq_len_is_clamped_with_a_warning(limits, caplog):
-    with caplog.at_level(logging.WARNING, logger="batch_manager.validation"):
-        r = to_llm_request(make_request(prompt=[1] * 10, max_new_tokens=60), limits, arrival_index=0)
+    with caplog.at_level(logging.WARNING, logger="batch_manager.admission"):
+        r = to_spec(make_request(prompt=[1] * 10, max_new_tokens=60), limits)
     assert r.max_new_tokens == 54
     [record] = [rec for rec in caplog.records if rec.levelno == logging.WARNING]
     assert "request_output_len" in record.getMessage() and "54" in record.getMessage()
 
 
 def test_prompt_plus_output_len_at_max_seq_len_is_not_clamped(limits, caplog):
-    with caplog.at_level(logging.WARNING, logger="batch_manager.validation"):
-        r = to_llm_request(make_request(prompt=[1] * 10, max_new_tokens=54), limits, arrival_index=0)
+    with caplog.at_level(logging.WARNING, logger="batch_manager.admission"):
+        r = to_spec(make_request(prompt=[1] * 10, max_new_tokens=54), limits)
     assert r.max_new_tokens == 54
     assert caplog.records == []
 
@@ -205,47 +205,45 @@ def test_prompt_plus_output_len_at_max_seq_len_is_not_clamped(limits, caplog):
 def test_input_ids_shapes_accepted(limits, input_ids):
     r = make_request()
     r.input_ids = input_ids
-    llm_request = to_llm_request(r, limits, arrival_index=3)
-    assert isinstance(llm_request, LlmRequest)
-    assert llm_request.prompt == [5, 6, 7]
-    assert llm_request.max_new_tokens == 4
-    assert llm_request.request_id == 7
-    assert llm_request.arrival_index == 3
+    spec = to_spec(r, limits)
+    assert isinstance(spec, RequestSpec)
+    assert spec.prompt == [5, 6, 7]
+    assert spec.max_new_tokens == 4
 
 
 def test_scalar_shapes_accepted(limits):
     r = make_request(end_id=torch.tensor(2, dtype=torch.int32), pad_id=torch.tensor([[0]], dtype=torch.int32))
     r.max_new_tokens = torch.tensor([3], dtype=torch.int32)
-    llm_request = to_llm_request(r, limits, arrival_index=0)
-    assert (llm_request.max_new_tokens, llm_request.end_id, llm_request.pad_id) == (3, 2, 0)
+    spec = to_spec(r, limits)
+    assert (spec.max_new_tokens, spec.decoding.end_id, spec.pad_id) == (3, 2, 0)
 
 
 def test_input_lengths_is_accepted_and_ignored(limits):
     r = make_request(input_lengths=torch.tensor([99], dtype=torch.int32))
-    llm_request = to_llm_request(r, limits, arrival_index=0)
-    assert llm_request.prompt == [1, 2, 3]
+    spec = to_spec(r, limits)
+    assert spec.prompt == [1, 2, 3]
 
 
 def test_legacy_dict_constructor(limits):
     r = InferenceRequest(9, {"input_ids": torch.tensor([[4, 5]], dtype=torch.int32),
                              "request_output_len": torch.tensor([[2]], dtype=torch.int32)})
-    llm_request = to_llm_request(r, limits, arrival_index=0)
-    assert (llm_request.request_id, llm_request.prompt, llm_request.max_new_tokens) == (9, [4, 5], 2)
+    spec = to_spec(r, limits)
+    assert (spec.prompt, spec.max_new_tokens) == ([4, 5], 2)
 
 
 def test_defaults_of_an_accepted_request(limits):
-    llm_request = to_llm_request(make_request(), limits, arrival_index=0)
-    assert llm_request.end_id is None
-    assert llm_request.beam_width == 1
-    assert llm_request.is_streaming is False
-    assert llm_request.decoding.temperature == 1.0
-    assert (llm_request.return_log_probs, llm_request.return_context_logits,
-            llm_request.return_generation_logits) == (False, False, False)
+    spec = to_spec(make_request(), limits)
+    assert spec.decoding.end_id is None
+    assert spec.num_sequences == 1
+    assert spec.is_streaming is False
+    assert spec.decoding.temperature == 1.0
+    assert (spec.return_log_probs, spec.return_context_logits,
+            spec.return_generation_logits) == (False, False, False)
 
 
 def test_end_id_minus_one_means_never_stop(limits):
-    llm_request = to_llm_request(make_request(end_id=torch.tensor([-1], dtype=torch.int32)), limits, 0)
-    assert llm_request.end_id is None
+    spec = to_spec(make_request(end_id=torch.tensor([-1], dtype=torch.int32)), limits)
+    assert spec.decoding.end_id is None
 
 
 # -- InferenceRequest and NamedTensor --------------------------------------------------------------
@@ -289,7 +287,7 @@ def test_is_streaming(limits):
     r = make_request()
     assert r.is_streaming is False
     r.is_streaming = True
-    assert to_llm_request(r, limits, arrival_index=0).is_streaming is True
+    assert to_spec(r, limits).is_streaming is True
 
 
 def test_request_id_and_logits_post_processor():

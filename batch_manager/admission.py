@@ -1,10 +1,12 @@
-"""Admission: turn an InferenceRequest's tensors into a validated LlmRequest, or a ValueError that
-names the tensor and the value. Nothing is changed for a rejected request."""
+"""Admission: the one maker of a `RequestSpec` (`make_spec`), whichever the front door; here too
+GptManager's door, an InferenceRequest's tensors (`to_spec`); the Executor's `Request` is parsed
+in executor/conversion.py. A bad request is a RequestError (a ValueError) that names the field and
+the value; nothing is changed for a rejected request."""
 from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
@@ -16,7 +18,7 @@ from runtime.adapters.prompt_tuning import check_prompt_table, table_digest
 from . import tensor_names as tn
 from .inference_request import InferenceRequest
 from .guided_decoding import check_guide
-from .llm_request import LlmRequest
+from .llm_request import RequestSpec
 from .lora import PeftCacheManagerConfig, adapter_ref, tensor_int
 from .peft_cache import AdapterRef
 
@@ -191,8 +193,7 @@ def _embedding_bias(tensors: dict, vocab_size: int):
     return t
 
 
-def to_llm_request(request: InferenceRequest, limits: AdmissionLimits, arrival_index: int,
-                   normalize_log_probs: bool = True) -> LlmRequest:
+def to_spec(request: InferenceRequest, limits: AdmissionLimits, normalize_log_probs: bool = True) -> RequestSpec:
     tensors = request.input_tensors
     unknown = set(tensors) - tn.INPUT_NAMES
     if unknown:
@@ -208,14 +209,14 @@ def to_llm_request(request: InferenceRequest, limits: AdmissionLimits, arrival_i
     max_new_tokens = _scalar(tensors, tn.MAX_NEW_TOKENS, "int")
     flag_names = {"return_log_probs": tn.RETURN_LOG_PROBS, "return_context_logits": tn.RETURN_CONTEXT_LOGITS,
                   "return_generation_logits": tn.RETURN_GENERATION_LOGITS}
-    return make_llm_request(
+    return make_spec(
         request.request_id, prompt, max_new_tokens, limits,
         pad_id=lambda: _scalar(tensors, tn.PAD_ID, "int", 0),
         decoding=lambda: _decoding_params(tensors, limits, normalize_log_probs),
         output_flags=lambda: {field: _scalar(tensors, name, "bool", False) for field, name in flag_names.items()},
         is_streaming=bool(request.is_streaming), logits_post_processor=request.logits_post_processor,
         use_batched_post_processor=bool(getattr(request, "use_batched_logits_post_processor", False)),
-        drafts=lambda: _drafts(tensors, limits), arrival_index=arrival_index,
+        drafts=lambda: _drafts(tensors, limits),
         guide=lambda: check_guide(getattr(request, "guided_decoding_params", None), limits.guides,
                                   "guided_decoding_params"),
         lora=lora, prompt_table=table, cache_salt=cache_salt(lora, table))
@@ -306,15 +307,16 @@ _FIELD_NAMES = {"max_new_tokens": tn.MAX_NEW_TOKENS, "pad_id": tn.PAD_ID, "draft
                 "return_generation_logits": tn.RETURN_GENERATION_LOGITS}
 
 
-def make_llm_request(request_id, prompt: list[int], max_new_tokens: int, limits: AdmissionLimits, *,
-                     pad_id: Callable[[], int], decoding: Callable[[], DecodingParams],
-                     output_flags: Callable[[], dict[str, bool]], names: dict[str, str] = _FIELD_NAMES,
-                     drafts: Callable[[], tuple[list[int], Any]] = lambda: ([], None),
-                     guide: Callable[[], Any] = lambda: None, **fields) -> LlmRequest:
-    """The checks both front-ends share, after their own parsing (the prompt is checked by
+def make_spec(request_id, prompt: list[int], max_new_tokens: int, limits: AdmissionLimits, *,
+              pad_id: Callable[[], int], decoding: Callable[[], DecodingParams],
+              output_flags: Callable[[], dict[str, bool]], names: dict[str, str] = _FIELD_NAMES,
+              drafts: Callable[[], tuple[list[int], Any]] = lambda: ([], None),
+              guide: Callable[[], Any] = lambda: None, **fields) -> RequestSpec:
+    """The checks every front door shares, after its own parsing (the prompt is checked by
     `check_prompt`). `pad_id`, `decoding` and `output_flags` (return_log_probs,
     return_context_logits, return_generation_logits) are read when their turn comes, so the first
-    bad field is reported in one order. `fields`: the other LlmRequest fields."""
+    bad field is reported in one order. `fields`: the other RequestSpec fields; `request_id` only
+    names the request in the log."""
     if max_new_tokens <= 0:
         raise RequestError(f"{names['max_new_tokens']}: must be positive, got {max_new_tokens}")
     if len(prompt) + max_new_tokens > limits.max_seq_len:
@@ -335,8 +337,6 @@ def make_llm_request(request_id, prompt: list[int], max_new_tokens: int, limits:
         raise RequestError(f"{names['draft_input_ids']}: draft tokens need beam width 1, got {params.beam_width}"
                            + (f" and num_return_sequences {params.num_return_sequences}"
                               if params.num_return_sequences > 1 else ""))
-    if draft_tokens:
-        fields.update(draft_tokens=draft_tokens, draft_logits=draft_logits, max_draft_len=len(draft_tokens))
     fields.update(output_flags())
     if fields["return_context_logits"] and not limits.gather_context_logits:
         raise RequestError(f"{names['return_context_logits']}: true, but the engine was not built with "
@@ -351,8 +351,10 @@ def make_llm_request(request_id, prompt: list[int], max_new_tokens: int, limits:
         raise RequestError(f"{names['max_new_tokens']}: prompt {len(prompt)} + {max_new_tokens} new tokens need "
                            f"{need_blocks} KV blocks; the whole pool has {limits.max_num_blocks}")
     try:   # last: its grammar starts compiling (off this thread) only for an otherwise valid request
-        fields["guide"] = guide()
+        compiled = guide()
     except ValueError as e:
         raise RequestError(str(e)) from None
-    return LlmRequest(request_id=request_id, prompt=prompt, max_new_tokens=max_new_tokens, pad_id=pad,
-                      beam_width=num_sequences, decoding=params, **fields)
+    if draft_logits is not None or compiled is not None:
+        params = replace(params, draft_logits=draft_logits, guide=compiled)
+    return RequestSpec(prompt=prompt, max_new_tokens=max_new_tokens, decoding=params, pad_id=pad,
+                       draft_tokens=tuple(draft_tokens), **fields)
