@@ -74,7 +74,7 @@ class ModelRunner:
                  max_attention_window: int | None = None, sink_token_length: int | None = None,
                  linear_impl: str | None = None, tensor_parallel: TensorParallel | None = None,
                  gather_logits_to_all: bool = True):
-        """linear_impl: the CPU matmul kernel (one of runtime.models.linear.CPU_IMPLS; default: the
+        """linear_impl: the CPU matmul kernel (one of runtime.kernels.linear.CPU_IMPLS; default: the
         fastest this torch build has); ignored on GPUs.
         tensor_parallel: this rank's world (runtime.parallel.tensor_parallel); every rank then runs the same
         forwards, in the same order. The engine holds the rank's slices (Engine.from_dir with its
@@ -110,8 +110,9 @@ class ModelRunner:
         if self.shard is not None and engine.shard is None:
             shapes = {name: tuple(t.shape) for name, t in weights.items()}
             weights = {name: self.shard.slice(name, t, shapes) for name, t in weights.items()}
-        self.model = Transformer(cfg, weights, self.device, self.attention_window, self.sink_token_length,
-                                 linear_impl, tensor_parallel, self.shard, gather_logits_to_all)
+        self.model = Transformer(cfg, weights, self.device, self.kernels, self.attention_window,
+                                 self.sink_token_length, linear_impl, tensor_parallel, self.shard,
+                                 gather_logits_to_all)
         # [num_layers, K/V, num_blocks, tokens_per_block, num_kv_heads, head_dim]: this rank's KV heads
         kv_dtype = engine.kv_storage_dtype
         self.kv_pool = torch.zeros(cfg.num_layers, 2, num_blocks, self.tokens_per_block,
@@ -144,7 +145,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         step = self._layout(inputs)
-        logits, context_logits = self.model.forward(step, self.kv_pool, self.kernels, self.kv_scales)
+        logits, context_logits = self.model.forward(step, self.kv_pool, self.kv_scales)
         outputs = {"logits": logits}
         if context_logits is not None:
             outputs["context_logits"] = context_logits

@@ -1,9 +1,10 @@
-"""Kernel backends: the paged-KV, attention and decoding operations behind one declared interface
-(interface.KernelBackend).
+"""Kernel backends: the paged-KV, attention, dense-math and decoding operations behind one declared
+interface (interface.KernelBackend).
 
 `get_kernels(name)` returns a backend object:
   "torch"  plain torch (torch_backend.py): the reference of every op, with the CPU fast paths of
-           attention (cpu_attention.py, float32 decode attention in cpu_native.py) switched on
+           attention (cpu_attention.py, float32 decode attention in cpu_native.py) switched on;
+           its dense ops (linear.py, weight_only_linear.py, RMSNorm, silu * up) take theirs always
   "cuda"   cuda_src/ kernels through CuPy RawModule on torch's current stream (cuda_backend.py)
   "emu"    the same sources compiled for the CPU with g++ and a shim; slow, for tests (emu_backend.py)
 The name comes from configuration (ModelRunner / GptSession `kernels=`,

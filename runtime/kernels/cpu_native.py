@@ -1,7 +1,8 @@
 """Native CPU kernels of the generation path (cpu_native.cpp): small-row linear, RMSNorm, the
-gated MLP's silu(gate) * up and paged decode attention in float32 (and over an int8 cache), compiled at run time with the
-system C++ compiler and loaded with ctypes, the emulation backend's build-and-load path. Callers:
-runtime/models/linear.py (rows up to linear.NATIVE_MAX_ROWS), runtime/models/transformer.py (RMSNorm, silu * up) and
+gated MLP's silu(gate) * up and paged decode attention in float32 (and over an int8 cache),
+compiled at run time with the system C++ compiler and loaded with ctypes, the emulation backend's
+build-and-load path. Callers, all in the torch backend: linear.py (rows up to
+linear.NATIVE_MAX_ROWS), torch_backend.py (RMSNorm, silu * up, the token bitmask) and
 cpu_attention.py (decode attention); each keeps its torch path for every other case, and tests
 hold these kernels to it.
 

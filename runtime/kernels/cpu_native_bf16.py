@@ -1,7 +1,7 @@
 """bfloat16 variants of the native CPU kernels (cpu_native.cpp's `bm_*_bf16`): the few-row linear
 (bf16 weights, bf16 or float32 activations), RMSNorm, silu(gate) * up and paged decode attention
 over a bf16 cache, each summing in float32. Same library, build and callers as cpu_native.py
-(linear.py, model.py, cpu_attention.py), which keep torch for every other case.
+(linear.py, torch_backend.py, cpu_attention.py), which keep torch for every other case.
 
 The linear and decode attention come in two entry points: the best one compiled here (AVX512-BF16's
 dot product where the compiler targets it) and `_avx2`, which widens bf16 to float32 by a 16-bit

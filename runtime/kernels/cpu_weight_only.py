@@ -1,7 +1,7 @@
 """Native CPU weight-only int8 / int4 kernels (cpu_weight_only.cpp): the few-row linear and the
 tile de-quantization of the many-row path, float32 activations. Built through cpu_native.build and
 loaded with ctypes; `weight_only_ops()` is None where they cannot run (no AVX2/FMA, no compiler,
-BATCH_MANAGER_CPU_NATIVE=0). Caller: runtime.models.weight_only; tests hold them to its torch reference.
+BATCH_MANAGER_CPU_NATIVE=0). Caller: weight_only_linear.py; tests hold them to its torch reference.
 
 The instruction set is the best the library was compiled for (AVX-512 under -march=native on a CPU
 with it, else AVX2); BATCH_MANAGER_WEIGHT_ONLY_ISA ("scalar", "avx2") or the `isa` argument forces

@@ -4,9 +4,12 @@
 `CudaKernels` implements every op of interface.KernelBackend itself. The ops with no kernel run
 on the torch backend held as `_reference`, on the same device tensors, by a declared call in
 each op's body: repeat_ngram_bans and top_k_top_p_mask (host-side), dense_attention and
-context_attention (see the NOTE below). The emu backend subclasses it and swaps only the module
-loader, the device and the stream (that is the intended seam), so both run the same launchers
-(launchers.py) and the same ops.
+context_attention (see the NOTE below), and the dense math (prepared linears, RMSNorm, silu * up:
+torch's GEMMs and elementwise ops on a GPU; on CPU tensors, the emu backend's or a fallback
+runner's, the torch backend's CPU fast paths, so a model on the CPU computes the same dense math
+whichever backend attends). The emu backend subclasses it and swaps only the module loader, the
+device and the stream (that is the intended seam), so both run the same launchers (launchers.py)
+and the same ops.
 
 Compilation: every module (one per source file and storage dtype) compiles when the backend is
 constructed, i.e. at engine start, never in a request's latency. CuPy keeps compiled cubins in its
@@ -173,6 +176,25 @@ class CudaKernels:
 
     def dense_attention(self, q, k, v, past_len, scale, window, sink=0, alibi_slopes=None):
         return self._reference.dense_attention(q, k, v, past_len, scale, window, sink, alibi_slopes)
+
+    # ---- dense math: torch's, through the torch backend (see the module docstring) ------------------
+    def prepare_linear(self, weight, bias, impl=None):
+        return self._reference.prepare_linear(weight, bias, impl)
+
+    def prepare_weight_only_linear(self, weight, scale, minimum, bias):
+        return self._reference.prepare_weight_only_linear(weight, scale, minimum, bias)
+
+    def linear(self, x, weight):
+        return self._reference.linear(x, weight)
+
+    def linear_add(self, x, weight, residual):
+        return self._reference.linear_add(x, weight, residual)
+
+    def rms_norm(self, x, weight, eps):
+        return self._reference.rms_norm(x, weight, eps)
+
+    def silu_mul(self, x):
+        return self._reference.silu_mul(x)
 
     # ---- decoding ops: float32 logits (see cuda_src/sampling.cu for the algorithms) ------------------
     def uniforms(self, seeds, steps, beams):

@@ -19,6 +19,9 @@ Logits are float32 [R, V]; `rows` int64 [n] selects the rows an in-place op touc
 parameters are [n]. Semantics follow TensorRT-LLM's (torch_decoder.py has the definitions).
 A token whose logit is -inf is never chosen: a row with no allowed token (every logit -inf, as
 when a guide's mask and the bans leave nothing) yields NO_TOKEN, which the decoder reports.
+Dense ops (linear, norms, the gated MLP's product) take activations [rows, features] in the
+compute dtype on the model's device; a matmul weight is prepared once at load (prepare_*) and the
+prepared object is what `linear` / `linear_add` take.
 """
 from __future__ import annotations
 
@@ -27,6 +30,13 @@ from typing import Protocol, runtime_checkable
 import torch
 
 NO_TOKEN = -1   # greedy / sample of a row with no allowed token (log prob -inf)
+
+
+class PreparedLinear(Protocol):
+    """A matmul weight as one backend prepared it: opaque to callers, who pass it back to that
+    backend's linear / linear_add, but for `weight`."""
+    weight: torch.Tensor   # the tensor it holds, in whatever layout the backend chose (what memory
+                           # accounting counts; the original when the backend kept it as given)
 
 
 @runtime_checkable
@@ -74,6 +84,40 @@ class KernelBackend(Protocol):
         """Attention over keys already at hand: q [n, H, D] at positions past_len .., k, v
         [past_len + n, kv_heads, D] -> [n, H, D] in q's dtype (the caller picks the math dtype).
         A fresh prompt attends to its just-computed keys through this, without a gather."""
+
+    # ---- dense math (runtime/models/transformer.py) ------------------------------------------------------------
+    def prepare_linear(self, weight: torch.Tensor, bias: torch.Tensor | None, impl: str | None = None
+                       ) -> PreparedLinear:
+        """weight [out, in] and bias [out] or None, in the compute dtype on the model's device ->
+        the weight ready for linear / linear_add (a CPU backend may reorder it for its GEMM: the
+        result's .weight then replaces the original). impl forces a CPU matmul kernel (one of
+        runtime.kernels.linear.CPU_IMPLS; None: the fastest available); ignored off the CPU."""
+
+    def prepare_weight_only_linear(self, weight: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None,
+                                   bias: torch.Tensor | None) -> PreparedLinear:
+        """A weight-only quantized weight (runtime/models/weight_only.py's layouts) ready for linear /
+        linear_add: int8 [out, in] with scale float32 [out] and minimum None (w = q * scale), or
+        packed int4 uint8 [out, in / 2] with scale and minimum float32 [out, in / group_size]
+        (w = q * scale + min); bias [out] (the compute dtype) or None. .weight is `weight`."""
+
+    def linear(self, x: torch.Tensor, weight: PreparedLinear) -> torch.Tensor:
+        """x [rows, in] (any strides) -> x @ W^T + bias [rows, out] in x's dtype, W the prepared
+        weight (de-quantized for a weight-only one). The result is a new tensor, possibly strided
+        (a transposed view of [out, rows]); the caller may write into it."""
+
+    def linear_add(self, x: torch.Tensor, weight: PreparedLinear, residual: torch.Tensor) -> torch.Tensor:
+        """residual [rows, out] + linear(x, weight): the sum, accumulated into residual where the
+        backend can (one pass, no temporary; the result is then residual itself), else a new
+        tensor. Callers use the result and treat residual as consumed."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x [rows, h] and weight [h] of one dtype -> x * rsqrt(mean(x^2) + eps) * weight, a new
+        tensor in x's dtype; half precision is normalised in float32 and rounded before the weight
+        multiplies (the Hugging Face reference)."""
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, 2n] (gate | up) -> silu(gate) * up [rows, n] in x's dtype, a new tensor: the
+        gated MLP's hidden activation."""
 
     # ---- decoding (runtime/decoding/decoder.py) -----------------------------------------------------------
     def uniforms(self, seeds: torch.Tensor, steps: torch.Tensor, beams: torch.Tensor) -> torch.Tensor:

@@ -1,16 +1,25 @@
 """The `torch` kernel backend: every operation of interface.KernelBackend in plain torch, bound
-from the reference functions of torch_attention.py and torch_decoder.py (the oracle in tests).
-With `fast_paths` (what get_kernels("torch") builds: the CPU default) decode and context
-attention go through cpu_attention.py instead, with equal results; with `native` too (also the
-default), float32 decode attention runs in the native kernel of cpu_native.py where it can.
+from the reference functions of torch_attention.py, torch_decoder.py and torch_dense.py (the
+oracle in tests). With `fast_paths` (what get_kernels("torch") builds: the CPU default) decode and
+context attention go through cpu_attention.py instead, with equal results; with `native` too
+(also the default), float32 decode attention runs in the native kernel of cpu_native.py where it can.
+
+The dense ops take their CPU fast paths whatever those flags say, as the model always did:
+matmul weights prepared by linear.py (oneDNN, BLAS or the native few-row kernels) and
+weight_only_linear.py, RMSNorm and silu * up in the native kernels (float32, bf16) where they run.
+BATCH_MANAGER_CPU_NATIVE=0 turns the native ones off, read when a model prepares its weights.
 """
 from __future__ import annotations
 
 import torch
 
-from . import torch_attention, torch_decoder
+from . import torch_attention, torch_decoder, torch_dense
 from .cpu_attention import CpuAttention
 from .cpu_native import native_ops
+from .cpu_native_bf16 import bf16_ops
+from .interface import PreparedLinear
+from .linear import Linear
+from .weight_only_linear import QuantizedLinear
 
 
 class TorchKernels:
@@ -18,10 +27,14 @@ class TorchKernels:
 
     def __init__(self, fast_paths: bool = False, native: bool = False):
         """fast_paths: decode and context attention through CpuAttention (length groups, per-thread
-        workspaces, per-step plans); off, every op is the plain reference. native (with
-        fast_paths): float32 decode attention in the native CPU kernel where it runs."""
+        workspaces, per-step plans); off, every attention and decoding op is the plain reference
+        (the dense ops take their fast paths either way). native (with fast_paths): float32 decode
+        attention in the native CPU kernel where it runs."""
         self._fast = CpuAttention(use_native=native) if fast_paths else None
         self._native = native_ops() if fast_paths and native else None   # None where it cannot run
+        # dtype -> the native RMSNorm and silu * up kernels that run here (float32, bf16); None until
+        # the first dense op on a CPU tensor (a model's prepare_* at its construction) captures them.
+        self._dense_native: dict[torch.dtype, object] | None = None
 
     @property
     def has_fast_paths(self) -> bool:
@@ -46,6 +59,46 @@ class TorchKernels:
         attend = torch_attention.context_attention if self._fast is None else self._fast.context_attention
         return attend(q, k_cache, v_cache, block_table, past_len, scale, window, sink, alibi_slopes,
                       k_scales, v_scales)
+
+    def prepare_linear(self, weight: torch.Tensor, bias: torch.Tensor | None, impl: str | None = None
+                       ) -> PreparedLinear:
+        if weight.is_cpu:
+            self._native_dense_ops()   # captured with the weights' own kernels, when the model is built
+        return Linear(weight, bias, weight.device, impl)
+
+    def prepare_weight_only_linear(self, weight: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None,
+                                   bias: torch.Tensor | None) -> PreparedLinear:
+        if weight.is_cpu:
+            self._native_dense_ops()   # captured with the weights' own kernels, when the model is built
+        return QuantizedLinear(weight, scale, minimum, bias)
+
+    def linear(self, x: torch.Tensor, weight: PreparedLinear) -> torch.Tensor:
+        return weight(x)
+
+    def linear_add(self, x: torch.Tensor, weight: PreparedLinear, residual: torch.Tensor) -> torch.Tensor:
+        return weight.add_to(x, residual)
+
+    # NOTE: RMSNorm and silu * up are one native call each on CPU (F.rms_norm is ~6 ops: 50 us for
+    # one row of 512); the bf16 kernels sum in float32.
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if x.is_cpu and x.dim() == 2 and x.stride(1) == 1:
+            native = self._native_dense_ops().get(x.dtype)
+            if native is not None:
+                return native.rms_norm(x, weight, eps)
+        return torch_dense.rms_norm(x, weight, eps)
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cpu and x.dim() == 2 and x.stride(1) == 1:
+            native = self._native_dense_ops().get(x.dtype)
+            if native is not None:
+                return native.silu_mul(x)
+        return torch_dense.silu_mul(x)
+
+    def _native_dense_ops(self) -> dict[torch.dtype, object]:
+        if self._dense_native is None:
+            found = {torch.float32: native_ops(), torch.bfloat16: bf16_ops()}
+            self._dense_native = {dtype: ops for dtype, ops in found.items() if ops is not None}
+        return self._dense_native
 
     uniforms = staticmethod(torch_decoder.uniforms)
     apply_penalties = staticmethod(torch_decoder.apply_penalties)

@@ -16,15 +16,13 @@ import torch.nn.functional as F
 
 from .alibi import alibi_slopes
 from ..config import ModelConfig
-from ..kernels.cpu_native import native_ops
-from ..kernels.cpu_native_bf16 import bf16_ops
+from ..kernels.interface import KernelBackend, PreparedLinear
 from ..kernels.kv_quant import round_trip
-from .linear import Linear
 from ..adapters.lora_step import LoraStepPlan
 from .rope import apply_rope, rope_cos_sin, rope_inv_freq
 from ..parallel.tensor_parallel import TensorParallel
 from ..parallel.tensor_shard import TensorShard
-from .weight_only import QuantizedLinear, is_quantized, lookup_rows, padded_rows
+from .weight_only import is_quantized, lookup_rows, padded_rows
 from ..loading.weights import Weights
 
 _ACTIVATIONS = {
@@ -59,17 +57,19 @@ class StepLayout:
 
 
 class Transformer:
-    def __init__(self, config: ModelConfig, weights: Weights, device: torch.device,
+    def __init__(self, config: ModelConfig, weights: Weights, device: torch.device, kernels: KernelBackend,
                  attention_window: int | None = None, sink_token_length: int = 0,
                  linear_impl: str | None = None, tensor_parallel: TensorParallel | None = None,
                  shard: TensorShard | None = None, gather_logits_to_all: bool = True):
-        """attention_window: the window every layer uses (None = full causal attention); the
-        caller folds the model's own sliding window in. sink_token_length: keys at positions
+        """kernels: the backend of every op the model runs (its matmul weights are prepared by it
+        here, once). attention_window: the window every layer uses (None = full causal attention);
+        the caller folds the model's own sliding window in. sink_token_length: keys at positions
         below it stay visible outside the window (only with a window). linear_impl: forces a CPU
-        matmul kernel (one of runtime.models.linear.CPU_IMPLS; default: the fastest available).
+        matmul kernel (one of runtime.kernels.linear.CPU_IMPLS; default: the fastest available).
         tensor_parallel, shard: this rank's world and the slices `weights` hold (TensorShard);
         gather_logits_to_all: every rank gets the logits (else rank 0 only, the others None)."""
         self.config = config
+        self.kernels = kernels
         self.tp, self.shard = tensor_parallel, shard
         self.gather_logits_to_all = gather_logits_to_all
         # The heads and intermediate columns this rank computes (the whole model without TP).
@@ -99,34 +99,35 @@ class Transformer:
         if config.position_embedding == "alibi":   # a rank's heads take their own slopes
             slopes = alibi_slopes(config.num_heads)
             self.alibi_slopes = (slopes[shard.head_index()] if shard is not None else slopes).to(device)
-        self.linears = {}
+        self.linears: dict[str, PreparedLinear] = {}
         for name in [n for n in self.w if n.endswith((".qkv.weight", ".out.weight", ".mlp_in.weight",
                                                        ".mlp_out.weight"))]:
             prefix = name[:-len(".weight")]
             bias = self.w.get(prefix + ".bias")
             if not self.is_reducing_rank and prefix.endswith(("out", "mlp_out")):
                 bias = None
-            self.linears[prefix] = (QuantizedLinear(self.w, name, bias, device) if is_quantized(self.w, name)
-                                    else Linear(self.w[name], bias, device, linear_impl))
+            self.linears[prefix] = self._prepare_linear(self.w, name, bias, linear_impl)
             self.w[name] = self.linears[prefix].weight
         # Tied embeddings keep their [V, H] table for the lookup; the head gets its own prepared
         # copy where the CPU kernel reorders it. Under TP each rank's head is padded with zero rows
         # to the vocab chunk (the gather needs equal parts; the padding columns are dropped).
         head_name = "lm_head" if "lm_head" in self.w else "embed_tokens"
-        head, head_bias, head_weights = self.w[head_name], self.w.get("lm_head.bias"), self.w
-        if shard is not None and head.shape[0] < shard.vocab_chunk:
-            pad = shard.vocab_chunk - head.shape[0]
-            head, head_weights = F.pad(head, (0, 0, 0, pad)), padded_rows(self.w, head_name, pad)
+        head_bias, head_weights = self.w.get("lm_head.bias"), self.w
+        if shard is not None and self.w[head_name].shape[0] < shard.vocab_chunk:
+            pad = shard.vocab_chunk - self.w[head_name].shape[0]
+            head_weights = padded_rows(self.w, head_name, pad)
             head_bias = F.pad(head_bias, (0, pad)) if head_bias is not None else None
-        self.lm_head = (QuantizedLinear(head_weights, head_name, head_bias, device)
-                        if is_quantized(self.w, head_name) else Linear(head, head_bias, device, linear_impl))
-        # float32 or bf16 RMSNorm and silu * up on CPU in one native call each (F.rms_norm is ~6 ops:
-        # 50 us for one row of 512); bf16 ones (cpu_native_bf16) sum in float32.
-        self.native = None
-        if device.type == "cpu":
-            self.native = {torch.float32: native_ops, torch.bfloat16: bf16_ops}.get(self.dtype, lambda: None)()
+        self.lm_head = self._prepare_linear(head_weights, head_name, head_bias, linear_impl)
         if "lm_head" in self.w or self.lm_head.weight is not self.w["embed_tokens"]:
             self.w["lm_head"] = self.lm_head.weight
+
+    def _prepare_linear(self, weights: Weights, name: str, bias: torch.Tensor | None,
+                        linear_impl: str | None) -> PreparedLinear:
+        """The matmul weight `name` of `weights` (weight-only quantized or not), prepared by the backend."""
+        if is_quantized(weights, name):
+            return self.kernels.prepare_weight_only_linear(weights[name], weights[name + "_scale"],
+                                                           weights.get(name + "_min"), bias)
+        return self.kernels.prepare_linear(weights[name], bias, linear_impl)
 
     def weight_tensors(self) -> list[torch.Tensor]:
         """Every weight tensor the model holds, each once (tied and aliased ones counted once)."""
@@ -140,16 +141,9 @@ class Transformer:
         weight = self.w[prefix + ".weight"]
         if self.config.norm_type == "layernorm":
             return F.layer_norm(x, (x.shape[-1],), weight, self.w[prefix + ".bias"], self.config.norm_eps)
-        if self.native is not None and x.dim() == 2 and x.stride(1) == 1:
-            return self.native.rms_norm(x, weight, self.config.norm_eps)
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), weight, self.config.norm_eps)
-        # Half precision: normalise in float32, as the reference implementation does.
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.config.norm_eps)
-        return weight * h.to(x.dtype)
+        return self.kernels.rms_norm(x, weight, self.config.norm_eps)
 
-    def forward(self, step: StepLayout, kv_pool: torch.Tensor, kernels, kv_scales: torch.Tensor | None = None
+    def forward(self, step: StepLayout, kv_pool: torch.Tensor, kv_scales: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """kv_pool [num_layers, 2, num_blocks, tpb, kvH, D] -> (logits float32 [L, V],
         context logits float32 [C, V] or None). kv_scales float32 [num_layers, 2, num_blocks, tpb,
@@ -170,7 +164,7 @@ class Transformer:
             h = self._norm(x, p + "input_norm")
             qkv = self._linear(h, p + "qkv", step.lora)
             scales = None if kv_scales is None else (kv_scales[layer, 0], kv_scales[layer, 1])
-            attn = self._attention(qkv, cos, sin, step, kv_pool[layer, 0], kv_pool[layer, 1], kernels, scales)
+            attn = self._attention(qkv, cos, sin, step, kv_pool[layer, 0], kv_pool[layer, 1], scales)
             # Under TP the row-parallel outputs are partial sums: rank 0 adds the residual (and the
             # biases), the others only their partials, and one all-reduce makes the sum everywhere.
             residual = x if self.is_reducing_rank else None
@@ -215,7 +209,7 @@ class Transformer:
     def _logits(self, x: torch.Tensor) -> torch.Tensor | None:
         """float32 [rows, V]; under TP each rank computes its vocabulary columns, gathered on every
         rank (gather_logits_to_all) or on rank 0 (the others get None)."""
-        logits = self.lm_head(self._norm(x, "final_norm")).float()
+        logits = self.kernels.linear(self._norm(x, "final_norm"), self.lm_head).float()
         if self.tp is None:
             return logits.contiguous()
         gathered = self.tp.gather_columns(logits, self.gather_logits_to_all)
@@ -225,7 +219,7 @@ class Transformer:
                 row_start: int = 0) -> torch.Tensor:
         """x [T, in] -> [T, out] through the weight (and bias) stored under `prefix`, plus the
         LoRA products of the adapters of x's rows (tokens row_start.. of the step)."""
-        y = self.linears[prefix](x)
+        y = self.kernels.linear(x, self.linears[prefix])
         if lora is not None:
             lora.apply(prefix, x, y, row_start)
         return y
@@ -237,7 +231,7 @@ class Transformer:
         if residual is None:
             return self._linear(x, prefix, lora, row_start)
         if lora is None:
-            return self.linears[prefix].add_to(x, residual)
+            return self.kernels.linear_add(x, self.linears[prefix], residual)
         return residual + self._linear(x, prefix, lora, row_start)
 
     def _mlp(self, h: torch.Tensor, p: str, residual: torch.Tensor | None,
@@ -256,20 +250,19 @@ class Transformer:
     def _mlp_hidden(self, h: torch.Tensor, p: str, lora: LoraStepPlan | None = None,
                     row_start: int = 0) -> torch.Tensor:
         up = self._linear(h, p + "mlp_in", lora, row_start)
-        if (self.native is not None and self.config.mlp_type == "gated" and self.act is F.silu
-                and up.stride(1) == 1 and up.shape[0] <= self.mlp_chunk_rows):
-            return self.native.silu_mul(up)
+        if self.config.mlp_type == "gated" and self.act is F.silu:
+            return self.kernels.silu_mul(up)
         if self.config.mlp_type == "gated":
             gate, up = up.chunk(2, dim=-1)
             return self.act(gate).mul_(up)
         return self.act(up)
 
     def _attention(self, qkv: torch.Tensor, cos, sin, step: StepLayout, k_cache: torch.Tensor,
-                   v_cache: torch.Tensor, kernels, scales: tuple[torch.Tensor, torch.Tensor] | None = None
+                   v_cache: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None = None
                    ) -> torch.Tensor:
         """qkv [T, q + 2 kv] -> attention output [T, q] (this rank's heads under TP). scales: the
         layer's (K, V) scales of a quantized cache."""
-        cfg = self.local
+        cfg, kernels = self.local, self.kernels
         num_tokens = qkv.shape[0]
         num_qk_heads = cfg.num_heads + cfg.num_kv_heads
         # Queries and keys rotate together: one rope pass instead of two (per-op overhead is a

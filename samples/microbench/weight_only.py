@@ -4,7 +4,7 @@
 
 1. The single-stream generation step (ModelRunner.forward of one token after a 32-token prompt) in
    each mode, best and median of `--reps`, interleaved so that other load hits every mode alike.
-2. Per linear of the model at each of `--rows` rows: float32 (runtime.models.linear.Linear) against the
+2. Per linear of the model at each of `--rows` rows: float32 (runtime.kernels.linear.Linear) against the
    quantized ones (runtime.models.weight_only.QuantizedLinear), every layer's weight per pass so that the
    weights stream from memory as in a step; best of `--reps` passes, ms per pass.
 Prints the CPU's model name and its avx2 / avx512 / amx flags with the figures.
@@ -18,9 +18,9 @@ import time
 import torch
 
 from runtime import Engine, ModelRunner
-from runtime.models.linear import Linear
+from runtime.kernels.linear import Linear
 from runtime.precision import cpu_flags
-from runtime.models.weight_only import QuantizedLinear
+from runtime.kernels.weight_only_linear import QuantizedLinear
 from samples.default_model import default_model_dir
 from tests.factories import step_inputs
 
@@ -64,7 +64,7 @@ def per_linear_ms(engines: dict[str, Engine], rows: int, reps: int) -> dict[str,
         for linear in (*LINEARS, "lm_head"):
             names = ([f"layers.{i}.{linear}.weight" for i in range(cfg.num_layers)] if linear != "lm_head"
                      else ["lm_head" if "lm_head" in w else "embed_tokens"])
-            ops = [QuantizedLinear(w, n, None, torch.device("cpu")) if n + "_scale" in w
+            ops = [QuantizedLinear(w[n], w[n + "_scale"], w.get(n + "_min"), None) if n + "_scale" in w
                    else Linear(w[n], None, torch.device("cpu")) for n in names]
             width = w[names[0]].shape[1] * (2 if w[names[0]].dtype == torch.uint8 else 1)
             x = torch.randn(rows, width)

@@ -12,7 +12,7 @@ from batch_manager import GptManager, SchedulerPolicy, TrtGptModelOptionalParams
 from runtime import Engine, GenerationOutput, ModelRunner, SamplingConfig, build_engine
 from runtime.kernels import cpu_native, cpu_native_bf16, torch_attention
 from runtime.kernels.cpu_native_bf16 import bf16_ops
-from runtime.models.linear import NATIVE_MAX_ROWS_BF16, Linear, onednn_available
+from runtime.kernels.linear import NATIVE_MAX_ROWS_BF16, Linear, onednn_available
 from runtime.precision import cpu_flags
 from tests.batch_manager.conftest import Client, make_request
 from tests.factories import make_checkpoint, step_inputs
@@ -188,7 +188,8 @@ def test_bf16_model_stays_close_to_float32(checkpoint, monkeypatch, isa):
     monkeypatch.setenv(cpu_native_bf16.ISA_ENV_VAR, isa)
     engine = Engine.from_dir(checkpoint, dtype="bfloat16", tokens_per_block=4)
     runner = ModelRunner(engine, num_blocks=4)
-    assert runner.kv_pool.dtype == torch.bfloat16 and isinstance(runner.model.native, cpu_native_bf16.NativeBf16Ops)
+    assert runner.kv_pool.dtype == torch.bfloat16
+    assert isinstance(runner.kernels._native_dense_ops()[torch.bfloat16], cpu_native_bf16.NativeBf16Ops)
     assert all(linear.native_bf16 is not None for linear in runner.model.linears.values())
     expected = context_then_generation(Engine.from_dir(checkpoint, tokens_per_block=4))
     for got, want in zip(context_then_generation(engine), expected):

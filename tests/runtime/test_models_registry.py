@@ -22,7 +22,8 @@ from tests.factories import make_checkpoint, step_inputs
 
 RUNTIME = Path(__file__).resolve().parents[2] / "runtime"
 SHARED_MODULES = ("config.py", "loading/weights.py", "models/transformer.py", "models/rope.py", "models/alibi.py",
-                  "models/linear.py", "models/weight_only.py", "engine.py", "model_runner.py", "session.py")
+                  "models/weight_only.py", "kernels/linear.py", "kernels/weight_only_linear.py", "engine.py",
+                  "model_runner.py", "session.py")
 # The entries whose tiny checkpoints tests.factories makes (the first release's architectures); the
 # later ones have theirs in tests/runtime/arch_factories.py and their own tests (test_more_architectures.py).
 FACTORY_ARCHS = ("gpt2", "llama", "mistral", "qwen2")

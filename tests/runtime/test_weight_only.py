@@ -1,4 +1,4 @@
-"""Weight-only int8 / int4 kernels (runtime.models.weight_only, kernels/cpu_weight_only) against the torch
+"""Weight-only int8 / int4 kernels (kernels/weight_only_linear, kernels/cpu_weight_only) against the torch
 reference (de-quantize, then F.linear), at SmolLM2-135M's shapes and odd ones, on every
 instruction-set path the CPU has (the AVX2 and scalar paths forced on any CPU)."""
 from __future__ import annotations
@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from runtime.kernels.cpu_weight_only import ISA_ENV_VAR, weight_only_ops
-from runtime.models.weight_only import QuantizedLinear, dequantize, quantize_int4, quantize_int8, reference_linear
+from runtime.kernels.torch_dense import dequantize, weight_only_linear as reference_linear
+from runtime.kernels.weight_only_linear import QuantizedLinear
+from runtime.models.weight_only import quantize_int4, quantize_int8
 
 OPS = weight_only_ops()
 needs_native = pytest.mark.skipif(OPS is None, reason="the native weight-only kernels cannot run here")
@@ -123,11 +125,8 @@ def test_quantized_linear_matches_reference(rows, mode, group_size, native, dtyp
         pytest.skip("no native kernels here")
     out, width = 300, 128
     weight, scale, minimum = quantized(mode, out, width, group_size)
-    names = {"w": weight, "w_scale": scale}
-    if minimum is not None:
-        names["w_min"] = minimum
     bias = torch.randn(out).to(dtype)
-    linear = QuantizedLinear(names, "w", bias, torch.device("cpu"))
+    linear = QuantizedLinear(weight, scale, minimum, bias)
     if not native:
         linear.ops = None
     x = torch.randn(rows, width).to(dtype)

@@ -1,4 +1,5 @@
-"""Matmul weights prepared once for their device: `Linear(weight, bias)(x) = x @ weight^T + bias`.
+"""Matmul weights prepared once for their device, the torch backend's prepare_linear / linear /
+linear_add (interface.KernelBackend): `Linear(weight, bias)(x) = x @ weight^T + bias`.
 
 On CUDA this is F.linear. On CPU the kernel choice matters at the row counts of serving (tens of
 rows per generation step), where BLAS sgemm is far from its large-matrix peak. Measured on the
@@ -24,9 +25,9 @@ oneDNN cache capacities of 4 (env vars that must precede the first oneDNN call; 
 second process against w_xt as the common yardstick: 1.61/1.24/1.15/1.00x).
 
 Generation steps of a few sequences are a matrix-vector product bound by reading the weights:
-there, wherever kernels/cpu_native.py can run (float32; BATCH_MANAGER_CPU_NATIVE=0 turns it
-off), inputs of at most NATIVE_MAX_ROWS rows go to the native kernel, which multiplies by the
-[out, in] weight as stored; larger ones to the impl above. NOTE: that [out, in] weight is the
+there, wherever cpu_native.py can run (float32; BATCH_MANAGER_CPU_NATIVE=0 turns it off), inputs
+of at most NATIVE_MAX_ROWS rows go to the native kernel, which multiplies by the [out, in] weight
+as stored; larger ones to the impl above. NOTE: that [out, in] weight is the
 engine's own tensor (the runner keeps the engine), so the native path adds no copy. Measured
 (samples.microbench.linear, every weight of the default model per pass, 2 threads, best of 15,
 ms native / oneDNN): 1 row 6.6 / 7.9, 4 rows 7.8 / 9.3, 8 rows 9.5 / 10.9, 12 rows 12.0 / 12.7,
@@ -35,9 +36,8 @@ bound by the weight stream up to a few rows and by its FMA issue rate beyond; on
 GEMM wins at 64.
 
 bf16 weights (an engine in bfloat16): up to NATIVE_MAX_ROWS_BF16 rows the native bf16 kernel
-(kernels/cpu_native_bf16.py: half the bytes of float32, summed in float32), beyond it oneDNN's
-prepacked bf16 GEMM (AMX or AVX512-BF16 kernels, as the CPU has them; `w_xt` where this torch
-build has none).
+(cpu_native_bf16.py: half the bytes of float32, summed in float32), beyond it oneDNN's prepacked
+bf16 GEMM (AMX or AVX512-BF16 kernels, as the CPU has them; `w_xt` where this torch build has none).
 """
 from __future__ import annotations
 
@@ -46,8 +46,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from ..kernels.cpu_native import native_ops
-from ..kernels.cpu_native_bf16 import bf16_ops
+from .cpu_native import native_ops
+from .cpu_native_bf16 import bf16_ops
 
 CPU_IMPLS = ("onednn", "w_xt")
 # Rows up to which the native kernel runs (oneDNN's blocked GEMM wins at 64: samples.microbench.linear).

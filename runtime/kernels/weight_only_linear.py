@@ -1,0 +1,76 @@
+"""Weight-only int8 / int4 matmuls, the torch backend's prepare_weight_only_linear / linear /
+linear_add (interface.KernelBackend): `QuantizedLinear`, held to torch_dense.weight_only_linear
+(whose dequantize states the layouts; runtime/models/weight_only.py quantizes and stores them).
+"""
+from __future__ import annotations
+
+import torch
+
+from .cpu_weight_only import weight_only_ops
+from .torch_dense import dequantize, weight_only_linear
+
+# Rows up to which the native kernel runs; above, torch's GEMM on de-quantized tiles. Measured on
+# SmolLM2's shapes (1 thread, AVX-512, ms native / tiled): int8 3072x576 at 24 rows 0.81 / 0.91,
+# at 32 1.07 / 0.89; int4 g32 at 16 rows 1.18 / 1.25, at 24 1.79 / 1.57 (lm_head alike).
+NATIVE_MAX_ROWS = {"int8": 24, "int4": 16}
+# NOTE: torch's aten._weight_int8pack_mm (bf16 activations) is not used: measured slower than the
+# native kernel with bf16 activations too (1 thread, AVX-512, ms native / aten: 1536x576 1 row
+# 0.038 / 0.052, 8 rows 0.171 / 0.198; 49152x576 1 row 1.02 / 1.67, 8 rows 4.37 / 6.23).
+# Output channels de-quantized at a time on the many-row path (a float32 tile of 256 x 1536 is 1.5 MiB).
+TILE_OUTPUTS = 256
+
+
+class QuantizedLinear:
+    """`x @ W^T + bias` for a quantized W on W's device: the native kernel up to NATIVE_MAX_ROWS
+    rows on CPU, torch's GEMM on de-quantized tiles above (and the torch reference off CPU)."""
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None,
+                 bias: torch.Tensor | None):
+        self.weight, self.scale, self.minimum = weight, scale, minimum
+        self.bias = bias
+        self.bias_f32 = None if bias is None else bias.float().contiguous()
+        self.ops = weight_only_ops() if weight.device.type == "cpu" else None
+        self.num_outputs = self.weight.shape[0]
+        self.kernel = (None if self.ops is None
+                       else self.ops.bind(self.weight, self.scale, self.minimum, self.bias_f32))
+        self.max_native_rows = NATIVE_MAX_ROWS["int8" if self.minimum is None else "int4"]
+
+    def _native(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        xf = x.float() if x.dtype != torch.float32 else x
+        return self.kernel(xf if xf.stride(1) == 1 else xf.contiguous(), out)
+
+    def _dequantized_tile(self, start: int, stop: int) -> torch.Tensor:
+        if self.ops is None:
+            minimum = None if self.minimum is None else self.minimum[start:stop]
+            return dequantize(self.weight[start:stop], self.scale[start:stop], minimum)
+        tile = torch.empty(stop - start, self.weight.shape[1] * (1 if self.minimum is None else 2))
+        if self.minimum is None:
+            return self.ops.dequant_int8(self.weight, self.scale, start, stop, tile)
+        return self.ops.dequant_int4(self.weight, self.scale, self.minimum, start, stop, tile)
+
+    def _tiled(self, x: torch.Tensor) -> torch.Tensor:
+        """[rows, in] -> [rows, out] as a transposed view of [out, rows] (consumers take strided inputs)."""
+        x_t = x.t()
+        y_t = torch.empty(self.num_outputs, x.shape[0], dtype=x.dtype, device=x.device)
+        for start in range(0, self.num_outputs, TILE_OUTPUTS):
+            stop = min(start + TILE_OUTPUTS, self.num_outputs)
+            torch.mm(self._dequantized_tile(start, stop).to(x.dtype), x_t, out=y_t[start:stop])
+        if self.bias is not None:
+            y_t += self.bias.to(x.dtype)[:, None]
+        return y_t.t()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, in] -> [rows, out] in x's dtype."""
+        if self.ops is not None and x.shape[0] <= self.max_native_rows:
+            y = self._native(x)
+            return y if x.dtype == torch.float32 else y.to(x.dtype)
+        if self.ops is None and x.device.type != "cpu":
+            return weight_only_linear(x, self.weight, self.scale, self.minimum, self.bias)
+        return self._tiled(x)
+
+    def add_to(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + self(x), into `residual` (float32, rows contiguous) where the native kernel runs."""
+        if (self.ops is not None and x.shape[0] <= self.max_native_rows and residual.dtype == torch.float32
+                and residual.stride(1) == 1):
+            return self._native(x, out=residual)
+        return residual + self(x)
