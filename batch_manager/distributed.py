@@ -104,14 +104,14 @@ class Follower:
                     return
                 elif kind == ERROR:
                     self.fatal_error = f"rank 0 failed: {payload}"
-                    logger.error("rank %d: %s", self.tp.rank, self.fatal_error)
+                    logger.error("rank %d: %s", self.tp.global_rank, self.fatal_error)
                     return
         except DistributedError as e:
             self.fatal_error = str(e)
-            logger.error("rank %d: the tensor-parallel run ended: %s", self.tp.rank, e)
+            logger.error("rank %d: the tensor-parallel run ended: %s", self.tp.global_rank, e)
         except BaseException as e:  # noqa: BLE001 - an internal bug; rank 0 sees its collectives fail
-            logger.exception("rank %d: follower crashed", self.tp.rank)
-            self.fatal_error = f"internal error in the follower of rank {self.tp.rank}: {e!r}"
+            logger.exception("rank %d: follower crashed", self.tp.global_rank)
+            self.fatal_error = f"internal error in the follower of rank {self.tp.global_rank}: {e!r}"
         finally:
             self._ended.set()
 
@@ -129,7 +129,7 @@ class Follower:
             raise
         except Exception as e:  # noqa: BLE001 - bad inputs fail on every rank before any collective;
             # rank 0 fails the group's requests, and the run goes on.
-            logger.warning("rank %d: forward failed (rank 0 fails its requests): %r", self.tp.rank, e)
+            logger.warning("rank %d: forward failed (rank 0 fails its requests): %r", self.tp.global_rank, e)
         self.num_forwards += 1
 
     def shutdown(self) -> None:

@@ -128,8 +128,10 @@ def build_engine_core(engine_dir, model_type: TrtGptModelType, max_beam_width: i
     device_ids = params.device_ids or world.device_ids
     device = local_device(torch.device(params.device or ("cuda" if device_ids else "cpu")), device_ids)
     tensor_parallel = init_tensor_parallel(world, device)
-    # Under TP each rank reads only its slices of the weights.
-    engine = Engine.from_dir(engine_dir, (tensor_parallel.rank, tensor_parallel.size) if tensor_parallel else None,
+    # Each rank reads only its tensor-parallel slices of its pipeline stage's layers.
+    shard = (tensor_parallel.rank, tensor_parallel.size) if tensor_parallel is not None and tensor_parallel.size > 1 \
+        else None
+    engine = Engine.from_dir(engine_dir, shard, tensor_parallel.stage_plan if tensor_parallel is not None else None,
                              **build_overrides(engine_dir, params.build_config))
     build = engine.build_config
     max_batch_size = _positive("max_batch_size", params.max_batch_size, build.max_batch_size)
@@ -147,7 +149,7 @@ def build_engine_core(engine_dir, model_type: TrtGptModelType, max_beam_width: i
                          max_attention_window=kv_config.max_attention_window,
                          sink_token_length=kv_config.sink_token_length, tensor_parallel=tensor_parallel,
                          gather_logits_to_all=False)
-    if tensor_parallel is not None and tensor_parallel.rank != 0:
+    if tensor_parallel is not None and tensor_parallel.global_rank != 0:
         return Follower(runner, tensor_parallel)
     # The block manager releases what the runner's window (the model's own included) hides.
     kv = KvCacheManager(num_blocks, build.tokens_per_block, enable_block_reuse=bool(kv_config.enable_block_reuse),

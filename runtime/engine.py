@@ -24,6 +24,7 @@ from .config import BuildConfig, ConfigError, ModelConfig, default_build_config,
 from .kernels.kv_quant import KV_STORAGE_DTYPES, is_quantized_kv
 from .models import lookup_hf, model_config_from_dict
 from .precision import QuantMode, resolve_dtype
+from .parallel.pipeline import StageLayers, StagePlan
 from .parallel.tensor_shard import TensorShard, num_local_kv_heads
 from .models.weight_only import quantize_weights, stored_layout
 from .loading.weights import Weights, check_weights, load_engine_weights, load_hf_weights
@@ -50,6 +51,8 @@ class Engine:
     shard: TensorShard | None = None
     # Tensor bytes from_dir read from the safetensors files (a rank: about its share of them).
     num_bytes_read: int = 0
+    # Set when `weights` hold one pipeline stage's layers (pipeline parallelism); None: every layer.
+    stage: StageLayers | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -65,23 +68,25 @@ class Engine:
         """The KV pool's element dtype: the compute dtype ("auto"), int8 or float8 e4m3."""
         return KV_STORAGE_DTYPES.get(self.build_config.kv_cache_dtype, self.dtype)
 
-    def kv_bytes_per_token(self, tensor_parallelism: int = 1) -> int:
-        """KV cache bytes one token takes across the layers, on one of `tensor_parallelism` ranks
-        (its KV heads): the values and, for a quantized cache, their float32 scales (one per
-        token, head, K and V)."""
+    def kv_bytes_per_token(self, tensor_parallelism: int = 1, num_layers: int | None = None) -> int:
+        """KV cache bytes one token takes across `num_layers` layers (default: all; a pipeline
+        stage: its own), on one of `tensor_parallelism` ranks (its KV heads): the values and, for a
+        quantized cache, their float32 scales (one per token, head, K and V)."""
         cfg = self.model_config
         dtype = self.kv_storage_dtype
         row_bytes = cfg.head_dim * dtype.itemsize + (4 if is_quantized_kv(dtype) else 0)
-        return cfg.num_layers * 2 * num_local_kv_heads(cfg.num_kv_heads, tensor_parallelism) * row_bytes
+        num_layers = cfg.num_layers if num_layers is None else num_layers
+        return num_layers * 2 * num_local_kv_heads(cfg.num_kv_heads, tensor_parallelism) * row_bytes
 
     @staticmethod
     def from_dir(path: str | os.PathLike, shard: TensorShard | tuple[int, int] | None = None,
-                 **build_overrides) -> "Engine":
+                 stage: StagePlan | None = None, **build_overrides) -> "Engine":
         """Load an engine directory, an HF checkpoint directory or a GGUF file (or a directory holding
         exactly one, and neither engine.json nor config.json).
 
         `shard`: read only that rank's slices of the weights: a TensorShard (ValueError when it
-        was made for another model), or (rank, size) for TensorShard.of(model_config, rank, size). `build_overrides` (BuildConfig
+        was made for another model), or (rank, size) for TensorShard.of(model_config, rank, size).
+        `stage`: read only that pipeline stage's layers (runtime.parallel.pipeline). `build_overrides` (BuildConfig
         fields) replace the recorded limits; for an HF directory or a GGUF file they replace the
         defaults of `default_build_config`.
         """
@@ -90,19 +95,19 @@ class Engine:
         if gguf_path is not None:
             from .loading.gguf_checkpoint import GgufCheckpoint   # NOTE: lazy, only GGUF loading needs the gguf package
             with GgufCheckpoint(gguf_path) as checkpoint:
-                return _load_gguf(checkpoint, directory, build_overrides, shard)
+                return _load_gguf(checkpoint, directory, build_overrides, shard, stage)
         if not os.path.isdir(directory):
             raise ConfigError(f"engine_dir: not a directory or a .gguf file: {directory!r}")
         if os.path.exists(os.path.join(directory, ENGINE_CONFIG_FILE)):
-            return _load_engine_dir(directory, build_overrides, shard)
+            return _load_engine_dir(directory, build_overrides, shard, stage)
         if os.path.exists(os.path.join(directory, "config.json")):
-            return _load_hf_dir(directory, build_overrides, shard)
+            return _load_hf_dir(directory, build_overrides, shard, stage)
         raise ConfigError(f"engine_dir: {directory!r} holds neither {ENGINE_CONFIG_FILE} (an engine), "
                           "config.json (a Hugging Face checkpoint) nor a .gguf file")
 
     def save(self, directory: str | os.PathLike) -> None:
-        if self.shard is not None:
-            raise ValueError(f"Engine.save: the weights are rank {self.shard.rank}'s slices; only a whole "
+        if self.shard is not None or self.stage is not None:
+            raise ValueError("Engine.save: the weights are one rank's slices or one stage's layers; only a whole "
                              "engine can be saved")
         directory = os.fspath(directory)
         os.makedirs(directory, exist_ok=True)
@@ -165,7 +170,8 @@ def _settled(model: ModelConfig, build: BuildConfig, shard: TensorShard | tuple[
     return model, build, _checked_shard(shard, model, build)
 
 
-def _load_engine_dir(directory: str, overrides: dict, shard: TensorShard | tuple[int, int] | None) -> Engine:
+def _load_engine_dir(directory: str, overrides: dict, shard: TensorShard | tuple[int, int] | None,
+                     plan: StagePlan | None) -> Engine:
     data = read_json(os.path.join(directory, ENGINE_CONFIG_FILE), ENGINE_CONFIG_FILE)
     if data.get("format") != ENGINE_FORMAT or data.get("version") != ENGINE_VERSION:
         raise ConfigError(f"{ENGINE_CONFIG_FILE}: unknown format/version "
@@ -180,14 +186,15 @@ def _load_engine_dir(directory: str, overrides: dict, shard: TensorShard | tuple
         raise ConfigError(f"{ENGINE_CONFIG_FILE}: {e}") from None
     build.validated(model)
     model, build, shard = _settled(model, build, shard)
+    stage = None if plan is None else plan.layers(model.num_layers)
     stored = _stored_weight_only(data["build"], build, model)
     path, dtype = os.path.join(directory, ENGINE_WEIGHTS_FILE), TORCH_DTYPES[model.dtype]
     if stored:   # built quantized: the rank's slices of the stored tensors, as they are
-        weights, num_bytes_read = load_engine_weights(path, model, dtype, shard, stored)
+        weights, num_bytes_read = load_engine_weights(path, model, dtype, shard, stored, stage)
     else:
-        weights, num_bytes_read = _read_quantized(lambda s: load_engine_weights(path, model, dtype, s),
+        weights, num_bytes_read = _read_quantized(lambda s: load_engine_weights(path, model, dtype, s, stage=stage),
                                                   model, build, shard)
-    return Engine(model, build, weights, directory, shard, num_bytes_read)
+    return Engine(model, build, weights, directory, shard, num_bytes_read, stage)
 
 
 def _stored_weight_only(recorded: dict, build: BuildConfig, model: ModelConfig) -> dict:
@@ -204,16 +211,18 @@ def _stored_weight_only(recorded: dict, build: BuildConfig, model: ModelConfig) 
     return stored_layout(model, build)
 
 
-def _load_hf_dir(directory: str, overrides: dict, shard: TensorShard | tuple[int, int] | None) -> Engine:
+def _load_hf_dir(directory: str, overrides: dict, shard: TensorShard | tuple[int, int] | None,
+                 plan: StagePlan | None) -> Engine:
     hf = read_json(os.path.join(directory, "config.json"), "config.json")
     arch = lookup_hf(hf)
     model = arch.config_from_hf(hf)
     build = default_build_config(model, **overrides)
     model, build, shard = _settled(model, build, shard)
+    stage = None if plan is None else plan.layers(model.num_layers)
     weights, num_bytes_read = _read_quantized(
-        lambda s: load_hf_weights(directory, model, TORCH_DTYPES[model.dtype], arch.read_weights, s), model, build,
-        shard)
-    return Engine(model, build, weights, directory, shard, num_bytes_read)
+        lambda s: load_hf_weights(directory, model, TORCH_DTYPES[model.dtype], arch.read_weights, s, stage), model,
+        build, shard)
+    return Engine(model, build, weights, directory, shard, num_bytes_read, stage)
 
 
 def _read_quantized(read: Callable[[TensorShard | None], tuple[Weights, int]], model: ModelConfig,
@@ -247,16 +256,17 @@ def _gguf_source(path: str) -> str | None:
 
 
 def _load_gguf(checkpoint: GgufCheckpoint, source: str, overrides: dict,
-               shard: TensorShard | tuple[int, int] | None) -> Engine:
+               shard: TensorShard | tuple[int, int] | None, plan: StagePlan | None) -> Engine:
     """The weights de-quantized to the build dtype; `source`: the path the caller gave."""
     model = checkpoint.model_config
     build = default_build_config(model, **overrides)
     model, build, shard = _settled(model, build, shard)
+    stage = None if plan is None else plan.layers(model.num_layers)
     dtype = TORCH_DTYPES[model.dtype]
     weights, num_bytes_read = _read_quantized(
-        lambda s: (check_weights(checkpoint.read_weights(dtype), model, dtype, checkpoint.path, s),
+        lambda s: (check_weights(checkpoint.read_weights(dtype), model, dtype, checkpoint.path, s, stage),
                    checkpoint.num_bytes_read), model, build, shard)
-    return Engine(model, build, weights, source, shard, num_bytes_read)
+    return Engine(model, build, weights, source, shard, num_bytes_read, stage)
 
 
 def build_engine(checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike, **build_fields) -> Engine:
@@ -303,7 +313,7 @@ def _build_engine(checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLi
     from .loading.gguf_tokenizer import tokenizer_files, write_files
     with GgufCheckpoint(gguf_path) as checkpoint:
         files = tokenizer_files(checkpoint.file)   # before writing anything: a tokenizer error leaves no engine
-        engine = _load_gguf(checkpoint, source, build_fields, None)
+        engine = _load_gguf(checkpoint, source, build_fields, None, None)
     engine.save(output_dir)
     write_files(files, os.fspath(output_dir))
     return engine

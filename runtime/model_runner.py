@@ -98,24 +98,31 @@ class ModelRunner:
                               f"{self.kernels.name!r}; use 'int8' or 'auto'")
         self.tokens_per_block = engine.build_config.tokens_per_block
         self.num_blocks = num_blocks
-        pool_bytes = num_blocks * self.kv_bytes_per_block(engine, tensor_parallel.size if tensor_parallel else 1)
+        # Pipeline parallelism: this rank's stage (its layers, and the transfers to its neighbours).
+        self.stage = tensor_parallel.pipeline_stage(cfg.num_layers) if tensor_parallel is not None else None
+        num_layers = cfg.num_layers if self.stage is None else self.stage.layers.num_layers
+        pool_bytes = num_blocks * self.kv_bytes_per_block(engine, tensor_parallel.size if tensor_parallel else 1,
+                                                          num_layers)
         available = available_memory_bytes(self.device)
         if pool_bytes > available:
             raise ValueError(f"num_blocks: a KV pool of {num_blocks} blocks of {self.tokens_per_block} tokens needs "
                              f"{pool_bytes / 2**30:.1f} GiB; only {available / 2**30:.1f} GiB are available on "
                              f"{self.device}")
         self.tensor_parallel = tensor_parallel
+        self.gather_logits_to_all = gather_logits_to_all
         self.shard = self._shard(engine, tensor_parallel)
-        weights = engine.weights
+        weights = self._stage_weights(engine)
         if self.shard is not None and engine.shard is None:
             shapes = {name: tuple(t.shape) for name, t in weights.items()}
             weights = {name: self.shard.slice(name, t, shapes) for name, t in weights.items()}
+        model_tp = tensor_parallel if tensor_parallel is not None and tensor_parallel.size > 1 else None
         self.model = Transformer(cfg, weights, self.device, self.kernels, self.attention_window,
-                                 self.sink_token_length, linear_impl, tensor_parallel, self.shard,
-                                 gather_logits_to_all)
+                                 self.sink_token_length, linear_impl, model_tp, self.shard,
+                                 gather_logits_to_all, None if self.stage is None else self.stage.layers)
         # [num_layers, K/V, num_blocks, tokens_per_block, num_kv_heads, head_dim]: this rank's KV heads
+        # of its stage's layers
         kv_dtype = engine.kv_storage_dtype
-        self.kv_pool = torch.zeros(cfg.num_layers, 2, num_blocks, self.tokens_per_block,
+        self.kv_pool = torch.zeros(num_layers, 2, num_blocks, self.tokens_per_block,
                                    self.model.local.num_kv_heads, cfg.head_dim, dtype=kv_dtype, device=self.device)
         # float32 [num_layers, K/V, num_blocks, tokens_per_block, num_kv_heads]: the scale of each
         # (token, head) row of a quantized pool (kernels/kv_quant.py); None for an unquantized one
@@ -124,9 +131,23 @@ class ModelRunner:
             self.kv_scales = torch.zeros(self.kv_pool.shape[:-1], dtype=torch.float32, device=self.device)
         self.lora_store = LoraWeightStore(self.device, engine.dtype, self.shard)   # task id -> resident adapter
 
+    def _stage_weights(self, engine: Engine) -> dict[str, torch.Tensor]:
+        """The engine's weights of this rank's stage (an engine loaded whole gives up the others)."""
+        if self.stage is None:
+            if engine.stage is not None:
+                raise ValueError("pipeline: the engine holds one stage's layers; give the runner its world")
+            return engine.weights
+        layers = self.stage.layers
+        if engine.stage is not None:
+            if engine.stage != layers:
+                raise ValueError(f"engine: holds the layers of stage {engine.stage}, but this rank runs {layers}")
+            return engine.weights
+        tied = "lm_head" not in engine.weights
+        return {name: t for name, t in engine.weights.items() if layers.holds(name, tied)}
+
     @staticmethod
     def _shard(engine: Engine, tensor_parallel: TensorParallel | None) -> TensorShard | None:
-        if tensor_parallel is None:
+        if tensor_parallel is None or tensor_parallel.size == 1:
             if engine.shard is not None:
                 raise ValueError("tensor_parallel: the engine holds one rank's slices; give the runner its world")
             return None
@@ -137,19 +158,57 @@ class ModelRunner:
         return shard
 
     @staticmethod
-    def kv_bytes_per_block(engine: Engine, tensor_parallelism: int = 1) -> int:
-        """Bytes of one block of one rank's pool (its KV heads) under `tensor_parallelism` ranks: the
-        values and, for a quantized cache, their float32 scales (one per token, head, K and V)."""
-        return engine.kv_bytes_per_token(tensor_parallelism) * engine.build_config.tokens_per_block
+    def kv_bytes_per_block(engine: Engine, tensor_parallelism: int = 1, num_layers: int | None = None) -> int:
+        """Bytes of one block of one rank's pool (its KV heads of `num_layers` layers, default all)
+        under `tensor_parallelism` ranks: the values and, for a quantized cache, their float32
+        scales (one per token, head, K and V)."""
+        return engine.kv_bytes_per_token(tensor_parallelism, num_layers) * engine.build_config.tokens_per_block
 
     @torch.inference_mode()
     def forward(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         step = self._layout(inputs)
-        logits, context_logits = self.model.forward(step, self.kv_pool, self.kv_scales)
+        if self.stage is None:
+            logits, context_logits = self.model.forward(step, self.kv_pool, self.kv_scales)
+        else:
+            logits, context_logits = self._stage_forward(step)
         outputs = {"logits": logits}
         if context_logits is not None:
             outputs["context_logits"] = context_logits
         return outputs
+
+    def _stage_forward(self, step: StepLayout) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """This stage's layers between its neighbours' transfers; the logits (and context logits)
+        then reach every rank (gather_logits_to_all) or global rank 0 (the others get None)."""
+        stage, layers = self.stage, self.stage.layers
+        hidden = None
+        if not layers.is_first:
+            hidden = stage.receive((step.input_ids.numel(), self.model_config.hidden_size), self.model.dtype,
+                                   stage.previous, "hidden states")
+        out, context_logits = self.model.forward(step, self.kv_pool, self.kv_scales, hidden)
+        logits = None
+        if layers.is_last:
+            logits = out
+        else:
+            stage.send(out, stage.next, "hidden states")
+        num_rows = step.logits_token_index.numel()
+        num_context = None if step.context_logits_index is None else step.context_logits_index.numel()
+        vocab = self.model_config.vocab_size
+        if self.gather_logits_to_all:
+            logits = stage.broadcast_from_last(logits, (num_rows, vocab))
+            if num_context is not None:
+                context_logits = stage.broadcast_from_last(context_logits, (num_context, vocab))
+            return logits, context_logits
+        if stage.sends_logits:
+            stage.send(logits, 0, "logits")
+            if num_context is not None:
+                stage.send(context_logits, 0, "context logits")
+            return None, None
+        if stage.global_rank != 0:
+            return None, None
+        logits = stage.receive((num_rows, vocab), torch.float32, stage.logits_source, "logits")
+        if num_context is not None:
+            context_logits = stage.receive((num_context, vocab), torch.float32, stage.logits_source, "context logits")
+        return logits, context_logits
 
     @torch.inference_mode()
     def copy_blocks(self, src_block_ids: list[int], dst_block_ids: list[int]) -> None:

@@ -36,9 +36,13 @@ class KvCacheConfig(_CoreKvCacheConfig):
 
 @dataclass
 class ParallelConfig:
-    """tensor_parallelism None: the torch.distributed launcher's world size (1 without one)."""
+    """tensor_parallelism None: the torch.distributed launcher's world size divided by the
+    pipeline stages (1 without a launcher). pipeline_split: the layers of each stage (default:
+    an even split)."""
     tensor_parallelism: int | None = None
     device_ids: list[int] | None = None
+    pipeline_parallelism: int = 1
+    pipeline_split: tuple[int, ...] | None = None
 
 
 @dataclass
@@ -106,7 +110,9 @@ def core_params(config: ExecutorConfig) -> tuple[TrtGptModelType, SchedulerPolic
                       getattr(config.kv_cache_config, "event_buffer_max_size", 0))
     parallel = config.parallel_config
     try:
-        world = WorldConfig(tensor_parallelism=parallel.tensor_parallelism if parallel is not None else None)
+        world = WorldConfig(tensor_parallelism=None) if parallel is None else WorldConfig(
+            tensor_parallelism=parallel.tensor_parallelism, pipeline_parallelism=parallel.pipeline_parallelism,
+            pipeline_split=parallel.pipeline_split)
     except ValueError as e:
         raise ValueError(f"ParallelConfig.{str(e).removeprefix('WorldConfig.')}") from None
     model_type = TrtGptModelType.V1 if BatchingType(config.batching_type) == BatchingType.STATIC \

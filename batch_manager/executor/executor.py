@@ -129,7 +129,7 @@ class Executor:
 
     def _check_leader(self) -> None:
         if isinstance(self._worker, Follower):
-            raise RuntimeError(f"rank {self._worker.tp.rank} of a tensor-parallel world: only rank 0 takes "
+            raise RuntimeError(f"rank {self._worker.tp.global_rank} of a tensor-parallel world: only rank 0 takes "
                                "requests (can_enqueue_requests() is False here)")
 
     def can_enqueue_requests(self) -> bool:

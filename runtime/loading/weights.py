@@ -30,6 +30,7 @@ __all__ = ["LazyTensor", "RawWeights", "TensorSource", "WeightError", "WeightRea
            "expected_shapes", "fused", "load_engine_weights", "load_hf_weights", "per_head_qkv"]
 
 if TYPE_CHECKING:
+    from ..parallel.pipeline import StageLayers
     from ..parallel.tensor_shard import TensorShard
 
 Weights = dict[str, torch.Tensor]
@@ -104,9 +105,11 @@ def fused(src: TensorSource, name_to_shape: dict[str, tuple[int, ...]]) -> LazyT
 
 
 def _checked(raw: RawWeights, cfg: ModelConfig, dtype: torch.dtype, where: str, src: TensorSource | None,
-             shard: TensorShard | None, stored: StoredLayout | None = None) -> Weights:
+             shard: TensorShard | None, stored: StoredLayout | None = None, stage: StageLayers | None = None
+             ) -> Weights:
     """Check every canonical tensor's presence, whole shape and dtype; then read each (the rank's
-    slice of it with a shard) and convert to `dtype`; `stored` names tensors read as they are."""
+    slice of it with a shard; only the stage's tensors with a stage) and convert to `dtype`;
+    `stored` names tensors read as they are."""
     stored = stored or {}
     shapes = {**expected_shapes(cfg), **{name: shape for name, (_, shape) in stored.items()}}
     for name, shape in shapes.items():
@@ -122,7 +125,10 @@ def _checked(raw: RawWeights, cfg: ModelConfig, dtype: torch.dtype, where: str, 
         elif not tensor.is_floating_point():
             raise WeightError(f"{where}: tensor {name!r} has dtype {tensor.dtype}, expected floating point")
     out: Weights = {}
+    tied = "lm_head" not in shapes
     for name in shapes:
+        if stage is not None and not stage.holds(name, tied):
+            continue
         tensor, selection = raw[name], shard.selection(name, shapes) if shard is not None else None
         if isinstance(tensor, LazyTensor):
             tensor = src.read(tensor, selection)
@@ -133,24 +139,24 @@ def _checked(raw: RawWeights, cfg: ModelConfig, dtype: torch.dtype, where: str, 
 
 
 def check_weights(raw: dict[str, torch.Tensor], cfg: ModelConfig, dtype: torch.dtype, where: str,
-                  shard: TensorShard | None = None) -> Weights:
+                  shard: TensorShard | None = None, stage: StageLayers | None = None) -> Weights:
     """Canonical weights a reader built in memory (a GGUF's, de-quantized): checked as a checkpoint's
     are, then whole or the shard's slices, in `dtype`."""
-    return _checked(raw, cfg, dtype, where, None, shard)
+    return _checked(raw, cfg, dtype, where, None, shard, stage=stage)
 
 
 def load_hf_weights(directory: str, cfg: ModelConfig, dtype: torch.dtype, read: WeightReader,
-                    shard: TensorShard | None = None) -> tuple[Weights, int]:
+                    shard: TensorShard | None = None, stage: StageLayers | None = None) -> tuple[Weights, int]:
     """(canonical weights, whole or the shard's slices; tensor bytes read from the files)."""
     with TensorSource(directory) as src:
-        return _checked(read(src, cfg), cfg, dtype, directory, src, shard), src.num_bytes_read
+        return _checked(read(src, cfg), cfg, dtype, directory, src, shard, stage=stage), src.num_bytes_read
 
 
-def load_engine_weights(path: str, cfg: ModelConfig, dtype: torch.dtype,
-                        shard: TensorShard | None = None, stored: StoredLayout | None = None) -> tuple[Weights, int]:
+def load_engine_weights(path: str, cfg: ModelConfig, dtype: torch.dtype, shard: TensorShard | None = None,
+                        stored: StoredLayout | None = None, stage: StageLayers | None = None) -> tuple[Weights, int]:
     """(canonical weights, whole or the shard's slices; tensor bytes read from the files).
     `stored`: the weight-only tensors (runtime.models.weight_only.stored_layout), read as they are."""
     with TensorSource(os.path.dirname(path)) as src:
         names = {**expected_shapes(cfg), **(stored or {})}
         raw = {name: src.get(name) for name in names if name in src.names()}
-        return _checked(raw, cfg, dtype, path, src, shard, stored), src.num_bytes_read
+        return _checked(raw, cfg, dtype, path, src, shard, stored, stage), src.num_bytes_read

@@ -20,6 +20,7 @@ from ..kernels.interface import KernelBackend, PreparedLinear
 from ..kernels.kv_quant import round_trip
 from ..adapters.lora_step import LoraStepPlan
 from .rope import apply_rope, rope_cos_sin, rope_inv_freq
+from ..parallel.pipeline import StageLayers
 from ..parallel.tensor_parallel import TensorParallel
 from ..parallel.tensor_shard import TensorShard
 from .weight_only import is_quantized, lookup_rows, padded_rows
@@ -60,14 +61,16 @@ class Transformer:
     def __init__(self, config: ModelConfig, weights: Weights, device: torch.device, kernels: KernelBackend,
                  attention_window: int | None = None, sink_token_length: int = 0,
                  linear_impl: str | None = None, tensor_parallel: TensorParallel | None = None,
-                 shard: TensorShard | None = None, gather_logits_to_all: bool = True):
+                 shard: TensorShard | None = None, gather_logits_to_all: bool = True,
+                 stage: StageLayers | None = None):
         """kernels: the backend of every op the model runs (its matmul weights are prepared by it
         here, once). attention_window: the window every layer uses (None = full causal attention);
         the caller folds the model's own sliding window in. sink_token_length: keys at positions
         below it stay visible outside the window (only with a window). linear_impl: forces a CPU
         matmul kernel (one of runtime.kernels.linear.CPU_IMPLS; default: the fastest available).
         tensor_parallel, shard: this rank's world and the slices `weights` hold (TensorShard);
-        gather_logits_to_all: every rank gets the logits (else rank 0 only, the others None)."""
+        gather_logits_to_all: every rank gets the logits (else rank 0 only, the others None).
+        stage: the pipeline stage's layers `weights` hold (runtime.parallel.pipeline); None: all."""
         self.config = config
         self.kernels = kernels
         self.tp, self.shard = tensor_parallel, shard
@@ -80,7 +83,11 @@ class Transformer:
         self.sink_token_length = sink_token_length if attention_window is not None else 0
         self.w = {name: t.to(device) for name, t in weights.items()}
         self.device = device
-        self.dtype = self.w["final_norm.weight"].dtype   # the compute dtype (a weight-only table may be int8)
+        self.layers = range(config.num_layers) if stage is None else range(stage.start, stage.stop)
+        self.is_first_stage = stage is None or stage.is_first
+        self.is_last_stage = stage is None or stage.is_last
+        # the compute dtype (a weight-only table may be int8)
+        self.dtype = self.w[f"layers.{self.layers.start}.input_norm.weight"].dtype
         self.scale = 1.0 / math.sqrt(config.head_dim)
         act = _ACTIVATIONS.get(config.activation)
         if act is None:
@@ -108,9 +115,15 @@ class Transformer:
                 bias = None
             self.linears[prefix] = self._prepare_linear(self.w, name, bias, linear_impl)
             self.w[name] = self.linears[prefix].weight
-        # Tied embeddings keep their [V, H] table for the lookup; the head gets its own prepared
-        # copy where the CPU kernel reorders it. Under TP each rank's head is padded with zero rows
-        # to the vocab chunk (the gather needs equal parts; the padding columns are dropped).
+        self.lm_head = None   # the last pipeline stage's (every rank's without one)
+        if self.is_last_stage:
+            self._prepare_head(linear_impl)
+
+    def _prepare_head(self, linear_impl: str | None) -> None:
+        """Tied embeddings keep their [V, H] table for the lookup; the head gets its own prepared
+        copy where the CPU kernel reorders it. Under TP each rank's head is padded with zero rows
+        to the vocab chunk (the gather needs equal parts; the padding columns are dropped)."""
+        shard = self.shard
         head_name = "lm_head" if "lm_head" in self.w else "embed_tokens"
         head_bias, head_weights = self.w.get("lm_head.bias"), self.w
         if shard is not None and self.w[head_name].shape[0] < shard.vocab_chunk:
@@ -143,28 +156,35 @@ class Transformer:
             return F.layer_norm(x, (x.shape[-1],), weight, self.w[prefix + ".bias"], self.config.norm_eps)
         return self.kernels.rms_norm(x, weight, self.config.norm_eps)
 
-    def forward(self, step: StepLayout, kv_pool: torch.Tensor, kv_scales: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """kv_pool [num_layers, 2, num_blocks, tpb, kvH, D] -> (logits float32 [L, V],
-        context logits float32 [C, V] or None). kv_scales float32 [num_layers, 2, num_blocks, tpb,
-        kvH]: the scales of a quantized pool (int8 / fp8), None otherwise."""
+    def forward(self, step: StepLayout, kv_pool: torch.Tensor, kv_scales: torch.Tensor | None = None,
+                hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """kv_pool [num_layers, 2, num_blocks, tpb, kvH, D] (the stage's layers) -> (logits float32
+        [L, V], context logits float32 [C, V] or None). kv_scales float32 [num_layers, 2,
+        num_blocks, tpb, kvH]: the scales of a quantized pool (int8 / fp8), None otherwise. A
+        pipeline stage after the first starts from the previous stage's `hidden` [T, H]; one before
+        the last returns its own (hidden [T, H], None)."""
         cfg, w = self.config, self.w
-        x = self._embed(step.input_ids)  # [T, H]
-        if step.prompt_embeddings is not None:
-            x[step.prompt_embeddings[0]] = step.prompt_embeddings[1]
-        if cfg.embedding_norm:
-            x = self._norm(x, "embed_norm")
+        if self.is_first_stage:
+            x = self._embed(step.input_ids)  # [T, H]
+            if step.prompt_embeddings is not None:
+                x[step.prompt_embeddings[0]] = step.prompt_embeddings[1]
+            if cfg.embedding_norm:
+                x = self._norm(x, "embed_norm")
+            if cfg.position_embedding == "learned":
+                x = x + w["position_embeddings"][step.position_ids]
+        else:
+            x = hidden
         cos = sin = None
-        if cfg.position_embedding == "learned":
-            x = x + w["position_embeddings"][step.position_ids]
-        elif cfg.position_embedding == "rope":
+        if cfg.position_embedding == "rope":
             cos, sin = rope_cos_sin(self.inv_freq, step.position_ids, self.dtype, cfg.rotary_style)
-        for layer in range(cfg.num_layers):
+        first = self.layers.start
+        for layer in self.layers:
             p = f"layers.{layer}."
             h = self._norm(x, p + "input_norm")
             qkv = self._linear(h, p + "qkv", step.lora)
-            scales = None if kv_scales is None else (kv_scales[layer, 0], kv_scales[layer, 1])
-            attn = self._attention(qkv, cos, sin, step, kv_pool[layer, 0], kv_pool[layer, 1], scales)
+            i = layer - first
+            scales = None if kv_scales is None else (kv_scales[i, 0], kv_scales[i, 1])
+            attn = self._attention(qkv, cos, sin, step, kv_pool[i, 0], kv_pool[i, 1], scales)
             # Under TP the row-parallel outputs are partial sums: rank 0 adds the residual (and the
             # biases), the others only their partials, and one all-reduce makes the sum everywhere.
             residual = x if self.is_reducing_rank else None
@@ -176,6 +196,8 @@ class Transformer:
                 attn = self._linear(attn, p + "out", step.lora)
                 mlp_input = h if cfg.residual == "parallel_shared_norm" else self._norm(x, p + "post_norm")
                 x = self._reduced(self._mlp(mlp_input, p, attn if residual is None else residual + attn, step.lora))
+        if not self.is_last_stage:
+            return x, None
         logits = self._logits(x[step.logits_token_index])
         context_logits = None
         if step.context_logits_index is not None:

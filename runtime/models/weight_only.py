@@ -77,6 +77,8 @@ def quantize_weights(weights: Weights, cfg: ModelConfig, build: BuildConfig) -> 
     """`weights` (whole, in the compute dtype) with the matmul weights quantized under `build`."""
     out = dict(weights)
     for name in quantized_names(cfg, build):
+        if name not in weights:   # another pipeline stage's
+            continue
         if build.weight_only == "int8":
             out[name], out[name + "_scale"] = quantize_int8(weights[name])
         else:

@@ -81,7 +81,7 @@ class SharedMemoryCollectives:
                 logger.info("tensor parallel: no shared-memory all-reduce (%s); using gloo", e)
                 path = None
         paths = [path]
-        dist.broadcast_object_list(paths, src=0, group=control_group)
+        dist.broadcast_object_list(paths, group_src=0, group=control_group)
         region = None
         if paths[0] is not None and native is not None:
             try:

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import ModelConfig
+from .pipeline import PipelineStage, StagePlan
 from .shm_collectives import SHM_ALL_REDUCE_ENV, SharedMemoryCollectives
 from .tensor_shard import Ranges, TensorShard, take
 from .world_config import DIST_TIMEOUT_ENV, DistributedError, WorldConfig, dist_timeout_s, launcher_world_size
@@ -49,11 +50,12 @@ def init_tensor_parallel(world_config: WorldConfig | None, device: torch.device)
     """Join (or start) the torch.distributed world for `world_config`; None when it is one process.
 
     Starts the default process group from the launcher's environment when no one has (gloo, or
-    NCCL on CUDA devices). ValueError when the world does not match the tensor parallelism."""
+    NCCL on CUDA devices). ValueError when the world does not match tensor x pipeline parallelism."""
     world_config = world_config or WorldConfig()
-    size = world_config.resolved_tensor_parallelism()
+    size = world_config.size
     if size == 1:
         return None
+    tp, pp = world_config.resolved_tensor_parallelism(), world_config.pipeline_parallelism
     if not dist.is_available():
         raise ValueError("tensor_parallelism: this torch build has no torch.distributed")
     timeout_s = dist_timeout_s()
@@ -61,22 +63,39 @@ def init_tensor_parallel(world_config: WorldConfig | None, device: torch.device)
     if not dist.is_initialized():
         missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
         if missing or launcher_world_size() == 1:
-            raise ValueError(f"WorldConfig.tensor_parallelism: {size} needs processes started by torchrun (or "
-                             f"another launcher setting RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); "
-                             f"missing {missing or ['WORLD_SIZE']}")
+            what = f"WorldConfig.tensor_parallelism: {tp} needs" if pp == 1 else \
+                f"WorldConfig: tensor_parallelism {tp} x pipeline_parallelism {pp} need"
+            raise ValueError(f"{what} processes started by torchrun (or another launcher setting RANK, "
+                             f"WORLD_SIZE, MASTER_ADDR, MASTER_PORT); missing {missing or ['WORLD_SIZE']}")
         dist.init_process_group(backend="cuda:nccl,cpu:gloo" if device_backend == "nccl" else "gloo",
                                 timeout=datetime.timedelta(seconds=timeout_s))
     world = dist.get_world_size()
     if world != size:
-        raise ValueError(f"WorldConfig.tensor_parallelism: {size}, but the torch.distributed world has {world} "
-                         "processes (pipeline parallelism is not supported: they must be equal)")
+        raise ValueError(f"WorldConfig: tensor_parallelism {tp} x pipeline_parallelism {pp} = {size} ranks, but "
+                         f"the torch.distributed world has {world} processes")
     rank = dist.get_rank()
     if world_config.rank is not None and world_config.rank != rank:
         raise ValueError(f"WorldConfig.rank: {world_config.rank}, but this process is rank {rank}")
     control = _group("gloo", timeout_s)
-    tensors = control if device_backend == "gloo" else _group(device_backend, timeout_s)
-    shared = SharedMemoryCollectives.create(rank, world, control, timeout_s) if device_backend == "gloo" else None
-    return TensorParallel(rank, world, tensors, control, timeout_s, shared)
+    world_tensors = control if device_backend == "gloo" else _group(device_backend, timeout_s)
+    stage_index = rank // tp
+    if pp == 1:
+        tp_control, tp_tensors = control, world_tensors
+    else:   # every rank makes every stage's groups, in one order (creating a group is a collective)
+        tp_control = tp_tensors = None
+        for s in range(pp):
+            ranks = list(range(s * tp, (s + 1) * tp))
+            group_control = dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout_s), backend="gloo")
+            group_tensors = group_control if device_backend == "gloo" else dist.new_group(
+                ranks, timeout=datetime.timedelta(seconds=timeout_s), backend=device_backend)
+            if s == stage_index:
+                tp_control, tp_tensors = group_control, group_tensors
+    shared = None
+    if device_backend == "gloo" and tp > 1:
+        shared = SharedMemoryCollectives.create(rank % tp, tp, tp_control, timeout_s)
+    plan = StagePlan(stage_index, pp, world_config.pipeline_split) if pp > 1 else None
+    return TensorParallel(rank % tp, tp, tp_tensors, control, timeout_s, shared, global_rank=rank, world_size=size,
+                          stage_plan=plan, stage_group=world_tensors)
 
 
 def local_device(device: torch.device, device_ids=None) -> torch.device:
@@ -89,17 +108,31 @@ def local_device(device: torch.device, device_ids=None) -> torch.device:
 
 
 class TensorParallel:
-    """This rank's view of the world: rank, size and the collectives (each raises
-    DistributedError naming what failed; after one the world is unusable)."""
+    """This rank's view of the world: its tensor-parallel `rank` of `size` within its pipeline
+    stage, with their collectives; its `global_rank` of `world_size` with the world's control
+    messages (`broadcast_object` from global rank 0, `min_int`); its stage (`stage_plan`, None
+    without pipeline parallelism). Each collective raises DistributedError naming what failed;
+    after one the world is unusable."""
 
     def __init__(self, rank: int, size: int, group, control_group, timeout_s: float,
-                 shared: "SharedMemoryCollectives | None" = None):
+                 shared: "SharedMemoryCollectives | None" = None, global_rank: int | None = None,
+                 world_size: int | None = None, stage_plan: StagePlan | None = None, stage_group=None):
         self.rank, self.size = rank, size
+        self.global_rank = rank if global_rank is None else global_rank
+        self.world_size = size if world_size is None else world_size
         self.group, self.control_group = group, control_group
         self.shared = shared   # same-host CPU ranks: float32 all-reduces through shared memory
         self.timeout_s = timeout_s
+        self.stage_plan, self._stage_group = stage_plan, stage_group
         self.all_reduce_seconds = 0.0   # wall time in all-reduce while time_all_reduce (benchmarks)
         self.time_all_reduce = False
+
+    def pipeline_stage(self, num_layers: int) -> PipelineStage | None:
+        """This rank's stage of a model of `num_layers` layers (None without pipeline parallelism)."""
+        if self.stage_plan is None:
+            return None
+        return PipelineStage(self.stage_plan.layers(num_layers), self.global_rank, self.size, self._stage_group,
+                             self.timeout_s)
 
     def shard(self, cfg: ModelConfig) -> TensorShard:
         return TensorShard.of(cfg, self.rank, self.size)
@@ -139,7 +172,7 @@ class TensorParallel:
                 dist.all_gather(parts, tensor, group=self.group)
             else:
                 parts = [torch.empty_like(tensor) for _ in range(self.size)] if self.rank == 0 else None
-                dist.gather(tensor, parts, dst=0, group=self.group)
+                dist.gather(tensor, parts, group_dst=0, group=self.group)
         except (RuntimeError, ValueError) as e:
             raise DistributedError(f"gathering the logits failed on rank {self.rank}: {e}") from e
         return torch.cat(parts, dim=1) if parts is not None else None
@@ -157,7 +190,7 @@ class TensorParallel:
         """Rank 0's `obj`, on every rank (pickled; one length and one payload broadcast). Waits up
         to the timeout; DistributedError when rank 0 is gone or nothing came in time."""
         try:
-            if self.rank == 0:
+            if self.global_rank == 0:
                 payload = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)),
                                            dtype=torch.uint8)
                 length = torch.tensor([payload.numel()], dtype=torch.int64)

@@ -121,9 +121,20 @@ def serve(engine_dir: str, model_type: int, params: dict, specs: list[dict], arr
     return out
 
 
-def check_same(pool, engine_dir, model_type, params, specs, arrival_calls=None):
+# The two ways two ranks split a model: tensor parallelism (the launcher's world size), or two
+# pipeline stages of one rank each.
+WORLDS = {"tp2": {}, "pp2": {"world_config": WorldConfig(tensor_parallelism=1, pipeline_parallelism=2)}}
+
+
+@pytest.fixture(params=sorted(WORLDS))
+def world(request) -> dict:
+    return WORLDS[request.param]
+
+
+def check_same(pool, engine_dir, model_type, params, specs, arrival_calls=None, world=None):
+    """`specs` served by one process and by the pool's two ranks (split as `world` says)."""
     expected = serve(engine_dir, model_type, params, specs, arrival_calls)
-    got, follower = pool.run(serve, engine_dir, model_type, params, specs, arrival_calls)
+    got, follower = pool.run(serve, engine_dir, model_type, {**params, **(world or {})}, specs, arrival_calls)
     assert follower is None
     assert set(got) == set(expected)
     for request_id, want in expected.items():
@@ -144,22 +155,23 @@ MIXED = [dict(id=0, prompt=PROMPTS[0], new=10), dict(id=1, prompt=PROMPTS[1], be
 
 
 @pytest.mark.parametrize("model_type", list(TrtGptModelType))
-def test_mixed_workload_matches_one_process(pool, engine, model_type):
-    check_same(pool, engine[0], int(model_type), {}, MIXED, [0, 0, 1, 2, 2, 4, 6, 6])
+def test_mixed_workload_matches_one_process(pool, engine, model_type, world):
+    check_same(pool, engine[0], int(model_type), {}, MIXED, [0, 0, 1, 2, 2, 4, 6, 6], world)
 
 
-def test_block_reuse_and_chunked_context(pool, engine):
+def test_block_reuse_and_chunked_context(pool, engine, world):
     specs = [dict(id=i, prompt=PROMPTS[1] + [i + 3] * (i + 1), new=6) for i in range(4)] + MIXED[4:6]
     params = dict(kv={"enable_block_reuse": True, "max_tokens": 256}, enable_chunked_context=True, max_num_tokens=12)
-    check_same(pool, engine[0], int(TrtGptModelType.InflightFusedBatching), params, specs, [0, 3, 3, 6, 7, 7])
+    check_same(pool, engine[0], int(TrtGptModelType.InflightFusedBatching), params, specs, [0, 3, 3, 6, 7, 7],
+               world)
 
 
-def test_lora_adapters_and_prompt_tables(pool, engine):
+def test_lora_adapters_and_prompt_tables(pool, engine, world):
     adapters = engine[1]
     specs = [dict(id=0, prompt=PROMPTS[0], lora=1, adapter=adapters[1]), dict(id=1, prompt=PROMPTS[3]),
              dict(id=2, prompt=PROMPTS[4], lora=2, adapter=adapters[2]), dict(id=3, prompt=PROMPTS[7], lora=1),
              dict(id=4, prompt=[128, 129, 130, 5, 9, 17], prompt_table=3)]
-    check_same(pool, engine[0], int(TrtGptModelType.InflightFusedBatching), {}, specs, [0, 0, 0, 3, 3])
+    check_same(pool, engine[0], int(TrtGptModelType.InflightFusedBatching), {}, specs, [0, 0, 0, 3, 3], world)
 
 
 @pytest.fixture(scope="module")
@@ -176,22 +188,22 @@ def weight_only_engines(tmp_path_factory):
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_weight_only_engine_matches_one_process(pool, weight_only_engines, mode):
+def test_weight_only_engine_matches_one_process(pool, weight_only_engines, mode, world):
     """Each rank serves its slices of the quantized model: the same tokens as one process."""
     check_same(pool, weight_only_engines[mode], int(TrtGptModelType.InflightFusedBatching), {}, MIXED,
-               [0, 0, 1, 2, 2, 4, 6, 6])
+               [0, 0, 1, 2, 2, 4, 6, 6], world)
 
 
-def test_overlap(pool, engine):
+def test_overlap(pool, engine, world):
     check_same(pool, engine[0], int(TrtGptModelType.InflightFusedBatching), {"enable_trt_overlap": True}, MIXED,
-               [0, 0, 1, 2, 2, 4, 6, 6])
+               [0, 0, 1, 2, 2, 4, 6, 6], world)
 
 
-def test_draft_tokens(pool, engine):
+def test_draft_tokens(pool, engine, world):
     specs = [dict(id=0, prompt=PROMPTS[6], new=12), dict(id=1, prompt=PROMPTS[0], drafts=[9, 17, 33]),
              dict(id=2, prompt=PROMPTS[5], new=10)]
     params = dict(max_draft_tokens=4, decoding={"prompt_lookup_num_tokens": 3, "prompt_lookup_max_batch_size": 0})
-    check_same(pool, engine[0], int(TrtGptModelType.InflightFusedBatching), params, specs)
+    check_same(pool, engine[0], int(TrtGptModelType.InflightFusedBatching), params, specs, world=world)
 
 
 def test_a_bad_request_and_a_failing_callback_end_nothing_else(pool, engine):
@@ -201,7 +213,7 @@ def test_a_bad_request_and_a_failing_callback_end_nothing_else(pool, engine):
     assert got[0][4] is None and got[2][4] is None
 
 
-def test_guided_decoding(pool, guided_engine):  # noqa: F811
+def test_guided_decoding(pool, guided_engine, world):  # noqa: F811
     import json
     engine_dir, tokenizer_dir, _ = guided_engine
     specs = [dict(id=0, prompt=[1, 40, 41], new=60, guided=("JSON_SCHEMA", json.dumps(SCHEMA)), end_id=EOS,
@@ -209,7 +221,7 @@ def test_guided_decoding(pool, guided_engine):  # noqa: F811
              dict(id=1, prompt=[1, 40, 41], new=30, guided=("REGEX", REGEX), end_id=EOS, top_k=0, seed=9),
              dict(id=2, prompt=[1, 42], new=10)]
     got = check_same(pool, engine_dir, int(TrtGptModelType.InflightFusedBatching),
-                     {"guided_tokenizer_dir": tokenizer_dir, "kv": {"max_tokens": 4096}}, specs)
+                     {"guided_tokenizer_dir": tokenizer_dir, "kv": {"max_tokens": 4096}}, specs, world=world)
     assert got[0][4] is None and got[1][4] is None, (got[0][4], got[1][4])
     assert got[0][0].shape[-1] > 3 and got[1][0].shape[-1] > 3
 
@@ -249,9 +261,10 @@ def test_an_idle_leader_keeps_the_followers_waiting_without_spinning(pool, engin
 
 # -- Executor -----------------------------------------------------------------------------------------
 
-def executor_serve(engine_dir: str) -> dict | None:
+def executor_serve(engine_dir: str, pipeline_parallelism: int = 1) -> dict | None:
     from batch_manager.executor import Executor
-    config = ExecutorConfig(max_beam_width=2, parallel_config=ParallelConfig())   # the launcher's world size
+    # tensor_parallelism: the launcher's world size (over the stages)
+    config = ExecutorConfig(max_beam_width=2, parallel_config=ParallelConfig(pipeline_parallelism=pipeline_parallelism))
     with Executor(engine_dir, executor_config=config) as executor:
         if not executor.can_enqueue_requests():
             with pytest.raises(RuntimeError, match="only rank 0 takes requests"):
@@ -268,8 +281,9 @@ def executor_serve(engine_dir: str) -> dict | None:
         return results
 
 
-def test_executor_takes_requests_on_rank_zero(pool, engine):
-    leader, follower = pool.run(executor_serve, engine[0])
+@pytest.mark.parametrize("pipeline_parallelism", [1, 2])
+def test_executor_takes_requests_on_rank_zero(pool, engine, pipeline_parallelism):
+    leader, follower = pool.run(executor_serve, engine[0], pipeline_parallelism)
     assert follower is None
     assert leader == executor_serve(engine[0])
 
@@ -315,8 +329,10 @@ def test_chaos_soak_round(pool, soak_engine, round_index):
     (lambda: TrtGptModelOptionalParams(world_config="2"), "world_config: expected a runtime.WorldConfig, got str"),
     (lambda: TrtGptModelOptionalParams(world_config=WorldConfig(tensor_parallelism=0)),
      "WorldConfig.tensor_parallelism: must be a positive integer or None, got 0"),
-    (lambda: TrtGptModelOptionalParams(world_config=WorldConfig(pipeline_parallelism=2)),
-     "WorldConfig.pipeline_parallelism: only 1 is supported, got 2"),
+    (lambda: TrtGptModelOptionalParams(world_config=WorldConfig(pipeline_parallelism=0)),
+     "WorldConfig.pipeline_parallelism: must be a positive integer, got 0"),
+    (lambda: TrtGptModelOptionalParams(world_config=WorldConfig(tensor_parallelism=1, pipeline_parallelism=2)),
+     "WorldConfig: tensor_parallelism 1 x pipeline_parallelism 2 need processes started by torchrun"),
     (lambda: TrtGptModelOptionalParams(world_config=WorldConfig(rank=-1)),
      "WorldConfig.rank: must be a non-negative integer or None, got -1"),
     (lambda: TrtGptModelOptionalParams(world_config=WorldConfig(tensor_parallelism=2)),

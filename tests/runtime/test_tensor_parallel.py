@@ -13,7 +13,9 @@ import torch
 
 from runtime import Engine, GenerationInput, GenerationOutput, GptSession, ModelRunner, SamplingConfig
 from runtime.kernels.cpu_native import native_ops
+from runtime.parallel.pipeline import StageLayers, StagePlan
 from runtime.parallel.tensor_parallel import SHM_ALL_REDUCE_ENV, TensorShard, WorldConfig, init_tensor_parallel
+from runtime.parallel.world_config import layer_ranges
 from tests.distributed import RankPool
 from tests.factories import make_checkpoint, step_inputs
 from tests.runtime import arch_factories
@@ -142,8 +144,34 @@ def test_world_config_needs_a_launcher(monkeypatch):
     assert init_tensor_parallel(WorldConfig(tensor_parallelism=None), torch.device("cpu")) is None
     with pytest.raises(ValueError, match="torchrun"):
         init_tensor_parallel(WorldConfig(tensor_parallelism=2), torch.device("cpu"))
-    with pytest.raises(ValueError, match="pipeline_parallelism"):
-        WorldConfig(pipeline_parallelism=2)
+    with pytest.raises(ValueError, match="pipeline_parallelism 2 need processes started by torchrun"):
+        init_tensor_parallel(WorldConfig(pipeline_parallelism=2), torch.device("cpu"))
+    with pytest.raises(ValueError, match="WorldConfig.pipeline_parallelism: must be a positive integer, got 0"):
+        WorldConfig(pipeline_parallelism=0)
+    with pytest.raises(ValueError, match=r"WorldConfig.pipeline_split: expected 2 layer counts >= 1"):
+        WorldConfig(pipeline_parallelism=2, pipeline_split=(3,))
+
+
+def test_layer_ranges_split_evenly_with_the_extra_layers_first():
+    assert layer_ranges(5, 2) == [(0, 3), (3, 5)]
+    assert layer_ranges(6, 3) == [(0, 2), (2, 4), (4, 6)]
+    assert WorldConfig(pipeline_parallelism=2, pipeline_split=(1, 4)).layer_ranges(5) == [(0, 1), (1, 5)]
+    with pytest.raises(ValueError, match=r"pipeline_split: \[1, 3\] adds up to 4 layers; the model has 5"):
+        WorldConfig(pipeline_parallelism=2, pipeline_split=(1, 3)).layer_ranges(5)
+    with pytest.raises(ValueError, match="3 stages for 2 layers"):
+        layer_ranges(2, 3)
+
+
+def test_a_stage_holds_its_layers_and_its_end_of_the_model():
+    first, last = StageLayers(0, 2, 0, 3), StageLayers(1, 2, 3, 5)
+    names = ["embed_tokens", "layers.0.qkv.weight", "layers.2.mlp_in.weight_scale", "layers.3.qkv.weight",
+             "final_norm.weight", "lm_head", "position_embeddings", "embed_norm.weight"]
+    assert [n for n in names if first.holds(n, tied_embeddings=False)] == \
+        ["embed_tokens", "layers.0.qkv.weight", "layers.2.mlp_in.weight_scale", "position_embeddings",
+         "embed_norm.weight"]
+    assert [n for n in names if last.holds(n, tied_embeddings=False)] == ["layers.3.qkv.weight", "final_norm.weight",
+                                                                         "lm_head"]
+    assert last.holds("embed_tokens", tied_embeddings=True)   # the head's table
 
 
 # -- GptSession ---------------------------------------------------------------------------------------
@@ -177,6 +205,32 @@ def test_gpt_session_under_world_config(pool, checkpoints, sharded_load):
     for outputs in pool.run(rank_session, checkpoints["llama_gqa"], sharded_load):
         for got, want in zip(outputs, expected):
             assert torch.equal(got, want)
+
+
+def rank_pipeline_session(checkpoint: str, stage_load: bool) -> tuple[list, list[str]]:
+    rank = int(os.environ["RANK"])
+    engine = Engine.from_dir(checkpoint, None, StagePlan(rank, 2) if stage_load else None)
+    session = GptSession(GptSession.Config(2, 2, 32), engine.model_config,
+                         WorldConfig(tensor_parallelism=1, pipeline_parallelism=2), engine)
+    return _session_outputs(session), sorted(session.runner.model.w)
+
+
+@pytest.mark.parametrize("stage_load", [True, False])
+def test_gpt_session_over_two_pipeline_stages(pool, checkpoints, stage_load):
+    """Two stages (layers 0-1 and 2-3 of 4, activations sent between them): every rank gets the
+    one-process tokens (greedy, beams, seeded top-k), from an engine loaded per stage or whole;
+    each rank holds only its stage's weights."""
+    engine = Engine.from_dir(checkpoints["llama_gqa"])
+    expected = _session_outputs(GptSession(GptSession.Config(2, 2, 32), engine.model_config, WorldConfig(), engine))
+    (first, first_names), (last, last_names) = pool.run(rank_pipeline_session, checkpoints["llama_gqa"], stage_load)
+    for outputs in (first, last):
+        for got, want in zip(outputs, expected):
+            assert torch.equal(got, want)
+    num_layers = engine.model_config.num_layers
+    split = layer_ranges(num_layers, 2)[0][1]
+    assert {int(n.split(".")[1]) for n in first_names if n.startswith("layers.")} == set(range(split))
+    assert {int(n.split(".")[1]) for n in last_names if n.startswith("layers.")} == set(range(split, num_layers))
+    assert "final_norm.weight" not in first_names and "final_norm.weight" in last_names
 
 
 def rank_all_reduce(num_floats: int, shared_memory: bool) -> torch.Tensor:

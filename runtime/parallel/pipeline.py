@@ -1,0 +1,122 @@
+"""Pipeline parallelism: which layers a stage holds (`StageLayers`, plain data) and the transfers
+between stages (`PipelineStage`, over torch.distributed).
+
+A stage holds a contiguous range of layers (WorldConfig.layer_ranges); the first also the
+embedding (and position embeddings, the embedding norm), the last the final norm and lm_head (and
+the embedding table when it is tied to the head). Every rank of a stage holds its tensor-parallel
+slices of those. A forward runs stage after stage: each stage's rank r receives the hidden states
+[T, hidden] from rank r of the stage before (every tensor-parallel rank has them whole after its
+all-reduce), runs its layers and sends them on; the last stage's logits go to global rank 0 (the
+manager's decoder) or to every rank (GptSession, which decodes everywhere).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .world_config import DIST_TIMEOUT_ENV, DistributedError, layer_ranges
+
+_LAYER = re.compile(r"^layers\.(\d+)\.")
+_FIRST_STAGE = ("embed_norm.", "position_embeddings")
+_LAST_STAGE = ("final_norm.", "lm_head")
+
+
+@dataclass(frozen=True)
+class StageLayers:
+    """Stage `stage` of `num_stages`: layers [start, stop)."""
+    stage: int
+    num_stages: int
+    start: int
+    stop: int
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+    @property
+    def num_layers(self) -> int:
+        return self.stop - self.start
+
+    def holds(self, name: str, tied_embeddings: bool) -> bool:
+        """Whether the canonical weight `name` (or a weight-only part of it) is this stage's."""
+        layer = _LAYER.match(name)
+        if layer is not None:
+            return self.start <= int(layer.group(1)) < self.stop
+        if name.startswith("embed_tokens"):
+            return self.is_first or (self.is_last and tied_embeddings)
+        if name.startswith(_FIRST_STAGE):
+            return self.is_first
+        if name.startswith(_LAST_STAGE):
+            return self.is_last
+        return True
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """What a rank knows of its stage before it reads the model: its index and the split rule."""
+    stage: int
+    num_stages: int
+    split: tuple[int, ...] | None = None
+
+    def layers(self, num_layers: int) -> StageLayers:
+        start, stop = layer_ranges(num_layers, self.num_stages, self.split)[self.stage]
+        return StageLayers(self.stage, self.num_stages, start, stop)
+
+
+def _as_wire(tensor: torch.Tensor) -> torch.Tensor:
+    """gloo moves bytes of the types it knows: 16-bit floats travel as int16."""
+    return tensor.view(torch.int16) if tensor.dtype in (torch.bfloat16, torch.float16) else tensor
+
+
+class PipelineStage:
+    """This rank's place in the pipeline and its transfers (each raises DistributedError naming the
+    peer when it fails or the peer sends nothing within the timeout)."""
+
+    def __init__(self, layers: StageLayers, global_rank: int, tensor_parallelism: int, group, timeout_s: float):
+        self.layers = layers
+        self.global_rank = global_rank
+        self.tensor_parallelism = tensor_parallelism
+        self.group, self.timeout_s = group, timeout_s
+        tp_rank = global_rank % tensor_parallelism
+        self.previous = None if layers.is_first else global_rank - tensor_parallelism
+        self.next = None if layers.is_last else global_rank + tensor_parallelism
+        # The rank that sends the logits on: the last stage's first tensor-parallel rank.
+        self.logits_source = (layers.num_stages - 1) * tensor_parallelism
+        self.sends_logits = global_rank == self.logits_source
+        self.bytes_sent = 0
+        self._tp_rank = tp_rank
+
+    def send(self, tensor: torch.Tensor, to: int, what: str) -> None:
+        wire = _as_wire(tensor.contiguous())
+        try:
+            dist.send(wire, dst=to, group=self.group)
+        except (RuntimeError, ValueError) as e:
+            raise DistributedError(f"rank {self.global_rank}: sending the {what} to rank {to} failed: {e}") from e
+        self.bytes_sent += wire.numel() * wire.element_size()
+
+    def receive(self, shape: tuple[int, ...], dtype: torch.dtype, source: int, what: str) -> torch.Tensor:
+        tensor = torch.empty(shape, dtype=dtype)
+        try:
+            dist.recv(_as_wire(tensor), src=source, group=self.group)
+        except (RuntimeError, ValueError) as e:
+            raise DistributedError(f"rank {self.global_rank}: no {what} from rank {source} ({e}); it stopped, "
+                                   f"failed, or sent nothing for {DIST_TIMEOUT_ENV}={self.timeout_s:g} s") from e
+        return tensor
+
+    def broadcast_from_last(self, tensor: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor:
+        """The last stage's float32 `tensor` on every rank."""
+        if not self.sends_logits:
+            tensor = torch.empty(shape, dtype=torch.float32)
+        try:
+            dist.broadcast(tensor, src=self.logits_source, group=self.group)
+        except (RuntimeError, ValueError) as e:
+            raise DistributedError(f"rank {self.global_rank}: the logits broadcast from rank {self.logits_source} "
+                                   f"failed: {e}") from e
+        return tensor
