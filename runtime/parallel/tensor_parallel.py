@@ -151,7 +151,7 @@ class TensorParallel:
             try:
                 dist.all_reduce(tensor, group=self.group)
             except (RuntimeError, ValueError) as e:
-                raise DistributedError(f"all-reduce failed on rank {self.rank}: {e}") from e
+                raise DistributedError(f"all-reduce failed on rank {self.global_rank}: {e}") from e
         if self.time_all_reduce:
             self.all_reduce_seconds += time.perf_counter() - start
         return tensor
@@ -174,7 +174,7 @@ class TensorParallel:
                 parts = [torch.empty_like(tensor) for _ in range(self.size)] if self.rank == 0 else None
                 dist.gather(tensor, parts, group_dst=0, group=self.group)
         except (RuntimeError, ValueError) as e:
-            raise DistributedError(f"gathering the logits failed on rank {self.rank}: {e}") from e
+            raise DistributedError(f"gathering the logits failed on rank {self.global_rank}: {e}") from e
         return torch.cat(parts, dim=1) if parts is not None else None
 
     def min_int(self, value: int) -> int:
@@ -183,7 +183,7 @@ class TensorParallel:
         try:
             dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control_group)
         except (RuntimeError, ValueError) as e:
-            raise DistributedError(f"agreeing on a value failed on rank {self.rank}: {e}") from e
+            raise DistributedError(f"agreeing on a value failed on rank {self.global_rank}: {e}") from e
         return int(t.item())
 
     def broadcast_object(self, obj: Any = None) -> Any:
@@ -202,6 +202,6 @@ class TensorParallel:
             payload = torch.empty(int(length.item()), dtype=torch.uint8)
             dist.broadcast(payload, src=0, group=self.control_group)
         except (RuntimeError, ValueError) as e:
-            raise DistributedError(f"rank {self.rank}: no message from rank 0 ({e}); it stopped, failed, or sent "
+            raise DistributedError(f"rank {self.global_rank}: no message from rank 0 ({e}); it stopped, failed, or sent "
                                    f"nothing for {DIST_TIMEOUT_ENV}={self.timeout_s:g} s") from e
         return pickle.loads(payload.numpy().tobytes())

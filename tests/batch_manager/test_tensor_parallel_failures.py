@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from batch_manager import GptManager, SchedulerPolicy, TrtGptModelType
-from runtime import build_engine
+from batch_manager import GptManager, SchedulerPolicy, TrtGptModelOptionalParams, TrtGptModelType
+from runtime import WorldConfig, build_engine
 from tests.batch_manager.conftest import Client, make_request, wait_until
 from tests.distributed import RankPool
 from tests.factories import make_checkpoint
@@ -30,19 +30,21 @@ def engine_dir(tmp_path_factory):
     return str(root / "engine")
 
 
-def run_in_new_world(fn, engine_dir: str, ranks: list[int] | None = None) -> list:
-    """fn(engine_dir) on both ranks of a fresh 2-rank world (discarded after); -> results of `ranks`."""
+def run_in_new_world(fn, engine_dir: str, ranks: list[int] | None = None, pipeline: bool = False) -> list:
+    """fn(engine_dir, pipeline) on both ranks of a fresh 2-rank world (discarded after); -> results of
+    `ranks`. pipeline: the two ranks are two pipeline stages (else two tensor-parallel ranks)."""
     pool = RankPool(2, env={"BATCH_MANAGER_DIST_TIMEOUT_S": str(TIMEOUT_S)})
     try:
-        return pool.run(fn, engine_dir, ranks=ranks)
+        return pool.run(fn, engine_dir, pipeline, ranks=ranks)
     finally:
         pool.close()
 
 
-def build_manager(engine_dir: str, *callbacks) -> GptManager:
+def build_manager(engine_dir: str, pipeline: bool, *callbacks) -> GptManager:
     """The manager every rank builds; a follower passes no callbacks."""
+    world = WorldConfig(tensor_parallelism=1, pipeline_parallelism=2) if pipeline else None
     return GptManager(engine_dir, TrtGptModelType.InflightFusedBatching, 1, SchedulerPolicy.GUARANTEED_NO_EVICT,
-                      *(callbacks or (None, None)))
+                      *(callbacks or (None, None)), optional_params=TrtGptModelOptionalParams(world_config=world))
 
 
 def _kill_self_after(condition) -> None:
@@ -52,17 +54,17 @@ def _kill_self_after(condition) -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
-def follower_dies(engine_dir: str):
+def follower_dies(engine_dir: str, pipeline: bool):
     """Rank 1 is killed after a few forwards; rank 0 -> (seconds until every request is answered,
     the error messages, the manager's fatal error)."""
     rank = int(os.environ["RANK"])
     if rank == 1:
-        manager = build_manager(engine_dir)
+        manager = build_manager(engine_dir, pipeline)
         _kill_self_after(lambda: manager._worker.num_forwards >= 3)
         manager.shutdown()
         return None
     client = Client([make_request(i, p, 150) for i, p in enumerate(PROMPTS)])
-    manager = build_manager(engine_dir, *client.callbacks())
+    manager = build_manager(engine_dir, pipeline, *client.callbacks())
     start = time.monotonic()
     client.wait(BOUND_S + 30)
     elapsed = time.monotonic() - start
@@ -72,44 +74,46 @@ def follower_dies(engine_dir: str):
     return elapsed, errors, fatal
 
 
-def test_a_killed_follower_fails_rank_zero_in_bounded_time(engine_dir):
-    (elapsed, errors, fatal), = run_in_new_world(follower_dies, engine_dir, ranks=[0])
+@pytest.mark.parametrize("pipeline", [False, True], ids=["tp2", "pp2"])
+def test_a_killed_follower_fails_rank_zero_in_bounded_time(engine_dir, pipeline):
+    (elapsed, errors, fatal), = run_in_new_world(follower_dies, engine_dir, ranks=[0], pipeline=pipeline)
     assert elapsed < BOUND_S
     assert fatal is not None and "tensor-parallel run failed" in fatal
     assert all(e and "tensor-parallel run failed" in e for e in errors), errors
 
 
-def leader_dies(engine_dir: str):
+def leader_dies(engine_dir: str, pipeline: bool):
     """Rank 0 is killed after a few steps; rank 1 -> (seconds its shutdown() waited, its fatal error)."""
     rank = int(os.environ["RANK"])
     if rank == 0:
         client = Client([make_request(0, PROMPTS[0], 150)])
-        manager = build_manager(engine_dir, *client.callbacks())
+        manager = build_manager(engine_dir, pipeline, *client.callbacks())
         _kill_self_after(lambda: len(client.stats) >= 3)
         client.wait(120)
         return None
-    manager = build_manager(engine_dir)
+    manager = build_manager(engine_dir, pipeline)
     start = time.monotonic()
     manager.shutdown()
     return time.monotonic() - start, manager.fatal_error, manager.is_running
 
 
-def test_a_killed_leader_ends_the_followers_in_bounded_time(engine_dir):
-    (elapsed, fatal, running), = run_in_new_world(leader_dies, engine_dir, ranks=[1])
+@pytest.mark.parametrize("pipeline", [False, True], ids=["tp2", "pp2"])
+def test_a_killed_leader_ends_the_followers_in_bounded_time(engine_dir, pipeline):
+    (elapsed, fatal, running), = run_in_new_world(leader_dies, engine_dir, ranks=[1], pipeline=pipeline)
     assert elapsed < BOUND_S
     assert fatal is not None and "rank 1" in fatal and not running
 
 
-def leader_crashes(engine_dir: str):
+def leader_crashes(engine_dir: str, pipeline: bool):
     """Rank 0's worker hits an internal error; -> (rank, fatal error, seconds until the run ended)."""
     rank = int(os.environ["RANK"])
     if rank != 0:
-        manager = build_manager(engine_dir)
+        manager = build_manager(engine_dir, pipeline)
         start = time.monotonic()
         manager.shutdown()
         return rank, manager.fatal_error, time.monotonic() - start
     client = Client([make_request(0, PROMPTS[0], 20), make_request(1, PROMPTS[1], 20)])
-    manager = build_manager(engine_dir, *client.callbacks())
+    manager = build_manager(engine_dir, pipeline, *client.callbacks())
     scheduler = manager._worker.scheduler
     update = scheduler.update
 
