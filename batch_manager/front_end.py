@@ -11,7 +11,7 @@ from .admission import AdmissionLimits, to_spec
 from .callbacks import UserCallbacks
 from .inference_request import InferenceRequest
 from .llm_request import LlmRequest, RequestOutput, RequestSpec
-from .responses import response_tensors
+from .responses import StreamCursors, response_tensors
 from .stats import IterationStats, stats_json
 
 logger = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ class CallbackFrontEnd:
         self.terminate_req_id = terminate_req_id
         self.exclude_input_in_output, self.normalize_log_probs = exclude_input_in_output, normalize_log_probs
         self.is_static_batching = is_static_batching
-        self._num_sent: dict[int, int] = {}   # request id -> generated tokens streamed so far
+        self._streams = StreamCursors()
 
     num_pending = 0   # the user's own queue is out of sight: nothing is fetched after a shutdown
 
@@ -106,20 +106,15 @@ class CallbackFrontEnd:
         return self.callbacks.poll_stop_signals()
 
     def respond(self, spec: RequestSpec, output: RequestOutput, is_final: bool) -> None:
-        request_id = output.request_id
-        sent = self._num_sent.get(request_id, 0)
-        if not is_final and output.num_generated <= sent:
+        start = self._streams.start(output, is_final)
+        if start is None:
             return
-        tensors = response_tensors(spec, output, sent, self.exclude_input_in_output)
-        if is_final:
-            self._num_sent.pop(request_id, None)
-        else:
-            self._num_sent[request_id] = output.num_generated
-        self.callbacks.send_response(request_id, tensors, is_final, "")
+        tensors = response_tensors(spec, output, start, self.exclude_input_in_output)
+        self._streams.advance(output, is_final)
+        self.callbacks.send_response(output.request_id, tensors, is_final, "")
 
     def respond_error(self, request_id: Any, message: str) -> None:
-        if type(request_id) is int:
-            self._num_sent.pop(request_id, None)
+        self._streams.forget(request_id)
         self.callbacks.send_response(request_id, [], True, message)
 
     def report_stats(self, stats: IterationStats, scheduled_ids: frozenset[int], scheduler,

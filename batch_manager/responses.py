@@ -13,6 +13,32 @@ from .inference_request import NamedTensor
 from .llm_request import RequestOutput, RequestSpec
 
 
+class StreamCursors:
+    """A front end's record of what it streamed: request id -> generated tokens already sent."""
+
+    def __init__(self):
+        self._sent: dict[int, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._sent)
+
+    def start(self, output: RequestOutput, is_final: bool) -> int | None:
+        """Where the next response starts, or None when a streamed one would carry nothing new."""
+        sent = self._sent.get(output.request_id, 0)
+        return None if not is_final and output.num_generated <= sent else sent
+
+    def advance(self, output: RequestOutput, is_final: bool) -> None:
+        """After a response went out: a final one ends the request's cursor."""
+        if is_final:
+            self._sent.pop(output.request_id, None)
+        else:
+            self._sent[output.request_id] = output.num_generated
+
+    def forget(self, request_id) -> None:
+        if type(request_id) is int:
+            self._sent.pop(request_id, None)
+
+
 @dataclass(frozen=True)
 class Rendered:
     """One response's values, per output sequence S (1 at beam width 1)."""

@@ -11,6 +11,7 @@ from ..admission import AdmissionLimits
 from ..front_end import Fetched
 from ..llm_request import FinishReason as CoreFinishReason
 from ..llm_request import LlmRequest, RequestOutput, RequestSpec
+from ..responses import StreamCursors
 from ..stats import IterationStats as CoreIterationStats
 from .conversion import OutputOptions, to_result, to_spec
 from .queues import QueuedRequest, RequestQueue, ResponseStore
@@ -29,7 +30,7 @@ class ExecutorFrontEnd:
         self._post_processors, self._has_batched = dict(post_processors), has_batched_post_processor
         self._is_static_batching = is_static_batching
         self._options: dict[int, OutputOptions] = {}   # request id -> result shaping, until its final
-        self._num_sent: dict[int, int] = {}            # request id -> generated tokens streamed so far
+        self._streams = StreamCursors()
         self._stop_lock, self._stop_ids = threading.Lock(), set()
         self._next_id = 1
 
@@ -56,7 +57,7 @@ class ExecutorFrontEnd:
         return ids
 
     def bookkeeping_counts(self) -> dict[str, int]:
-        return dict(queued=len(self.requests), result_shaping=len(self._options), streams=len(self._num_sent),
+        return dict(queued=len(self.requests), result_shaping=len(self._options), streams=len(self._streams),
                     known_ids=self.responses.num_known, ready=self.responses.num_ready())
 
     def close(self) -> None:
@@ -98,20 +99,18 @@ class ExecutorFrontEnd:
 
     def respond(self, spec: RequestSpec, output: RequestOutput, is_final: bool) -> None:
         request_id = output.request_id
-        sent = self._num_sent.get(request_id, 0)
-        if not is_final and output.num_generated <= sent:
+        start = self._streams.start(output, is_final)
+        if start is None:
             return
-        result = to_result(spec, output, sent, is_final, self._options[request_id])
+        result = to_result(spec, output, start, is_final, self._options[request_id])
+        self._streams.advance(output, is_final)
         if is_final:
             self._options.pop(request_id, None)
-            self._num_sent.pop(request_id, None)
-        else:
-            self._num_sent[request_id] = output.num_generated
         self.responses.push(Response(request_id, result, client_id=spec.client_id), is_final)
 
     def respond_error(self, request_id: int, message: str) -> None:
         self._options.pop(request_id, None)
-        self._num_sent.pop(request_id, None)
+        self._streams.forget(request_id)
         self.responses.push(Response(request_id, error_msg=message), True)
 
     def report_stats(self, stats: CoreIterationStats, scheduled_ids: frozenset[int], scheduler,

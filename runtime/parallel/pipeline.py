@@ -82,16 +82,13 @@ class PipelineStage:
     def __init__(self, layers: StageLayers, global_rank: int, tensor_parallelism: int, group, timeout_s: float):
         self.layers = layers
         self.global_rank = global_rank
-        self.tensor_parallelism = tensor_parallelism
         self.group, self.timeout_s = group, timeout_s
-        tp_rank = global_rank % tensor_parallelism
         self.previous = None if layers.is_first else global_rank - tensor_parallelism
         self.next = None if layers.is_last else global_rank + tensor_parallelism
         # The rank that sends the logits on: the last stage's first tensor-parallel rank.
         self.logits_source = (layers.num_stages - 1) * tensor_parallelism
         self.sends_logits = global_rank == self.logits_source
         self.bytes_sent = 0
-        self._tp_rank = tp_rank
 
     def send(self, tensor: torch.Tensor, to: int, what: str) -> None:
         wire = _as_wire(tensor.contiguous())
