@@ -1,8 +1,10 @@
 """The manager across tensor-parallel ranks: rank 0 leads, the other ranks follow its forwards.
 
 Rank 0 runs the whole engine core (front-end callbacks or queues, admission, scheduler, KV block
-bookkeeping, decoder, responses). Before each forward it broadcasts what the forward needs (the
-packed step inputs, the block copies, the LoRA adapters loaded or evicted since the last one);
+bookkeeping, decoder, responses). Before each forward it sends every other rank what the forward
+needs (the packed step inputs, the block copies, the LoRA adapters loaded or evicted since the
+last one), point to point and without waiting for them to take it: under pipeline parallelism
+rank 0 launches the next micro-batch while the later stages still compute the last one;
 every other rank (`Follower`) holds only its slice of the model and its KV heads' pool and runs
 the same forward on it. The logits are gathered on rank 0, which samples.
 
@@ -66,11 +68,12 @@ class StepBroadcaster:
         self._closed = True
         try:
             self._send((STOP, None) if error is None else (ERROR, error))
+            self.tp.flush_objects()
         except DistributedError as e:   # a follower is gone already: nothing left to tell it
             logger.warning("could not tell the other ranks that the run ended: %s", e)
 
     def _send(self, message: tuple) -> None:
-        self.tp.broadcast_object(message)
+        self.tp.send_object(message)
         self._last_sent = time.monotonic()
 
 
@@ -97,7 +100,7 @@ class Follower:
     def run(self) -> None:
         try:
             while True:
-                kind, payload = self.tp.broadcast_object()
+                kind, payload = self.tp.receive_object()
                 if kind == FORWARD:
                     self._forward(*payload)
                 elif kind == STOP:

@@ -38,14 +38,19 @@ class MicroBatchScheduler:
         self.enable_chunked_context = enable_chunked_context
 
     def schedule(self, fitting: list[LlmRequest], max_batch_size: int | None = None) -> MicroBatch:
-        """`max_batch_size` lowers the limit for this step (overlap: half the requests each)."""
+        """`max_batch_size` lowers the limit for this step (overlap, pipeline: a share of the
+        requests each); a request with more beams than it still runs alone."""
         limit = self.max_batch_size if max_batch_size is None else min(max_batch_size, self.max_batch_size)
         batch = MicroBatch()
         num_tokens = 0
         num_sequences = 0  # a beam-search request runs one sequence per live beam
+
+        def fits(k: int) -> bool:
+            return num_sequences + k <= limit or (num_sequences == 0 and k <= self.max_batch_size)
+
         for r in fitting:
             k = r.num_live_beams
-            if r.state != RequestState.GENERATION or num_sequences + k > limit:
+            if r.state != RequestState.GENERATION or not fits(k):
                 continue
             if num_tokens + k + len(r.draft_tokens) > self.max_num_tokens:
                 r.draft_tokens = []   # no room for its drafts this step: one token, as without them
@@ -55,7 +60,7 @@ class MicroBatchScheduler:
                 num_sequences += k
         for r in fitting:
             k = r.num_live_beams
-            if r.state != RequestState.CONTEXT or num_sequences + k > limit:
+            if r.state != RequestState.CONTEXT or not fits(k):
                 continue
             n, budget = r.num_tokens_to_compute, self.max_num_tokens - num_tokens
             r.context_chunk_size = None

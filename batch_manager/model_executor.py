@@ -7,7 +7,7 @@ the other micro-batch.
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from runtime import ModelRunner
@@ -20,6 +20,13 @@ from .request_decoder import RequestDecoder
 from .step import RequestResult, ScheduledRequest, ScheduledStep, StepResult
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LaunchedStep:
+    """A step `ModelExecutor.launch` started: per forward group, its launched forward
+    (runtime.model_runner.LaunchedForward), or the group's error results when its launch failed."""
+    groups: tuple[tuple[tuple[ScheduledRequest, ...], object], ...]
 
 
 class ModelExecutor:
@@ -46,9 +53,20 @@ class ModelExecutor:
                 gpu += t.numel() * t.element_size()
         return cpu, gpu, 0
 
+    @property
+    def pipeline_depth(self) -> int:
+        """How many micro-batches the worker keeps in flight: the pipeline's stages (1 without)."""
+        stage = self.runner.stage
+        return stage.layers.num_stages if stage is not None else 1
+
     def execute(self, step: ScheduledStep) -> StepResult:
         """Every forward group of the step, then a decoder step for the requests that computed
         all their tokens. A group that fails (forward, block copy, fault) fails only its requests."""
+        return self.complete(self.launch(step))
+
+    def launch(self, step: ScheduledStep) -> "LaunchedStep":
+        """The step's stores updated and its forwards started (under pipeline parallelism this
+        rank's stage of them; the later stages' logits arrive in `complete`)."""
         self.decoder.release(step.released_request_ids)
         for request_id in step.released_request_ids:
             self._prompt_tables.pop(request_id, None)
@@ -63,21 +81,39 @@ class ModelExecutor:
                 self.decoder.open(r.request_id, r.new)
                 if r.new.spec.prompt_table is not None:
                     self._prompt_tables[r.request_id] = r.new.spec.prompt_table
-        results: list[RequestResult] = []
+        groups = []
         for group in step.forward_groups:
             try:
                 if self.fault_injector is not None:
                     self.fault_injector(group)
-                results += self._run_group(group)
+                groups.append((group, self._launch_group(group)))
             except DistributedError:   # the ranks are out of step: the run cannot go on
                 raise
             except Exception as e:  # noqa: BLE001 - a failed step fails its requests, never the worker
-                logger.error("model step failed for requests %s", [r.request_id for r in group], exc_info=e)
-                results += [RequestResult(r.request_id, error=f"Encountered an error in the model step: {e!r}")
-                            for r in group]
+                groups.append((group, self._group_error(group, e)))
+        return LaunchedStep(tuple(groups))
+
+    def complete(self, launched: "LaunchedStep") -> StepResult:
+        """The launched step's results: its logits (waiting for the last stage's), decoded."""
+        results: list[RequestResult] = []
+        for group, forward in launched.groups:
+            if isinstance(forward, list):   # its launch failed: the errors
+                results += forward
+                continue
+            try:
+                results += self._decode_group(group, self.runner.finish(forward))
+            except DistributedError:
+                raise
+            except Exception as e:  # noqa: BLE001
+                results += self._group_error(group, e)
         return StepResult(tuple(results))
 
-    def _run_group(self, group: tuple[ScheduledRequest, ...]) -> list[RequestResult]:
+    @staticmethod
+    def _group_error(group: tuple[ScheduledRequest, ...], e: Exception) -> list[RequestResult]:
+        logger.error("model step failed for requests %s", [r.request_id for r in group], exc_info=e)
+        return [RequestResult(r.request_id, error=f"Encountered an error in the model step: {e!r}") for r in group]
+
+    def _launch_group(self, group: tuple[ScheduledRequest, ...]):
         copies = [pair for r in group for pair in r.block_copies]
         inputs = pack_step([
             SequenceStep(tokens, r.past_length, table, r.return_context_logits, 1 + r.num_draft_tokens,
@@ -87,7 +123,9 @@ class ModelExecutor:
             self.broadcaster.forward(copies, inputs)
         if copies:
             self.runner.copy_blocks([src for src, _ in copies], [dst for _, dst in copies])
-        outputs = self.runner.forward(inputs)
+        return self.runner.launch(inputs)
+
+    def _decode_group(self, group: tuple[ScheduledRequest, ...], outputs: dict) -> list[RequestResult]:
         rows, decoded, first_row = [], [], 0
         context_logits, first_token = {}, 0
         for r in group:

@@ -9,8 +9,10 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
+from typing import Callable
 
 from .front_end import TERMINATED, FrontEnd
 from .llm_request import FinishReason, LlmRequest
@@ -18,7 +20,7 @@ from .model_executor import DistributedError, ModelExecutor
 from .options import TrtGptModelType
 from .scheduler import Scheduler
 from .stats import IterationStats
-from .step import ScheduledStep
+from .step import ScheduledStep, StepResult
 from .admission import RequestError
 
 logger = logging.getLogger(__name__)
@@ -39,9 +41,9 @@ class WorkerConfig:
 
 @dataclass(frozen=True)
 class _InFlight:
-    """A step whose execution runs on the forward thread (overlap)."""
+    """A step still executing: on the forward thread (overlap), or in the later pipeline stages."""
     step: ScheduledStep
-    future: Future   # -> StepResult
+    result: Callable[[], StepResult]   # waits for it
 
     @property
     def request_ids(self) -> frozenset[int]:
@@ -59,11 +61,16 @@ class Worker:
         self._stop_requested = threading.Event()
         self._thread = threading.current_thread()  # run() is called on the thread that built this
         self.memory_usage = executor.memory_usage()
-        # Overlap: a step executes on this one thread while the worker schedules, updates and
-        # answers the other micro-batch (torch releases the GIL inside its kernels).
+        # Micro-batches in flight. Pipeline parallelism: one per stage, launched on this thread
+        # (rank 0 runs the first stage; the others compute the earlier micro-batches meanwhile).
+        # Overlap: a step executes on the one forward thread while the worker schedules, updates
+        # and answers the other micro-batch (torch releases the GIL inside its kernels).
+        self._pipeline_depth = executor.pipeline_depth
         self._forward_pool = ThreadPoolExecutor(1, thread_name_prefix="GptManagerForward") \
-            if config.enable_trt_overlap else None
-        self._in_flight: _InFlight | None = None
+            if config.enable_trt_overlap and self._pipeline_depth == 1 else None
+        self._num_in_flight = self._pipeline_depth if self._pipeline_depth > 1 else \
+            2 if self._forward_pool is not None else 1
+        self._in_flight: deque[_InFlight] = deque()   # oldest first
         self._finished: list[LlmRequest] = []   # answered in this iteration (request stats)
 
     @property
@@ -82,14 +89,15 @@ class Worker:
             self._run()
             self.executor.close()
         except BaseException as e:  # an internal bug: fail what is in flight rather than hang the users
-            if isinstance(e, DistributedError):
+            broken = isinstance(e, DistributedError)
+            if broken:
                 logger.error("GptManager worker stopped: %s", e)
                 self.fatal_error = f"the tensor-parallel run failed: {e}"
             else:
                 logger.exception("GptManager worker crashed")
                 self.fatal_error = f"internal error in the batch manager worker: {e!r}"
             self.executor.close(self.fatal_error)
-            self._fail_all(f"{self.fatal_error} (see the log)")
+            self._fail_all(f"{self.fatal_error} (see the log)", wait_in_flight=not broken)
             self._serve_failed()
         finally:
             if self._forward_pool is not None:
@@ -116,12 +124,12 @@ class Worker:
             self._apply_stop_signals()
             self._send_final_responses()
             if not self.scheduler.num_active:
-                if self._in_flight is None:   # collectives run on one thread at a time
+                if not self._in_flight:   # collectives run on one thread at a time
                     self.executor.heartbeat()
                 if not num_fetched:
                     self._stop_requested.wait(IDLE_SLEEP_S)
                 continue
-            if self._forward_pool is None:
+            if self._num_in_flight == 1:
                 step, num_paused = self.scheduler.schedule()
                 self.scheduler.update(step, self.executor.execute(step))
                 self._send_responses(step)
@@ -130,22 +138,33 @@ class Worker:
                     self._stop_requested.wait(WAITING_SLEEP_S)
                     continue
             else:
-                step, num_paused = self._overlapped_step()
+                step, num_paused = self._micro_batched_step()
+                if not step.requests and not self._in_flight:   # all waiting (see above)
+                    self.executor.heartbeat()
+                    self._stop_requested.wait(WAITING_SLEEP_S)
+                    continue
             self._send_stats(step, num_paused)
 
-    def _overlapped_step(self) -> tuple[ScheduledStep, int]:
-        """Schedule this micro-batch while the other one executes; start it, then apply and
-        answer the other one while this one runs."""
-        in_flight_ids = self._in_flight.request_ids if self._in_flight is not None else frozenset()
-        # Half the active requests per micro-batch, so that the two alternate.
-        step, num_paused = self.scheduler.schedule(in_flight_ids, max(1, -(-self.scheduler.num_active // 2)))
-        previous, self._in_flight = self._in_flight, None
-        previous_result = previous.future.result() if previous is not None else None
+    def _in_flight_ids(self) -> frozenset[int]:
+        return frozenset().union(*(f.request_ids for f in self._in_flight))
+
+    def _micro_batched_step(self) -> tuple[ScheduledStep, int]:
+        """Schedule a micro-batch of the requests not in flight and start it; then, once
+        `_num_in_flight` are (or nothing new could start), apply and answer the oldest while the
+        others run. A request is not scheduled again until its micro-batch's tokens are back."""
+        # An equal share of the active requests per micro-batch, so that they take turns.
+        max_batch_size = max(1, -(-self.scheduler.num_active // self._num_in_flight))
+        step, num_paused = self.scheduler.schedule(self._in_flight_ids(), max_batch_size)
         if step.requests:
-            self._in_flight = _InFlight(step, self._forward_pool.submit(self.executor.execute, step))
-        if previous is not None:
-            self.scheduler.update(previous.step, previous_result)
-            self._send_responses(previous.step)
+            if self._forward_pool is not None:
+                result = self._forward_pool.submit(self.executor.execute, step).result
+            else:
+                result = partial(self.executor.complete, self.executor.launch(step))
+            self._in_flight.append(_InFlight(step, result))
+        if self._in_flight and (len(self._in_flight) >= self._num_in_flight or not step.requests):
+            oldest = self._in_flight.popleft()
+            self.scheduler.update(oldest.step, oldest.result())
+            self._send_responses(oldest.step)
         return step, num_paused
 
     def _serve_failed(self) -> None:
@@ -202,8 +221,7 @@ class Worker:
         self._send_final_responses()
 
     def _send_final_responses(self) -> None:
-        in_flight_ids = self._in_flight.request_ids if self._in_flight is not None else frozenset()
-        for r in self.scheduler.pop_finished(in_flight_ids):
+        for r in self.scheduler.pop_finished(self._in_flight_ids()):
             if self.front_end.has_stats:
                 self._finished.append(r)
             if r.output.finish_reason == FinishReason.ERROR:
@@ -223,12 +241,18 @@ class Worker:
             logger.exception("building the response of request %s failed", r.request_id)
             return f"failed to build the response: {e!r}"
 
-    def _fail_all(self, message: str) -> None:
+    def _fail_all(self, message: str, wait_in_flight: bool = True) -> None:
         """Fail every active and queued request. Also runs after a crash, over state that may be
-        inconsistent: each request is answered even when releasing its resources fails."""
-        if self._in_flight is not None:   # let its forward end before the blocks are freed
-            self._in_flight.future.exception()
-            self._in_flight = None
+        inconsistent: each request is answered even when releasing its resources fails.
+        wait_in_flight: let the forwards in flight end before their blocks are freed (not when
+        the ranks are out of touch: they may never end)."""
+        while self._in_flight:
+            in_flight = self._in_flight.popleft()
+            if wait_in_flight:
+                try:
+                    in_flight.result()
+                except Exception:  # noqa: BLE001 - its requests fail below anyway
+                    pass
         try:
             self.scheduler.fail_all(message)
             self._send_final_responses()
@@ -260,7 +284,7 @@ class Worker:
             num_context_tokens=sum(r.num_step_tokens * r.num_beams for r in step.context_requests),
             num_generation_tokens=len(step.generation_requests), num_paused=num_paused,
             num_empty_generation_slots=max(0, self._static_batch_size - num_scheduled) if is_v1 else 0,
-            micro_batch_id=(step.iteration + 1) % 2 if self._forward_pool is not None else 0,
+            micro_batch_id=(step.iteration + 1) % self._num_in_flight,
             num_lora_adapters=peft.num_cached if peft is not None else 0,
             num_lora_evictions=peft.num_evictions if peft is not None else 0,
             **({"num_draft_tokens_proposed": self.scheduler.num_draft_tokens_proposed,

@@ -36,6 +36,7 @@ this step may be negative (the block was released); every other used entry must 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -46,6 +47,7 @@ from .kernels.kv_quant import is_quantized_kv
 from .adapters.lora_step import LoraWeightStore
 from .models.transformer import StepLayout, Transformer
 from .adapters.prompt_tuning import TABLE_INPUTS, virtual_tokens
+from .parallel.pipeline import LOGITS_TAG, PendingReceive
 from .parallel.tensor_parallel import TensorParallel
 from .parallel.tensor_shard import TensorShard
 
@@ -67,6 +69,14 @@ def available_memory_bytes(device: torch.device) -> int:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return 1 << 62
+
+
+@dataclass(frozen=True)
+class LaunchedForward:
+    """A forward `ModelRunner.launch` started: its logits (float32 [rows, vocab]) and context
+    logits, each a tensor, None (not this rank's), or still on the way from the last stage."""
+    logits: "torch.Tensor | PendingReceive | None"
+    context_logits: "torch.Tensor | PendingReceive | None" = None
 
 
 class ModelRunner:
@@ -164,51 +174,69 @@ class ModelRunner:
         scales (one per token, head, K and V)."""
         return engine.kv_bytes_per_token(tensor_parallelism, num_layers) * engine.build_config.tokens_per_block
 
-    @torch.inference_mode()
     def forward(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return self.finish(self.launch(inputs))
+
+    @torch.inference_mode()
+    def launch(self, inputs: dict[str, torch.Tensor]) -> "LaunchedForward":
+        """Start a forward; `finish` gives its outputs. Under pipeline parallelism this rank's
+        part runs now (its layers, the send to the next stage) while global rank 0's logits are
+        received in `finish`, so rank 0 can launch the next micro-batch while the later stages
+        compute this one. Without a pipeline the whole forward runs here."""
         step = self._layout(inputs)
         if self.stage is None:
-            logits, context_logits = self.model.forward(step, self.kv_pool, self.kv_scales)
-        else:
-            logits, context_logits = self._stage_forward(step)
+            return LaunchedForward(*self.model.forward(step, self.kv_pool, self.kv_scales))
+        return self._launch_stage(step)
+
+    @staticmethod
+    def finish(launched: "LaunchedForward") -> dict[str, torch.Tensor]:
+        """The launched forward's outputs: {"logits": float32 [rows, vocab], and "context_logits"
+        when asked}; None logits on the ranks that do not receive them (pipeline ranks != 0)."""
+        logits, context_logits = launched.logits, launched.context_logits
+        if isinstance(logits, PendingReceive):
+            logits = logits.wait()
+        if isinstance(context_logits, PendingReceive):
+            context_logits = context_logits.wait()
         outputs = {"logits": logits}
         if context_logits is not None:
             outputs["context_logits"] = context_logits
         return outputs
 
-    def _stage_forward(self, step: StepLayout) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def _launch_stage(self, step: StepLayout) -> "LaunchedForward":
         """This stage's layers between its neighbours' transfers; the logits (and context logits)
         then reach every rank (gather_logits_to_all) or global rank 0 (the others get None)."""
         stage, layers = self.stage, self.stage.layers
+        num_rows = step.logits_token_index.numel()
+        num_context = None if step.context_logits_index is None else step.context_logits_index.numel()
+        vocab = self.model_config.vocab_size
         hidden = None
         if not layers.is_first:
             hidden = stage.receive((step.input_ids.numel(), self.model_config.hidden_size), self.model.dtype,
                                    stage.previous, "hidden states")
+        elif stage.global_rank == 0 and not self.gather_logits_to_all and not layers.is_last:
+            # posted before this stage's work: the last stage may answer before it is done
+            launched = LaunchedForward(
+                stage.post_logits_receive((num_rows, vocab), "logits"),
+                None if num_context is None else stage.post_logits_receive((num_context, vocab), "context logits"))
         out, context_logits = self.model.forward(step, self.kv_pool, self.kv_scales, hidden)
         logits = None
         if layers.is_last:
             logits = out
         else:
             stage.send(out, stage.next, "hidden states")
-        num_rows = step.logits_token_index.numel()
-        num_context = None if step.context_logits_index is None else step.context_logits_index.numel()
-        vocab = self.model_config.vocab_size
         if self.gather_logits_to_all:
             logits = stage.broadcast_from_last(logits, (num_rows, vocab))
             if num_context is not None:
                 context_logits = stage.broadcast_from_last(context_logits, (num_context, vocab))
-            return logits, context_logits
+            return LaunchedForward(logits, context_logits)
         if stage.sends_logits:
-            stage.send(logits, 0, "logits")
+            stage.send(logits, 0, "logits", LOGITS_TAG)
             if num_context is not None:
-                stage.send(context_logits, 0, "context logits")
-            return None, None
+                stage.send(context_logits, 0, "context logits", LOGITS_TAG)
+            return LaunchedForward(None, None)
         if stage.global_rank != 0:
-            return None, None
-        logits = stage.receive((num_rows, vocab), torch.float32, stage.logits_source, "logits")
-        if num_context is not None:
-            context_logits = stage.receive((num_context, vocab), torch.float32, stage.logits_source, "context logits")
-        return logits, context_logits
+            return LaunchedForward(None, None)
+        return launched
 
     @torch.inference_mode()
     def copy_blocks(self, src_block_ids: list[int], dst_block_ids: list[int]) -> None:

@@ -63,11 +63,13 @@ class TwoHosts:
             subprocess.run(["ip", "netns", "del", name], capture_output=True, text=True)
         self._made = []
 
-    def launch(self, host: int, rank: int, env: dict[str, str], args: list[str]) -> subprocess.Popen:
-        """`python -m samples.two_hosts rank ARGS` as `rank` in namespace `host`, hostname rank-<host>."""
+    def launch(self, host: int, rank: int, env: dict[str, str], args: list[str],
+               module: tuple[str, ...] = ("samples.two_hosts", "rank")) -> subprocess.Popen:
+        """`python -m MODULE ARGS` (default: this script's rank) as `rank` in namespace `host`,
+        hostname <tag>-host-<host>."""
         command = ["ip", "netns", "exec", self.names[host], "unshare", "--uts", "sh", "-c",
                    f"hostname {self.tag}-host-{host} && exec \"$@\"", "sh",
-                   sys.executable, "-m", "samples.two_hosts", "rank", *args]
+                   sys.executable, "-m", *module, *args]
         environment = {**os.environ, **env, "RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": "2",
                        "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": self.addresses[0], "MASTER_PORT": str(MASTER_PORT),
                        "GLOO_SOCKET_IFNAME": self.devices[host], "OMP_NUM_THREADS": "1"}

@@ -11,13 +11,20 @@ manager's decoder) or to every rank (GptSession, which decodes everywhere).
 """
 from __future__ import annotations
 
+import datetime
 import re
+import time
+from collections import deque
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from .world_config import DIST_TIMEOUT_ENV, DistributedError, layer_ranges
+
+# Point-to-point tags (messages of one tag between two ranks arrive in the order sent); the
+# manager's control messages use CONTROL_TAG (batch_manager.distributed).
+CONTROL_TAG, HIDDEN_TAG, LOGITS_TAG = 0, 1, 2
 
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 _FIRST_STAGE = ("embed_norm.", "position_embeddings")
@@ -75,9 +82,34 @@ def _as_wire(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view(torch.int16) if tensor.dtype in (torch.bfloat16, torch.float16) else tensor
 
 
+class PendingReceive:
+    """A receive posted ahead (rank 0 posts each micro-batch's logits receive when it launches it)."""
+
+    def __init__(self, stage: "PipelineStage", shape: tuple[int, ...], dtype: torch.dtype, source: int, what: str):
+        self.stage, self.source, self.what = stage, source, what
+        self.tensor = torch.empty(shape, dtype=dtype)
+        try:
+            self._work = dist.irecv(_as_wire(self.tensor), src=source, group=stage.group, tag=LOGITS_TAG)
+        except (RuntimeError, ValueError) as e:
+            raise stage.receive_error(source, what, e) from e
+
+    def wait(self) -> torch.Tensor:
+        start = time.perf_counter()
+        try:
+            self._work.wait(datetime.timedelta(seconds=self.stage.timeout_s))
+        except (RuntimeError, ValueError) as e:
+            raise self.stage.receive_error(self.source, self.what, e) from e
+        self.stage.seconds_receiving += time.perf_counter() - start
+        return self.tensor
+
+
 class PipelineStage:
     """This rank's place in the pipeline and its transfers (each raises DistributedError naming the
-    peer when it fails or the peer sends nothing within the timeout)."""
+    peer when it fails or the peer sends nothing within the timeout).
+
+    Sends are asynchronous (gloo's blocking send waits until the receiver has posted its receive,
+    which would hold a stage until the next one finished its previous micro-batch): each tensor
+    is kept until its send completes, at most `max_pending_sends` at a time."""
 
     def __init__(self, layers: StageLayers, global_rank: int, tensor_parallelism: int, group, timeout_s: float):
         self.layers = layers
@@ -89,23 +121,53 @@ class PipelineStage:
         self.logits_source = (layers.num_stages - 1) * tensor_parallelism
         self.sends_logits = global_rank == self.logits_source
         self.bytes_sent = 0
+        self.seconds_receiving = 0.0   # waiting for (and taking) hidden states and logits (benchmarks)
+        self.max_pending_sends = 2 * layers.num_stages
+        self._pending_sends: deque = deque()   # (work, tensor kept alive, peer, what), oldest first
 
-    def send(self, tensor: torch.Tensor, to: int, what: str) -> None:
+    def send(self, tensor: torch.Tensor, to: int, what: str, tag: int = HIDDEN_TAG) -> None:
         wire = _as_wire(tensor.contiguous())
         try:
-            dist.send(wire, dst=to, group=self.group)
+            work = dist.isend(wire, dst=to, group=self.group, tag=tag)
         except (RuntimeError, ValueError) as e:
             raise DistributedError(f"rank {self.global_rank}: sending the {what} to rank {to} failed: {e}") from e
+        self._pending_sends.append((work, wire, to, what))
         self.bytes_sent += wire.numel() * wire.element_size()
+        while self._pending_sends and self._pending_sends[0][0].is_completed():
+            self._complete_oldest_send()
+        while len(self._pending_sends) > self.max_pending_sends:
+            self._complete_oldest_send()
+
+    def flush(self) -> None:
+        """Wait until every send has completed."""
+        while self._pending_sends:
+            self._complete_oldest_send()
+
+    def _complete_oldest_send(self) -> None:
+        work, _, to, what = self._pending_sends.popleft()
+        try:
+            work.wait(datetime.timedelta(seconds=self.timeout_s))
+        except (RuntimeError, ValueError) as e:
+            raise DistributedError(f"rank {self.global_rank}: sending the {what} to rank {to} failed ({e}); it "
+                                   f"stopped, failed, or took nothing for {DIST_TIMEOUT_ENV}={self.timeout_s:g} s") from e
+
+    def receive_error(self, source: int, what: str, e: Exception) -> DistributedError:
+        return DistributedError(f"rank {self.global_rank}: no {what} from rank {source} ({e}); it stopped, failed, "
+                                f"or sent nothing for {DIST_TIMEOUT_ENV}={self.timeout_s:g} s")
 
     def receive(self, shape: tuple[int, ...], dtype: torch.dtype, source: int, what: str) -> torch.Tensor:
         tensor = torch.empty(shape, dtype=dtype)
+        start = time.perf_counter()
         try:
-            dist.recv(_as_wire(tensor), src=source, group=self.group)
+            dist.recv(_as_wire(tensor), src=source, group=self.group, tag=HIDDEN_TAG)
         except (RuntimeError, ValueError) as e:
-            raise DistributedError(f"rank {self.global_rank}: no {what} from rank {source} ({e}); it stopped, "
-                                   f"failed, or sent nothing for {DIST_TIMEOUT_ENV}={self.timeout_s:g} s") from e
+            raise self.receive_error(source, what, e) from e
+        self.seconds_receiving += time.perf_counter() - start
         return tensor
+
+    def post_logits_receive(self, shape: tuple[int, ...], what: str) -> PendingReceive:
+        """Rank 0: the float32 logits the last stage will send, received whenever they come."""
+        return PendingReceive(self, shape, torch.float32, self.logits_source, what)
 
     def broadcast_from_last(self, tensor: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor:
         """The last stage's float32 `tensor` on every rank."""

@@ -15,13 +15,14 @@ import logging
 import os
 import pickle
 import time
+from collections import deque
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..config import ModelConfig
-from .pipeline import PipelineStage, StagePlan
+from .pipeline import CONTROL_TAG, PipelineStage, StagePlan
 from .shm_collectives import SHM_ALL_REDUCE_ENV, SharedMemoryCollectives
 from .tensor_shard import Ranges, TensorShard, take
 from .world_config import DIST_TIMEOUT_ENV, DistributedError, WorldConfig, dist_timeout_s, launcher_world_size
@@ -31,6 +32,10 @@ __all__ = ["DIST_TIMEOUT_ENV", "SHM_ALL_REDUCE_ENV", "DistributedError", "Ranges
 
 logger = logging.getLogger(__name__)
 
+
+# Objects rank 0 may have sent per other rank that it has not taken yet (messages of the manager:
+# one per forward, a heartbeat while idle) before `send_object` waits for it.
+MAX_PENDING_OBJECTS = 16
 
 # -- processes and collectives -----------------------------------------------------------------------
 
@@ -110,7 +115,7 @@ def local_device(device: torch.device, device_ids=None) -> torch.device:
 class TensorParallel:
     """This rank's view of the world: its tensor-parallel `rank` of `size` within its pipeline
     stage, with their collectives; its `global_rank` of `world_size` with the world's control
-    messages (`broadcast_object` from global rank 0, `min_int`); its stage (`stage_plan`, None
+    messages (`send_object` from global rank 0 and `receive_object`, `min_int`); its stage (`stage_plan`, None
     without pipeline parallelism). Each collective raises DistributedError naming what failed;
     after one the world is unusable."""
 
@@ -126,6 +131,7 @@ class TensorParallel:
         self.stage_plan, self._stage_group = stage_plan, stage_group
         self.all_reduce_seconds = 0.0   # wall time in all-reduce while time_all_reduce (benchmarks)
         self.time_all_reduce = False
+        self._pending_objects: deque = deque()   # send_object's (works, tensors kept alive, rank), oldest first
 
     def pipeline_stage(self, num_layers: int) -> PipelineStage | None:
         """This rank's stage of a model of `num_layers` layers (None without pipeline parallelism)."""
@@ -186,21 +192,43 @@ class TensorParallel:
             raise DistributedError(f"agreeing on a value failed on rank {self.global_rank}: {e}") from e
         return int(t.item())
 
-    def broadcast_object(self, obj: Any = None) -> Any:
-        """Rank 0's `obj`, on every rank (pickled; one length and one payload broadcast). Waits up
-        to the timeout; DistributedError when rank 0 is gone or nothing came in time."""
+    def send_object(self, obj: Any) -> None:
+        """Global rank 0: `obj` to every other rank, without waiting for them (pickled; a length and
+        a payload, point to point, in order). Each rank takes it with `receive_object`; up to
+        MAX_PENDING_OBJECTS sent objects wait to be taken before this blocks (with the timeout)."""
+        payload = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+        length = torch.tensor([payload.numel()], dtype=torch.int64)
+        for rank in range(1, self.world_size):
+            try:
+                works = [dist.isend(t, dst=rank, group=self.control_group, tag=CONTROL_TAG) for t in (length, payload)]
+            except (RuntimeError, ValueError) as e:
+                raise DistributedError(f"rank 0: sending a message to rank {rank} failed: {e}") from e
+            self._pending_objects.append((works, length, payload, rank))
+        while self._pending_objects and all(w.is_completed() for w in self._pending_objects[0][0]):
+            self._pending_objects.popleft()
+        while len(self._pending_objects) > MAX_PENDING_OBJECTS * (self.world_size - 1):
+            self.flush_objects(1)
+
+    def flush_objects(self, count: int | None = None) -> None:
+        """Wait until the oldest `count` (default: every) objects sent have been taken."""
+        while self._pending_objects and (count is None or count > 0):
+            works, _, _, rank = self._pending_objects.popleft()
+            try:
+                for work in works:
+                    work.wait(datetime.timedelta(seconds=self.timeout_s))
+            except (RuntimeError, ValueError) as e:
+                raise DistributedError(f"rank 0: rank {rank} took no message ({e}); it stopped, failed, or took "
+                                       f"nothing for {DIST_TIMEOUT_ENV}={self.timeout_s:g} s") from e
+            count = None if count is None else count - 1
+
+    def receive_object(self) -> Any:
+        """The next object global rank 0 sent (`send_object`). Waits up to the timeout;
+        DistributedError when rank 0 is gone or nothing came in time."""
         try:
-            if self.global_rank == 0:
-                payload = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)),
-                                           dtype=torch.uint8)
-                length = torch.tensor([payload.numel()], dtype=torch.int64)
-                dist.broadcast(length, src=0, group=self.control_group)
-                dist.broadcast(payload, src=0, group=self.control_group)
-                return obj
             length = torch.empty(1, dtype=torch.int64)
-            dist.broadcast(length, src=0, group=self.control_group)
+            dist.recv(length, src=0, group=self.control_group, tag=CONTROL_TAG)
             payload = torch.empty(int(length.item()), dtype=torch.uint8)
-            dist.broadcast(payload, src=0, group=self.control_group)
+            dist.recv(payload, src=0, group=self.control_group, tag=CONTROL_TAG)
         except (RuntimeError, ValueError) as e:
             raise DistributedError(f"rank {self.global_rank}: no message from rank 0 ({e}); it stopped, failed, or sent "
                                    f"nothing for {DIST_TIMEOUT_ENV}={self.timeout_s:g} s") from e

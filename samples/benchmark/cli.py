@@ -141,6 +141,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="IFB: InflightFusedBatching, UIFB: InflightBatching, V1: static batching")
     r.add_argument("--scheduler-policy", default="guaranteed_no_evict",
                    choices=["guaranteed_no_evict", "max_utilization", "static_batch"])
+    r.add_argument("--pipeline-parallelism", type=int, default=1, metavar="P",
+                   help="under torchrun: the ranks as P pipeline stages (default 1: tensor parallelism only)")
     r.add_argument("--max-batch-size", type=int, help="default: the engine's")
     r.add_argument("--max-num-tokens", type=int, help="default: the engine's")
     r.add_argument("--max-tokens-in-paged-kvcache", type=int)
@@ -242,13 +244,13 @@ def run_w64(args, model_dir: str, world_size: int) -> dict:
     num_prompt_tokens = sum(len(s.input_ids) for s in samples)
     print(f"model: {model_dir} ({cfg.architecture}, {cfg.num_params() / 1e6:.1f}M parameters), "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads"
-          + (f" per rank, {world_size} tensor-parallel ranks" if world_size > 1 else ""))
+          + (f" per rank, {world_size} ranks ({args.pipeline_parallelism} pipeline stages)" if world_size > 1 else ""))
     print(f"dataset: {len(samples)} requests, {num_prompt_tokens} prompt tokens, "
           f"{sum(s.output_len for s in samples)} requested output tokens; "
           + (f"Poisson arrivals at {args.request_rate} req/s" if args.request_rate and args.request_rate > 0
              else "arrivals from the dataset's delays" if any(delays_s) else "offline (all at once)"))
     report: dict = {"model_dir": model_dir, "num_params": cfg.num_params(), "threads": torch.get_num_threads(),
-                    "tensor_parallelism": world_size}
+                    "world_size": world_size, "pipeline_parallelism": args.pipeline_parallelism}
     results: dict[str, RunResult] = {}
     if args.backend in ("ours", "both"):
         run_ours_apis(args, model_dir, cfg, samples, delays_s, report, results)

@@ -11,8 +11,9 @@ import time
 from tqdm import tqdm
 
 from batch_manager.executor import (BatchingType, CapacitySchedulerPolicy, Executor, ExecutorConfig, KvCacheConfig,
-                                    OutputConfig, Request, SchedulerConfig)
+                                    OutputConfig, ParallelConfig, Request, SchedulerConfig)
 from samples.benchmark.dataset import Sample
+from samples.benchmark.ours import world_config
 from samples.benchmark.report import RequestTiming, RunResult, progress_bar
 
 BATCHING_TYPES = {"IFB": BatchingType.INFLIGHT, "V1": BatchingType.STATIC}
@@ -23,10 +24,13 @@ def executor_config(args) -> ExecutorConfig:
         raise ValueError(f"--type: {args.type} has no Executor batching type (IFB or V1)")
     kv = KvCacheConfig(max_tokens=args.max_tokens_in_paged_kvcache,
                        free_gpu_memory_fraction=args.kv_cache_free_gpu_mem_fraction)
+    world = world_config(args)
     return ExecutorConfig(
         scheduler_config=SchedulerConfig(CapacitySchedulerPolicy[args.scheduler_policy.upper()]),
         kv_cache_config=kv, batching_type=BATCHING_TYPES[args.type], max_batch_size=args.max_batch_size,
-        max_num_tokens=args.max_num_tokens, iter_stats_max_iterations=100_000)
+        max_num_tokens=args.max_num_tokens, iter_stats_max_iterations=100_000,
+        parallel_config=None if world is None else ParallelConfig(
+            tensor_parallelism=world.tensor_parallelism, pipeline_parallelism=world.pipeline_parallelism))
 
 
 def make_request(sample: Sample, streaming: bool) -> Request:

@@ -4,6 +4,7 @@ per-response timing in the send-response callback, the stats callback's JSON kep
 from __future__ import annotations
 
 import json
+import os
 import queue
 import threading
 import time
@@ -13,6 +14,7 @@ from tqdm import tqdm
 
 from batch_manager import (GptManager, InferenceRequest, KvCacheConfig, SchedulerPolicy,
                            TrtGptModelOptionalParams, TrtGptModelType, tensor_names)
+from runtime import WorldConfig
 from samples.benchmark.dataset import Sample
 from samples.benchmark.report import RequestTiming, RunResult, progress_bar
 
@@ -115,7 +117,18 @@ def optional_params(args) -> TrtGptModelOptionalParams:
     kv = KvCacheConfig(max_tokens=args.max_tokens_in_paged_kvcache,
                        free_gpu_memory_fraction=args.kv_cache_free_gpu_mem_fraction)
     return TrtGptModelOptionalParams(kv_cache_config=kv, max_batch_size=args.max_batch_size,
-                                     max_num_tokens=args.max_num_tokens)
+                                     max_num_tokens=args.max_num_tokens, world_config=world_config(args))
+
+
+def world_config(args) -> WorldConfig | None:
+    """--pipeline-parallelism P: the launcher's ranks as P stages (None: the default world)."""
+    stages = getattr(args, "pipeline_parallelism", 1)   # (the serving sample has no such flag)
+    if stages == 1:
+        return None
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size % stages:
+        raise SystemExit(f"error: --pipeline-parallelism {stages} does not divide the launcher's {world_size} ranks")
+    return WorldConfig(tensor_parallelism=world_size // stages, pipeline_parallelism=stages)
 
 
 def run_ours(model_dir: str, samples: list[Sample], delays_s: list[float], args, end_id: int | None = None) -> RunResult:

@@ -279,6 +279,20 @@ def test_micro_batch_max_batch_size():
     assert ids(batch.context_requests) == [1, 5]
 
 
+def test_micro_batch_a_lowered_limit_still_runs_a_wider_beam_request_alone():
+    """Overlap and pipeline micro-batches lower the limit to a share of the active requests: a
+    beam request wider than the share runs alone instead of never (it hung the worker)."""
+    beams, g2 = in_generation(1), in_generation(2)
+    beams.num_live_beams = 2
+    scheduler = MicroBatchScheduler(max_batch_size=4, max_num_tokens=100)
+    assert ids(scheduler.schedule([beams], max_batch_size=1).generation_requests) == [1]
+    assert ids(scheduler.schedule([beams, g2], max_batch_size=1).generation_requests) == [1]
+    assert ids(scheduler.schedule([g2, beams], max_batch_size=1).generation_requests) == [2]
+    wide = in_context(3, 4)
+    wide.num_live_beams = 5   # wider than max_batch_size itself: never
+    assert scheduler.schedule([wide], max_batch_size=1).num_requests == 0
+
+
 def test_micro_batch_max_num_tokens():
     g1, g2, g3 = in_generation(1), in_generation(2), in_generation(3)
     batch = MicroBatchScheduler(max_batch_size=8, max_num_tokens=2).schedule([g1, g2, g3])
