@@ -4,8 +4,8 @@ from .gpt_manager import GptManager
 from .inference_request import InferenceRequest, NamedTensor
 from .llm_request import LlmRequest, RequestState
 from .lora import PeftCacheManagerConfig, load_peft_adapter
-from .options import (CapacitySchedulerPolicy, DecodingConfig, KvCacheConfig, SchedulerConfig, SchedulerPolicy,
-                      TrtGptModelOptionalParams, TrtGptModelType)
+from .options import (CapacitySchedulerPolicy, DecodingConfig, KvCacheConfig, KvEventsConfig, KVEventsConfig,
+                      SchedulerConfig, SchedulerPolicy, TrtGptModelOptionalParams, TrtGptModelType)
 from .guided_decoding import GuidedDecodingConfig, GuidedDecodingParams, GuideType
 from .capacity_scheduler import (CapacityScheduler, GuaranteedNoEvictScheduler, MaxUtilizationScheduler,
                                  StaticBatchScheduler)
@@ -14,6 +14,7 @@ from .scheduler import Scheduler
 
 __all__ = ["GuidedDecodingConfig", "GuidedDecodingParams", "GuideType", "tensor_names", "GptManager", "InferenceRequest", "NamedTensor", "LlmRequest", "RequestState",
            "PeftCacheManagerConfig", "load_peft_adapter",
-           "CapacitySchedulerPolicy", "DecodingConfig", "KvCacheConfig", "SchedulerConfig", "SchedulerPolicy",
+           "CapacitySchedulerPolicy", "DecodingConfig", "KvCacheConfig", "KvEventsConfig", "KVEventsConfig",
+           "SchedulerConfig", "SchedulerPolicy",
            "TrtGptModelOptionalParams", "TrtGptModelType", "CapacityScheduler", "GuaranteedNoEvictScheduler",
            "MaxUtilizationScheduler", "MicroBatchScheduler", "StaticBatchScheduler", "Scheduler"]

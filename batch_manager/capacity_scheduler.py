@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 from runtime.cache.beam_blocks import beam_holder, free_beams, max_beam_blocks, prepare_beam_writes
 from runtime.cache.kv_cache_manager import KvCacheManager
 
+from .kv_handoff import import_blocks
 from .llm_request import LlmRequest, RequestState
 from .options import SchedulerPolicy
 from .peft_cache import PeftCache
@@ -134,6 +135,10 @@ class CapacityScheduler:
         assert r.num_computed_tokens == 0
         r.num_computed_tokens = self.kv.acquire_cached_prefix(r.request_id, _reusable_tokens(r))
         r.num_reused_blocks += r.num_computed_tokens // self.kv.tokens_per_block
+        if r.kv_import is not None:   # generation-only: the prompt's KV fetched from the context instance
+            fetched, r.kv_import = r.kv_import.result(), None
+            r.pending_kv_writes = import_blocks(self.kv, r.request_id, r.num_computed_tokens, fetched)
+            r.num_computed_tokens = max(r.num_computed_tokens, fetched.num_tokens)
 
     def _grow(self, r: LlmRequest) -> bool:
         """Release what the window hides, then cover every token of `r`'s next step (for every
@@ -157,6 +162,7 @@ def free_request_blocks(kv: KvCacheManager, r: LlmRequest) -> None:
     """Drop every block table of `r` (one per live beam) and its pending copies."""
     free_beams(kv, r.request_id, r.num_live_beams)
     r.pending_block_copies.clear()
+    r.pending_kv_writes = None   # not written yet: a resumed request recomputes its tokens
 
 
 def waiting_by_priority(requests: list[LlmRequest]) -> list[LlmRequest]:

@@ -23,6 +23,7 @@ from .adapter_weights import AdapterWeights
 from .capacity_scheduler import make_capacity_scheduler
 from .distributed import Follower
 from .guided_decoding import GuidedDecodingConfig
+from .kv_events_publisher import KvEventPublisher, check_kv_events_config, make_publisher
 from .kv_sizing import host_budget_bytes, num_kv_blocks
 from .lora import PeftCacheManagerConfig, make_peft_cache
 from .micro_batch_scheduler import MicroBatchScheduler
@@ -54,6 +55,7 @@ class EngineCore:
     executor: ModelExecutor
     limits: AdmissionLimits
     worker_config: WorkerConfig
+    kv_events: KvEventPublisher | None = None   # with kv_events_config: the worker publishes and closes it
 
 
 def start_worker(build: Callable[[], Worker], thread_name: str) -> Worker:
@@ -114,6 +116,7 @@ def build_engine_core(engine_dir, model_type: TrtGptModelType, max_beam_width: i
     Under tensor parallelism, ranks other than 0 get a Follower: their slice of the model only."""
     kv_config = params.kv_cache_config
     _check_kv_cache_config(kv_config)
+    check_kv_events_config(params.kv_events_config, kv_config)
     max_draft_tokens = _non_negative("TrtGptModelOptionalParams.max_draft_tokens", params.max_draft_tokens)
     decoding = params.decoding_config or DecodingConfig()
     _non_negative("DecodingConfig.prompt_lookup_num_tokens", decoding.prompt_lookup_num_tokens)
@@ -181,7 +184,13 @@ def build_engine_core(engine_dir, model_type: TrtGptModelType, max_beam_width: i
                           prompt_lookup_num_tokens=decoding.prompt_lookup_num_tokens,
                           max_matching_ngram_size=decoding.max_matching_ngram_size,
                           prompt_lookup_max_batch_size=decoding.prompt_lookup_max_batch_size)
-    return EngineCore(scheduler, ModelExecutor(runner, params.logits_post_processor_batched), limits, config)
+    kv_events = None
+    if params.kv_events_config is not None:   # after the checks: a refused config leaves no socket bound
+        kv_events = make_publisher(params.kv_events_config, build.tokens_per_block, device.type == "cuda",
+                                   scheduler.get)
+        kv.event_sink = kv_events.collector
+    return EngineCore(scheduler, ModelExecutor(runner, params.logits_post_processor_batched), limits, config,
+                      kv_events)
 
 
 def _check_kv_cache_config(kv: KvCacheConfig) -> None:

@@ -4,6 +4,7 @@ end only on its own thread; the Executor's adapter lives in `batch_manager.execu
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 from typing import Any, Iterable, Protocol
 
@@ -38,6 +39,14 @@ class FrontEnd(Protocol):
 
     def fetch(self, max_num_requests: int) -> Fetched:
         """At most `max_num_requests` new requests."""
+
+    def wait_for_work(self, stop: threading.Event, poll_s: float) -> None:
+        """The worker idles: return when new requests or stop ids may have arrived, `stop` is
+        set, or after `poll_s` (a front end that hears of its requests may block longer, up to
+        half a second, if `wake` ends the wait)."""
+
+    def wake(self) -> None:
+        """End a `wait_for_work` (the worker is stopping)."""
 
     def admit(self, item: Any) -> RequestSpec:
         """A fetched item as a validated RequestSpec; raises ValueError (answered as that request's
@@ -74,6 +83,14 @@ class CallbackFrontEnd:
         self._streams = StreamCursors()
 
     num_pending = 0   # the user's own queue is out of sight: nothing is fetched after a shutdown
+
+    @staticmethod
+    def wait_for_work(stop: threading.Event, poll_s: float) -> None:
+        """The get-requests callback is polled: nothing tells of a request before it."""
+        stop.wait(poll_s)
+
+    def wake(self) -> None:
+        pass
 
     @property
     def has_stats(self) -> bool:

@@ -117,4 +117,4 @@ def _build_worker(engine_dir, model_type: TrtGptModelType, max_beam_width: int, 
                               return_batch_manager_stats_cb)
     front_end = CallbackFrontEnd(callbacks, core.limits, terminate_req_id, exclude_input_in_output,
                                  bool(params.normalize_log_probs), model_type == TrtGptModelType.V1)
-    return Worker(core.worker_config, core.scheduler, core.executor, front_end)
+    return Worker(core.worker_config, core.scheduler, core.executor, front_end, core.kv_events)

@@ -42,6 +42,16 @@ class FinishReason(enum.Enum):
     ERROR = "error"
 
 
+@dataclass(frozen=True)
+class ResumedContext:
+    """A generation-only request's start (disaggregated context and generation): the context
+    instance's first token, and where its prompt's KV blocks are."""
+    first_token: int
+    first_log_prob: float   # the first token's log prob (cum_log_probs counts it)
+    source: Any             # executor.disaggregated.KvSource: the context instance's address and handle
+    kv: Any = None          # concurrent.futures.Future -> kv_transfer.FetchedBlocks, set when admitted
+
+
 @dataclass(frozen=True, eq=False)
 class RequestSpec:
     """One validated request, whichever front door it came through (`admission.make_spec`)."""
@@ -64,6 +74,11 @@ class RequestSpec:
     # table): block reuse keys its blocks by this too (see LlmRequest.reuse_token_slice).
     cache_salt: bytes | None = None
     draft_tokens: tuple[int, ...] = ()   # its own drafts, verified with its first generated token
+    # Disaggregated context and generation (kv_handoff.py): a context-only request runs to its
+    # first token (max_new_tokens 1) and, when that is not its end, leaves its prompt's KV blocks
+    # for a generation-only request, which starts after that token (`resumed`).
+    exports_kv: bool = False
+    resumed: ResumedContext | None = None
 
     @property
     def num_sequences(self) -> int:
@@ -95,6 +110,7 @@ class RequestOutput:
     context_logits: Any = None      # float32 [prompt_len, V] when requested
     finish_reason: FinishReason | None = None
     error: str | None = None
+    kv_export: Any = None           # kv_handoff.ExportedKv: where an exporting request's blocks went
 
     @classmethod
     def empty(cls, request_id: int, num_sequences: int) -> RequestOutput:
@@ -164,12 +180,25 @@ class LlmRequest:
     max_draft_len: int = field(init=False)
     num_draft_tokens_proposed: int = 0
     num_draft_tokens_accepted: int = 0
+    # Generation-only: the Future of its fetched prompt KV until its first start takes it; then
+    # the writes of its next forward (kv_handoff.KvWrites), dropped if it pauses before that.
+    kv_import: Any = None
+    pending_kv_writes: Any = None
 
     def __post_init__(self):
         self.record = TokenRecord(self.spec.prompt)
         self.output = RequestOutput.empty(self.request_id, self.spec.num_sequences)
         self.draft_tokens = list(self.spec.draft_tokens)
         self.max_draft_len = len(self.draft_tokens)
+        resumed = self.spec.resumed
+        if resumed is not None:   # its first token came from the context instance: generated already
+            self.record.beams[0].append(resumed.first_token)
+            self.output.sequences[0] = SequenceOutput(
+                [resumed.first_token], [resumed.first_log_prob], resumed.first_log_prob,
+                [None] if self.spec.decoding.num_top_log_probs else [],     # never rendered (start 1)
+                [None] if self.spec.return_generation_logits else [])
+            self.output.num_generated = 1
+            self.kv_import = resumed.kv
 
     @property
     def prompt(self) -> list[int]:

@@ -15,6 +15,7 @@ from runtime.step_inputs import SequenceStep, pack_step
 from runtime.parallel.tensor_parallel import DistributedError
 
 from .distributed import StepBroadcaster
+from .kv_transfer import install_blocks
 
 from .request_decoder import RequestDecoder
 from .step import RequestResult, ScheduledRequest, ScheduledStep, StepResult
@@ -123,6 +124,9 @@ class ModelExecutor:
             self.broadcaster.forward(copies, inputs)
         if copies:
             self.runner.copy_blocks([src for src, _ in copies], [dst for _, dst in copies])
+        for r in group:
+            if r.kv_writes is not None:   # a generation-only request's prompt KV, fetched from its context instance
+                install_blocks(self.runner, r.kv_writes)
         return self.runner.launch(inputs)
 
     def _decode_group(self, group: tuple[ScheduledRequest, ...], outputs: dict) -> list[RequestResult]:

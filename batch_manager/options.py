@@ -49,6 +49,22 @@ class KvCacheConfig:
     enable_block_reuse: bool = False
 
 
+@dataclass(frozen=True)
+class KvEventsConfig:
+    """KV-cache events on the wire (batch_manager.kv_events_publisher), in vLLM's format for
+    routers in other processes. Needs KvCacheConfig.enable_block_reuse; only rank 0 publishes.
+    endpoint: where the ZMQ PUB socket binds ("tcp://HOST:PORT" or "ipc://PATH"); subscribers
+    connect. replay_endpoint: a ROUTER socket that resends the newest `buffer_steps` messages
+    from a given sequence number (None: no replay). topic: the first frame of every message."""
+    endpoint: str
+    replay_endpoint: str | None = None
+    topic: str = ""
+    buffer_steps: int = 10000
+
+
+KVEventsConfig = KvEventsConfig   # vLLM's spelling
+
+
 @dataclass
 class DecodingConfig:
     """The built-in drafter: prompt lookup proposes up to `prompt_lookup_num_tokens` draft tokens
@@ -93,3 +109,4 @@ class TrtGptModelOptionalParams:
     # or GGUF file given directly (fields left at their defaults keep the checkpoint's); None with an
     # engine directory, which records its own.
     build_config: Any = None
+    kv_events_config: KvEventsConfig | None = None   # publish KV-cache events (needs block reuse)

@@ -38,6 +38,8 @@ class RequestDecoder:
     def open(self, request_id: int, new: NewRequest) -> None:
         spec = new.spec
         state = DecodeState(spec.decoding, new.record, spec.max_new_tokens, spec.return_generation_logits)
+        if spec.resumed is not None:   # generation-only: the context instance decoded its first token
+            state.resume_after(spec.resumed.first_token, spec.resumed.first_log_prob)
         self._entries[request_id] = _Entry(state, spec.logits_post_processor, spec.use_batched_post_processor,
                                            spec.client_id)
 

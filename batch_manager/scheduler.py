@@ -36,6 +36,8 @@ class Scheduler:
         self.num_draft_tokens_proposed = 0          # cumulative: drafts sent to verification
         self.num_draft_tokens_accepted = 0
         self._num_steps = 0
+        # kv_handoff.KvExports (the Executor's): context-only requests' blocks kept for transfer.
+        self.kv_exports = None
 
     @property
     def num_active(self) -> int:
@@ -95,8 +97,13 @@ class Scheduler:
     def pop_finished(self, in_flight_ids: frozenset[int] = frozenset()) -> list[LlmRequest]:
         """Release every finished request (blocks, then its id) except those whose forward is
         still running; they are returned for their final responses."""
+        if self.kv_exports is not None:
+            self.kv_exports.release_due(self.kv)
         done = [r for r in self._requests.values() if r.is_finished and r.request_id not in in_flight_ids]
         for r in done:
+            if r.spec.exports_kv and r.output.finish_reason == FinishReason.LENGTH and self.kv_exports is not None:
+                assert r.num_computed_tokens == r.prompt_len and r.num_live_beams == 1
+                r.output.kv_export = self.kv_exports.export(self.kv, r.request_id, r.prompt_len)
             self.capacity.end(r)
             del self._requests[r.request_id]
             if r.has_decoder_state:
@@ -131,9 +138,17 @@ class Scheduler:
     @staticmethod
     def _ready(requests: list[LlmRequest]) -> list[LlmRequest]:
         """The requests that may be scheduled: a guided request waits until its grammar is
-        compiled (off this thread), and one whose guide failed to compile ends with that error."""
+        compiled (off this thread), and one whose guide failed to compile ends with that error; a
+        generation-only request likewise waits for its prompt's KV to be fetched."""
         ready = []
         for r in requests:
+            if r.kv_import is not None:
+                if not r.kv_import.done():
+                    continue
+                if r.kv_import.cancelled() or r.kv_import.exception() is not None:
+                    r.finish(FinishReason.ERROR, str(r.kv_import.exception()) if not r.kv_import.cancelled()
+                             else "context_phase_params: the KV fetch was cancelled (shutdown)")
+                    continue
             guide = r.spec.decoding.guide
             if guide is not None and r.state == RequestState.WAITING:
                 if not guide.done():
@@ -166,6 +181,7 @@ class Scheduler:
         self.num_draft_tokens_proposed += len(drafts)
         beams = range(r.num_live_beams)
         copies, r.pending_block_copies = tuple(r.pending_block_copies), []
+        kv_writes, r.pending_kv_writes = r.pending_kv_writes, None
         new = None
         if not r.has_decoder_state:
             r.has_decoder_state = True
@@ -175,7 +191,7 @@ class Scheduler:
             token_ids=tuple(tuple(r.beam_token_slice(b, past, past + n)) + drafts for b in beams),
             past_length=past,
             block_tables=tuple(tuple(self.kv.block_table(beam_holder(r.request_id, b))) for b in beams),
-            is_last_chunk=is_last_chunk, block_copies=copies, num_draft_tokens=len(drafts),
+            is_last_chunk=is_last_chunk, block_copies=copies, kv_writes=kv_writes, num_draft_tokens=len(drafts),
             # Whole-prompt logits: such a request is never chunked and reuses no prefix.
             return_context_logits=r.spec.return_context_logits and r.output.context_logits is None and past == 0,
             new=new, lora_task_id=None if r.spec.lora is None else r.spec.lora.task_id)

@@ -28,6 +28,8 @@ class ScheduledRequest:
     block_tables: tuple[tuple[int, ...], ...]  # per live beam: KV block ids in token order
     is_last_chunk: bool                        # computes every token it has: a token is decoded after it
     block_copies: tuple[tuple[int, int], ...] = ()   # (src, dst) KV blocks to copy before its forward
+    kv_writes: Any = None                      # kv_handoff.KvWrites: fetched prompt KV to write into the
+                                               # pool before its forward (a generation-only request)
     return_context_logits: bool = False        # the whole prompt runs in this step; its logits are wanted
     new: NewRequest | None = None              # set on the request's first step only
     lora_task_id: int | None = None            # its LoRA adapter (resident in the runtime's store), or None

@@ -23,7 +23,7 @@ RUNTIME_LEAVES = {"runtime.cache.kv_cache_manager", "runtime.cache.beam_blocks",
 PURE_MODULES = {"batch_manager.scheduler", "batch_manager.llm_request", "batch_manager.stats",
                 "batch_manager.options", "batch_manager.tensor_names", "batch_manager.capacity_scheduler",
                 "batch_manager.micro_batch_scheduler", "batch_manager.step", "batch_manager.callbacks",
-                "batch_manager.peft_cache"}
+                "batch_manager.peft_cache", "batch_manager.kv_handoff"}
 HEAVY = ("torch", "numpy")
 
 

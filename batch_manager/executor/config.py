@@ -74,6 +74,7 @@ class ExecutorConfig:
     max_batch_size: int | None = None
     max_num_tokens: int | None = None
     max_queue_size: int | None = None      # None: unbounded
+    max_num_queued_tokens: int | None = None   # prompt tokens waiting in the queue; None: unbounded
     parallel_config: ParallelConfig | None = None
     peft_cache_config: PeftCacheConfig | None = None
     logits_post_processor_config: LogitsPostProcessorConfig | None = None
@@ -83,6 +84,11 @@ class ExecutorConfig:
     decoding_config: DecodingConfig | None = None   # the prompt-lookup drafter
     guided_decoding_config: Any = None     # batch_manager.guided_decoding.GuidedDecodingConfig
     build_config: Any = None               # runtime.BuildConfig for a checkpoint or GGUF given directly
+    # Disaggregated context and generation: a context-only request's blocks wait this long for
+    # their generation-only request (ms); its server listens on this address (a free port).
+    kv_transfer_timeout_ms: int = 60000
+    kv_transfer_address: str = "127.0.0.1"
+    kv_events_config: Any = None           # batch_manager.options.KvEventsConfig: KV events on the wire
 
 
 def _non_negative_int(name: str, value: Any, allow_none: bool = False) -> None:
@@ -106,8 +112,17 @@ def core_params(config: ExecutorConfig) -> tuple[TrtGptModelType, SchedulerPolic
     _non_negative_int("max_queue_size", config.max_queue_size, allow_none=True)
     if config.max_queue_size == 0:
         raise ValueError("ExecutorConfig.max_queue_size: must be positive or None, got 0")
+    _non_negative_int("max_num_queued_tokens", config.max_num_queued_tokens, allow_none=True)
+    if config.max_num_queued_tokens == 0:
+        raise ValueError("ExecutorConfig.max_num_queued_tokens: must be positive or None, got 0")
     _non_negative_int("kv_cache_config.event_buffer_max_size",
                       getattr(config.kv_cache_config, "event_buffer_max_size", 0))
+    _non_negative_int("kv_transfer_timeout_ms", config.kv_transfer_timeout_ms)
+    if config.kv_transfer_timeout_ms == 0:
+        raise ValueError("ExecutorConfig.kv_transfer_timeout_ms: must be positive, got 0")
+    if not isinstance(config.kv_transfer_address, str) or not config.kv_transfer_address:
+        raise ValueError(f"ExecutorConfig.kv_transfer_address: expected a host name or address, got "
+                         f"{config.kv_transfer_address!r}")
     parallel = config.parallel_config
     try:
         world = WorldConfig(tensor_parallelism=None) if parallel is None else WorldConfig(
@@ -127,6 +142,6 @@ def core_params(config: ExecutorConfig) -> tuple[TrtGptModelType, SchedulerPolic
         logits_post_processor_batched=post.processor_batched if post is not None else None,
         max_draft_tokens=config.max_draft_tokens, decoding_config=config.decoding_config,
         guided_decoding_config=config.guided_decoding_config, peft_cache_manager_config=config.peft_cache_config,
-        build_config=config.build_config)
+        build_config=config.build_config, kv_events_config=config.kv_events_config)
     policy = SchedulerPolicy(config.scheduler_config.capacity_scheduler_policy)
     return model_type, policy, params

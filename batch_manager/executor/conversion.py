@@ -225,13 +225,18 @@ def to_result(spec: RequestSpec, output: RequestOutput, start: int, is_final: bo
     if options.return_all_generated_tokens:
         start = 0   # every generated token so far, not only the new ones
     with_prompt = not spec.is_streaming and not options.exclude_input_from_output
-    rendered = render(spec, output, start if spec.is_streaming else 0, with_prompt)
-    if is_final:
+    # Generation-only: its first token is the context instance's; its input is prompt + that token.
+    num_first = 0 if spec.resumed is None else 1
+    rendered = render(spec, output, max(start if spec.is_streaming else 0, num_first), with_prompt and not num_first)
+    token_ids = rendered.token_ids
+    if with_prompt and num_first:
+        token_ids = [spec.prompt + output.sequences[0].tokens[:num_first] + row for row in token_ids]
+    if is_final and output.kv_export is None:   # a context-only request that left its KV is not finished
         reasons = [_FINISH_REASONS.get(s.finish_reason, FinishReason.NOT_FINISHED) for s in output.sequences]
     else:
         reasons = [FinishReason.NOT_FINISHED] * len(output.sequences)
-    result = Result(is_final=is_final, output_token_ids=rendered.token_ids, finish_reasons=reasons,
-                    decoding_iter=output.num_generated)
+    result = Result(is_final=is_final, output_token_ids=token_ids, finish_reasons=reasons,
+                    decoding_iter=output.num_generated, is_sequence_final=is_final)
     if spec.return_log_probs:
         result.cum_log_probs, result.log_probs = rendered.cum_log_probs, rendered.log_probs
     if is_final:
@@ -239,3 +244,40 @@ def to_result(spec: RequestSpec, output: RequestOutput, start: int, is_final: bo
     result.generation_logits = rendered.generation_logits
     result.top_log_probs, result.top_log_prob_ids = rendered.top_log_probs, rendered.top_log_prob_ids
     return result
+
+
+def is_samples(spec: RequestSpec) -> bool:
+    """num_return_sequences > 1 (beam width 1): its results come one per sequence."""
+    return spec.decoding.num_return_sequences > 1 and not spec.decoding.is_beam_search
+
+
+def to_sequence_results(spec: RequestSpec, output: RequestOutput, sent: list[int], is_final: bool,
+                        options: OutputOptions) -> list[Result]:
+    """The next results of an `is_samples` request, one per sequence (TensorRT-LLM's shape):
+    streaming, sequence i's tokens from sent[i] on, for the sequences with new ones (every
+    sequence in the final response); otherwise each sequence whole, in the final response. The
+    request's last result has is_final; every result of the final response is_sequence_final
+    (a sample that ended early is seen as ended only then)."""
+    with_prompt = not spec.is_streaming and not options.exclude_input_from_output
+    rendered = render(spec, output, 0, with_prompt)
+    prefix = len(spec.prompt) if with_prompt else 0
+    logits = context_logits(spec, output) if is_final else None
+    results = []
+    for i, sequence in enumerate(output.sequences):
+        start = 0 if options.return_all_generated_tokens or not spec.is_streaming else sent[i]
+        if not is_final and len(sequence.tokens) <= start:
+            continue
+        reason = _FINISH_REASONS.get(sequence.finish_reason, FinishReason.NOT_FINISHED) if is_final \
+            else FinishReason.NOT_FINISHED
+        tokens = rendered.token_ids[i][:prefix] + rendered.token_ids[i][prefix + start:]
+        result = Result(is_final=False, output_token_ids=[tokens], finish_reasons=[reason], sequence_index=i,
+                        decoding_iter=output.num_generated, is_sequence_final=is_final, context_logits=logits)
+        if spec.return_log_probs:
+            result.cum_log_probs = rendered.cum_log_probs[i:i + 1]
+            result.log_probs = rendered.log_probs[i:i + 1, start:len(sequence.log_probs)]
+        if rendered.generation_logits is not None:
+            result.generation_logits = rendered.generation_logits[i:i + 1, start:len(sequence.tokens)]
+        results.append(result)
+    if is_final:
+        results[-1].is_final = True
+    return results

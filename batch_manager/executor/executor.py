@@ -13,8 +13,9 @@ from ..distributed import Follower
 from ..engine_builder import build_engine_core, start_worker
 from ..worker import Worker
 from .config import ExecutorConfig, ModelType, core_params
+from .disaggregated import KvTransfer
 from .front_end import ExecutorFrontEnd
-from .kv_events import KvCacheEvent, KvEventBuffer
+from .kv_events import KvCacheEvent, KvEventBuffer, joined_sinks
 from .request import Request, Response, Result
 from .stats import IterationStats, RequestStatsPerIteration
 from .waits import timeout_seconds
@@ -40,20 +41,24 @@ class Executor:
         front_end = ExecutorFrontEnd(
             config.max_queue_size, config.iter_stats_max_iterations, config.request_stats_max_iterations,
             bool(config.normalize_log_probs), (post.processor_map or {}) if post is not None else {},
-            post is not None and post.processor_batched is not None, core_model_type.name == "V1")
+            post is not None and post.processor_batched is not None, core_model_type.name == "V1",
+            config.max_num_queued_tokens)
         num_events = config.kv_cache_config.event_buffer_max_size if hasattr(
             config.kv_cache_config, "event_buffer_max_size") else 0
         kv_events = KvEventBuffer(num_events) if num_events else None
         max_beam_width = config.max_beam_width
+        kv_transfer_address, kv_transfer_timeout_s = config.kv_transfer_address, config.kv_transfer_timeout_ms / 1000
 
         def build() -> Worker | Follower:   # on the worker thread; no reference to the Executor (collectable)
             core = build_engine_core(model_path, core_model_type, max_beam_width, policy, params)
             if isinstance(core, Follower):   # a rank > 0 of a tensor-parallel world
                 front_end.close()
                 return core
-            core.scheduler.kv.event_sink = kv_events
+            core.scheduler.kv.event_sink = joined_sinks(core.scheduler.kv.event_sink, kv_events)
             front_end.limits = core.limits
-            return Worker(core.worker_config, core.scheduler, core.executor, front_end)
+            front_end.kv_transfer = KvTransfer(core.executor.runner, kv_transfer_address, kv_transfer_timeout_s)
+            core.scheduler.kv_exports = front_end.kv_transfer.exports
+            return Worker(core.worker_config, core.scheduler, core.executor, front_end, core.kv_events)
 
         self._front_end, self._kv_events = front_end, kv_events
         self._worker = start_worker(build, "ExecutorWorker")
@@ -62,7 +67,9 @@ class Executor:
 
     def enqueue_request(self, request: Request) -> int:
         """-> the request's id. ValueError naming the field for bad input (nothing is queued);
-        RuntimeError after shutdown or with max_queue_size requests waiting, or on a rank > 0 of a
+        QueueFullError (a RuntimeError, with retry_after_s) for load: max_queue_size requests or
+        max_num_queued_tokens prompt tokens waiting, or a predicted time to first token past the
+        request's ttft_budget_ms; RuntimeError after shutdown, or on a rank > 0 of a
         tensor-parallel world (requests go to rank 0)."""
         self._check_leader()
         return self._front_end.enqueue([request])[0]
@@ -155,9 +162,12 @@ class Executor:
 
     def get_bookkeeping_counts(self) -> dict[str, int]:
         """What the Executor still holds for requests: every count is 0 once each request has
-        ended and its final response was handed over (a leak check for soak tests)."""
+        ended and its final response was handed over (a leak check for soak tests), except
+        `kv_exports`: context-only requests' blocks kept until fetched or timed out."""
         counts = self._front_end.bookkeeping_counts()
         counts["active"] = 0 if isinstance(self._worker, Follower) else self._worker.num_active_requests
+        transfer = self._front_end.kv_transfer
+        counts["kv_exports"] = 0 if transfer is None else transfer.exports.num_reserved
         return counts
 
     def get_latest_iteration_stats(self) -> list[IterationStats]:
@@ -184,6 +194,8 @@ class Executor:
             self._worker.shutdown()
         finally:
             self._front_end.responses.close()
+            if self._front_end.kv_transfer is not None:
+                self._front_end.kv_transfer.close()
             if self._kv_events is not None:
                 self._kv_events.close()
 

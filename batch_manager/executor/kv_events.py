@@ -1,6 +1,7 @@
 """KV-cache events for cache-aware routers: the bounded buffer the KV manager's event sink
 writes on the worker thread and `Executor.get_latest_kv_cache_events` drains on any thread
-(closed at shutdown: no wait outlives it)."""
+(closed at shutdown: no wait outlives it), and `joined_sinks` for a manager with several sinks
+(this buffer and the wire publisher's)."""
 from __future__ import annotations
 
 import enum
@@ -28,6 +29,27 @@ class KvCacheEvent:
     tokens: tuple[tuple[int, ...], ...] = ()
 
 
+class _Sinks:
+    """Several sinks of the KV manager's events, each told every event in order."""
+
+    def __init__(self, sinks: tuple):
+        self.sinks = sinks
+
+    def stored(self, parent_key: bytes, blocks: list[tuple[bytes, list[int]]], holder=None) -> None:
+        for sink in self.sinks:
+            sink.stored(parent_key, blocks, holder)
+
+    def removed(self, keys: list[bytes]) -> None:
+        for sink in self.sinks:
+            sink.removed(keys)
+
+
+def joined_sinks(*sinks):
+    """One event sink for the KV manager telling each given one (None ignored; None if none)."""
+    present = tuple(sink for sink in sinks if sink is not None)
+    return None if not present else present[0] if len(present) == 1 else _Sinks(present)
+
+
 def _key(key: bytes) -> int:
     return int.from_bytes(key, "big")
 
@@ -44,7 +66,7 @@ class KvEventBuffer:
         self._closed = False
 
     # The KV manager's sink (worker thread).
-    def stored(self, parent_key: bytes, blocks: list[tuple[bytes, list[int]]]) -> None:
+    def stored(self, parent_key: bytes, blocks: list[tuple[bytes, list[int]]], holder=None) -> None:
         self._add(KvCacheEventType.STORED, tuple(_key(k) for k, _ in blocks),
                   _key(parent_key) if parent_key else None, tuple(tuple(tokens) for _, tokens in blocks))
 

@@ -1,5 +1,6 @@
-"""The Executor's two thread-safe queues: requests waiting for the worker (by priority, bounded)
-and responses waiting for the user (per request id, with blocking waits)."""
+"""The Executor's two thread-safe queues: requests waiting for the worker (by priority, bounded in
+requests and in prompt tokens) and responses waiting for the user (per request id, with blocking
+waits)."""
 from __future__ import annotations
 
 import heapq
@@ -17,7 +18,13 @@ logger = logging.getLogger(__name__)
 
 
 class QueueFullError(RuntimeError):
-    """enqueue_request with max_queue_size requests already waiting."""
+    """A refusal for load (API.md, "Admission"): max_queue_size requests or max_num_queued_tokens
+    prompt tokens already waiting, or a predicted time to first token past the request's
+    ttft_budget_ms. retry_after_s: seconds after which trying again may succeed (None: unknown)."""
+
+    def __init__(self, message: str, retry_after_s: float | None = None):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 @dataclass(frozen=True)
@@ -29,28 +36,45 @@ class QueuedRequest:
 class RequestQueue:
     """Validated requests not yet fetched by the worker: higher priority first, FIFO among equals."""
 
-    def __init__(self, max_size: int | None):
-        self.max_size = max_size
+    def __init__(self, max_size: int | None, max_num_tokens: int | None = None):
+        self.max_size, self.max_num_tokens = max_size, max_num_tokens
         self.lock = threading.Lock()
         self._heap: list[tuple[float, int, QueuedRequest]] = []
         self._num_pushed = 0
+        self.num_tokens = 0     # prompt tokens of the waiting requests
         self.closed = False
 
     def __len__(self) -> int:
         return len(self._heap)
 
-    def push_all(self, requests: list[QueuedRequest]) -> None:
-        """Call with `lock` held."""
-        if self.max_size is not None and len(self._heap) + len(requests) > self.max_size:
+    def check_room(self, specs: list[RequestSpec], tokens_per_s: float | None = None) -> None:
+        """QueueFullError unless `specs` fit beside the waiting requests (call with `lock` held);
+        tokens_per_s (the measured context rate) estimates when room is made."""
+        if self.max_size is not None and len(self._heap) + len(specs) > self.max_size:
             raise QueueFullError(f"Executor: the request queue is full (max_queue_size={self.max_size}, "
-                                 f"{len(self._heap)} waiting)")
+                                 f"{len(self._heap)} waiting)", self._drain_s(self.num_tokens, tokens_per_s))
+        num_new = sum(len(spec.prompt) for spec in specs)
+        if self.max_num_tokens is not None and self.num_tokens + num_new > self.max_num_tokens:
+            raise QueueFullError(f"Executor: the request queue is full (max_num_queued_tokens={self.max_num_tokens}, "
+                                 f"{self.num_tokens} prompt tokens waiting, {num_new} more asked)",
+                                 self._drain_s(self.num_tokens + num_new - self.max_num_tokens, tokens_per_s))
+
+    @staticmethod
+    def _drain_s(num_tokens: int, tokens_per_s: float | None) -> float | None:
+        return num_tokens / tokens_per_s if tokens_per_s else None
+
+    def push_all(self, requests: list[QueuedRequest]) -> None:
+        """Call with `lock` held, after `check_room`."""
         for r in requests:
             heapq.heappush(self._heap, (-r.spec.priority, self._num_pushed, r))
             self._num_pushed += 1
+            self.num_tokens += len(r.spec.prompt)
 
     def pop(self, max_num: int) -> list[QueuedRequest]:
         with self.lock:
-            return [heapq.heappop(self._heap)[2] for _ in range(min(max_num, len(self._heap)))]
+            out = [heapq.heappop(self._heap)[2] for _ in range(min(max_num, len(self._heap)))]
+            self.num_tokens -= sum(len(r.spec.prompt) for r in out)
+            return out
 
     def remove(self, request_id: int) -> QueuedRequest | None:
         with self.lock:
@@ -59,6 +83,7 @@ class RequestQueue:
                     self._heap[i] = self._heap[-1]
                     self._heap.pop()
                     heapq.heapify(self._heap)
+                    self.num_tokens -= len(r.spec.prompt)
                     return r
             return None
 

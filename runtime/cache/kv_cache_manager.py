@@ -73,8 +73,9 @@ class KvCacheManager:
         self.num_allocated_total = 0
         self.num_allocated_new = 0
         self.num_reused = 0
-        # KV-cache events (routers): sink.stored(parent_key, [(key, token ids), ...]) for a chain of
-        # newly cached blocks (parent_key b"" at the root), sink.removed([key]) for an evicted one.
+        # KV-cache events (routers): sink.stored(parent_key, [(key, token ids), ...], holder) for a
+        # chain of newly cached blocks (parent_key b"" at the root; token ids as given to
+        # store_computed_blocks), sink.removed([key]) for an evicted one.
         self.event_sink = None
 
     # -- counts -------------------------------------------------------------------------------------
@@ -228,14 +229,14 @@ class KvCacheManager:
                 self._block_to_hash[b] = key
                 if self.event_sink is not None:
                     if chain and chain[-1][0] != parent:
-                        self.event_sink.stored(chain_parent, chain)
+                        self.event_sink.stored(chain_parent, chain, holder)
                         chain = []
                     if not chain:
                         chain_parent = parent
                     chain.append((key, list(token_ids[offset:offset + tpb])))
             parent = key
         if chain:
-            self.event_sink.stored(chain_parent, chain)
+            self.event_sink.stored(chain_parent, chain, holder)
 
     def num_stored_tokens(self, holder: Hashable) -> int:
         """Tokens of the holder covered by its registered (or duplicate) full-block keys."""

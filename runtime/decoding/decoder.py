@@ -64,6 +64,17 @@ class DecodeState:
             template = params.guide.result() if isinstance(params.guide, Future) else params.guide
             self.guide = template.start()
 
+    def advance_top_p(self, token: int) -> None:
+        """Top-p decay after `token` was generated (reset by the reset id)."""
+        p = self.params
+        if p.top_p_decay != 1.0 or p.top_p_reset_id >= 0:
+            self.top_p = p.top_p if token == p.top_p_reset_id else max(self.top_p * p.top_p_decay, p.top_p_min)
+
+    def resume_after(self, first_token: int, first_log_prob: float) -> None:
+        """Continue a request whose first token was decoded elsewhere (its record holds it already)."""
+        self.cum_log_prob = first_log_prob
+        self.advance_top_p(first_token)
+
     @property
     def num_rows(self) -> int:
         return len(self.record.beams)
@@ -196,7 +207,6 @@ class Decoder:
         tokens: list[int] = []
         log_probs: list[float] = []
         logits: list[torch.Tensor] = []
-        p = state.params
         for j, (token, log_prob, is_accepted_draft) in enumerate(picks):
             if token == NO_TOKEN:   # the guide and the bans left nothing: the request ends here
                 state.finish_reason = "no_token"
@@ -214,8 +224,7 @@ class Decoder:
                 state.guide.consume(0, [token])
             if raw is not None and state.gather_generation_logits:
                 logits.append(raw[first_row + j].cpu())
-            if p.top_p_decay != 1.0 or p.top_p_reset_id >= 0:
-                state.top_p = p.top_p if token == p.top_p_reset_id else max(state.top_p * p.top_p_decay, p.top_p_min)
+            state.advance_top_p(token)
             if reason is None and len(generated) + len(tokens) >= state.max_new_tokens:
                 reason = "length"
             state.finish_reason = reason

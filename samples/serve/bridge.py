@@ -12,8 +12,10 @@ import threading
 from dataclasses import dataclass
 from typing import Callable
 
+import orjson
+
 from batch_manager import GptManager, InferenceRequest, TrtGptModelType, tensor_names as tn
-from batch_manager.executor import QueueFullError
+from samples.serve.load_admission import BridgeAdmission
 from samples.serve.metrics import TritonMetrics
 
 logger = logging.getLogger(__name__)
@@ -24,14 +26,16 @@ SHUTTING_DOWN = "the server is shutting down"
 
 @dataclass(frozen=True)
 class ResponseEvent:
-    output_ids: list[int]           # beam 0. Streaming: this response's new tokens; else every generated token
-    is_final: bool
+    output_ids: list[int]           # beam 0 (or sample sequence_index). Streaming: this response's new
+                                    # tokens; else every generated token
+    is_final: bool                  # the last event of its sequence (samples: each gets one)
     error: str = ""
     log_probs: list[float] | None = None   # per token of output_ids, when return_log_probs
     cum_log_prob: float | None = None
     beams: list[list[int]] | None = None   # every beam's output_ids, when beam_width > 1
     # per token of output_ids, when num_top_log_probs k: (k log probs, descending; their k ids)
     top_log_probs: list[tuple[list[float], list[int]]] | None = None
+    sequence_index: int = 0         # num_return_sequences n > 1: which sample (0 <= index < n)
 
     @property
     def is_bad_request(self) -> bool:
@@ -43,13 +47,34 @@ class _Handler:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue           # of ResponseEvent
     return_log_probs: bool
+    # num_return_sequences n > 1: tokens already handed over per sample (responses carry each
+    # sample whole; the handler gets one event per sample with its new tokens)
+    sample_cursors: list[int] | None = None
+
+
+def sample_events(handler: _Handler, sequences: list[list[int]], log_probs: list[list[float]] | None,
+                  is_final: bool) -> list[ResponseEvent]:
+    """Per sample with new tokens (every sample when final): its event, the new tokens only."""
+    events = []
+    for i, tokens in enumerate(sequences):
+        start = handler.sample_cursors[i]
+        if len(tokens) <= start and not is_final:
+            continue
+        handler.sample_cursors[i] = len(tokens)
+        events.append(ResponseEvent(tokens[start:], is_final, "", log_probs[i][start:len(tokens)]
+                                    if log_probs is not None else None, sequence_index=i))
+    return events
 
 
 class ManagerBridge:
     def __init__(self, engine_dir: str, model_type: TrtGptModelType, max_beam_width: int, scheduler_policy,
-                 optional_params, metrics: TritonMetrics | None = None, max_queue_size: int | None = None):
+                 optional_params, metrics: TritonMetrics | None = None, max_queue_size: int | None = None,
+                 max_num_queued_tokens: int | None = None, ttft_budget_ms: float | None = None):
+        """max_queue_size / max_num_queued_tokens: requests / prompt tokens submitted and not yet
+        fetched by the manager (None: unbounded); ttft_budget_ms: every request's time-to-first-token
+        budget (load_admission)."""
         self.metrics = metrics
-        self.max_queue_size = max_queue_size   # requests submitted, not yet fetched by the manager; None: unbounded
+        self.admission = BridgeAdmission(max_queue_size, max_num_queued_tokens, ttft_budget_ms)
         self._incoming: queue.Queue[InferenceRequest] = queue.Queue()
         self._lock = threading.Lock()
         self._handlers: dict[int, _Handler] = {}   # request id -> its waiting handler
@@ -64,21 +89,22 @@ class ManagerBridge:
     # -- handler side (event loop) ----------------------------------------------------------------
 
     def submit(self, make_request: Callable[[int], InferenceRequest], return_log_probs: bool,
-               loop: asyncio.AbstractEventLoop) -> tuple[int, asyncio.Queue]:
+               loop: asyncio.AbstractEventLoop, num_samples: int = 1) -> tuple[int, asyncio.Queue]:
         """Queue a request built with a fresh id; returns (id, queue of ResponseEvent). The request
         is built before its handler is registered: a make_request that raises leaves nothing behind.
-        RuntimeError once closed; QueueFullError (a RuntimeError) with max_queue_size requests waiting,
-        as the Executor's enqueue_request."""
+        RuntimeError once closed; QueueFullError (a RuntimeError, with retry_after_s) for load, as
+        the Executor's enqueue_request (BridgeAdmission). num_samples: the request's
+        num_return_sequences (events per sample, `sequence_index`)."""
         if self.is_closed:
             raise RuntimeError(SHUTTING_DOWN)
-        if self.max_queue_size is not None and self._incoming.qsize() >= self.max_queue_size:
-            raise QueueFullError(f"the request queue is full (max_queue_size={self.max_queue_size})")
         with self._lock:
             request_id = next(self._next_ids)
         request = make_request(request_id)
+        self.admission.admit(request_id, int(request.input_tensors[tn.INPUT_IDS].numel()))
         events: asyncio.Queue = asyncio.Queue()
         with self._lock:
-            self._handlers[request_id] = _Handler(loop, events, return_log_probs)
+            self._handlers[request_id] = _Handler(loop, events, return_log_probs,
+                                                  [0] * num_samples if num_samples > 1 else None)
         self._incoming.put(request)
         return request_id, events
 
@@ -88,6 +114,7 @@ class ManagerBridge:
             if self._handlers.pop(request_id, None) is not None:
                 self._stop_ids.add(request_id)
                 self._cancelled_ids.add(request_id)
+        self.admission.cancelled(request_id)
 
     def num_waiting_handlers(self) -> int:
         with self._lock:
@@ -110,12 +137,14 @@ class ManagerBridge:
     # -- manager side (worker thread) -------------------------------------------------------------
 
     def _get_requests(self, max_num_requests: int) -> list[InferenceRequest]:
+        self.admission.step_began()   # called at the start of each of the manager's iterations
         batch = []
         while len(batch) < max_num_requests:
             try:
                 request = self._incoming.get_nowait()
             except queue.Empty:
                 break
+            self.admission.fetched(request.request_id)
             with self._lock:
                 if request.request_id in self._cancelled_ids:  # cancelled before the manager saw it
                     self._cancelled_ids.discard(request.request_id)
@@ -128,6 +157,7 @@ class ManagerBridge:
             handler = self._handlers.pop(request_id, None) if is_final else self._handlers.get(request_id)
             if is_final:
                 self._cancelled_ids.discard(request_id)
+        self.admission.first_token(request_id)
         if handler is None:  # cancelled: nobody waits for it
             return
         if err_msg:
@@ -136,6 +166,11 @@ class ManagerBridge:
         output = {t.name: t.tensor for t in tensors}
         lengths = output[tn.SEQUENCE_LENGTH][0].tolist()                       # [beam]
         beams = [row[:n] for row, n in zip(output[tn.OUTPUT_IDS][0].tolist(), lengths)]  # [beam][T]
+        if handler.sample_cursors is not None:
+            rows = output[tn.OUTPUT_LOG_PROBS][0].tolist() if handler.return_log_probs else None
+            for event in sample_events(handler, beams, rows, is_final):
+                self._deliver(handler, event)
+            return
         log_probs = cum_log_prob = None
         if handler.return_log_probs:
             log_probs = output[tn.OUTPUT_LOG_PROBS][0, 0].tolist()[:lengths[0]]
@@ -152,6 +187,7 @@ class ManagerBridge:
         return stop_ids
 
     def _report_stats(self, stats_json: str) -> None:
+        self.admission.step_ended(orjson.loads(stats_json).get("Total Context Tokens", 0))
         if self.metrics is not None:
             self.metrics.update(stats_json)
 

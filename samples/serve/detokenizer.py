@@ -53,6 +53,9 @@ class TextDelta:
     num_tokens: int         # tokens consumed by this call (< len(new_ids) when a stop string ended it)
     is_stopped: bool        # a stop string matched: the sequence is over, its text excludes the match
     token_offsets: tuple[int, ...] = ()   # per consumed token: characters of the sequence's text before it
+    # per consumed token: the characters it completes ("" for one that ends inside a character,
+    # whose bytes the next token completes): joined, the sequence's text, never a split character
+    token_texts: tuple[str, ...] = ()
 
 
 class TextStream:
@@ -72,17 +75,18 @@ class TextStream:
 
     def add(self, new_ids: list[int]) -> TextDelta:
         assert not self.is_stopped, "tokens after a stop string"
-        out, offsets = [], []
+        out, offsets, texts = [], [], []
         for token in new_ids:
             offsets.append(self.num_emitted_chars + len(self.pending))
-            self.pending += self.detokenizer.add([token])
+            texts.append(self.detokenizer.add([token]))
+            self.pending += texts[-1]
             cut = self._first_stop()
             if cut is not None:
                 self._emit(out, cut)
                 self.pending, self.is_stopped = "", True
                 break
             self._emit(out, len(self.pending) - self._num_to_hold())
-        return TextDelta("".join(out), len(offsets), self.is_stopped, tuple(offsets))
+        return TextDelta("".join(out), len(offsets), self.is_stopped, tuple(offsets), tuple(texts))
 
     def _emit(self, out: list[str], num_chars: int) -> None:
         """Move the first num_chars (if positive) of `pending` to `out`."""

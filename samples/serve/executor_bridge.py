@@ -42,7 +42,8 @@ def to_executor_request(r: InferenceRequest) -> Request:
                    pad_id=scalar.get(tn.PAD_ID), embedding_bias=t.get(tn.EMBEDDING_BIAS),
                    output_config=OutputConfig(return_log_probs=bool(scalar.get(tn.RETURN_LOG_PROBS, False)),
                                               num_top_log_probs=int(scalar.get(tn.NUM_TOP_LOG_PROBS, 0)),
-                                              exclude_input_from_output=True), **words)
+                                              exclude_input_from_output=True),
+                   guided_decoding_params=getattr(r, "guided_decoding_params", None), **words)
 
 
 def name_body_field(message: str) -> str:
@@ -51,8 +52,11 @@ def name_body_field(message: str) -> str:
 
 
 class ExecutorBridge:
-    def __init__(self, engine_dir: str, config: ExecutorConfig, metrics: TritonMetrics | None = None):
+    def __init__(self, engine_dir: str, config: ExecutorConfig, metrics: TritonMetrics | None = None,
+                 ttft_budget_ms: float | None = None):
+        """ttft_budget_ms: every request's Request.ttft_budget_ms (None: no budget)."""
         self.metrics = metrics
+        self.ttft_budget_ms = ttft_budget_ms
         self.executor = Executor(engine_dir, executor_config=config)
         self._lock = threading.Lock()
         self._handlers: dict[int, _Handler] = {}
@@ -63,19 +67,23 @@ class ExecutorBridge:
     # -- handler side (event loop) ----------------------------------------------------------------
 
     def submit(self, make_request: Callable[[int], InferenceRequest], return_log_probs: bool,
-               loop: asyncio.AbstractEventLoop) -> tuple[int, asyncio.Queue]:
+               loop: asyncio.AbstractEventLoop, num_samples: int = 1) -> tuple[int, asyncio.Queue]:
         """ValueError (the body field first) for a request the Executor refuses: nothing is queued.
-        RuntimeError once closed; QueueFullError past the ExecutorConfig's max_queue_size."""
+        RuntimeError once closed; QueueFullError for load (the ExecutorConfig's max_queue_size,
+        max_num_queued_tokens, a request's ttft_budget_ms). num_samples > 1: the Executor's results
+        come per sample (`sequence_index`), and so do the events."""
         if self.is_closed:
             raise RuntimeError(SHUTTING_DOWN)
         request = to_executor_request(make_request(0))
+        request.ttft_budget_ms = self.ttft_budget_ms
         events: asyncio.Queue = asyncio.Queue()
         with self._lock:   # registered before the consumer can see a response of the id
             try:
                 request_id = self.executor.enqueue_request(request)
             except ValueError as e:
                 raise ValueError(name_body_field(str(e))) from None
-            self._handlers[request_id] = _Handler(loop, events, return_log_probs)
+            self._handlers[request_id] = _Handler(loop, events, return_log_probs,
+                                                  [0] * num_samples if num_samples > 1 else None)
         return request_id, events
 
     def cancel(self, request_id: int) -> None:
@@ -123,6 +131,11 @@ class ExecutorBridge:
             return
         result = response.result
         beams = result.output_token_ids
+        if handler.sample_cursors is not None:   # one result per sample: its new tokens already
+            log_probs = result.log_probs[0].tolist()[:len(beams[0])] if handler.return_log_probs else None
+            ManagerBridge._deliver(handler, ResponseEvent(beams[0], result.is_sequence_final, "", log_probs,
+                                                          sequence_index=result.sequence_index))
+            return
         log_probs = cum_log_prob = None
         if handler.return_log_probs:
             log_probs = result.log_probs[0].tolist()[:len(beams[0])]

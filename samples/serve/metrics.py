@@ -1,6 +1,7 @@
 """Prometheus metrics of samples.serve: gauges fed from GptManager's per-iteration stats JSON, in the
 metric families and label names of the legacy Triton TensorRT-LLM backend (`nv_trt_llm_*_metrics`,
-labels `model`, `version` and one type label per family), updated on the worker thread; and
+labels `model`, `version` and one type label per family), updated on the worker thread, with
+counters of what the stats count (reused KV blocks, context tokens computed, dropped KV events); and
 request latency histograms and token counters (`LatencyMetrics`), observed by the HTTP handlers."""
 from __future__ import annotations
 
@@ -29,6 +30,15 @@ GENERAL = ("nv_trt_llm_general_metrics", "General TRT LLM metrics", "general_typ
            {"iteration_counter": "Iteration Counter", "timestamp": "Timestamp"})
 TIMESTAMP_FORMAT = "%m-%d-%Y %H:%M:%S"
 
+# stats JSON key -> (counter, help): what the per-iteration stats count, summed over the run. The
+# cumulative keys are advanced by their growth; "Total Context Tokens" is one iteration's.
+CUMULATIVE_COUNTERS = {
+    "Reused KV cache blocks": ("nv_trt_llm_kv_cache_reused_blocks", "KV cache blocks taken over from the prefix "
+                                                                    "cache instead of computed"),
+    "KV Events Dropped": ("nv_trt_llm_kv_events_dropped", "KV-event messages a subscriber could not take")}
+PER_ITERATION_COUNTERS = {
+    "Total Context Tokens": ("nv_trt_llm_context_tokens_computed", "Prompt tokens whose KV was computed (not reused)")}
+
 # What an idle manager (no active request, so no stats callback) is known to hold.
 IDLE_VALUES = {"Active Request Count": 0, "Scheduled Requests": 0, "Context Requests": 0, "Generation Requests": 0,
                "Paused Requests": 0, "Total Context Tokens": 0, "Used KV cache blocks": 0}
@@ -49,6 +59,10 @@ class TritonMetrics:
                 child = gauge.labels(**self.labels, **{type_label: label_value})
                 self._key_to_gauges.setdefault(key, []).append(child)
         self.last_stats: dict = {}
+        self._key_to_counter = {key: Counter(name, help_text, ["model", "version"], registry=self.registry)
+                                .labels(**self.labels)
+                                for key, (name, help_text) in {**CUMULATIVE_COUNTERS, **PER_ITERATION_COUNTERS}.items()}
+        self._cumulative: dict[str, float] = {}   # key -> the value last seen
         self.latency = LatencyMetrics(self.registry, self.labels)
 
     def update(self, stats_json: str | bytes) -> None:
@@ -59,6 +73,11 @@ class TritonMetrics:
                 value = time.mktime(time.strptime(value, TIMESTAMP_FORMAT))
             for child in self._key_to_gauges.get(key, ()):
                 child.set(value)
+            if key in CUMULATIVE_COUNTERS and value > self._cumulative.get(key, 0):
+                self._key_to_counter[key].inc(value - self._cumulative.get(key, 0))
+                self._cumulative[key] = value
+            elif key in PER_ITERATION_COUNTERS and value > 0:
+                self._key_to_counter[key].inc(value)
 
     def mark_idle(self) -> None:
         """The stats callback is silent while nothing is active: show what an idle manager holds."""

@@ -6,15 +6,22 @@ template) and, per choice, the sample's own /generate body (`engine_body`), whic
 Fields: model, prompt (text, texts, token ids or lists of them) or messages, max_tokens
 (max_completion_tokens), temperature, top_p, seed, stop, n, stream, stream_options.include_usage,
 logprobs (completions: 0-5; chat: true with top_logprobs 0-20), presence_penalty, frequency_penalty,
-logit_bias, user, and vLLM's extensions top_k, min_tokens, repetition_penalty, ignore_eos.
+logit_bias, user, echo (completions), tools / tool_choice / parallel_tool_calls (chat: see
+`tool_calls`), and vLLM's extensions top_k, min_tokens, repetition_penalty, ignore_eos.
+The fields vllm-router adds (`ROUTER_DEFAULTS`) are accepted with the values it sends.
 Known OpenAI fields this server cannot honour are refused by name, never silently ignored. Text
 is bounded by characters before it is tokenized (`ModelInfo.max_text_chars`); callers run
 `parse_request` off the event loop (it tokenizes)."""
 from __future__ import annotations
 
+import functools
+import math
 import secrets
 from dataclasses import dataclass
 
+from samples.serve.token_bytes import TokenBytes
+from samples.serve.tool_calls import (ToolCallFormat, ToolChoice, ToolError, parse_tool_choice,
+                                      tool_conversation, tool_grammar)
 from samples.serve.value_repr import short_repr, some_sorted
 
 TYPE_OF_STATUS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -34,15 +41,29 @@ COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", 
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
                                "tool_choice", "functions", "function_call", "parallel_tool_calls"}
-CHAT_ROLES = {"system", "developer", "user", "assistant"}
+CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
+# What vllm-router adds to each request it forwards (vLLM's and SGLang's extensions), accepted with
+# the value it sends, which is this server's behaviour; another value is refused by name.
+ROUTER_DEFAULTS = {"no_stop_trim": False, "skip_special_tokens": True, "return_hidden_states": False}
+ROUTER_CHAT_DEFAULTS = {**ROUTER_DEFAULTS, "continue_final_message": False}
+REASONING_FIELDS = {"separate_reasoning", "stream_reasoning", "include_reasoning"}   # no reasoning parser: any bool
 
 
 class OpenAIError(Exception):
     """An HTTP error in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 retry_after_s: float | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.retry_after_s = retry_after_s   # a refusal for load (429): when to try again
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """Retry-After (whole seconds, at least 1) on a 429."""
+        if self.status != 429:
+            return {}
+        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s or 1)))}
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": TYPE_OF_STATUS.get(self.status, "server_error"),
@@ -60,7 +81,14 @@ class ModelInfo:
     tokenizer: object          # a transformers tokenizer
     vocab_size: int            # the engine's (logit_bias ids are checked against it)
     max_seq_len: int           # prompt + generated tokens, the engine's limit
-    end_id: int | None         # the tokenizer's end-of-sequence id, when inside the vocabulary
+    end_id: int | None         # the first end id (generation config, else the tokenizer's), inside the vocabulary
+    other_end_ids: tuple[int, ...] = ()   # the generation config's other end ids (stop words of one token)
+    can_guide: bool = False    # the engine has a grammar compiler (tools need it)
+    tool_format: ToolCallFormat = ToolCallFormat("generic", False, False)   # from the chat template
+
+    @functools.cached_property
+    def token_bytes(self) -> TokenBytes:
+        return TokenBytes(self.tokenizer)
 
     @property
     def max_text_chars(self) -> int:
@@ -81,6 +109,9 @@ class CompletionSpec:
     top_logprobs: int                      # and the k most likely tokens' (the engine's num_top_log_probs)
     seed: int                              # choice j draws with seed + j (a random seed when none was sent)
     engine_fields: dict                    # sampling fields of the sample's /generate body
+    echo_texts: tuple[str, ...] = ()       # completions' echo: per prompt, its text (each choice begins with it)
+    tools: ToolChoice | None = None        # chat with tools
+    grammar: str | None = None             # Lark text the replies are held to (tool_calls.tool_grammar)
 
     def engine_body(self, prompt_index: int, j: int) -> dict:
         """The /generate body of choice j of a prompt: always streamed (text deltas, stop strings,
@@ -95,7 +126,9 @@ class CompletionSpec:
 
 # the /generate body field -> the OpenAI field, to name it in the engine's errors
 ENGINE_TO_OPENAI = {"max_new_tokens": "max_tokens", "embedding_bias": "logit_bias", "min_length": "min_tokens",
-                    "return_log_probs": "logprobs", "num_top_log_probs": "top_logprobs"}
+                    "return_log_probs": "logprobs", "num_top_log_probs": "top_logprobs",
+                    "num_return_sequences": "n", "guided_decoding_params": "tools",
+                    "guided_decoding_params.guide": "tools"}
 
 
 def _number(field: str, value, low: float, high: float) -> float:
@@ -154,20 +187,16 @@ def _logit_bias(value, vocab_size: int) -> list[float]:
 
 def _refuse_unsupported(body: dict, n: int) -> None:
     """Known OpenAI fields whose only accepted values are the ones that change nothing."""
-    if body.get("echo", False) is not False:
-        raise bad("echo", "not supported (only false)")
+    if body.get("echo") and body.get("logprobs") is not None:
+        raise bad("echo", "with logprobs: the prompt's log probs are not supported (echo without logprobs is)")
     if body.get("suffix") is not None:
         raise bad("suffix", "not supported (only null)")
     best_of = body.get("best_of")
     if best_of is not None and (isinstance(best_of, bool) or not isinstance(best_of, int) or best_of != n):
         raise bad("best_of", f"not supported (only null or equal to n={n}), got {short_repr(best_of, 40)}")
-    for field in ("tools", "functions", "function_call"):
+    for field in ("functions", "function_call"):
         if body.get(field) is not None:
-            raise bad(field, "tool and function calling are not supported")
-    if body.get("tool_choice") not in (None, "none"):
-        raise bad("tool_choice", "tool calling is not supported (only \"none\")")
-    if body.get("parallel_tool_calls") is not None:
-        _boolean("parallel_tool_calls", body["parallel_tool_calls"])
+            raise bad(field, "the deprecated function calling fields are not supported: use tools and tool_choice")
     response_format = body.get("response_format")
     if response_format is not None and response_format != {"type": "text"}:
         raise bad("response_format", f"only {{\"type\": \"text\"}} is supported, got {short_repr(response_format)}")
@@ -192,6 +221,8 @@ def _sampling(body: dict, info: ModelInfo) -> dict:
         fields["embedding_bias"] = _logit_bias(body["logit_bias"], info.vocab_size)
     if not _boolean("ignore_eos", body.get("ignore_eos", False)) and info.end_id is not None:
         fields["end_id"] = info.end_id
+        if info.other_end_ids:
+            fields["stop_words"] = [[token] for token in info.other_end_ids]
     return fields
 
 
@@ -264,7 +295,8 @@ def _prompts(value, info: ModelInfo) -> list[list[int]]:
 
 
 def _messages(value) -> list[dict]:
-    """Chat messages with text content only -> the conversation the chat template renders."""
+    """Chat messages with text content -> the conversation the chat template renders. Assistant
+    messages may carry `tool_calls` (content then may be null); `tool` messages a tool_call_id."""
     if not isinstance(value, list) or not value:
         raise bad("messages", f"expected a non-empty list of messages, got {short_repr(value)}")
     conversation = []
@@ -272,53 +304,99 @@ def _messages(value) -> list[dict]:
         field = f"messages[{i}]"
         if not isinstance(message, dict):
             raise bad(field, f"expected an object with role and content, got {short_repr(message)}")
-        unknown = set(message) - {"role", "content", "name"}
-        if unknown:
-            raise bad(field, f"unsupported keys {short_repr(some_sorted(unknown), 120)} (text messages only: role, "
-                             f"content, name)")
         role = message.get("role")
         if not isinstance(role, str) or role not in CHAT_ROLES:   # a list is unhashable
             raise bad(f"{field}.role", f"expected one of {sorted(CHAT_ROLES)}, got {short_repr(role, 40)}")
+        allowed = {"role", "content", "name"} | {"assistant": {"tool_calls"}, "tool": {"tool_call_id"}}.get(role, set())
+        unknown = set(message) - allowed
+        if unknown:
+            raise bad(field, f"unsupported keys {short_repr(some_sorted(unknown), 120)} (a {role} message has "
+                             f"{', '.join(sorted(allowed))})")
+        out = {"role": role}
+        calls = message.get("tool_calls")
+        if calls is not None:
+            out["tool_calls"] = _tool_calls(f"{field}.tool_calls", calls)
         content = message.get("content")
-        if isinstance(content, list):   # content parts: text only
-            texts = []
-            for j, part in enumerate(content):
-                if not isinstance(part, dict) or part.get("type") != "text" or set(part) != {"type", "text"}:
-                    raise bad(f"{field}.content[{j}]", f"only {{\"type\": \"text\", \"text\": ...}} parts are "
-                                                       f"supported, got {short_repr(part)}")
-                texts.append(_text(f"{field}.content[{j}].text", part["text"]))
-            content = "".join(texts)
-        conversation.append({"role": role, "content": _text(f"{field}.content", content)}
-                            | ({"name": _text(f"{field}.name", message["name"])} if "name" in message else {}))
+        out["content"] = "" if content is None and calls else _content(f"{field}.content", content)
+        if "name" in message:
+            out["name"] = _text(f"{field}.name", message["name"])
+        if role == "tool":
+            out["tool_call_id"] = _text(f"{field}.tool_call_id", message.get("tool_call_id"))
+        conversation.append(out)
     return conversation
 
 
-def render_chat(conversation: list[dict], info: ModelInfo) -> list[int]:
+def _content(field: str, content) -> str:
+    """A string, or text parts (joined)."""
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or set(part) != {"type", "text"}:
+                raise bad(f"{field}[{j}]", f"only {{\"type\": \"text\", \"text\": ...}} parts are supported, "
+                                          f"got {short_repr(part)}")
+            texts.append(_text(f"{field}[{j}].text", part["text"]))
+        return "".join(texts)
+    return _text(field, content)
+
+
+def _tool_calls(field: str, calls) -> list[dict]:
+    """An assistant's earlier calls: [{"id", "type": "function", "function": {"name", "arguments"}}]."""
+    if not isinstance(calls, list) or not calls:
+        raise bad(field, f"expected a non-empty list of tool calls, got {short_repr(calls)}")
+    out = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or call.get("type", "function") != "function":
+            raise bad(f"{field}[{j}]", f"expected {{\"id\", \"type\": \"function\", \"function\": {{\"name\", "
+                                       f"\"arguments\"}}}}, got {short_repr(call)}")
+        out.append({"id": _text(f"{field}[{j}].id", call.get("id", "")), "type": "function",
+                    "function": {"name": _text(f"{field}[{j}].function.name", function.get("name")),
+                                 "arguments": _text(f"{field}[{j}].function.arguments",
+                                                    function.get("arguments", "{}"))}})
+    return out
+
+
+def render_chat(conversation: list[dict], info: ModelInfo, tools: ToolChoice | None = None) -> list[int]:
     """The tokenizer's own chat template (tokenizer_config.json's chat_template), rendered with the
     assistant's generation prompt; its text is tokenized without adding special tokens (the
-    template writes them). Contents and names, then the rendered text, are bounded by
-    info.max_text_chars first."""
+    template writes them). Tools, earlier calls and tool results go in as `tool_calls.tool_conversation`
+    says. Contents and names, then the rendered text, are bounded by info.max_text_chars first."""
     tokenizer = info.tokenizer
     if not getattr(tokenizer, "chat_template", None):
         raise bad("messages", "the tokenizer has no chat template (tokenizer_config.json: chat_template)")
-    num_chars = sum(len(m["content"]) + len(m.get("name", "")) for m in conversation)
+    num_chars = sum(len(m["content"]) + len(m.get("name", "")) + sum(
+        len(c["function"]["arguments"]) + len(c["function"]["name"]) for c in m.get("tool_calls", ()))
+        for m in conversation)
     _check_num_chars("messages", " of content and names", num_chars, info)
+    fmt = info.tool_format
+    messages = tool_conversation(conversation, tools, fmt)
+    extra = {"tools": [f.openai() for f in tools.functions]} if tools is not None and fmt.renders_tools else {}
     try:
-        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
     except Exception as e:   # the template's own raise_exception (roles must alternate, ...) or a Jinja error
         raise bad("messages", f"the chat template refused the conversation: {e}") from None
     _check_num_chars("messages", " in the rendered conversation", len(text), info)
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
+def _router_fields(body: dict, is_chat: bool) -> None:
+    for field, only in (ROUTER_CHAT_DEFAULTS if is_chat else ROUTER_DEFAULTS).items():
+        if field in body and _boolean(field, body[field]) != only:
+            raise bad(field, f"not supported (only {str(only).lower()})")
+    for field in REASONING_FIELDS & set(body):
+        _boolean(field, body[field])
+
+
 def parse_request(body, is_chat: bool, info: ModelInfo) -> CompletionSpec:
     """Check an OpenAI request body; raise OpenAIError (400 naming the field, 404 for another model)."""
     if not isinstance(body, dict):
         raise bad("body", f"expected a JSON object, got {type(body).__name__}")
-    accepted = CHAT_FIELDS if is_chat else COMPLETION_FIELDS
+    accepted = CHAT_FIELDS | set(ROUTER_CHAT_DEFAULTS) | REASONING_FIELDS if is_chat \
+        else COMPLETION_FIELDS | set(ROUTER_DEFAULTS)
     unknown = set(body) - accepted
     if unknown:
         raise bad(min(unknown), f"unknown field; accepted: {sorted(accepted)}")
+    _router_fields(body, is_chat)
     model = _text("model", body.get("model"))
     if model != info.name:
         raise OpenAIError(404, f"model: {short_repr(model)} is not served here; this server serves {info.name!r}",
@@ -335,8 +413,10 @@ def parse_request(body, is_chat: bool, info: ModelInfo) -> CompletionSpec:
         if not isinstance(options, dict) or set(options) - {"include_usage"}:
             raise bad("stream_options", f"expected {{\"include_usage\": bool}}, got {short_repr(options)}")
     include_usage = _boolean("stream_options.include_usage", (options or {}).get("include_usage", False))
+    tools = _tools(body, info) if is_chat else None
+    echo = not is_chat and _boolean("echo", body.get("echo", False))
     if is_chat:
-        prompts = [render_chat(_messages(body.get("messages")), info)]
+        prompts = [render_chat(_messages(body.get("messages")), info, tools)]
     else:
         if "prompt" not in body:
             raise bad("prompt", "required")
@@ -350,7 +430,23 @@ def parse_request(body, is_chat: bool, info: ModelInfo) -> CompletionSpec:
         seed = secrets.randbits(64)
     return CompletionSpec(is_chat, tuple(map(tuple, prompts)), n, _max_tokens(body, is_chat, prompts, info), stream,
                           include_usage, _stop(body.get("stop")), *_log_probs(body, is_chat), seed,
-                          _sampling(body, info))
+                          _sampling(body, info), _echo_texts(prompts, info) if echo else (), tools,
+                          tool_grammar(tools) if tools is not None else None)
+
+
+def _echo_texts(prompts: list[list[int]], info: ModelInfo) -> tuple[str, ...]:
+    return tuple(info.tokenizer.decode(p, skip_special_tokens=True) for p in prompts)
+
+
+def _tools(body: dict, info: ModelInfo) -> ToolChoice | None:
+    try:
+        tools = parse_tool_choice(body)
+    except ToolError as e:
+        raise bad(e.field, e.problem) from None
+    if tools is not None and tools.parses_calls and not info.can_guide:
+        raise bad("tools", "tool calls need the grammar engine, which this server runs without (the tokenizer has "
+                           "no tokenizer.json, or one the grammar engine cannot use: see the server's log)")
+    return tools
 
 
 def engine_field_to_openai(message: str, is_chat: bool) -> tuple[str, str]:

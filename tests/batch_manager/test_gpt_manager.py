@@ -246,6 +246,27 @@ def test_idle_manager_shuts_down_promptly_and_does_not_spin(tiny_engine):
     assert client.stats == []  # no stats while nothing is active
 
 
+def test_an_idle_manager_polls_less_once_idle_and_still_serves(tiny_engine, prompts, references):
+    """0.5 ms polls while requests came in the last 0.1 s, then 5 ms ones (~6 % of a core ->
+    under 1 %); a request after the backoff is served as any other."""
+    from batch_manager.worker import IDLE_BACKOFF_AFTER_S, IDLE_BACKOFF_SLEEP_S
+    engine_dir, _ = tiny_engine
+    client = Client([make_request(0, prompts[0], 8)], arrival_calls=[10**9])   # held back for now
+    with GptManager(engine_dir, TrtGptModelType.InflightFusedBatching, 1, SchedulerPolicy.GUARANTEED_NO_EVICT,
+                    *client.callbacks()):
+        time.sleep(IDLE_BACKOFF_AFTER_S + 0.1)
+        before, start = client.num_get_calls, time.monotonic()
+        time.sleep(0.5)
+        polls = client.num_get_calls - before
+        assert 0.25 / IDLE_BACKOFF_SLEEP_S < polls < 2 * 0.5 / IDLE_BACKOFF_SLEEP_S + 20, polls  # not 1000 at 0.5 ms
+        assert time.monotonic() - start < 1.0
+        client.arrival_calls[0] = 0
+        client.wait(60)
+    tensors, _, error = client.final(0)
+    assert not error
+    assert tensors[tensor_names.OUTPUT_IDS][0, 0].tolist() == references[0][:len(prompts[0]) + 8]
+
+
 def test_legacy_usage_pattern(tiny_engine, prompts, references):
     """As the old Python binding's test wrote it: positional constructor, tensor_names, [1, 1]
     max_new_tokens, stats read with json.loads, a terminate id ending the loop."""

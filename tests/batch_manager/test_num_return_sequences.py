@@ -73,19 +73,32 @@ def test_the_prompt_is_computed_once_and_streaming_sends_every_sequence(tiny_eng
     assert all(t[tn.OUTPUT_IDS].shape[1] == 3 for t, _, _ in streamed.responses[1])
 
 
-def test_executor_num_return_sequences(tiny_engine, prompts):
+@pytest.mark.parametrize("streaming", [False, True])
+def test_executor_num_return_sequences(tiny_engine, prompts, streaming):
+    """One result per sequence (sequence_index), as TensorRT-LLM's: streamed, each sequence's new
+    tokens; the request's last result is_final, every result of the final response is_sequence_final."""
     engine_dir, _ = tiny_engine
     config = ExecutorConfig(kv_cache_config=KvCacheConfig(max_tokens=600))
     with Executor(engine_dir, ModelType.DECODER_ONLY, config) as executor:
-        family = executor.enqueue_request(Request(prompts[0], max_tokens=NUM_TOKENS, sampling_config=SamplingConfig(
-            top_k=8, temperature=1.3, seed=21, num_return_sequences=3),
-            output_config=OutputConfig(exclude_input_from_output=True)))
+        family = executor.enqueue_request(Request(prompts[0], max_tokens=NUM_TOKENS, streaming=streaming,
+                                                  sampling_config=SamplingConfig(top_k=8, temperature=1.3, seed=21,
+                                                                                 num_return_sequences=3),
+                                                  output_config=OutputConfig(exclude_input_from_output=True,
+                                                                             return_log_probs=True)))
         singles = [executor.enqueue_request(Request(prompts[0], max_tokens=NUM_TOKENS, sampling_config=SamplingConfig(
             top_k=8, temperature=1.3, seed=21 + k), output_config=OutputConfig(exclude_input_from_output=True)))
             for k in range(3)]
         responses = collect(executor, [family, *singles])
-    (result,) = [r.result for r in responses[family] if r.result.is_final]
-    assert result.output_token_ids == [responses[s][-1].result.output_token_ids[0] for s in singles]
+    results = [r.result for r in responses[family]]
+    assert [r.is_final for r in results] == [False] * (len(results) - 1) + [True]
+    by_sequence = {i: [r for r in results if r.sequence_index == i] for i in range(3)}
+    for i, own in by_sequence.items():
+        assert [r.is_sequence_final for r in own] == [False] * (len(own) - 1) + [True]
+        tokens = [t for r in own for t in r.output_token_ids[0]]
+        assert tokens == responses[singles[i]][-1].result.output_token_ids[0]
+        assert sum(r.log_probs.shape[1] for r in own) == len(tokens)
+    if streaming:
+        assert len(results) > 3
 
 
 @pytest.mark.parametrize("extra, message", [

@@ -256,7 +256,8 @@ def test_an_idle_leader_keeps_the_followers_waiting_without_spinning(pool, engin
     assert len(ids) == len(PROMPTS[0]) + 4
     print(f"idle {idle_s} s: leader {leader_cpu:.3f} s CPU, follower {follower_cpu:.3f} s CPU")
     assert follower_cpu < 0.15 * idle_s, f"an idle follower used {follower_cpu:.2f} s CPU in {idle_s} s"
-    assert leader_cpu < 0.25 * idle_s, f"an idle leader used {leader_cpu:.2f} s CPU in {idle_s} s"
+    # polling the get-requests callback every 5 ms once idle (0.5 ms polls cost ~6 % of a core)
+    assert leader_cpu < 0.05 * idle_s, f"an idle leader used {leader_cpu:.2f} s CPU in {idle_s} s"
 
 
 # -- Executor -----------------------------------------------------------------------------------------

@@ -65,22 +65,31 @@ class ServerThread:
     """samples.serve's app on 127.0.0.1 (a free port), served by an event loop on its own thread."""
 
     def __init__(self, engine_dir: str, tokenizer=None, num_kv_tokens: int | None = None, metrics=None,
-                 api: str = "gpt_manager", max_queue_size: int | None = None, **app_options):
-        """app_options: create_app's (model_info for the OpenAI endpoints, api_key, max_body_bytes)."""
+                 api: str = "gpt_manager", max_queue_size: int | None = None, guided_decoding_config=None,
+                 max_num_queued_tokens: int | None = None, ttft_budget_ms: float | None = None, bridge=None,
+                 **app_options):
+        """app_options: create_app's (model_info for the OpenAI endpoints, api_key, max_body_bytes);
+        guided_decoding_config: the engine's (tools); the load bounds as the server's flags; bridge:
+        one made elsewhere (samples.serve.server.make_bridge), instead of the arguments above."""
         from samples.serve.server import start_server
         from samples.serve.bridge import ManagerBridge
         from samples.serve.metrics import TritonMetrics
         metrics = metrics or TritonMetrics(False)
-        if api == "executor":
+        if bridge is not None:
+            self.bridge = bridge
+        elif api == "executor":
             from batch_manager.executor import ExecutorConfig, KvCacheConfig as ExecutorKvCacheConfig
             from samples.serve.executor_bridge import ExecutorBridge
             config = ExecutorConfig(kv_cache_config=ExecutorKvCacheConfig(max_tokens=num_kv_tokens),
-                                    max_queue_size=max_queue_size)
-            self.bridge = ExecutorBridge(engine_dir, config, metrics)
+                                    max_queue_size=max_queue_size, max_num_queued_tokens=max_num_queued_tokens,
+                                    guided_decoding_config=guided_decoding_config)
+            self.bridge = ExecutorBridge(engine_dir, config, metrics, ttft_budget_ms)
         else:
-            params = TrtGptModelOptionalParams(kv_cache_config=KvCacheConfig(max_tokens=num_kv_tokens))
+            params = TrtGptModelOptionalParams(kv_cache_config=KvCacheConfig(max_tokens=num_kv_tokens),
+                                               guided_decoding_config=guided_decoding_config)
             self.bridge = ManagerBridge(engine_dir, TrtGptModelType.InflightFusedBatching, 1,
-                                        SchedulerPolicy.GUARANTEED_NO_EVICT, params, metrics, max_queue_size)
+                                        SchedulerPolicy.GUARANTEED_NO_EVICT, params, metrics, max_queue_size,
+                                        max_num_queued_tokens, ttft_budget_ms)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="test-http-server", daemon=True)
         self.thread.start()

@@ -1,6 +1,8 @@
-"""samples.serve.openai_choices over a scripted bridge (no engine): responses queued after a stop
-string ended their choice are dropped, errors map to their statuses, close() cancels exactly the
-unfinished choices, a refused submit leaves nothing running."""
+"""samples.serve.openai_choices over a scripted bridge (no engine): n choices of a prompt are one
+engine request (its samples) unless top log probs are asked, responses queued after a stop string
+ended their choice are dropped, a shared request is stopped once all its choices ended, errors map
+to their statuses, close() cancels exactly the unfinished requests, a refused submit leaves nothing
+running."""
 from __future__ import annotations
 
 import asyncio
@@ -29,15 +31,17 @@ class ScriptedBridge:
     def __init__(self, refuse_after: int | None = None, refusal: Exception | None = None):
         self.queues: dict[int, asyncio.Queue] = {}
         self.bodies: list = []
+        self.num_samples: list[int] = []
         self.cancelled: list[int] = []
         self.refuse_after, self.refusal = refuse_after, refusal
         self.metrics = None
 
-    def submit(self, make_request, return_log_probs, loop):
+    def submit(self, make_request, return_log_probs, loop, num_samples=1):
         if self.refuse_after is not None and len(self.queues) >= self.refuse_after:
             raise self.refusal
         request_id = len(self.queues) + 1
         self.bodies.append(make_request(request_id))
+        self.num_samples.append(num_samples)
         self.queues[request_id] = asyncio.Queue()
         return request_id, self.queues[request_id]
 
@@ -53,27 +57,47 @@ def spec(info, **fields):
     return parse_request({"model": "m", "prompt": "Say:", "max_tokens": 20, **fields}, False, info)
 
 
-def test_responses_after_a_stop_string_are_dropped(info):
-    async def scenario():
+def test_n_choices_are_one_request_and_late_responses_after_a_stop_string_are_dropped(info):
+    async def scenario(first_done: int):
         bridge = ScriptedBridge()
         run = ChoiceRun(bridge, spec(info, n=2, stop="lo", seed=5), info, None)
         run.submit()
-        tokens = ids(info, "Hello world")
-        for t in tokens:   # choice 0 streams past its stop string before anyone reads
-            bridge.queues[1].put_nowait(ResponseEvent([t], False))
-        bridge.queues[2].put_nowait(ResponseEvent(ids(info, "Hi"), True))
-        updates = []
+        hi = ResponseEvent(ids(info, "Hi"), True, sequence_index=1)
+        if first_done == 1:
+            bridge.queues[1].put_nowait(hi)
+        for t in ids(info, "Hello world"):   # choice 0 streams past its stop string before anyone reads
+            bridge.queues[1].put_nowait(ResponseEvent([t], False, sequence_index=0))
+        updates = [await run.next_update() for _ in range(len(ids(info, "Hello")) + (first_done == 1))]
+        cancelled_at_stop = list(bridge.cancelled)
+        if first_done == 0:
+            bridge.queues[1].put_nowait(hi)
         while not run.is_done:
             updates.append(await run.next_update())
         run.close()
-        return bridge, run, updates
+        return bridge, run, cancelled_at_stop
 
-    bridge, run, updates = asyncio.run(scenario())
-    assert ["".join(c.text) for c in run.choices] == ["Hel", "Hi"]
-    assert [c.finish_reason for c in run.choices] == ["stop", "stop"]
-    assert run.choices[0].num_tokens == len(ids(info, "Hello"))   # up to the token completing "lo"
-    assert bridge.cancelled == [1]   # the stopped choice; choice 1 had finished itself
-    assert [body.input_tensors["random_seed"].item() for body in bridge.bodies] == [5, 6]   # seed + j
+    for first_done in (0, 1):
+        bridge, run, cancelled_at_stop = asyncio.run(scenario(first_done))
+        assert ["".join(c.text) for c in run.choices] == ["Hel", "Hi"]
+        assert [c.finish_reason for c in run.choices] == ["stop", "stop"]
+        assert run.choices[0].num_tokens == len(ids(info, "Hello"))   # up to the token completing "lo"
+        # one engine request of 2 samples, seeded 5 (sample j draws with 5 + j)
+        assert bridge.num_samples == [2] and [b.input_tensors["random_seed"].item() for b in bridge.bodies] == [5]
+        assert bridge.bodies[0].input_tensors["num_return_sequences"].item() == 2
+        # stopped once both choices ended: at the stop string if choice 1 had ended first, else never
+        assert cancelled_at_stop == ([1] if first_done == 1 else []) and bridge.cancelled == cancelled_at_stop
+
+
+def test_top_log_probs_take_one_request_per_choice(info):
+    async def scenario():
+        bridge = ScriptedBridge()
+        run = ChoiceRun(bridge, spec(info, n=2, seed=5, logprobs=2), info, None)
+        run.submit()
+        run.close()
+        return bridge
+
+    bridge = asyncio.run(scenario())
+    assert bridge.num_samples == [1, 1] and [b.input_tensors["random_seed"].item() for b in bridge.bodies] == [5, 6]
 
 
 @pytest.mark.parametrize("error, status", [
@@ -84,7 +108,7 @@ def test_responses_after_a_stop_string_are_dropped(info):
 def test_error_responses_map_to_statuses(info, error, status):
     async def scenario():
         bridge = ScriptedBridge()
-        run = ChoiceRun(bridge, spec(info, n=3), info, None)
+        run = ChoiceRun(bridge, spec(info, prompt=["Say:"] * 3), info, None)
         run.submit()
         bridge.queues[2].put_nowait(ResponseEvent([], True, error))
         with pytest.raises(OpenAIError) as e:
@@ -105,7 +129,7 @@ def test_error_responses_map_to_statuses(info, error, status):
 def test_a_refused_submit_cancels_the_choices_already_queued(info, refusal, status):
     async def scenario():
         bridge = ScriptedBridge(refuse_after=2, refusal=refusal)
-        run = ChoiceRun(bridge, spec(info, n=4), info, None)
+        run = ChoiceRun(bridge, spec(info, prompt=["Say:"] * 4), info, None)
         with pytest.raises(OpenAIError) as e:
             run.submit()
         return bridge, e.value

@@ -267,6 +267,36 @@ def test_disconnect_stops_the_request_and_frees_its_blocks(slow_server, streamin
     _assert_freed_soon(slow_server, start_iteration + 60)
 
 
+def test_cli_serves_without_tools_when_the_grammar_engine_cannot_take_the_tokenizer(tiny_model_dirs, tokenizer_dir):
+    """A word-level tokenizer without a decoder: llguidance refuses it; the server still starts
+    (it once failed to), logs why, and refuses tools by name."""
+    repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.Popen([sys.executable, "-m", "samples.serve", "--engine-dir", tiny_model_dirs[1], "--port", "0",
+                             "--tokenizer", tokenizer_dir], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": repo_root}, cwd=repo_root)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("listening on http://127.0.0.1:"), line
+        url = line.split()[-1]
+
+        async def chat_with_tools() -> tuple[int, dict]:
+            body = {"model": "engine", "messages": [{"role": "user", "content": "t5 t6"}], "max_tokens": 2,
+                    "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}
+            async with aiohttp.ClientSession() as session:
+                async with session.post(url + "/v1/chat/completions", json=body) as response:
+                    return response.status, await response.json()
+
+        status, body = asyncio.run(chat_with_tools())
+        assert status == 400 and body["error"]["param"] == "tools", body
+        status, answer = run(post, url, {"input_ids": [5, 6, 7], "max_new_tokens": 2})
+        assert status == 200 and len(answer["output_ids"]) == 2
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        assert "tools and guided decoding are off" in proc.stderr.read()
+    finally:
+        proc.kill()
+
+
 def test_cli_serves_and_exits_on_sigterm(tiny_model_dirs):
     repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "PYTHONPATH": repo_root}

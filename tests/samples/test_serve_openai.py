@@ -93,12 +93,15 @@ def test_n_choices_are_the_requests_of_seed_plus_i(server, scripted):
 
 
 def test_log_probs_of_the_sampled_tokens(server, scripted):
-    """Scripted tokens have probability ~1 (log prob ~0); the branch token 1/2 (log 0.5)."""
+    """Scripted tokens have probability ~1 (log prob ~0); the branch token 1/2 (log 0.5). Token
+    strings never split a character (a token ending inside one has "", the next the whole
+    character): joined they are the text; chat's `bytes` are each token's own, joined the UTF-8."""
     tokenizer, script, _ = scripted
     out = client(server).completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, logprobs=0, seed=1)
     lp = out.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == out.usage.completion_tokens == len(script.greedy_ids())
-    assert lp.tokens == [tokenizer.decode([t]) for t in script.reply_ids] + [out.choices[0].text[-1]]
+    assert "".join(lp.tokens) == out.choices[0].text and not any("\ufffd" in t for t in lp.tokens)
+    assert "" in lp.tokens   # the reply's multi-byte characters span tokens
     assert all(abs(x) < 1e-4 for x in lp.token_logprobs[:-1])
     assert lp.token_logprobs[-1] == pytest.approx(math.log(0.5), abs=1e-4)
     assert lp.text_offset[0] == 0 and lp.text_offset[-1] == len(REPLY) and lp.top_logprobs is None
@@ -106,6 +109,8 @@ def test_log_probs_of_the_sampled_tokens(server, scripted):
                                                   seed=1)
     content = chat.choices[0].logprobs.content
     assert len(content) == chat.usage.completion_tokens
+    assert "".join(e.token for e in content) == chat.choices[0].message.content
+    assert bytes(b for e in content for b in e.bytes).decode("utf-8") == chat.choices[0].message.content
     assert content[-1].logprob == pytest.approx(math.log(0.5), abs=1e-4) and content[-1].top_logprobs == []
 
 
@@ -133,7 +138,9 @@ def test_top_log_probs_are_the_models_own(server, scripted, stream):
         assert len(entry.top_logprobs) == 3
         assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob >= entry.top_logprobs[2].logprob
         assert entry.logprob == pytest.approx(max(t.logprob for t in entry.top_logprobs), abs=1e-4)
-        assert entry.top_logprobs[0].bytes == list(entry.top_logprobs[0].token.encode("utf-8"))
+        top = entry.top_logprobs[0]
+        assert top.bytes == list(top.token.encode("utf-8")) or top.token == "bytes:" + "".join(
+            f"\\x{b:02x}" for b in top.bytes) or top.token == entry.token   # (the sampled one: as `token`)
 
 
 @pytest.mark.parametrize("stop, expected", [

@@ -38,7 +38,8 @@ def server(scripted, request):
     ({"prompt": [5, 300]}, "prompt[1]", "[0, 299]"),
     ({"prompt": "x" * 300}, "prompt", "max_input_len"),                 # the engine's limit, by its field
     ({"max_tokens": 2000}, "max_tokens", f"context of {MAX_SEQ_LEN}"),             # prompt + max_tokens over max_seq_len
-    ({"extra_body": {"echo": True}}, "echo", "not supported"),
+    ({"extra_body": {"echo": True}, "logprobs": 1}, "echo", "prompt's log probs are not supported"),
+    ({"extra_body": {"echo": 1}}, "echo", "true or false"),
     ({"extra_body": {"colour": 1}}, "colour", "unknown field"),
     ({"extra_body": {"logit_bias": {"301": 5}}}, "logit_bias", "token id"),
     ({"extra_body": {"logit_bias": {"1" * 5000: 5}}}, "logit_bias", "token id"),   # over int()'s digit limit
@@ -61,7 +62,13 @@ def test_bad_completion_requests_are_400_naming_the_field(server, kwargs, param,
      "messages[0].content[0]"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"top_logprobs": 2}, "top_logprobs"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),   # no grammar engine here
+    ({"tool_choice": "required"}, "tool_choice"),   # without tools
+    ({"tools": [{"type": "function", "function": {"name": "f g"}}], "tool_choice": "none"}, "tools[0].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+    ({"messages": [{"role": "tool", "content": "1"}]}, "messages[0].tool_call_id"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "function": "f"}]}]}, "messages[0].tool_calls[0]"),
     ({"max_completion_tokens": -1}, "max_completion_tokens"),
 ])
 def test_bad_chat_requests_are_400(server, kwargs, param):
@@ -128,15 +135,17 @@ def full_queue(server):
         yield
         queue.max_size = saved
     else:
-        saved, server.bridge.max_queue_size = server.bridge.max_queue_size, 0
+        admission = server.bridge.admission   # internal: the GptManager bridge's bounds
+        saved, admission.max_queue_size = admission.max_queue_size, 0
         yield
-        server.bridge.max_queue_size = saved
+        admission.max_queue_size = saved
 
 
 def test_queue_full_is_429(server, full_queue):
     with pytest.raises(openai.RateLimitError) as e:
         client(server).completions.create(model=MODEL, prompt=PROMPT, n=2)
     assert e.value.status_code == 429 and e.value.body["code"] == "queue_full"
+    assert int(e.value.response.headers["Retry-After"]) >= 1
     assert_error_shape({"error": e.value.body}, "rate_limit_error")
     assert server.bridge.num_waiting_handlers() == 0
 

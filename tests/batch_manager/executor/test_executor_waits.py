@@ -78,3 +78,31 @@ def test_leaving_generate_async_after_its_final_arrived_forgets_the_id(tiny_engi
         assert unknown.has_error() and "unknown" in unknown.error_msg
         assert time.monotonic() - start < 5
         assert not store._known and not store._abandoned and executor.get_num_responses_ready() == 0
+
+
+def test_an_idle_executor_blocks_until_a_request_arrives(tiny_engine, monkeypatch):
+    """Nothing to do: the worker blocks (a fetch per IDLE_BLOCK_S, not one per 0.5 ms); an
+    enqueue wakes it at once."""
+    from batch_manager.executor import front_end
+    fetches: list[tuple[float, int]] = []   # (when, requests fetched)
+    fetch = front_end.ExecutorFrontEnd.fetch
+
+    def counted(self, max_num_requests):
+        fetched = fetch(self, max_num_requests)
+        fetches.append((time.monotonic(), len(fetched.requests)))
+        return fetched
+
+    monkeypatch.setattr(front_end.ExecutorFrontEnd, "fetch", counted)
+    engine_dir, _ = tiny_engine
+    with executor_for(engine_dir) as executor:
+        time.sleep(0.3)
+        start = time.monotonic()
+        time.sleep(1.0)
+        idle = [t for t, _ in fetches if t >= start]
+        assert len(idle) <= 1.0 / front_end.IDLE_BLOCK_S + 2, len(idle)
+        enqueued = time.monotonic()
+        request_id = executor.enqueue_request(Request([5, 9, 17], 4))
+        (response,) = collect(executor, [request_id])[request_id]
+        assert not response.has_error()
+        woke = min(t for t, n in fetches if n)
+        assert woke - enqueued < front_end.IDLE_BLOCK_S / 2

@@ -1,0 +1,190 @@
+"""KV-cache events on the wire, in vLLM's format (ZMQ + msgpack), for routers in other processes.
+
+`WireEventCollector` is the KV manager's event sink on the worker thread: it turns stores and
+evictions into vLLM's event maps. Once per iteration the worker calls `KvEventPublisher.publish`,
+which numbers the iteration's events as one message, keeps it for replay and sends it without
+ever waiting (a subscriber that cannot take it loses it; the drop is counted). A thread answers
+replay requests. engine_builder makes one on rank 0 when `kv_events_config` is set.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from typing import Callable, Hashable
+
+import msgpack
+import zmq
+
+from .options import KvCacheConfig, KvEventsConfig
+
+logger = logging.getLogger(__name__)
+
+END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
+REPLAY_POLL_MS = 50          # how soon the replay thread sees a close
+SEND_HWM = 10_000            # messages queued per subscriber before sends to it fail (dropped, counted)
+ALL_BLOCKS_CLEARED = {"type": "AllBlocksCleared"}
+
+
+def check_kv_events_config(config, kv_cache_config: KvCacheConfig) -> None:
+    """ValueError naming the field for a config the publisher cannot use."""
+    if config is None:
+        return
+    if not isinstance(config, KvEventsConfig):
+        raise ValueError(f"kv_events_config: expected a KvEventsConfig, got {type(config).__name__}")
+    if not kv_cache_config.enable_block_reuse:
+        raise ValueError("kv_events_config: needs KvCacheConfig.enable_block_reuse=True (the events report the "
+                         "blocks kept for reuse)")
+    for name in ("endpoint", "replay_endpoint"):
+        value = getattr(config, name)
+        if value is None and name == "replay_endpoint":
+            continue
+        if not isinstance(value, str) or not value.startswith(("tcp://", "ipc://")):
+            raise ValueError(f"kv_events_config.{name}: expected \"tcp://HOST:PORT\" or \"ipc://PATH\", got {value!r}")
+    if not isinstance(config.topic, str):
+        raise ValueError(f"kv_events_config.topic: expected a string, got {config.topic!r}")
+    steps = config.buffer_steps
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        raise ValueError(f"kv_events_config.buffer_steps: expected an integer >= 1, got {steps!r}")
+
+
+class WireEventCollector:
+    """The events since the last `take`, as vLLM's maps (keys in vLLM's order). A stored chain
+    names its request's adapter and carries the token ids the request gave: the KV manager's
+    keys salt the first token of a chain at the root (cache_salt), which is put back here."""
+
+    def __init__(self, tokens_per_block: int, medium: str, request_of: Callable[[Hashable], object]):
+        self.tokens_per_block, self.medium = tokens_per_block, medium
+        self._request_of = request_of   # holder -> its LlmRequest, or None
+        self._events: list[dict] = []
+
+    def stored(self, parent_key: bytes, blocks: list[tuple[bytes, list[int]]], holder=None) -> None:
+        token_ids = [t for _, tokens in blocks for t in tokens]
+        request = self._request_of(holder)
+        lora_id = None
+        if request is not None:
+            if request.spec.lora is not None:
+                lora_id = request.spec.lora.task_id
+            if not parent_key and request.spec.cache_salt is not None:
+                token_ids[0] = request.spec.prompt[0]
+        self._events.append({"type": "BlockStored", "block_hashes": [key for key, _ in blocks],
+                             "parent_block_hash": parent_key or None, "token_ids": token_ids,
+                             "block_size": self.tokens_per_block, "lora_id": lora_id, "medium": self.medium,
+                             "lora_name": None if lora_id is None else str(lora_id)})
+
+    def removed(self, keys: list[bytes]) -> None:
+        self._events.append({"type": "BlockRemoved", "block_hashes": list(keys), "medium": self.medium})
+
+    def take(self) -> list[dict]:
+        events, self._events = self._events, []
+        return events
+
+
+class KvEventPublisher:
+    """Binds the PUB socket (and the replay ROUTER) of `config`. `publish` and `close` run on the
+    worker thread; the replay socket lives on its own thread.
+
+    NOTE: the PUB side is an XPUB socket with XPUB_NODROP, which subscribers cannot tell from a
+    PUB: a send that would exceed a subscriber's queue fails at once (EAGAIN) instead of being
+    dropped silently, so drops are counted. A message is checked whole: the high-water mark
+    counts complete messages, so its later frames cannot fail once the first went."""
+
+    def __init__(self, config: KvEventsConfig, collector: WireEventCollector, send_hwm: int = SEND_HWM):
+        self.collector = collector
+        self.num_dropped = 0          # messages a subscriber could not take (it may replay them)
+        self._topic = config.topic.encode("utf-8")
+        self._next_sequence = 0
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)   # (sequence, payload)
+        self._lock = threading.Lock()   # the buffer: appended here, read by the replay thread
+        self._context = zmq.Context()
+        self._replay_thread = None
+        try:
+            self._pub = self._bind(zmq.XPUB, config.endpoint, "endpoint", send_hwm)
+            self._pub.setsockopt(zmq.XPUB_NODROP, 1)
+            if config.replay_endpoint is not None:
+                replay = self._bind(zmq.ROUTER, config.replay_endpoint, "replay_endpoint",
+                                    config.buffer_steps + 1)
+                self._stop = threading.Event()
+                self._replay_thread = threading.Thread(target=self._serve_replay, args=(replay,),
+                                                       name="KvEventsReplay", daemon=True)
+                self._replay_thread.start()
+        except BaseException:
+            self._context.destroy(linger=0)
+            raise
+        self._send([ALL_BLOCKS_CLEARED])   # message 0: routers forget what an earlier engine held
+
+    def _bind(self, kind: int, endpoint: str, field: str, send_hwm: int | None = None) -> zmq.Socket:
+        socket = self._context.socket(kind)
+        socket.setsockopt(zmq.LINGER, 0)
+        if send_hwm is not None:
+            socket.setsockopt(zmq.SNDHWM, send_hwm)
+        try:
+            socket.bind(endpoint)
+        except zmq.ZMQError as e:
+            raise ValueError(f"kv_events_config.{field}: cannot bind {endpoint!r}: {e}") from None
+        return socket
+
+    # -- worker thread ------------------------------------------------------------------------------
+
+    def publish(self) -> None:
+        """One message with the events since the last call, if any."""
+        events = self.collector.take()
+        if events:
+            self._send(events)
+
+    def _send(self, events: list[dict]) -> None:
+        sequence, self._next_sequence = self._next_sequence, self._next_sequence + 1
+        payload = msgpack.packb([time.time(), events, 0], use_bin_type=True)
+        with self._lock:
+            self._buffer.append((sequence, payload))
+        while self._pub.poll(0, zmq.POLLIN):   # subscriptions arriving: read, or they queue up
+            self._pub.recv(zmq.NOBLOCK)
+        try:
+            self._pub.send_multipart([self._topic, sequence.to_bytes(8, "big"), payload], flags=zmq.NOBLOCK)
+        except zmq.Again:
+            self.num_dropped += 1
+
+    def close(self) -> None:
+        """Publish what is left, stop the replay thread, close the sockets. Idempotent."""
+        if self._context.closed:
+            return
+        self.publish()
+        if self._replay_thread is not None:
+            self._stop.set()
+            self._replay_thread.join()
+        self._context.destroy(linger=0)
+
+    # -- replay thread ------------------------------------------------------------------------------
+
+    def _serve_replay(self, socket: zmq.Socket) -> None:
+        """A request [identity, b"", start sequence (8 bytes, big-endian)] gets [identity, b"",
+        topic, sequence, payload] per buffered message from `start` on, then [identity, b"", b"",
+        -1 (8 signed bytes), b""].
+
+        NOTE: the topic frame is current vLLM's reply and what vllm-router 0.1.17 reads: it takes
+        the sequence from the second-last frame and drops, silently, a reply of fewer frames."""
+        try:
+            while not self._stop.is_set():
+                if not socket.poll(REPLAY_POLL_MS, zmq.POLLIN):
+                    continue
+                frames = socket.recv_multipart()
+                if len(frames) != 3 or len(frames[2]) != 8:
+                    logger.warning("KV events replay: ignored a request of %d frames (expected [identity, "
+                                   "b\"\", 8-byte start sequence])", len(frames))
+                    continue
+                identity, start = frames[0], int.from_bytes(frames[2], "big")
+                with self._lock:
+                    messages = [(s, p) for s, p in self._buffer if s >= start]
+                for sequence, payload in messages:
+                    socket.send_multipart([identity, b"", self._topic, sequence.to_bytes(8, "big"), payload])
+                socket.send_multipart([identity, b"", b"", END_OF_REPLAY, b""])
+        finally:
+            socket.close(linger=0)
+
+
+def make_publisher(config: KvEventsConfig, tokens_per_block: int, is_cuda_pool: bool,
+                   request_of: Callable[[Hashable], object]) -> KvEventPublisher:
+    """The publisher and its collector; medium "GPU" for a CUDA pool, "CPU" for a host one."""
+    collector = WireEventCollector(tokens_per_block, "GPU" if is_cuda_pool else "CPU", request_of)
+    return KvEventPublisher(config, collector)
