@@ -7,8 +7,9 @@ where its time goes.
     python -m samples.microbench.pipeline_parallel               # every part
     python -m samples.microbench.pipeline_parallel --part steps  # the step breakdown only
 
-The step part runs itself under torchrun with PP=2: each rank runs packed steps of the default
-model (a 512-token context, generation batches of 1, 8 and 64) one at a time through the
+Every part runs the random 57M LLaMA (`--random-model`: SmolLM2's 9 heads do not split over 2
+tensor-parallel ranks). The step part runs itself under torchrun with PP=2: each rank runs packed
+steps of it (a 512-token context, generation batches of 1, 8 and 64) one at a time through the
 runtime, and reports per step its wall time, the time it waited in receives (rank 1: for the
 hidden states; rank 0: for the logits, i.e. while rank 1 computes), and the bytes each stage
 sends: hidden states [tokens, hidden] forward, float32 logits [rows, vocab] back to rank 0, and
@@ -85,10 +86,10 @@ def measure_steps(reps: int) -> None:
     from runtime import Engine, ModelRunner, WorldConfig
     from runtime.parallel.tensor_parallel import init_tensor_parallel
     from runtime.parallel.pipeline import StagePlan
-    from samples.default_model import default_model_dir
+    from samples.default_model import random_model_dir
     world = WorldConfig(tensor_parallelism=1, pipeline_parallelism=2)
     tp = init_tensor_parallel(world, torch.device("cpu"))
-    engine = Engine.from_dir(default_model_dir(), shard=None, stage=StagePlan(tp.global_rank, 2))
+    engine = Engine.from_dir(random_model_dir(), shard=None, stage=StagePlan(tp.global_rank, 2))
     tpb = engine.build_config.tokens_per_block
     runner = ModelRunner(engine, 64 * -(-201 // tpb) + 8, tensor_parallel=tp, gather_logits_to_all=False)
     stage, cfg = runner.stage, engine.model_config
@@ -112,7 +113,7 @@ def measure_steps(reps: int) -> None:
     gathered = [None, None]
     dist.all_gather_object(gathered, rows, group=tp.control_group)
     if tp.global_rank == 0:
-        print(f"[PP] step breakdown, 2 stages x 1 thread, default model ({cfg.num_layers} layers: "
+        print(f"[PP] step breakdown, 2 stages x 1 thread, random 57M LLaMA ({cfg.num_layers} layers: "
               f"{runner.stage.layers.num_layers} + {cfg.num_layers - runner.stage.layers.num_layers}, the last also "
               f"the final norm and lm_head), one step at a time; median of {reps}")
         for (name, wall0, wait0, sent0, message), (_, wall1, wait1, sent1, _) in zip(*gathered):
@@ -136,7 +137,7 @@ def main() -> None:
         measure_steps(args.reps)
         return
     if args.part in ("all", "w64"):
-        run_w64(["--workload", "w64", "--num-samples", str(args.num_samples)], not args.no_hosts)
+        run_w64(["--random-model", "--workload", "w64", "--num-samples", str(args.num_samples)], not args.no_hosts)
     if args.part in ("all", "steps"):
         subprocess.run(_torchrun(["-m", "samples.microbench.pipeline_parallel", "--reps", str(args.reps)]),
                        check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})

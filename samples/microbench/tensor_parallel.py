@@ -4,8 +4,9 @@
     python -m samples.microbench.tensor_parallel              # both parts
     python -m samples.microbench.tensor_parallel --part share # the step breakdown only
 
-The share part runs itself under torchrun: on the default model each rank runs packed steps
-(a 512-token context step, generation steps of 1, 8 and 64 sequences) and rank 0 reports the wall
+Both parts run the random 57M LLaMA (`--random-model`: SmolLM2's 9 heads do not split over 2
+ranks). The share part runs itself under torchrun: each rank runs packed steps (a 512-token
+context step, generation steps of 1, 8 and 64 sequences) and rank 0 reports the wall
 time of a step, the time inside all-reduce (which includes waiting for the slower rank) and the
 time of the same all-reduces alone (a loop of them on tensors of the step's shapes), through the
 runtime's path (shared memory on one host) and through gloo.
@@ -66,9 +67,9 @@ def measure_share(reps: int) -> None:
 
     from runtime import Engine, ModelRunner, WorldConfig
     from runtime.parallel.tensor_parallel import init_tensor_parallel
-    from samples.default_model import default_model_dir
+    from samples.default_model import random_model_dir
     tp = init_tensor_parallel(WorldConfig(tensor_parallelism=None), torch.device("cpu"))
-    engine = Engine.from_dir(default_model_dir())
+    engine = Engine.from_dir(random_model_dir())
     tpb = engine.build_config.tokens_per_block
     runner = ModelRunner(engine, 64 * -(-201 // tpb) + 8, tensor_parallel=tp, gather_logits_to_all=False)
     cfg = engine.model_config
@@ -100,7 +101,7 @@ def measure_share(reps: int) -> None:
                      num_tokens * cfg.hidden_size * 4))
     if tp.rank == 0:
         mode = "shared memory" if tp.shared is not None else "gloo"
-        print(f"[TP] all-reduce share, {tp.size} ranks x {torch.get_num_threads()} thread, default model "
+        print(f"[TP] all-reduce share, {tp.size} ranks x {torch.get_num_threads()} thread, random 57M LLaMA "
               f"({cfg.num_layers} layers, hidden {cfg.hidden_size}), all-reduce through {mode}; median of {reps}")
         for name, wall, reduce, alone, gloo, n, nbytes in rows:
             print(f"[TP] {name}: step {wall * 1e3:.2f} ms, in all-reduce {reduce * 1e3:.2f} ms "
@@ -111,10 +112,10 @@ def measure_share(reps: int) -> None:
 def measure_one_process(reps: int) -> None:
     """The same steps in this process with 2 threads (the yardstick of the share part)."""
     from runtime import Engine, ModelRunner
-    from samples.default_model import default_model_dir
+    from samples.default_model import random_model_dir
     from samples.microbench.runtime import time_step
     torch.set_num_threads(2)
-    engine = Engine.from_dir(default_model_dir())
+    engine = Engine.from_dir(random_model_dir())
     tpb = engine.build_config.tokens_per_block
     runner = ModelRunner(engine, 64 * -(-201 // tpb) + 8)
     print("[TP] 1 process x 2 threads, the same steps; median of", reps)
@@ -133,7 +134,7 @@ def main() -> None:
         measure_share(args.reps)
         return
     if args.part in ("both", "w64"):
-        run_w64(["--num-samples", str(args.num_samples)])
+        run_w64(["--random-model", "--num-samples", str(args.num_samples)])
     if args.part in ("both", "share"):
         # NOTE: in a child process, so this one's OpenMP pool does not sit beside the ranks' threads.
         subprocess.run([sys.executable, "-c", "from samples.microbench.tensor_parallel import measure_one_process; "
