@@ -120,21 +120,23 @@ def _produce(client: ChaosClient, seed: int, num_requests: int) -> None:
             time.sleep(rng.expovariate(1000.0))   # bursts and gaps of ~1 ms
 
 
-def build_round_manager(engine_dir: str, config: RoundConfig, callbacks: tuple) -> GptManager:
-    """The manager of one round. Under tensor parallelism every rank builds it; ranks > 0 pass
-    (None, None, None, None) as the callbacks."""
+def build_round_manager(engine_dir: str, config: RoundConfig, callbacks: tuple, world_config=None) -> GptManager:
+    """The manager of one round. Under tensor (or pipeline) parallelism every rank builds it;
+    ranks > 0 pass (None, None, None, None) as the callbacks. world_config: a runtime.WorldConfig
+    (default: the launcher's world as tensor parallelism)."""
     params = TrtGptModelOptionalParams(
         kv_cache_config=KvCacheConfig(max_tokens=POOL_TOKENS, enable_block_reuse=config.enable_block_reuse),
         enable_chunked_context=config.enable_chunked_context, enable_trt_overlap=config.enable_trt_overlap,
-        max_num_tokens=64 if config.enable_chunked_context else None, peft_cache_manager_config=PEFT_CACHE)
+        max_num_tokens=64 if config.enable_chunked_context else None, peft_cache_manager_config=PEFT_CACHE,
+        world_config=world_config)
     return GptManager(engine_dir, TrtGptModelType[config.model_type], MAX_BEAM_WIDTH, SchedulerPolicy[config.policy],
                       *callbacks, params)
 
 
-def follow_round(engine_dir: str, config: RoundConfig) -> str | None:
-    """A rank > 0 of a tensor-parallel soak: the round's manager, until rank 0 ends the run; -> its
-    fatal error (None when the run ended cleanly)."""
-    manager = build_round_manager(engine_dir, config, (None, None, None, None))
+def follow_round(engine_dir: str, config: RoundConfig, world_config=None) -> str | None:
+    """A rank > 0 of a tensor- or pipeline-parallel soak: the round's manager, until rank 0 ends the
+    run; -> its fatal error (None when the run ended cleanly)."""
+    manager = build_round_manager(engine_dir, config, (None, None, None, None), world_config)
     manager.shutdown()
     return manager.fatal_error
 
@@ -147,12 +149,12 @@ def use_soak_adapters(engine_dir: str) -> None:
 
 
 def run_round(engine_dir: str, config: RoundConfig, num_requests: int, num_producers: int, seed: int,
-              session: GptSession) -> dict:
+              session: GptSession, world_config=None) -> dict:
     threads_before = threading.active_count()
     client = ChaosClient(seed)
     start = time.monotonic()
     manager = build_round_manager(engine_dir, config, (client.get, client.send, client.poll_stop,
-                                                        client.report_stats))
+                                                        client.report_stats), world_config)
     client.kv = manager.kv_cache_manager   # checked after each round
     manager.model_executor.fault_injector = client.fault_injector
     shares = [num_requests // num_producers + (i < num_requests % num_producers) for i in range(num_producers)]

@@ -291,19 +291,19 @@ def test_executor_takes_requests_on_rank_zero(pool, engine, pipeline_parallelism
 
 # -- a chaos soak round -------------------------------------------------------------------------------
 
-def soak_round(engine_dir: str, config, num_requests: int, seed: int) -> list[str] | str | None:
+def soak_round(engine_dir: str, config, num_requests: int, seed: int, world_config=None) -> list[str] | str | None:
     """samples.chaos_soak's round over 2 ranks: rank 0 serves it (random valid and bad requests,
     stop signals, raising callbacks, injected step faults, LoRA; KV invariants, one final answer
     each, greedy samples equal a solo GptSession) -> its violations; the follower -> its fatal error."""
     from runtime import Engine, GptSession
     from samples.chaos_soak import soak
     if int(os.environ["RANK"]) != 0:
-        return soak.follow_round(engine_dir, config)
+        return soak.follow_round(engine_dir, config, world_config)
     soak.use_soak_adapters(engine_dir)
     engine = Engine.from_dir(engine_dir)
     session = GptSession(GptSession.Config(1, 1, soak.BUILD["max_seq_len"]), engine.model_config, WorldConfig(),
                          engine)
-    report = soak.run_round(engine_dir, config, num_requests, 4, seed, session)
+    report = soak.run_round(engine_dir, config, num_requests, 4, seed, session, world_config)
     assert report["served"] and report["greedy_checked"], report   # it did serve and check
     return soak.violations(report)
 
@@ -321,6 +321,16 @@ def test_chaos_soak_round(pool, soak_engine, round_index):
     from samples.chaos_soak import soak
     config = soak.round_configs()[round_index]
     leader_violations, follower_error = pool.run(soak_round, soak_engine, config, 60, round_index)
+    assert leader_violations == [] and follower_error is None
+
+
+@pytest.mark.parametrize("round_index", [0, 6])
+def test_chaos_soak_round_over_two_pipeline_stages(pool, soak_engine, round_index):
+    """The same rounds with micro-batches in flight between two stages."""
+    from samples.chaos_soak import soak
+    config = soak.round_configs()[round_index]
+    leader_violations, follower_error = pool.run(soak_round, soak_engine, config, 60, round_index,
+                                                 WORLDS["pp2"]["world_config"])
     assert leader_violations == [] and follower_error is None
 
 
