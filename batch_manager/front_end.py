@@ -61,7 +61,11 @@ class FrontEnd(Protocol):
         anything is sent: the worker then fails the request."""
 
     def respond_error(self, request_id: Any, message: str) -> None:
-        """A final error response."""
+        """A final error response: the request ends (what the front end keeps of it goes)."""
+
+    def refuse(self, request_id: Any, message: str) -> None:
+        """The final error response of a request that was never admitted (bad input, a duplicate
+        id, a failed or terminated run): an active request with the same id is untouched."""
 
     def report_stats(self, stats: IterationStats, scheduled_ids: frozenset[int], scheduler,
                      finished: list[LlmRequest]) -> None:
@@ -106,7 +110,7 @@ class CallbackFrontEnd:
             elif self._is_terminate(item):
                 for later in items[i + 1:]:
                     if isinstance(later, InferenceRequest):
-                        self.respond_error(later.request_id, TERMINATED)
+                        self.refuse(later.request_id, TERMINATED)
                 return Fetched(requests, len(items), terminate=True)
             else:
                 requests.append(item)
@@ -132,6 +136,11 @@ class CallbackFrontEnd:
 
     def respond_error(self, request_id: Any, message: str) -> None:
         self._streams.forget(request_id)
+        self.callbacks.send_response(request_id, [], True, message)
+
+    def refuse(self, request_id: Any, message: str) -> None:
+        # NOTE: no cursor is forgotten: a duplicate of a streaming request's id once reset that
+        # request's cursor, and its next response repeated the tokens already streamed.
         self.callbacks.send_response(request_id, [], True, message)
 
     def report_stats(self, stats: IterationStats, scheduled_ids: frozenset[int], scheduler,

@@ -189,7 +189,7 @@ class Worker:
         while not self._stop_requested.is_set() or self.front_end.num_pending:
             fetched = self.front_end.fetch(self.config.max_num_sequences)
             for item in fetched.requests:
-                self.front_end.respond_error(item.request_id, f"{self.fatal_error} (see the log)")
+                self.front_end.refuse(item.request_id, f"{self.fatal_error} (see the log)")
             if not fetched.num_items:
                 self._stop_requested.wait(IDLE_SLEEP_S)
 
@@ -215,7 +215,7 @@ class Worker:
                     raise RequestError(f"request_id: {request_id} already exists among the active requests")
                 spec = self.front_end.admit(request)
             except Exception as e:  # noqa: BLE001 - any bad input becomes that request's error
-                self.front_end.respond_error(request_id, f"Cannot process new request: {e}")
+                self.front_end.refuse(request_id, f"Cannot process new request: {e}")
                 continue
             self.scheduler.add(LlmRequest(request_id, spec, self._num_admitted))
             self._num_admitted += 1
@@ -278,7 +278,7 @@ class Worker:
         for request_id in self.scheduler.abandon_all():   # whatever could not be released
             self.front_end.respond_error(request_id, message)
         while self._queued:
-            self.front_end.respond_error(self._queued.popleft().request_id, message)
+            self.front_end.refuse(self._queued.popleft().request_id, message)
 
     def _send_stats(self, step: ScheduledStep, num_paused: int) -> None:
         finished, self._finished = self._finished, []

@@ -215,6 +215,9 @@ class ExecutorFrontEnd:
                 result.finish_reasons = [FinishReason.TIMED_OUT if reason == FinishReason.CANCELLED else reason
                                          for reason in result.finish_reasons]
 
+    def refuse(self, request_id: int, message: str) -> None:
+        self.respond_error(request_id, message)   # the executor's ids are its own: never a duplicate
+
     def respond_error(self, request_id: int, message: str) -> None:
         self.pending_context.remove(request_id)
         self.deadlines.forget(request_id)

@@ -164,6 +164,22 @@ def test_duplicate_active_id_is_rejected_and_ids_are_reusable(tiny_engine, promp
         assert manager.get_num_active_requests() == 0
 
 
+def test_a_duplicate_of_a_streaming_id_leaves_its_stream_alone(tiny_engine, prompts, references):
+    """The duplicate's refusal once reset the original's stream cursor: its next response repeated
+    every token already streamed (found by the chaos soak)."""
+    engine_dir, _ = tiny_engine
+    client = Client([make_request(7, prompts[0], streaming=True), make_request(7, prompts[1])], [0, 5])
+    with GptManager(engine_dir, TrtGptModelType.InflightFusedBatching, 1, SchedulerPolicy.GUARANTEED_NO_EVICT,
+                    *client.callbacks()):
+        assert wait_until(lambda: any(final and not error for _, final, error in client.responses.get(7, [])))
+    refusals = [error for _, _, error in client.responses[7] if error]
+    assert len(refusals) == 1 and "already exists" in refusals[0]
+    streamed = [t for tensors, _, error in client.responses[7] if not error
+                for t in tensors[tensor_names.OUTPUT_IDS][0, 0].tolist()]
+    assert len([r for r in client.responses[7] if not r[2]]) > 2   # the duplicate came mid-stream
+    assert streamed == references[0][len(prompts[0]):]
+
+
 def test_raising_callbacks_are_contained(tiny_engine, prompts, references):
     engine_dir, _ = tiny_engine
     client = Client([make_request(i, prompts[i]) for i in range(4)], [0, 3, 6, 9])
