@@ -1,3 +1,3 @@
-from samples.serve.server import main
+from samples.serve.launch import main
 
 main()

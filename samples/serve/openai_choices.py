@@ -16,7 +16,8 @@ from batch_manager.executor import QueueFullError
 from samples.serve.bridge import SHUTTING_DOWN, ResponseEvent
 from samples.serve.detokenizer import TextDelta, TextStream
 from samples.serve.metrics import LatencyMetrics, RequestTimer
-from samples.serve.openai_protocol import CompletionSpec, ModelInfo, OpenAIError, engine_field_to_openai
+from samples.serve.openai_basics import ModelInfo, OpenAIError
+from samples.serve.openai_protocol import CompletionSpec, engine_field_to_openai
 from samples.serve.params import name_body_field, parse_generate_body
 from samples.serve.tool_call_parser import ToolCallDelta, ToolCallParser
 

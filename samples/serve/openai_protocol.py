@@ -14,25 +14,17 @@ is bounded by characters before it is tokenized (`ModelInfo.max_text_chars`); ca
 `parse_request` off the event loop (it tokenizes)."""
 from __future__ import annotations
 
-import functools
-import math
 import secrets
 from dataclasses import dataclass
 
-from samples.serve.token_bytes import TokenBytes
-from samples.serve.tool_calls import (ToolCallFormat, ToolChoice, ToolError, parse_tool_choice,
-                                      tool_conversation, tool_grammar)
-from samples.serve.value_repr import short_repr, some_sorted
+from samples.serve.openai_basics import ModelInfo, OpenAIError, bad, check_num_chars, text_field
+from samples.serve.openai_chat import parse_messages, parse_tools, render_chat
+from samples.serve.tool_calls import ToolChoice, tool_grammar
+from samples.serve.value_repr import short_repr
 
-TYPE_OF_STATUS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                  413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16   # OpenAI's; chat's default is what the context has left
 MAX_CHOICES = 128                     # n times the number of prompts
 MAX_STOP_STRINGS = 16
-# NOTE: a generous bound on the characters of one token: text longer than the context times this
-# cannot fit the context whatever the tokenizer, so it is refused before tokenizing (which would
-# hold the GIL for the id list) rather than after; natural text averages ~4 characters a token.
-MAX_CHARS_PER_TOKEN = 64
 MAX_ID_DIGITS = 20                    # a logit_bias key longer than any uint64 is no token id
 
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream", "stream_options",
@@ -41,59 +33,11 @@ COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", 
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
                                "tool_choice", "functions", "function_call", "parallel_tool_calls"}
-CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 # What vllm-router adds to each request it forwards (vLLM's and SGLang's extensions), accepted with
 # the value it sends, which is this server's behaviour; another value is refused by name.
 ROUTER_DEFAULTS = {"no_stop_trim": False, "skip_special_tokens": True, "return_hidden_states": False}
 ROUTER_CHAT_DEFAULTS = {**ROUTER_DEFAULTS, "continue_final_message": False}
 REASONING_FIELDS = {"separate_reasoning", "stream_reasoning", "include_reasoning"}   # no reasoning parser: any bool
-
-
-class OpenAIError(Exception):
-    """An HTTP error in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 retry_after_s: float | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.retry_after_s = retry_after_s   # a refusal for load (429): when to try again
-
-    @property
-    def headers(self) -> dict[str, str]:
-        """Retry-After (whole seconds, at least 1) on a 429."""
-        if self.status != 429:
-            return {}
-        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s or 1)))}
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": TYPE_OF_STATUS.get(self.status, "server_error"),
-                          "param": self.param, "code": self.code}}
-
-
-def bad(field: str, problem: str) -> OpenAIError:
-    return OpenAIError(400, f"{field}: {problem}", field)
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What the handlers need to know of the served model and its tokenizer."""
-    name: str                  # the `model` clients must send
-    tokenizer: object          # a transformers tokenizer
-    vocab_size: int            # the engine's (logit_bias ids are checked against it)
-    max_seq_len: int           # prompt + generated tokens, the engine's limit
-    end_id: int | None         # the first end id (generation config, else the tokenizer's), inside the vocabulary
-    other_end_ids: tuple[int, ...] = ()   # the generation config's other end ids (stop words of one token)
-    can_guide: bool = False    # the engine has a grammar compiler (tools need it)
-    tool_format: ToolCallFormat = ToolCallFormat("generic", False, False)   # from the chat template
-
-    @functools.cached_property
-    def token_bytes(self) -> TokenBytes:
-        return TokenBytes(self.tokenizer)
-
-    @property
-    def max_text_chars(self) -> int:
-        """The most characters a prompt (or a rendered conversation) may have before tokenizing."""
-        return self.max_seq_len * MAX_CHARS_PER_TOKEN
 
 
 @dataclass(frozen=True)
@@ -150,16 +94,6 @@ def _boolean(field: str, value) -> bool:
     return value
 
 
-def _text(field: str, value) -> str:
-    if not isinstance(value, str):
-        raise bad(field, f"expected a string, got {short_repr(value)}")
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as e:   # a lone surrogate ("\ud800" in the JSON)
-        raise bad(field, f"not valid Unicode text ({e.reason} at index {e.start})") from None
-    return value
-
-
 def _stop(value) -> tuple[str, ...]:
     if value is None:
         return ()
@@ -167,7 +101,7 @@ def _stop(value) -> tuple[str, ...]:
     if not isinstance(stops, list) or len(stops) > MAX_STOP_STRINGS:
         raise bad("stop", f"expected a string or a list of at most {MAX_STOP_STRINGS} strings, got {short_repr(value)}")
     for i, stop in enumerate(stops):
-        if not _text(f"stop[{i}]" if isinstance(value, list) else "stop", stop):
+        if not text_field(f"stop[{i}]" if isinstance(value, list) else "stop", stop):
             raise bad(f"stop[{i}]" if isinstance(value, list) else "stop", "empty string")
     return tuple(stops)
 
@@ -258,18 +192,12 @@ def _max_tokens(body: dict, is_chat: bool, prompts: list[list[int]], info: Model
     return (room,)
 
 
-def _check_num_chars(field: str, what: str, num_chars: int, info: ModelInfo) -> None:
-    if num_chars > info.max_text_chars:
-        raise bad(field, f"{num_chars} characters{what}, more than this server's limit of {info.max_text_chars} "
-                         f"({MAX_CHARS_PER_TOKEN} per token of the model's context of {info.max_seq_len} tokens)")
-
-
 def _prompts(value, info: ModelInfo) -> list[list[int]]:
     """prompt: a string, a list of strings, a list of token ids, or a list of such lists."""
     def encode(field: str, text) -> list[int]:
         if isinstance(text, str):
-            _check_num_chars(field, "", len(text), info)
-        ids = list(info.tokenizer.encode(_text(field, text), add_special_tokens=True))
+            check_num_chars(field, "", len(text), info)
+        ids = list(info.tokenizer.encode(text_field(field, text), add_special_tokens=True))
         if not ids:
             raise bad(field, "the text has no tokens")
         return ids
@@ -294,91 +222,6 @@ def _prompts(value, info: ModelInfo) -> list[list[int]]:
     return [token_ids("prompt", value)]
 
 
-def _messages(value) -> list[dict]:
-    """Chat messages with text content -> the conversation the chat template renders. Assistant
-    messages may carry `tool_calls` (content then may be null); `tool` messages a tool_call_id."""
-    if not isinstance(value, list) or not value:
-        raise bad("messages", f"expected a non-empty list of messages, got {short_repr(value)}")
-    conversation = []
-    for i, message in enumerate(value):
-        field = f"messages[{i}]"
-        if not isinstance(message, dict):
-            raise bad(field, f"expected an object with role and content, got {short_repr(message)}")
-        role = message.get("role")
-        if not isinstance(role, str) or role not in CHAT_ROLES:   # a list is unhashable
-            raise bad(f"{field}.role", f"expected one of {sorted(CHAT_ROLES)}, got {short_repr(role, 40)}")
-        allowed = {"role", "content", "name"} | {"assistant": {"tool_calls"}, "tool": {"tool_call_id"}}.get(role, set())
-        unknown = set(message) - allowed
-        if unknown:
-            raise bad(field, f"unsupported keys {short_repr(some_sorted(unknown), 120)} (a {role} message has "
-                             f"{', '.join(sorted(allowed))})")
-        out = {"role": role}
-        calls = message.get("tool_calls")
-        if calls is not None:
-            out["tool_calls"] = _tool_calls(f"{field}.tool_calls", calls)
-        content = message.get("content")
-        out["content"] = "" if content is None and calls else _content(f"{field}.content", content)
-        if "name" in message:
-            out["name"] = _text(f"{field}.name", message["name"])
-        if role == "tool":
-            out["tool_call_id"] = _text(f"{field}.tool_call_id", message.get("tool_call_id"))
-        conversation.append(out)
-    return conversation
-
-
-def _content(field: str, content) -> str:
-    """A string, or text parts (joined)."""
-    if isinstance(content, list):
-        texts = []
-        for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or set(part) != {"type", "text"}:
-                raise bad(f"{field}[{j}]", f"only {{\"type\": \"text\", \"text\": ...}} parts are supported, "
-                                          f"got {short_repr(part)}")
-            texts.append(_text(f"{field}[{j}].text", part["text"]))
-        return "".join(texts)
-    return _text(field, content)
-
-
-def _tool_calls(field: str, calls) -> list[dict]:
-    """An assistant's earlier calls: [{"id", "type": "function", "function": {"name", "arguments"}}]."""
-    if not isinstance(calls, list) or not calls:
-        raise bad(field, f"expected a non-empty list of tool calls, got {short_repr(calls)}")
-    out = []
-    for j, call in enumerate(calls):
-        function = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(function, dict) or call.get("type", "function") != "function":
-            raise bad(f"{field}[{j}]", f"expected {{\"id\", \"type\": \"function\", \"function\": {{\"name\", "
-                                       f"\"arguments\"}}}}, got {short_repr(call)}")
-        out.append({"id": _text(f"{field}[{j}].id", call.get("id", "")), "type": "function",
-                    "function": {"name": _text(f"{field}[{j}].function.name", function.get("name")),
-                                 "arguments": _text(f"{field}[{j}].function.arguments",
-                                                    function.get("arguments", "{}"))}})
-    return out
-
-
-def render_chat(conversation: list[dict], info: ModelInfo, tools: ToolChoice | None = None) -> list[int]:
-    """The tokenizer's own chat template (tokenizer_config.json's chat_template), rendered with the
-    assistant's generation prompt; its text is tokenized without adding special tokens (the
-    template writes them). Tools, earlier calls and tool results go in as `tool_calls.tool_conversation`
-    says. Contents and names, then the rendered text, are bounded by info.max_text_chars first."""
-    tokenizer = info.tokenizer
-    if not getattr(tokenizer, "chat_template", None):
-        raise bad("messages", "the tokenizer has no chat template (tokenizer_config.json: chat_template)")
-    num_chars = sum(len(m["content"]) + len(m.get("name", "")) + sum(
-        len(c["function"]["arguments"]) + len(c["function"]["name"]) for c in m.get("tool_calls", ()))
-        for m in conversation)
-    _check_num_chars("messages", " of content and names", num_chars, info)
-    fmt = info.tool_format
-    messages = tool_conversation(conversation, tools, fmt)
-    extra = {"tools": [f.openai() for f in tools.functions]} if tools is not None and fmt.renders_tools else {}
-    try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
-    except Exception as e:   # the template's own raise_exception (roles must alternate, ...) or a Jinja error
-        raise bad("messages", f"the chat template refused the conversation: {e}") from None
-    _check_num_chars("messages", " in the rendered conversation", len(text), info)
-    return list(tokenizer.encode(text, add_special_tokens=False))
-
-
 def _router_fields(body: dict, is_chat: bool) -> None:
     for field, only in (ROUTER_CHAT_DEFAULTS if is_chat else ROUTER_DEFAULTS).items():
         if field in body and _boolean(field, body[field]) != only:
@@ -397,14 +240,14 @@ def parse_request(body, is_chat: bool, info: ModelInfo) -> CompletionSpec:
     if unknown:
         raise bad(min(unknown), f"unknown field; accepted: {sorted(accepted)}")
     _router_fields(body, is_chat)
-    model = _text("model", body.get("model"))
+    model = text_field("model", body.get("model"))
     if model != info.name:
         raise OpenAIError(404, f"model: {short_repr(model)} is not served here; this server serves {info.name!r}",
                           "model", "model_not_found")
     n = _integer("n", body.get("n", 1), 1, MAX_CHOICES)
     _refuse_unsupported(body, n)
     if body.get("user") is not None:
-        _text("user", body["user"])
+        text_field("user", body["user"])
     stream = _boolean("stream", body.get("stream", False))
     options = body.get("stream_options")
     if options is not None:
@@ -413,10 +256,10 @@ def parse_request(body, is_chat: bool, info: ModelInfo) -> CompletionSpec:
         if not isinstance(options, dict) or set(options) - {"include_usage"}:
             raise bad("stream_options", f"expected {{\"include_usage\": bool}}, got {short_repr(options)}")
     include_usage = _boolean("stream_options.include_usage", (options or {}).get("include_usage", False))
-    tools = _tools(body, info) if is_chat else None
+    tools = parse_tools(body, info) if is_chat else None
     echo = not is_chat and _boolean("echo", body.get("echo", False))
     if is_chat:
-        prompts = [render_chat(_messages(body.get("messages")), info, tools)]
+        prompts = [render_chat(parse_messages(body.get("messages")), info, tools)]
     else:
         if "prompt" not in body:
             raise bad("prompt", "required")
@@ -436,17 +279,6 @@ def parse_request(body, is_chat: bool, info: ModelInfo) -> CompletionSpec:
 
 def _echo_texts(prompts: list[list[int]], info: ModelInfo) -> tuple[str, ...]:
     return tuple(info.tokenizer.decode(p, skip_special_tokens=True) for p in prompts)
-
-
-def _tools(body: dict, info: ModelInfo) -> ToolChoice | None:
-    try:
-        tools = parse_tool_choice(body)
-    except ToolError as e:
-        raise bad(e.field, e.problem) from None
-    if tools is not None and tools.parses_calls and not info.can_guide:
-        raise bad("tools", "tool calls need the grammar engine, which this server runs without (the tokenizer has "
-                           "no tokenizer.json, or one the grammar engine cannot use: see the server's log)")
-    return tools
 
 
 def engine_field_to_openai(message: str, is_chat: bool) -> tuple[str, str]:

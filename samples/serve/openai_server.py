@@ -15,7 +15,8 @@ import orjson
 from aiohttp import web
 
 from samples.serve.openai_choices import ChoiceRun, ChoiceUpdate, TokenLogProb
-from samples.serve.openai_protocol import ModelInfo, OpenAIError, bad, parse_request
+from samples.serve.openai_basics import ModelInfo, OpenAIError, bad
+from samples.serve.openai_protocol import parse_request
 
 OWNED_BY = "batch_manager"
 

@@ -10,7 +10,8 @@ import uuid
 
 from aiohttp import web
 
-from samples.serve.openai_protocol import ModelInfo, bad, parse_request
+from samples.serve.openai_basics import ModelInfo, bad
+from samples.serve.openai_protocol import parse_request
 from samples.serve.openai_server import CONTEXT, json_response, read_json
 
 LOAD_SOURCE = web.AppKey("load_source", object)   # the bridge (ManagerBridge or ExecutorBridge)

@@ -70,7 +70,7 @@ class ServerThread:
                  **app_options):
         """app_options: create_app's (model_info for the OpenAI endpoints, api_key, max_body_bytes);
         guided_decoding_config: the engine's (tools); the load bounds as the server's flags; bridge:
-        one made elsewhere (samples.serve.server.make_bridge), instead of the arguments above."""
+        one made elsewhere (samples.serve.launch.make_bridge), instead of the arguments above."""
         from samples.serve.server import start_server
         from samples.serve.bridge import ManagerBridge
         from samples.serve.metrics import TritonMetrics
@@ -109,7 +109,7 @@ class ServerThread:
 @pytest.fixture(scope="module", params=["gpt_manager", "executor"])
 def server(tiny_model_dirs, tokenizer_dir, request):
     """The server over each front-end: GptManager's callbacks, the Executor's queues."""
-    from samples.serve.server import load_tokenizer
+    from samples.serve.launch import load_tokenizer
     s = ServerThread(tiny_model_dirs[1], load_tokenizer(tokenizer_dir), api=request.param)
     yield s
     s.stop()

@@ -18,7 +18,7 @@ MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "conten
 
 def start_server(scripted, api: str, max_body_bytes: int = MAX_BODY_BYTES) -> ServerThread:
     """The app with its OpenAI routes over the scripted engine, the API key set, a small body limit."""
-    from samples.serve.server import model_info
+    from samples.serve.launch import model_info
     tokenizer, _, engine_dir = scripted
     return ServerThread(engine_dir, tokenizer, api=api, model_info=model_info(engine_dir, tokenizer, MODEL),
                         api_key=API_KEY, max_body_bytes=max_body_bytes)

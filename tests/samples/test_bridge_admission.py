@@ -7,7 +7,7 @@ import pytest
 
 from batch_manager.executor import QueueFullError
 from samples.serve.load_admission import BridgeAdmission
-from samples.serve.server import parse_args
+from samples.serve.launch import parse_args
 
 
 def measured(admission: BridgeAdmission, tokens_per_step: int, step_s: float, num_steps: int = 3) -> None:

@@ -26,7 +26,7 @@ def bpe(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def word_level(tokenizer_dir):
-    from samples.serve.server import load_tokenizer
+    from samples.serve.launch import load_tokenizer
     return load_tokenizer(tokenizer_dir)
 
 

@@ -12,7 +12,8 @@ import pytest
 from batch_manager.executor import QueueFullError
 from samples.serve.bridge import SHUTTING_DOWN, VALIDATION_ERROR_PREFIX, ResponseEvent
 from samples.serve.openai_choices import ChoiceRun
-from samples.serve.openai_protocol import ModelInfo, OpenAIError, parse_request
+from samples.serve.openai_basics import ModelInfo, OpenAIError
+from samples.serve.openai_protocol import parse_request
 from tests.samples.scripted_model import VOCAB_SIZE, write_tokenizer
 
 

@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from samples.serve.openai_protocol import MAX_CHARS_PER_TOKEN, ModelInfo, OpenAIError, parse_request
+from samples.serve.openai_basics import MAX_CHARS_PER_TOKEN, ModelInfo, OpenAIError
+from samples.serve.openai_protocol import parse_request
 from samples.serve.params import parse_generate_body
 from samples.serve.value_repr import short_repr, some_sorted
 from tests.samples.scripted_model import VOCAB_SIZE, write_tokenizer

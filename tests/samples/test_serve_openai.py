@@ -294,7 +294,7 @@ def test_generate_streams_whole_characters_too(server):
     ("k", "127.0.0.1", "127.0.0.1", "API key set"),
 ])
 def test_host_follows_the_api_key(api_key, host, bound, words):
-    from samples.serve.server import parse_args, resolve_host
+    from samples.serve.launch import parse_args, resolve_host
     argv = (["--host", host] if host else []) + (["--api-key", api_key] if api_key else [])
     args = parse_args(argv)
     args.api_key = api_key   # not from the environment

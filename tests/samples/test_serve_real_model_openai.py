@@ -53,7 +53,7 @@ def model_dir(tmp_path_factory):
 def server(model_dir, request):
     """The server as `python -m samples.serve` makes it (its flags, make_bridge), on a free port."""
     from samples.serve.generation_config import end_ids, guided_decoding_config
-    from samples.serve.server import load_tokenizer, make_bridge, model_info, parse_args
+    from samples.serve.launch import load_tokenizer, make_bridge, model_info, parse_args
     tokenizer = load_tokenizer(model_dir)
     info = model_info(model_dir, tokenizer, MODEL, True, model_dir)
     guided = guided_decoding_config(model_dir, end_ids([model_dir], tokenizer, info.vocab_size), info.vocab_size)
@@ -135,7 +135,7 @@ def test_auto_answers_in_text_or_a_valid_call_and_none_in_text(server):
 
 
 def test_earlier_calls_and_tool_results_go_back_through_the_template(server):
-    from samples.serve.openai_protocol import _messages, render_chat
+    from samples.serve.openai_chat import parse_messages as _messages, render_chat
     arguments = '{"city": "Paris", "days": 3}'
     messages = ASK + [{"role": "assistant", "content": None, "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}]},

@@ -14,7 +14,7 @@ import time
 import aiohttp
 import pytest
 
-from samples.serve.openai_protocol import MAX_CHARS_PER_TOKEN
+from samples.serve.openai_basics import MAX_CHARS_PER_TOKEN
 from samples.serve.server import DEFAULT_MAX_BODY_BYTES
 from tests.samples.conftest import run
 from tests.samples.openai_client import API_KEY, MODEL, raw_post, start_server

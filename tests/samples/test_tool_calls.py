@@ -154,7 +154,8 @@ def test_a_hermes_template_renders_tools_and_tool_messages_itself(tmp_path):
 
     import transformers
 
-    from samples.serve.openai_protocol import ModelInfo, _messages, render_chat
+    from samples.serve.openai_basics import ModelInfo
+    from samples.serve.openai_chat import parse_messages as _messages, render_chat
     write_tokenizer(str(tmp_path))
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path), local_files_only=True)
     tokenizer.chat_template = HERMES_TEMPLATE
