@@ -84,17 +84,21 @@ def _scalar(tensors: dict, name: str, kind: str, default=None):
     return bool(t.item())
 
 
+def _token_ids(name: str, value, shapes: str) -> list[int]:
+    """An integer tensor [n] or [1, n] -> its ids as Python ints (also for unsigned dtypes, which
+    have no min/max kernels); `shapes` words the accepted shapes in the error."""
+    t = _tensor(name, value)
+    if t.dtype not in INT_DTYPES:
+        raise RequestError(f"{name}: expected int32, got {t.dtype}")
+    if t.dim() != 1 and not (t.dim() == 2 and t.shape[0] == 1):
+        raise RequestError(f"{name}: expected shape {shapes}, got {list(t.shape)}")
+    return t.reshape(-1).tolist()
+
+
 def _input_ids(tensors: dict, limits: AdmissionLimits, num_virtual_tokens: int = 0) -> list[int]:
     if tn.INPUT_IDS not in tensors:
         raise RequestError(f"{tn.INPUT_IDS}: missing (required)")
-    t = _tensor(tn.INPUT_IDS, tensors[tn.INPUT_IDS])
-    if t.dtype not in INT_DTYPES:
-        raise RequestError(f"{tn.INPUT_IDS}: expected int32, got {t.dtype}")
-    if t.dim() == 2 and t.shape[0] == 1:
-        t = t[0]
-    if t.dim() != 1:
-        raise RequestError(f"{tn.INPUT_IDS}: expected shape [L] or [1, L], got {list(t.shape)}")
-    prompt = t.tolist()  # Python ints: also for unsigned dtypes, which have no min/max kernels
+    prompt = _token_ids(tn.INPUT_IDS, tensors[tn.INPUT_IDS], "[L] or [1, L]")
     check_prompt(prompt, limits, tn.INPUT_IDS, num_virtual_tokens)
     return prompt
 
@@ -262,13 +266,7 @@ def _drafts(tensors: dict, limits: AdmissionLimits) -> tuple[list[int], torch.Te
         if tn.DRAFT_LOGITS in tensors:
             raise RequestError(f"{tn.DRAFT_LOGITS}: given without {tn.DRAFT_INPUT_IDS}")
         return [], None
-    t = _tensor(tn.DRAFT_INPUT_IDS, tensors[tn.DRAFT_INPUT_IDS])
-    if t.dtype not in INT_DTYPES:
-        raise RequestError(f"{tn.DRAFT_INPUT_IDS}: expected int32, got {t.dtype}")
-    if t.dim() == 2 and t.shape[0] == 1:
-        t = t[0]
-    if t.dim() != 1:
-        raise RequestError(f"{tn.DRAFT_INPUT_IDS}: expected shape [1, D] or [D], got {list(tensors[tn.DRAFT_INPUT_IDS].shape)}")
+    drafts = _token_ids(tn.DRAFT_INPUT_IDS, tensors[tn.DRAFT_INPUT_IDS], "[1, D] or [D]")
     draft_logits = None
     if tn.DRAFT_LOGITS in tensors:
         draft_logits = _tensor(tn.DRAFT_LOGITS, tensors[tn.DRAFT_LOGITS])
@@ -276,7 +274,7 @@ def _drafts(tensors: dict, limits: AdmissionLimits) -> tuple[list[int], torch.Te
             raise RequestError(f"{tn.DRAFT_LOGITS}: expected a float32 tensor, got {draft_logits.dtype}")
         if draft_logits.dim() == 3 and draft_logits.shape[0] == 1:
             draft_logits = draft_logits[0]
-    return check_drafts(t.tolist(), draft_logits, limits, tn.DRAFT_INPUT_IDS, tn.DRAFT_LOGITS)
+    return check_drafts(drafts, draft_logits, limits, tn.DRAFT_INPUT_IDS, tn.DRAFT_LOGITS)
 
 
 def check_drafts(drafts: list[int], draft_logits: torch.Tensor | None, limits: AdmissionLimits, name: str,
