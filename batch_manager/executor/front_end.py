@@ -230,9 +230,17 @@ class ExecutorFrontEnd:
     def report_stats(self, stats: CoreIterationStats, scheduled_ids: frozenset[int], scheduler,
                      finished: list[LlmRequest]) -> None:
         self.throughput.observe(stats.num_context_tokens, time.monotonic() - self._step_start_s)
-        for r in scheduler.active_requests():   # the context still to compute of those without a first token
-            if not r.generated and not r.is_finished:
-                self.pending_context.update(r.request_id, max(r.prompt_len - r.num_computed_tokens, 0))
+        # The context still to compute of the admitted requests without a first token: only those
+        # (none in a steady generation phase), not every active request each step; one with its
+        # first token leaves (a non-streamed one answers only at its end).
+        for request_id in self.pending_context.request_ids():
+            r = scheduler.get(request_id)
+            if r is None:   # still queued
+                continue
+            if r.generated or r.is_finished:
+                self.pending_context.remove(request_id)
+            else:
+                self.pending_context.update(request_id, max(r.prompt_len - r.num_computed_tokens, 0))
         iteration = IterationStats(stats, self._is_static_batching) if self.stats.keeps_iterations else None
         per_request = None
         if self.stats.keeps_requests:

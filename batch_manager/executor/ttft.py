@@ -73,6 +73,10 @@ class PendingContext:
         with self._lock:
             self._pending[request_id] = _Pending(num_tokens, priority, False)
 
+    def request_ids(self) -> list[int]:
+        with self._lock:
+            return list(self._pending)
+
     def update(self, request_id: int, num_tokens: int) -> None:
         """A running request: `num_tokens` of its context left."""
         with self._lock:

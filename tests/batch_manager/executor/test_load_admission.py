@@ -175,3 +175,17 @@ def test_allotted_time_ends_running_and_queued_requests_timed_out(tiny_engine, p
         assert final.is_final and final.finish_reasons == [FinishReason.TIMED_OUT], request_id
     assert len(responses[running][-1].result.output_token_ids[0]) < len(prompts[0]) + 40
     assert counts["deadlines"] == 0 and counts["pending_context"] == 0
+
+
+def test_a_non_streamed_request_leaves_the_pending_context_with_its_first_token(tiny_engine, prompts):
+    """It answers only at its end: it once stayed counted as context ahead of every new request
+    while it generated."""
+    from tests.batch_manager.conftest import wait_until
+    engine_dir, _ = tiny_engine
+    with Executor(engine_dir, executor_config=ExecutorConfig()) as executor:
+        pending = executor._front_end.pending_context
+        request_id = executor.enqueue_request(Request(prompts[0], 60))
+        # empty while the request still generates (before its answer, at its end)
+        assert wait_until(lambda: len(pending) == 0 and executor.get_num_active_requests() == 1, timeout_s=30)
+        (response,) = collect(executor, [request_id])[request_id]
+        assert not response.has_error()
