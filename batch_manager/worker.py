@@ -71,10 +71,10 @@ class Worker:
         # (rank 0 runs the first stage; the others compute the earlier micro-batches meanwhile).
         # Overlap: a step executes on the one forward thread while the worker schedules, updates
         # and answers the other micro-batch (torch releases the GIL inside its kernels).
-        self._pipeline_depth = executor.pipeline_depth
+        pipeline_depth = executor.pipeline_depth
         self._forward_pool = ThreadPoolExecutor(1, thread_name_prefix="GptManagerForward") \
-            if config.enable_trt_overlap and self._pipeline_depth == 1 else None
-        self._num_in_flight = self._pipeline_depth if self._pipeline_depth > 1 else \
+            if config.enable_trt_overlap and pipeline_depth == 1 else None
+        self._num_in_flight = pipeline_depth if pipeline_depth > 1 else \
             2 if self._forward_pool is not None else 1
         self._in_flight: deque[_InFlight] = deque()   # oldest first
         self._finished: list[LlmRequest] = []   # answered in this iteration (request stats)
