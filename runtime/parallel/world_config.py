@@ -54,6 +54,38 @@ class WorldConfig:
             return self.tensor_parallelism
         return max(1, launcher_world_size() // self.pipeline_parallelism)
 
+    @property
+    def global_rank(self) -> int:
+        """This process's rank: `rank`, else the launcher's RANK (0 without a launcher)."""
+        if self.rank is not None:
+            return self.rank
+        value = os.environ.get("RANK", "0")
+        try:
+            rank = int(value)
+        except ValueError:
+            raise ValueError(f"RANK: expected a non-negative integer, got {value!r}") from None
+        if rank < 0:
+            raise ValueError(f"RANK: expected a non-negative integer, got {value!r}")
+        return rank
+
+    @property
+    def tensor_parallel_rank(self) -> int:
+        """This process's rank within its pipeline stage (TensorRT-LLM's name)."""
+        return self.global_rank % self.resolved_tensor_parallelism()
+
+    @property
+    def pipeline_parallel_rank(self) -> int:
+        """This process's pipeline stage, 0 first (TensorRT-LLM's name)."""
+        return self.global_rank // self.resolved_tensor_parallelism()
+
+    @property
+    def is_first_pipeline_parallel_rank(self) -> bool:
+        return self.pipeline_parallel_rank == 0
+
+    @property
+    def is_last_pipeline_parallel_rank(self) -> bool:
+        return self.pipeline_parallel_rank == self.pipeline_parallelism - 1
+
     def layer_ranges(self, num_layers: int) -> list[tuple[int, int]]:
         """[start, stop) of the layers of each stage (ValueError naming the field when they do not
         add up)."""
