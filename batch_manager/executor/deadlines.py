@@ -10,11 +10,23 @@ import time
 
 def check_allotted_time_ms(value) -> float | None:
     """ValueError naming the field unless None or a finite number > 0."""
+    return check_milliseconds("allotted_time_ms", value)
+
+
+def check_milliseconds(field: str, value) -> float | None:
+    """`value` as float milliseconds: ValueError naming `field` unless None or a finite number > 0
+    (an int too large for a float, 10**400, included)."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"allotted_time_ms: expected a finite number of milliseconds > 0 or None, got {value!r}")
-    return float(value)
+    milliseconds, shown = None, None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            milliseconds = float(value)
+        except OverflowError:
+            shown = f"an integer of {value.bit_length()} bits (too large for a float)"
+    if milliseconds is None or not math.isfinite(milliseconds) or milliseconds <= 0:
+        raise ValueError(f"{field}: expected a finite number of milliseconds > 0 or None, got {shown or repr(value)}")
+    return milliseconds
 
 
 class Deadlines:

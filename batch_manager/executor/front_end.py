@@ -5,7 +5,6 @@ on the worker thread. Admission by load (queue bounds, the time-to-first-token b
 enqueue, from the context rate and pending context this front end measures (ttft.py)."""
 from __future__ import annotations
 
-import math
 import threading
 import time
 from dataclasses import replace
@@ -18,7 +17,7 @@ from ..llm_request import LlmRequest, RequestOutput, RequestSpec
 from ..responses import StreamCursors
 from ..stats import IterationStats as CoreIterationStats
 from .conversion import OutputOptions, is_samples, to_result, to_sequence_results, to_spec
-from .deadlines import Deadlines, check_allotted_time_ms
+from .deadlines import Deadlines, check_allotted_time_ms, check_milliseconds
 from .disaggregated import ContextOnly, KvTransfer, check_request_type
 from .queues import QueuedRequest, QueueFullError, RequestQueue, ResponseStore
 from .request import FinishReason, Request, Response, Result
@@ -253,11 +252,7 @@ class ExecutorFrontEnd:
 
 def _ttft_budget_ms(value) -> float | None:
     """Request.ttft_budget_ms: ValueError naming the field unless None or a finite number > 0."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"ttft_budget_ms: expected a finite number of milliseconds > 0 or None, got {value!r}")
-    return float(value)
+    return check_milliseconds("ttft_budget_ms", value)
 
 
 def _num_context_tokens(spec: RequestSpec) -> int:

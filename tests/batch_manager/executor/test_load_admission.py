@@ -151,10 +151,10 @@ def test_ttft_budget_and_allotted_time_are_checked(tiny_engine, prompts):
     gate = _Gate()
     gate.release.set()
     with _executor(tiny_engine[0], gate) as executor:
-        for field, value in (("ttft_budget_ms", 0), ("ttft_budget_ms", float("nan")), ("allotted_time_ms", -1),
-                             ("allotted_time_ms", True)):
-            with pytest.raises(ValueError, match=f"{field}: expected a finite number of milliseconds > 0"):
-                executor.enqueue_request(Request(prompts[1], 2, **{field: value}))
+        for field in ("ttft_budget_ms", "allotted_time_ms"):
+            for value in (0, -1, True, "5", float("nan"), float("inf"), 10 ** 400):
+                with pytest.raises(ValueError, match=f"{field}: expected a finite number of milliseconds > 0"):
+                    executor.enqueue_request(Request(prompts[1], 2, **{field: value}))
 
 
 def test_allotted_time_ends_running_and_queued_requests_timed_out(tiny_engine, prompts):
