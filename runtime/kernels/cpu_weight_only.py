@@ -54,7 +54,8 @@ class WeightOnlyOps:
     def _isa(self, isa: str | None) -> int:
         name = isa or os.environ.get(ISA_ENV_VAR, "").strip() or "avx512"
         if name not in ISAS:
-            raise ValueError(f"isa: expected one of {sorted(ISAS)}, got {name!r}")
+            field = "isa" if isa else ISA_ENV_VAR
+            raise ValueError(f"{field}: expected one of {', '.join(ISAS)}, got {name!r}")
         return min(ISAS[name], self.max_isa)
 
     @staticmethod
