@@ -2,10 +2,13 @@
 token matchers off the worker's thread, and each request's matcher state, whose next-token
 bitmask the decoder applies to the processed logits before choosing.
 
-Compilation: `GrammarCompiler.compile` returns a Future at once; a small thread pool builds the
+Compilation: `GrammarCompiler.compile` returns a Future at once; a few daemon threads build the
 matcher (llguidance compiles the lexer and grammar for the tokenizer) and an LRU cache keyed by
 (type, guide text) hands the same compiled template to later requests, each of which works on its
-own deep copy. A bad guide fails its Future with a ValueError naming the field.
+own deep copy. A bad guide fails its Future with a ValueError naming the field. At most
+`max_queued` compiles wait or run at once (past it `GrammarQueueFullError`, naming the field);
+`shutdown` fails the waiting ones and returns at once (a compile in flight cannot be interrupted:
+its daemon thread finishes it and drops the result, and never holds up the process's exit).
 
 Ends: the end tokens (the tokenizer's stop tokens and the request's end id) are allowed exactly
 where the grammar is complete; the decoder ends the request there (finish reason "end_id", the
@@ -17,9 +20,10 @@ then rolled back, and only the accepted tokens stay.
 """
 from __future__ import annotations
 
+import collections
 import threading
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import torch
 
@@ -27,6 +31,12 @@ import torch
 GRAMMAR_FORMATS = {"json": "json_schema", "json_schema": "json_schema", "regex": "regex",
                    "ebnf_grammar": "grammar"}
 ANY_JSON_OBJECT = '{"type": "object"}'
+MAX_QUEUED_COMPILES = 64     # compiles waiting or running at once, per compiler
+SHUT_DOWN = "guided_decoding_params: the grammar compiler is shut down"
+
+
+class GrammarQueueFullError(ValueError):
+    """Too many compiles wait already: a refusal for load, naming the field."""
 
 
 def _llguidance():
@@ -50,31 +60,72 @@ def make_tokenizer(tokenizer_str: str, vocab_size: int, stop_token_ids: list[int
 
 
 class GrammarCompiler:
-    """Compiles guides into matcher templates on `max_workers` threads, caching `cache_size`."""
+    """Compiles guides into matcher templates on `max_workers` daemon threads, at most `max_queued`
+    waiting or running, caching `cache_size`."""
 
     def __init__(self, tokenizer, stop_token_ids: list[int] | None = None, max_workers: int = 2,
-                 cache_size: int = 256):
+                 cache_size: int = 256, max_queued: int = MAX_QUEUED_COMPILES):
         self.tokenizer = tokenizer
         self.stop_token_ids = frozenset(stop_token_ids or [tokenizer.eos_token])
-        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar")
+        self.cache_size, self.max_queued = cache_size, max_queued
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._lock = threading.Lock()
-        self.cache_size = cache_size
+        self._wake = threading.Condition(self._lock)
+        self._waiting: collections.deque[tuple[Future, str, str]] = collections.deque()
+        self._num_running = 0
+        self._is_shut_down = False
+        self._threads = [threading.Thread(target=self._work, name=f"grammar-{i}", daemon=True)
+                         for i in range(max_workers)]
+        for thread in self._threads:
+            thread.start()
+
+    @property
+    def num_queued(self) -> int:
+        """Compiles waiting or running."""
+        with self._lock:
+            return len(self._waiting) + self._num_running
 
     def compile(self, guide_type: str, guide: str | None) -> Future:
-        """-> Future of a compiled matcher template (ValueError naming the field on a bad guide)."""
+        """-> Future of a compiled matcher template (ValueError naming the field on a bad guide).
+        GrammarQueueFullError past max_queued compiles; RuntimeError after shutdown."""
         text = ANY_JSON_OBJECT if guide_type == "json" and not guide else guide
         key = (guide_type, text)
         with self._lock:
+            if self._is_shut_down:
+                raise RuntimeError(SHUT_DOWN)
             future = self._cache.get(key)
             if future is not None:
                 self._cache.move_to_end(key)
                 return future
-            future = self._pool.submit(self._compile, guide_type, text)
+            if len(self._waiting) + self._num_running >= self.max_queued:
+                raise GrammarQueueFullError(f"guided_decoding_params: {self.max_queued} grammars are being compiled "
+                                            f"already (the compiler's limit): try again shortly")
+            future = Future()
+            self._waiting.append((future, guide_type, text))
             self._cache[key] = future
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
+            self._wake.notify()
         return future
+
+    def _work(self) -> None:
+        while True:
+            with self._lock:
+                while not self._waiting and not self._is_shut_down:
+                    self._wake.wait()
+                if self._is_shut_down:
+                    return
+                future, guide_type, text = self._waiting.popleft()
+                self._num_running += 1
+            try:
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(self._compile(guide_type, text))
+                    except BaseException as e:  # noqa: BLE001 - the request's error
+                        future.set_exception(e)
+            finally:
+                with self._lock:
+                    self._num_running -= 1
 
     def _compile(self, guide_type: str, text: str):
         llguidance = _llguidance()
@@ -107,7 +158,16 @@ class GrammarCompiler:
         return None if bool(bitmask.any()) else "no token can start it"
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Fail the waiting compiles and return at once; a compile in flight finishes on its daemon
+        thread, its result unused."""
+        with self._lock:
+            self._is_shut_down = True
+            waiting, self._waiting = list(self._waiting), collections.deque()
+            self._cache.clear()
+            self._wake.notify_all()
+        for future, _, _ in waiting:
+            if future.set_running_or_notify_cancel():
+                future.set_exception(RuntimeError(SHUT_DOWN))
 
 
 class Template:
