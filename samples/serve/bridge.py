@@ -22,6 +22,7 @@ logger = logging.getLogger(__name__)
 
 VALIDATION_ERROR_PREFIX = "Cannot process new request"  # GptManager's admission errors
 SHUTTING_DOWN = "the server is shutting down"
+GUIDE_ERROR_PREFIX = "guided_decoding_params"            # the grammar compiler's errors
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,8 @@ class ResponseEvent:
 
     @property
     def is_bad_request(self) -> bool:
-        return self.error.startswith(VALIDATION_ERROR_PREFIX)
+        """Refused at admission, or a guide that failed to compile while the request waited."""
+        return self.error.startswith((VALIDATION_ERROR_PREFIX, GUIDE_ERROR_PREFIX))
 
 
 @dataclass

@@ -59,6 +59,17 @@ class ModelInfo:
     def token_bytes(self) -> TokenBytes:
         return TokenBytes(self.tokenizer)
 
+    @functools.cached_property
+    def grammar_checker(self):
+        """The server's own grammar compiler (runtime.decoding.guided.GrammarCompiler) over the
+        tokenizer's tokenizer.json, which compiles the tools' schemas before a request is queued;
+        None without the grammar engine. Built on first use."""
+        if not self.can_guide:
+            return None
+        from runtime.decoding.guided import GrammarCompiler, make_tokenizer
+        stops = [t for t in (self.end_id, *self.other_end_ids) if t is not None] or None
+        return GrammarCompiler(make_tokenizer(self.tokenizer.backend_tokenizer.to_str(), self.vocab_size, stops), stops)
+
     @property
     def max_text_chars(self) -> int:
         """The most characters a prompt (or a rendered conversation) may have before tokenizing."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from samples.serve.openai_basics import ModelInfo, bad, check_num_chars, text_field
 from samples.serve.tool_calls import ToolChoice, ToolError, parse_tool_choice, tool_conversation
+from samples.serve.tool_schemas import check_tool_schemas
 from samples.serve.value_repr import short_repr, some_sorted
 
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
@@ -103,4 +104,6 @@ def parse_tools(body: dict, info: ModelInfo) -> ToolChoice | None:
     if tools is not None and tools.parses_calls and not info.can_guide:
         raise bad("tools", "tool calls need the grammar engine, which this server runs without (the tokenizer has "
                            "no tokenizer.json, or one the grammar engine cannot use: see the server's log)")
+    if tools is not None and tools.parses_calls:
+        check_tool_schemas(tools, info)
     return tools

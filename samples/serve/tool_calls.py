@@ -197,8 +197,17 @@ def tool_grammar(tools: ToolChoice) -> str | None:
     for i, f in enumerate(functions):
         head = '{"name": ' + lit(f.name) + ', "arguments": '
         lines.append(f"fn_{i}: {lit(head)} args_{i} {lit('}')}")
-        schema = {**f.parameters, "x-guidance": f.parameters.get("x-guidance", COMPACT_JSON)}
-        lines.append(f"args_{i}: %json {json.dumps(schema, ensure_ascii=False)}")
+        lines.append(f"args_{i}: %json {_laid_out(f.parameters)}")
     if tools.mode == "auto":
         lines.append(r"TEXT: /[^<][\s\S]*/")
     return "\n".join(lines) + "\n"
+
+
+def _laid_out(parameters: dict) -> str:
+    """The schema as `%json` takes it, json.dumps's layout unless its own "x-guidance" says otherwise."""
+    return json.dumps({**parameters, "x-guidance": parameters.get("x-guidance", COMPACT_JSON)}, ensure_ascii=False)
+
+
+def arguments_grammar(parameters: dict) -> str:
+    """Lark text for a function's arguments alone (what the server compiles to check the schema)."""
+    return f"start: %json {_laid_out(parameters)}\n"

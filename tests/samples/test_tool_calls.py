@@ -171,3 +171,52 @@ def test_a_hermes_template_renders_tools_and_tool_messages_itself(tmp_path):
                     "<|user|><tool_response>Sunny</tool_response>\n<|assistant|>")
     generic = dataclasses.replace(info, tool_format=detect_format(None))
     assert "You can call these functions" in tokenizer.decode(render_chat(conversation, generic, choice()))
+
+
+# -- schemas checked before a request is queued ------------------------------------------------------
+
+REF_A = {"$ref": "#/$defs/a", "$defs": {"a": {"type": "object", "properties": {"x": {"$ref": "#/$defs/a"}},
+                                             "required": ["x"]}}}
+BAD_SCHEMAS = {   # name -> (schema, words of the 400's message)
+    "min over max": ({"type": "integer", "minimum": 5, "maximum": 3}, "minimum (5) is greater than maximum (3)"),
+    "required, no properties": ({"type": "object", "required": ["a"], "additionalProperties": False},
+                                "required property 'a' is unsatisfiable"),
+    "bad pattern": ({"type": "object", "properties": {"s": {"type": "string", "pattern": "(a"}}}, "unclosed group"),
+    "dangling ref": ({"$ref": "#/$defs/nope"}, "does not exist"),
+    "unknown type": ({"type": "objekt"}, "objekt"),
+    "not": ({"not": {}}, "not"),
+    "bad x-guidance": ({"type": "object", "x-guidance": {"whitespace_flexible": "maybe"}}, "maybe"),
+    "endless recursion": (REF_A, "no finite value"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_SCHEMAS)
+def test_a_schema_the_grammar_engine_refuses_is_a_400_naming_it(tmp_path_factory, name):
+    import transformers
+    from samples.serve.openai_basics import ModelInfo, OpenAIError
+    from samples.serve.openai_protocol import parse_request
+    directory = tmp_path_factory.mktemp("bpe")
+    write_tokenizer(str(directory))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    info = ModelInfo("m", tokenizer, VOCAB_SIZE, 4096, tokenizer.eos_token_id, can_guide=True)
+    schema, words = BAD_SCHEMAS[name]
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+            "tools": [TOOLS[0], {"type": "function", "function": {"name": "bad", "parameters": schema}}]}
+    with pytest.raises(OpenAIError) as e:
+        parse_request(body, True, info)
+    assert (e.value.status, e.value.param) == (400, "tools[1].function.parameters") and words in e.value.message
+    # not compiled where no grammar holds the reply to it
+    parse_request({**body, "tool_choice": "none"}, True, info)
+    parse_request({**body, "tool_choice": {"type": "function", "function": {"name": "weather"}}}, True, info)
+
+
+def test_finite_values_of_recursive_schemas():
+    from samples.serve.tool_schemas import has_finite_value
+    node = {"type": "object", "properties": {"next": {"$ref": "#"}}}
+    assert has_finite_value(node)                                          # next is optional
+    assert not has_finite_value({**node, "required": ["next"]})
+    assert has_finite_value({**node, "required": ["next"], "type": ["object", "null"]})
+    assert has_finite_value({"anyOf": [{"$ref": "#"}, {"type": "string"}]})
+    assert not has_finite_value({"type": "array", "items": {"$ref": "#"}, "minItems": 1})
+    assert has_finite_value({"type": "array", "items": {"$ref": "#"}})      # [] ends it
+    assert not has_finite_value(REF_A) and has_finite_value({"$ref": "#/$defs/missing"})
