@@ -16,7 +16,7 @@ from samples.default_model import add_model_arguments, model_from_arguments
 from samples.serve.bridge import ManagerBridge
 from samples.serve.generation_config import end_ids, guided_decoding_config
 from samples.serve.metrics import TritonMetrics
-from samples.serve.openai_basics import ModelInfo
+from samples.serve.openai_basics import MAX_SAMPLES_PER_REQUEST, ModelInfo
 from samples.serve.server import API_KEY_ENV, DEFAULT_MAX_BODY_BYTES, start_server
 from samples.serve.tool_calls import detect_format
 
@@ -33,7 +33,19 @@ def model_info(model_dir: str, tokenizer, name: str, can_guide: bool = False,
     cfg, max_seq_len = model_limits(model_dir)
     ends = end_ids([model_dir, tokenizer_dir], tokenizer, cfg.vocab_size)
     return ModelInfo(name, tokenizer, cfg.vocab_size, max_seq_len, ends[0] if ends else None, ends[1:], can_guide,
-                     detect_format(getattr(tokenizer, "chat_template", None)))
+                     detect_format(getattr(tokenizer, "chat_template", None)),
+                     min(MAX_SAMPLES_PER_REQUEST, _max_batch_size(model_dir)))
+
+
+def _max_batch_size(model_dir: str) -> int:
+    """The engine's max_batch_size (engine.json; a checkpoint directory gets the default build's)."""
+    from runtime.config import BuildConfig, read_json
+    engine_json = os.path.join(model_dir, "engine.json")
+    if os.path.exists(engine_json):
+        value = read_json(engine_json, "engine.json").get("build", {}).get("max_batch_size")
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            return value
+    return BuildConfig.max_batch_size
 
 
 def make_bridge(args, model_dir: str, guided_config=None):

@@ -16,6 +16,7 @@ TYPE_OF_STATUS = {400: "invalid_request_error", 401: "authentication_error", 404
 # cannot fit the context whatever the tokenizer, so it is refused before tokenizing (which would
 # hold the GIL for the id list) rather than after; natural text averages ~4 characters a token.
 MAX_CHARS_PER_TOKEN = 64
+MAX_SAMPLES_PER_REQUEST = 64   # the engine's bound on num_return_sequences (runtime.decoding.params)
 
 
 class OpenAIError(Exception):
@@ -54,6 +55,9 @@ class ModelInfo:
     other_end_ids: tuple[int, ...] = ()   # the generation config's other end ids (stop words of one token)
     can_guide: bool = False    # the engine has a grammar compiler (tools need it)
     tool_format: ToolCallFormat = ToolCallFormat("generic", False, False)   # from the chat template
+    # the most samples one engine request may hold (num_return_sequences: 64, and the engine's
+    # max_batch_size); more choices of a prompt are split over several requests
+    max_samples_per_request: int = MAX_SAMPLES_PER_REQUEST
 
     @functools.cached_property
     def token_bytes(self) -> TokenBytes:

@@ -1,6 +1,7 @@
 """The engine requests behind one OpenAI request (samples.serve): per prompt, one streamed engine
 request with num_return_sequences n for its n choices (sharing the prompt's KV blocks; choice j
-is sample j, drawing with seed + j), or one request per choice where the engine cannot share
+is sample j, drawing with seed + j; past the engine's samples per request, several such requests,
+`ModelInfo.max_samples_per_request` choices each), or one request per choice where the engine cannot share
 (top_logprobs: its top log probs are per single sequence); their events merged into one sequence
 of `ChoiceUpdate`s (text deltas, log probs, tool call deltas, finish reasons) in arrival order.
 Owns the choices' text streams, token counts and clocks; lives on the handler's event loop, the
@@ -83,11 +84,11 @@ class ChoiceRun:
                                ToolCallParser(spec.tools.is_forced) if calls else None,
                                spec.echo_texts[i] if spec.echo_texts else "")
                         for i, prompt in enumerate(spec.prompts) for j in range(spec.n)]
-        # NOTE: the engine's top log probs are per single sequence: with top_logprobs, n requests
-        shares_prompt = spec.n > 1 and not spec.top_logprobs
-        self.engine_requests = [EngineRequest(tuple(range(i * spec.n, (i + 1) * spec.n))) if shares_prompt
-                                else EngineRequest((i * spec.n + j,))
-                                for i in range(len(spec.prompts)) for j in range(1 if shares_prompt else spec.n)]
+        # NOTE: the engine's top log probs are per single sequence: with top_logprobs, n requests;
+        # otherwise groups of at most the engine's samples per request (choices j.. draw from seed + j..)
+        group = 1 if spec.top_logprobs else info.max_samples_per_request
+        self.engine_requests = [EngineRequest(tuple(range(i * spec.n + j, i * spec.n + min(j + group, spec.n))))
+                                for i in range(len(spec.prompts)) for j in range(0, spec.n, group)]
         self._engine_of = {c: e for e, r in enumerate(self.engine_requests) for c in r.choice_indices}
         self._merged: asyncio.Queue = asyncio.Queue()    # of (engine request index, ResponseEvent)
         self._pumps: list[asyncio.Task] = []

@@ -137,3 +137,34 @@ def test_a_refused_submit_cancels_the_choices_already_queued(info, refusal, stat
 
     bridge, e = asyncio.run(scenario())
     assert e.status == status and sorted(bridge.cancelled) == [1, 2]
+
+
+@pytest.mark.parametrize("per_request, num_samples", [(64, [64, 64]), (48, [48, 48, 32]), (128, [64, 64])])
+def test_n_past_the_engines_samples_per_request_is_split(info, per_request, num_samples):
+    import dataclasses
+    capped = dataclasses.replace(info, max_samples_per_request=min(per_request, 64))
+
+    async def scenario():
+        bridge = ScriptedBridge()
+        run = ChoiceRun(bridge, spec(capped, n=128, seed=5), capped, None)
+        run.submit()
+        run.close()
+        return bridge, run
+
+    bridge, run = asyncio.run(scenario())
+    assert bridge.num_samples == num_samples and len(run.choices) == 128
+    starts = [sum(num_samples[:k]) for k in range(len(num_samples))]
+    assert [b.input_tensors["random_seed"].item() for b in bridge.bodies] == [5 + j for j in starts]
+    assert [len(e.choice_indices) for e in run.engine_requests] == num_samples
+
+
+def test_gpt_manager_admission_errors_name_the_openai_field():
+    from samples.serve.openai_protocol import engine_field_to_openai
+    from samples.serve.params import name_body_field
+    for error in (VALIDATION_ERROR_PREFIX + ": num_return_sequences: 17 sequences exceed max_batch_size 16",
+                  VALIDATION_ERROR_PREFIX + ": request 3: num_return_sequences: 17 sequences exceed max_batch_size 16"):
+        assert engine_field_to_openai(name_body_field(error), False) == (
+            "n", "n: 17 sequences exceed max_batch_size 16")
+    field, message = engine_field_to_openai(name_body_field(
+        VALIDATION_ERROR_PREFIX + ": guided_decoding_params: 64 grammars are being compiled already"), True)
+    assert field == "tools" and message.startswith("tools: 64 grammars")

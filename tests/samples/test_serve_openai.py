@@ -336,3 +336,16 @@ def test_bench_openai_runs_both_endpoints_on_the_same_samples(scripted):
     for endpoint in ("openai", "generate"):
         assert report[endpoint]["num_error_samples"] == 0 and report[endpoint]["num_output_tokens"] == 15, report
         assert report[endpoint]["p50_time_to_first_token(ms)"] > 0
+
+
+def test_n_up_to_the_advertised_128_is_served_over_several_engine_requests(server, scripted):
+    """The engine holds 16 samples per request here (its max_batch_size): n = 128 is 8 requests of
+    16 samples, every choice the sample its seed draws."""
+    c = client(server)
+    out = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, n=128, seed=11)
+    assert [choice.index for choice in out.choices] == list(range(128))
+    assert out.usage.completion_tokens == 128 * 2
+    for i in (0, 16, 127):   # the first of a request, and the last choice
+        single = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, seed=11 + i)
+        assert single.choices[0].text == out.choices[i].text, i
+    assert_idle(server)
