@@ -7,6 +7,7 @@ its event loop."""
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,7 @@ WIRE_TO_FIELD = {name: field for field, (name, _, _) in SCALAR_FIELDS.items()} |
 INT_RANGES = {torch.int32: (-(1 << 31), (1 << 31) - 1), torch.int64: (-(1 << 63), (1 << 63) - 1)}
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)   # int64 or uint64, as GptManager's random_seed
 FLOAT32_MAX = 3.4028234663852886e38
+ADMISSION_ERROR_PREFIX = "Cannot process new request: "   # GptManager's (samples.serve.bridge)
 
 
 @dataclass
@@ -182,9 +184,11 @@ def parse_generate_body(body, tokenizer=None, default_max_new_tokens: int = 64,
 
 
 def name_body_field(manager_error: str) -> str:
-    """Lead GptManager's admission error ("...: <wire name>: problem") with the body field it names."""
+    """Lead GptManager's admission error ("...: <wire name>: problem") with the body field it names;
+    an error naming no body field loses the admission prefix, so it leads with the engine's own
+    field name (as the Executor's errors do)."""
     for part in manager_error.split(": ")[1:]:
         field = WIRE_TO_FIELD.get(part)
         if field is not None:
             return f"{field}: {manager_error}"
-    return manager_error
+    return re.sub(r"^request \d+: ", "", manager_error.removeprefix(ADMISSION_ERROR_PREFIX))

@@ -240,3 +240,24 @@ def test_fuzzed_openai_bodies_get_200_or_a_shaped_4xx(server):
 
     check()
     assert statuses[200] >= 10 and statuses[400] >= 10, statuses
+
+
+@pytest.mark.parametrize("api", ["gpt_manager", "executor"])
+def test_the_engines_own_refusals_name_the_openai_field_on_both_bridges(scripted, api):
+    """A server told the engine holds 64 samples per request, over an engine of max_batch_size 16:
+    the engine refuses n = 17 itself, and both bridges name `n` (GptManager's admission error once
+    named its own prefix)."""
+    import dataclasses
+    from samples.serve.launch import model_info
+    from tests.samples.conftest import ServerThread
+    tokenizer, _, engine_dir = scripted
+    info = dataclasses.replace(model_info(engine_dir, tokenizer, MODEL), max_samples_per_request=64)
+    s = ServerThread(engine_dir, tokenizer, api=api, model_info=info, api_key=API_KEY)
+    try:
+        with pytest.raises(openai.BadRequestError) as e:
+            client(s).completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, n=17)
+        assert e.value.body["param"] == "n" and e.value.body["message"].startswith("n: ")
+        assert "max_batch_size 16" in e.value.body["message"]
+        assert_idle(s)
+    finally:
+        s.stop()
