@@ -36,17 +36,42 @@ def check_kv_events_config(config, kv_cache_config: KvCacheConfig) -> None:
     if not kv_cache_config.enable_block_reuse:
         raise ValueError("kv_events_config: needs KvCacheConfig.enable_block_reuse=True (the events report the "
                          "blocks kept for reuse)")
-    for name in ("endpoint", "replay_endpoint"):
-        value = getattr(config, name)
-        if value is None and name == "replay_endpoint":
-            continue
-        if not isinstance(value, str) or not value.startswith(("tcp://", "ipc://")):
-            raise ValueError(f"kv_events_config.{name}: expected \"tcp://HOST:PORT\" or \"ipc://PATH\", got {value!r}")
+    _check_fields(config)
+
+
+def _check_fields(config: KvEventsConfig) -> bytes:
+    """The config's own fields (endpoints, topic, buffer_steps); -> the topic's UTF-8 bytes."""
+    endpoint_address(config.endpoint, "endpoint")
+    if config.replay_endpoint is not None:
+        endpoint_address(config.replay_endpoint, "replay_endpoint")
     if not isinstance(config.topic, str):
         raise ValueError(f"kv_events_config.topic: expected a string, got {config.topic!r}")
+    try:
+        topic = config.topic.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"kv_events_config.topic: not encodable as UTF-8 ({e.reason}), got {config.topic!r}") from None
     steps = config.buffer_steps
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise ValueError(f"kv_events_config.buffer_steps: expected an integer >= 1, got {steps!r}")
+    return topic
+
+
+def endpoint_address(value, field: str) -> tuple[str, str | tuple[str, int]]:
+    """"tcp://HOST:PORT" -> ("tcp", (host, port)), "ipc://PATH" -> ("ipc", path); ValueError naming
+    kv_events_config.<field> otherwise. HOST "*" is every interface; PORT must be 1..65535 (0 or
+    "*", any free port, is refused: nothing would tell a subscriber which one was taken)."""
+    expected = f"kv_events_config.{field}: expected \"tcp://HOST:PORT\" (PORT 1..65535) or \"ipc://PATH\", got {value!r}"
+    if not isinstance(value, str):
+        raise ValueError(expected)
+    if value.startswith("ipc://") and len(value) > len("ipc://"):
+        return "ipc", value[len("ipc://"):]
+    if not value.startswith("tcp://"):
+        raise ValueError(expected)
+    host, _, port = value[len("tcp://"):].rpartition(":")
+    if not host or not port.isascii() or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(expected)
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    return "tcp", ("" if host == "*" else host, int(port))
 
 
 class WireEventCollector:
@@ -93,7 +118,7 @@ class KvEventPublisher:
     def __init__(self, config: KvEventsConfig, collector: WireEventCollector, send_hwm: int = SEND_HWM):
         self.collector = collector
         self.num_dropped = 0          # messages a subscriber could not take (it may replay them)
-        self._topic = config.topic.encode("utf-8")
+        self._topic = _check_fields(config)
         self._next_sequence = 0
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)   # (sequence, payload)
         self._lock = threading.Lock()   # the buffer: appended here, read by the replay thread
@@ -113,6 +138,11 @@ class KvEventPublisher:
             self._context.destroy(linger=0)
             raise
         self._send([ALL_BLOCKS_CLEARED])   # message 0: routers forget what an earlier engine held
+
+    @property
+    def num_published(self) -> int:
+        """Messages numbered and handed to the socket so far (message 0 included), taken or not."""
+        return self._next_sequence
 
     def _bind(self, kind: int, endpoint: str, field: str, send_hwm: int | None = None) -> zmq.Socket:
         socket = self._context.socket(kind)

@@ -35,7 +35,9 @@ class IterationStats:
     # Cumulative draft tokens verified and accepted; None when drafts are off (keys left out).
     num_draft_tokens_proposed: int | None = None
     num_draft_tokens_accepted: int | None = None
-    # Cumulative KV-event messages a subscriber could not take; None without kv_events_config (key left out).
+    # Cumulative KV-event messages published (message 0 included) and those a subscriber could not
+    # take; None without kv_events_config (keys left out).
+    num_kv_events_published: int | None = None
     num_kv_events_dropped: int | None = None
 
 
@@ -70,5 +72,6 @@ def stats_json(s: IterationStats, is_static_batching: bool) -> str:
         d.update({"Draft Tokens Proposed": s.num_draft_tokens_proposed,
                   "Draft Tokens Accepted": s.num_draft_tokens_accepted})
     if s.num_kv_events_dropped is not None:
+        d["KV Events Published"] = s.num_kv_events_published
         d["KV Events Dropped"] = s.num_kv_events_dropped
     return orjson.dumps(d).decode()

@@ -174,21 +174,24 @@ V1_KEYS = {"Scheduled Requests", "Context Requests", "Total Generation Tokens", 
 
 
 DRAFT_FIELDS = ("num_draft_tokens_proposed", "num_draft_tokens_accepted")
+KV_EVENT_FIELDS = {"num_kv_events_published", "num_kv_events_dropped"}
 
 
 def make_stats(with_drafts: bool = False, with_kv_events: bool = False) -> IterationStats:
     """Every field a distinct value, so a key wired to the wrong field shows (the draft counters
     only when drafts are on, the dropped KV events only when they are published: None leaves
     their keys out)."""
-    left_out = (set() if with_drafts else set(DRAFT_FIELDS)) | (set() if with_kv_events else {"num_kv_events_dropped"})
+    left_out = (set() if with_drafts else set(DRAFT_FIELDS)) | (set() if with_kv_events else KV_EVENT_FIELDS)
     names = [f.name for f in dataclasses.fields(IterationStats) if f.name not in left_out]
     return IterationStats(**{name: 100 + i for i, name in enumerate(names)})
 
 
-def test_stats_json_kv_events_dropped_only_when_events_are_published():
+def test_stats_json_kv_event_counters_only_when_events_are_published():
     s = make_stats(with_kv_events=True)
-    assert json.loads(stats_json(s, is_static_batching=False))["KV Events Dropped"] == s.num_kv_events_dropped
-    assert "KV Events Dropped" not in json.loads(stats_json(make_stats(), is_static_batching=False))
+    d = json.loads(stats_json(s, is_static_batching=False))
+    assert (d["KV Events Published"], d["KV Events Dropped"]) == (s.num_kv_events_published, s.num_kv_events_dropped)
+    assert s.num_kv_events_published != s.num_kv_events_dropped
+    assert not {"KV Events Published", "KV Events Dropped"} & set(json.loads(stats_json(make_stats(), False)))
 
 
 def test_stats_json_draft_keys_only_when_drafts_are_on():

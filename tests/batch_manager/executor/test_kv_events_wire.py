@@ -5,6 +5,7 @@ that cannot keep up costing counted drops, never a wait; the config's checks."""
 from __future__ import annotations
 
 import json
+import re
 import socket
 import time
 
@@ -16,7 +17,7 @@ from batch_manager import GptManager, KvCacheConfig as CoreKvCacheConfig, KVEven
     TrtGptModelOptionalParams, TrtGptModelType, load_peft_adapter
 from batch_manager.executor import (KvCacheConfig, KvCacheEventType, KvEventsConfig, LoraConfig, OutputConfig,
                                     Request)
-from batch_manager.kv_events_publisher import KvEventPublisher, WireEventCollector
+from batch_manager.kv_events_publisher import KvEventPublisher, WireEventCollector, check_kv_events_config
 from runtime.cache.kv_cache_manager import block_hash
 from tests.batch_manager.conftest import Client, make_request
 from tests.batch_manager.executor.helpers import collect, executor_for
@@ -152,6 +153,7 @@ def test_stores_then_evictions_exact_frames_and_maps(tiny_engine, endpoints):
          *[(KvCacheEventType.REMOVED, (int.from_bytes(k, "big"),)) for k in reversed(keys_a)],
          (KvCacheEventType.STORED, tuple(int.from_bytes(k, "big") for k in keys_b[:7]))]
     assert stats.num_kv_events_dropped == 0 and json.loads(stats.to_json_str())["KV Events Dropped"] == 0
+    assert stats.num_kv_events_published == 4 and json.loads(stats.to_json_str())["KV Events Published"] == 4
 
 
 def test_a_lora_request_names_its_adapter_with_the_prompts_own_tokens(tiny_engine, endpoints, tmp_path):
@@ -199,6 +201,9 @@ def test_gpt_manager_publishes_through_its_optional_params(tiny_engine, endpoint
         subscriber.close()
     assert events == [[{"type": "AllBlocksCleared"}], [stored(chain(prompt)[:2], None, prompt[:8])]]
     assert json.loads(client.stats[-1])["KV Events Dropped"] == 0
+    # The request's last iteration reports message 0 only: its stores (message 1) go out at the
+    # top of the next loop, after that iteration's stats.
+    assert [json.loads(s)["KV Events Published"] for s in client.stats][-1] == 1
 
 
 class _Stub:
@@ -289,6 +294,32 @@ def test_config_needs_block_reuse_and_valid_fields(tiny_engine, endpoints):
         with pytest.raises(ValueError, match="kv_events_config.endpoint: cannot bind"):
             executor_for(tiny_engine[0], kv_cache_config=reuse, kv_events_config=KvEventsConfig(
                 f"tcp://127.0.0.1:{taken.getsockname()[1]}"))
+
+
+@pytest.mark.parametrize("port", ["99999", "65536", "0", "-1", "*", "x", ""])
+@pytest.mark.parametrize("field", ["endpoint", "replay_endpoint"])
+def test_a_tcp_port_outside_1_to_65535_is_refused_naming_the_field_and_value(endpoints, field, port):
+    """99999 used to bind port 34463 (99999 - 65536) silently; 0 and "*" (any free port) are
+    refused too: nothing would tell a subscriber which port was taken."""
+    bad = f"tcp://127.0.0.1:{port}"
+    config = KvEventsConfig(bad) if field == "endpoint" else KvEventsConfig(endpoints[0], bad)
+    with pytest.raises(ValueError, match=f"kv_events_config.{field}: .*{re.escape(repr(bad))}"):
+        check_kv_events_config(config, CoreKvCacheConfig(enable_block_reuse=True))
+    with pytest.raises(ValueError, match=f"kv_events_config.{field}: "):   # the publisher checks it too
+        KvEventPublisher(config, _Stub())
+
+
+def test_ports_at_the_bounds_and_tcp_hosts_are_accepted():
+    reuse = CoreKvCacheConfig(enable_block_reuse=True)
+    for endpoint in ("tcp://127.0.0.1:1", "tcp://127.0.0.1:65535", "tcp://*:5557", "tcp://[::1]:5557",
+                     "tcp://localhost:5557", "ipc:///tmp/x"):
+        check_kv_events_config(KvEventsConfig(endpoint), reuse)
+
+
+def test_a_topic_that_is_not_utf8_encodable_is_refused_naming_the_field(endpoints):
+    config = KvEventsConfig(endpoints[0], topic="kv\ud800")
+    with pytest.raises(ValueError, match="kv_events_config.topic: .*'kv\\\\ud800'"):
+        check_kv_events_config(config, CoreKvCacheConfig(enable_block_reuse=True))
 
 
 def test_collector_without_a_request_keeps_the_tokens():
