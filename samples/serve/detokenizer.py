@@ -56,6 +56,9 @@ class TextDelta:
     # per consumed token: the characters it completes ("" for one that ends inside a character,
     # whose bytes the next token completes): joined, the sequence's text, never a split character
     token_texts: tuple[str, ...] = ()
+    # finish(): the characters the flush added (U+FFFD for bytes the last tokens left incomplete),
+    # which belong to the sequence's last token
+    flushed: str = ""
 
 
 class TextStream:
@@ -100,12 +103,13 @@ class TextStream:
         match in the flushed tail)."""
         if self.is_stopped:
             return TextDelta("", 0, True)
-        self.pending += self.detokenizer.flush()
+        flushed = self.detokenizer.flush()
+        self.pending += flushed
         cut = self._first_stop()
         out: list[str] = []
         self._emit(out, len(self.pending) if cut is None else cut)
         self.pending, self.is_stopped = "", cut is not None
-        return TextDelta("".join(out), 0, self.is_stopped)
+        return TextDelta("".join(out), 0, self.is_stopped, flushed=flushed)
 
     def _num_to_hold(self) -> int:
         """Characters at the end of `pending` that begin a stop string (the longest such end)."""

@@ -10,7 +10,7 @@ cancels whatever is still running (a disconnect, an error)."""
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from batch_manager import GuidedDecodingParams, GuideType
 from batch_manager.executor import QueueFullError
@@ -73,6 +73,9 @@ class _Advance:
     log_probs: tuple[TokenLogProb, ...]
     tool_calls: tuple[ToolCallDelta, ...]
     is_stopped: bool
+    # the choice's last log prob entry again, with the flushed end of the text (already streamed: the
+    # whole response only)
+    last_log_prob: TokenLogProb | None = None
 
 
 class ChoiceRun:
@@ -156,6 +159,8 @@ class ChoiceRun:
         if choice.finish_reason == "stop" and choice.tools is not None and choice.tools.calls:
             choice.finish_reason = "tool_calls"
         choice.text.append(advance.text)
+        if advance.last_log_prob is not None and self.spec.logprobs:
+            choice.log_probs[-1] = advance.last_log_prob
         choice.log_probs.extend(advance.log_probs)
         return ChoiceUpdate(choice.index, advance.text, advance.log_probs, choice.finish_reason, advance.tool_calls)
 
@@ -186,10 +191,16 @@ class ChoiceRun:
         strings), its log probs, its tool calls."""
         delta = choice.stream.add(event.output_ids)
         text, is_stopped = delta.text, delta.is_stopped
+        last = None
         if event.is_final and not is_stopped:
             tail = choice.stream.finish()
             text += tail.text
-            delta = TextDelta(delta.text, delta.num_tokens, tail.is_stopped, delta.token_offsets, delta.token_texts)
+            texts = delta.token_texts
+            if tail.flushed and texts:   # the output ends inside a character: its last token holds the U+FFFD
+                texts = texts[:-1] + (texts[-1] + tail.flushed,)
+            elif tail.flushed and choice.log_probs:   # a final event without tokens: the previous event's last
+                last = replace(choice.log_probs[-1], token=choice.log_probs[-1].token + tail.flushed)
+            delta = TextDelta(delta.text, delta.num_tokens, tail.is_stopped, delta.token_offsets, texts)
         log_probs = self._token_log_probs(event, delta)
         calls: list[ToolCallDelta] = []
         if choice.tools is not None:
@@ -199,7 +210,7 @@ class ChoiceRun:
                 text, calls = text + rest, calls + more
         if choice.echo:
             text, choice.echo = choice.echo + text, ""
-        return _Advance(delta, text, log_probs, tuple(calls), is_stopped)
+        return _Advance(delta, text, log_probs, tuple(calls), is_stopped, last)
 
     def _stop(self, choice: Choice) -> None:
         """A stop string ended the choice: once every choice of its engine request has ended, stop

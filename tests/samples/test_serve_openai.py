@@ -349,3 +349,21 @@ def test_n_up_to_the_advertised_128_is_served_over_several_engine_requests(serve
         single = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, seed=11 + i)
         assert single.choices[0].text == out.choices[i].text, i
     assert_idle(server)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_log_prob_tokens_join_to_a_text_that_ends_inside_a_character(server, scripted, stream):
+    """max_tokens cuts the reply inside a multi-byte character: the text ends in U+FFFD, and so do
+    the joined token strings (the last token's string carries it)."""
+    tokenizer, script, _ = scripted
+    ids = script.greedy_ids()
+    cut = next(k for k in range(1, len(ids)) if tokenizer.decode(ids[:k]).endswith("\ufffd"))
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=cut, logprobs=0, seed=1)
+    if stream:
+        chunks = [c for c in client(server).completions.create(stream=True, **kw) if c.choices]
+        text = "".join(c.choices[0].text for c in chunks)
+        tokens = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    else:
+        choice = client(server).completions.create(**kw).choices[0]
+        text, tokens = choice.text, choice.logprobs.tokens
+    assert text.endswith("\ufffd") and len(tokens) == cut and "".join(tokens) == text
