@@ -3,6 +3,7 @@ assistant's earlier tool calls, tool results) checked field by field, `tools` / 
 and the conversation rendered through the tokenizer's chat template."""
 from __future__ import annotations
 
+from samples.serve.chat_template import MAX_RENDER_S, TemplateBoundError, render_chat_template
 from samples.serve.openai_basics import ModelInfo, bad, check_num_chars, text_field
 from samples.serve.tool_calls import ToolChoice, ToolError, parse_tool_choice, tool_conversation
 from samples.serve.tool_schemas import check_tool_schemas
@@ -89,7 +90,10 @@ def render_chat(conversation: list[dict], info: ModelInfo, tools: ToolChoice | N
     messages = tool_conversation(conversation, tools, fmt)
     extra = {"tools": [f.openai() for f in tools.functions]} if tools is not None and fmt.renders_tools else {}
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
+        text = render_chat_template(tokenizer, messages, info.max_text_chars, **extra)
+    except TemplateBoundError as e:
+        raise bad("messages", f"the chat template was stopped: it {e} (its render is bounded by "
+                              f"{MAX_RENDER_S:g} s and the server's text limit)") from None
     except Exception as e:   # the template's own raise_exception (roles must alternate, ...) or a Jinja error
         raise bad("messages", f"the chat template refused the conversation: {e}") from None
     check_num_chars("messages", " in the rendered conversation", len(text), info)
