@@ -9,7 +9,7 @@ from runtime.cache.beam_blocks import beam_holder, free_beams, max_beam_blocks, 
 from runtime.cache.kv_cache_manager import KvCacheManager
 
 from .kv_handoff import import_blocks
-from .llm_request import LlmRequest, RequestState
+from .llm_request import FinishReason, LlmRequest, RequestState
 from .options import SchedulerPolicy
 from .peft_cache import PeftCache
 
@@ -95,9 +95,10 @@ class CapacityScheduler:
                 cost = self._admission_cost(r)
                 if num_holding >= self.max_num_requests or cost > available or not self._can_start_adapter(r):
                     break
+                if not self._start(r):
+                    continue
                 available -= cost
                 num_holding += 1
-                self._start(r)
                 out.fitting.append(r)
         for r in out.fitting:
             ok = self._grow(r)
@@ -123,8 +124,9 @@ class CapacityScheduler:
         prefix = self.kv.find_cached_prefix(_reusable_tokens(r))
         return worst - len(prefix) + sum(1 for b in prefix if self.kv.is_free(b))
 
-    def _start(self, r: LlmRequest) -> None:
-        """Admit `r`: it starts holding blocks, beginning with its cached prefix."""
+    def _start(self, r: LlmRequest) -> bool:
+        """Admit `r`: it starts holding blocks, beginning with its cached prefix. False: it ended
+        instead (its fetched KV could not be imported) and holds nothing."""
         if r.spec.lora is not None:
             ok = self.peft_cache.acquire(r.spec.lora.task_id)
             assert ok, f"request {r.request_id}: adapter {r.spec.lora.task_id} was checked resident-able"
@@ -136,9 +138,24 @@ class CapacityScheduler:
         r.num_computed_tokens = self.kv.acquire_cached_prefix(r.request_id, _reusable_tokens(r))
         r.num_reused_blocks += r.num_computed_tokens // self.kv.tokens_per_block
         if r.kv_import is not None:   # generation-only: the prompt's KV fetched from the context instance
-            fetched, r.kv_import = r.kv_import.result(), None
-            r.pending_kv_writes = import_blocks(self.kv, r.request_id, r.num_computed_tokens, fetched)
-            r.num_computed_tokens = max(r.num_computed_tokens, fetched.num_tokens)
+            return self._import(r)
+        return True
+
+    def _import(self, r: LlmRequest) -> bool:
+        """A starting generation-only request takes its fetched prompt KV. What a peer sent fails its
+        own request (ended, its blocks and adapter released: False), never the worker."""
+        try:
+            fetched, r.kv_import = r.kv_import.result(timeout=0), None   # done: the scheduler waited for it
+            r.pending_kv_writes = import_blocks(self.kv, r.request_id, r.prompt_len, r.num_computed_tokens, fetched)
+        except Exception as e:  # noqa: BLE001 - a bad answer (or a bug it exposes) is this request's error
+            self.release(r)
+            r.kv_import, r.num_computed_tokens = None, 0
+            message = str(e) if str(e).startswith("context_phase_params") else \
+                f"context_phase_params: the fetched KV blocks could not be imported ({type(e).__name__}: {e})"
+            r.finish(FinishReason.ERROR, message)
+            return False
+        r.num_computed_tokens = max(r.num_computed_tokens, r.prompt_len)
+        return True
 
     def _grow(self, r: LlmRequest) -> bool:
         """Release what the window hides, then cover every token of `r`'s next step (for every
@@ -236,7 +253,8 @@ class MaxUtilizationScheduler(CapacityScheduler):
             if num_holding >= self.max_num_requests or cost > self.kv.num_free_blocks or \
                     not self._can_start_adapter(r):
                 break
-            self._start(r)
+            if not self._start(r):
+                continue
             num_holding += 1
             ok = self._grow(r)
             assert ok, f"request {r.request_id}: blocks counted free were not"

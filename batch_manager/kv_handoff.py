@@ -46,6 +46,7 @@ class KvExports:
         self.timeout_s, self._clock = timeout_s, clock
         self._lock = threading.Lock()
         self._entries: dict[int, _Entry] = {}
+        self._kv: KvCacheManager | None = None   # the pool of the exports (for release_all)
         self.num_exported = self.num_sent = self.num_expired = 0   # cumulative
 
     @property
@@ -56,6 +57,7 @@ class KvExports:
         """Keep the blocks of `request_id` (beam width 1) under a holder of their own; the request
         then releases its own references as usual."""
         with self._lock:
+            self._kv = kv
             handle = secrets.randbits(63)
             while handle in self._entries:
                 handle = secrets.randbits(63)
@@ -81,6 +83,15 @@ class KvExports:
                     self.num_expired += 1
                 del self._entries[handle]
         return len(due)
+
+    def release_all(self) -> int:
+        """Shutdown, once the worker has stopped (nobody else touches the pool): free every export,
+        those being sent too (the server is closed). -> how many."""
+        with self._lock:
+            entries, self._entries = list(self._entries.values()), {}
+            for entry in entries:
+                self._kv.free(entry.holder)
+        return len(entries)
 
     def take(self, handle: int) -> ExportedKv | str:
         """The blocks of `handle` for sending (they stay held until `finish`), or why not."""
@@ -110,11 +121,17 @@ class KvWrites:
     fetched: Any                    # kv_transfer.FetchedBlocks (values float/int8 [L, 2, n, tpb, H, D])
 
 
-def import_blocks(kv: KvCacheManager, request_id: int, num_computed_tokens: int, fetched) -> KvWrites | None:
-    """Cover the fetched prompt (`fetched.num_tokens`) with blocks for `request_id`, whose first
+def import_blocks(kv: KvCacheManager, request_id: int, prompt_len: int, num_computed_tokens: int,
+                  fetched) -> KvWrites | None:
+    """Cover the fetched prompt (`prompt_len` tokens) with blocks for `request_id`, whose first
     `num_computed_tokens` (a cached prefix of this pool, whole blocks) are already there; -> the
-    writes of the other fetched blocks (None: nothing to write). The caller reserved the blocks."""
-    ok = kv.allocate(request_id, fetched.num_tokens)
+    writes of the other fetched blocks (None: nothing to write). The caller reserved the blocks.
+    ValueError naming context_phase_params (and nothing allocated) when the fetched blocks are not
+    those of the prompt or leave a block the request reads unwritten."""
+    problem = _fetched_problem(kv, prompt_len, num_computed_tokens, fetched)
+    if problem is not None:
+        raise ValueError(f"context_phase_params: the context instance's answer {problem}")
+    ok = kv.allocate(request_id, prompt_len)
     assert ok, f"request {request_id}: blocks for its fetched KV were reserved"
     table = kv.block_table(request_id)
     first = num_computed_tokens // kv.tokens_per_block
@@ -122,3 +139,32 @@ def import_blocks(kv: KvCacheManager, request_id: int, num_computed_tokens: int,
     if not pairs:
         return None
     return KvWrites(tuple(b for b, _ in pairs), tuple(s for _, s in pairs), fetched)
+
+
+def _fetched_problem(kv: KvCacheManager, prompt_len: int, num_computed_tokens: int, fetched) -> str | None:
+    """Why the fetched blocks cannot stand for the prompt's KV, or None. The blocks the request's
+    next query reads (all of the prompt's, less a cached prefix and what a window hides) must each
+    be among them."""
+    num_blocks = kv.blocks_for_tokens(prompt_len)
+    if type(fetched.num_tokens) is not int or fetched.num_tokens != prompt_len:
+        return f"num_tokens {fetched.num_tokens!r}: the request's prompt has {prompt_len} tokens"
+    indexes = fetched.block_indexes
+    if not all(type(j) is int and 0 <= j < num_blocks for j in indexes) or len(set(indexes)) != len(indexes) \
+            or len(indexes) != fetched.values.shape[2]:
+        return (f"block_indexes {str(list(indexes))[:80]}: expected one distinct index in [0, {num_blocks}) per "
+                f"block sent ({fetched.values.shape[2]})")
+    missing = sorted(set(_read_block_indexes(kv, prompt_len, num_computed_tokens)) - set(indexes))
+    if missing:
+        return f"block_indexes {str(list(indexes))[:80]}: the prompt's blocks {missing[:8]} are missing"
+    return None
+
+
+def _read_block_indexes(kv: KvCacheManager, prompt_len: int, num_computed_tokens: int) -> range | list[int]:
+    """The prompt's blocks the first generation step reads and this pool does not hold: from the
+    cached prefix's end on, less those a window hides (kv.release_invisible_blocks' rule)."""
+    first, stop = num_computed_tokens // kv.tokens_per_block, kv.blocks_for_tokens(prompt_len)
+    if kv.attention_window is None:
+        return range(first, stop)
+    sinks = kv.blocks_for_tokens(kv.sink_token_length)
+    hidden_stop = (prompt_len - kv.attention_window + 1) // kv.tokens_per_block
+    return [j for j in range(first, stop) if not sinks <= j < hidden_stop]

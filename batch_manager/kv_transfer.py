@@ -10,6 +10,11 @@ server answers a frame {"error"} or {"num_tokens", "block_indexes", "shape", "nu
 and, for a quantized pool, of the float32 scales [L, 2, n, tpb, H]. A frame: 4-byte big-endian
 length, msgpack.
 
+Limits (a peer is checked in size and time): `timeout_s` is a deadline from connect (accept) to the
+last byte, on both sides; the ask frame is at most MAX_ASK_BYTES and the answer's header at most
+what the request's blocks need; the server serves at most MAX_CONNECTIONS connections at once
+(past it the oldest one still waiting for its ask is closed, or the new one when none waits).
+
 NOTE: TCP rather than torch.distributed point to point: p2p needs both instances in one process
 group formed up front (a fixed world, a rendezvous), and a peer that dies mid-send leaves the
 group unusable; instances here start, stop and die independently. The bytes go through host
@@ -23,6 +28,7 @@ import logging
 import socket
 import struct
 import threading
+import time
 from dataclasses import asdict, dataclass, fields
 
 import msgpack
@@ -36,7 +42,8 @@ logger = logging.getLogger(__name__)
 
 WIRE_VERSION = 1
 _LENGTH = struct.Struct(">I")
-MAX_FRAME_BYTES = 1 << 24
+MAX_ASK_BYTES = 1 << 16       # the ask is ~300 bytes (version, handle, layout)
+MAX_CONNECTIONS = 16          # served at once by one server (a thread each)
 
 
 class KvTransferError(RuntimeError):
@@ -97,39 +104,51 @@ def _weights_digest(weights: dict) -> str:
 
 # -- frames ------------------------------------------------------------------------------------
 
-def _send_frame(sock: socket.socket, value) -> None:
+def _remaining_s(sock: socket.socket, deadline_s: float) -> None:
+    """Set the socket's timeout to what is left until `deadline_s` (monotonic); timeout if none."""
+    left = deadline_s - time.monotonic()
+    if left <= 0:
+        raise socket.timeout("the transfer's deadline passed")
+    sock.settimeout(left)
+
+
+def _send_frame(sock: socket.socket, value, deadline_s: float) -> None:
     body = msgpack.packb(value, use_bin_type=True)
-    sock.sendall(_LENGTH.pack(len(body)) + body)
+    _sendall(sock, _LENGTH.pack(len(body)) + body, deadline_s)
 
 
-def _recv_into(sock: socket.socket, view: memoryview) -> None:
+def _sendall(sock: socket.socket, data, deadline_s: float) -> None:
+    _remaining_s(sock, deadline_s)
+    sock.sendall(data)
+
+
+def _recv_into(sock: socket.socket, view: memoryview, deadline_s: float) -> None:
     num_bytes, received = len(view), 0
     while received < num_bytes:
+        _remaining_s(sock, deadline_s)   # a deadline for the whole, not per recv: a dripping peer ends too
         n = sock.recv_into(view[received:], num_bytes - received)
         if n == 0:
             raise ConnectionError(f"the peer closed the connection after {received} of {num_bytes} bytes")
         received += n
 
 
-def _recv_exact(sock: socket.socket, num_bytes: int) -> bytearray:
-    buffer = bytearray(num_bytes)
-    _recv_into(sock, memoryview(buffer))
-    return buffer
-
-
-def _recv_tensor(sock: socket.socket, num_bytes: int) -> torch.Tensor:
+def _recv_tensor(sock: socket.socket, num_bytes: int, deadline_s: float) -> torch.Tensor:
     """uint8 [num_bytes]. NOTE: into torch.empty, not bytearray: no zero-filling pass first (47 MB:
     33 ms instead of 48 on this machine)."""
     tensor = torch.empty(num_bytes, dtype=torch.uint8)
-    _recv_into(sock, memoryview(tensor.numpy()))
+    _recv_into(sock, memoryview(tensor.numpy()), deadline_s)
     return tensor
 
 
-def _recv_frame(sock: socket.socket):
-    (length,) = _LENGTH.unpack(_recv_exact(sock, _LENGTH.size))
-    if length > MAX_FRAME_BYTES:
-        raise ConnectionError(f"a frame of {length} bytes (at most {MAX_FRAME_BYTES})")
-    return msgpack.unpackb(bytes(_recv_exact(sock, length)), raw=False)
+def _recv_frame(sock: socket.socket, max_bytes: int, deadline_s: float):
+    length_bytes = bytearray(_LENGTH.size)
+    _recv_into(sock, memoryview(length_bytes), deadline_s)
+    (length,) = _LENGTH.unpack(length_bytes)
+    if length > max_bytes:
+        raise ValueError(f"a frame of {length} bytes (at most {max_bytes} here)")
+    body = bytearray(length)
+    _recv_into(sock, memoryview(body), deadline_s)
+    return msgpack.unpackb(bytes(body), raw=False)
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -143,7 +162,8 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 class KvTransferServer:
     """Serves `exports` from `runner`'s pool on (host, a free port) until `close`. Each fetch takes
-    its export (one fetch per export) and frees it after the send, sent or not."""
+    its export (one fetch per export) and frees it after the send, sent or not. At most
+    MAX_CONNECTIONS connections (a thread each) at once, each ended `timeout_s` after its accept."""
 
     def __init__(self, exports: KvExports, runner, layout: KvLayout, host: str, timeout_s: float):
         self.exports, self.runner, self.layout, self.timeout_s = exports, runner, layout, timeout_s
@@ -151,8 +171,17 @@ class KvTransferServer:
         # What the params carry: a wildcard bind is reached through this host's name.
         self.address = (socket.getfqdn() if host in ("", "0.0.0.0", "::") else host, self._listener.getsockname()[1])
         self._closed = False
+        self._lock = threading.Lock()
+        self._num_serving = 0                                 # connections with a thread
+        self._asking: dict[socket.socket, None] = {}          # of those, the ones whose ask has not come (oldest first)
+        self._warned: set[str] = set()
+        self.num_refused = self.num_failed = 0                # cumulative: connections past the bound, failed sends
         self._thread = threading.Thread(target=self._accept_loop, name="KvTransferServer", daemon=True)
         self._thread.start()
+
+    @property
+    def num_serving(self) -> int:
+        return self._num_serving
 
     def close(self) -> None:
         self._closed = True
@@ -163,43 +192,80 @@ class KvTransferServer:
         self._listener.close()
         self._thread.join(timeout=5)
 
+    def _warn_once(self, kind: str, message: str, *args) -> None:
+        """The first of a kind as a warning, the others at debug level (a flood of bad peers must
+        not flood the log)."""
+        level = logging.DEBUG if kind in self._warned else logging.WARNING
+        self._warned.add(kind)
+        logger.log(level, message + ("" if level == logging.DEBUG else " (later ones are logged at debug level)"),
+                   *args)
+
     def _accept_loop(self) -> None:
         while not self._closed:
             try:
                 connection, _ = self._listener.accept()
             except OSError:
                 return   # closed
+            if not self._admit(connection):
+                self.num_refused += 1
+                self._warn_once("refused", "KV transfer: %d connections at once (the most served); a new one "
+                                "was refused", MAX_CONNECTIONS)
+                _abort(connection)
+                connection.close()
+                continue
             threading.Thread(target=self._serve, args=(connection,), name="KvTransferSend", daemon=True).start()
+
+    def _admit(self, connection: socket.socket) -> bool:
+        """Take `connection` under the bound, closing the oldest one still waiting for its ask
+        when the bound is reached; False when every served connection is sending."""
+        with self._lock:
+            if self._num_serving >= MAX_CONNECTIONS:
+                if not self._asking:
+                    return False
+                oldest = next(iter(self._asking))
+                del self._asking[oldest]
+                _abort(oldest)   # its thread ends at its next recv (and leaves the count then)
+                self.num_refused += 1
+            self._num_serving += 1
+            self._asking[connection] = None
+            return True
 
     def _serve(self, connection: socket.socket) -> None:
         handle = None
+        deadline_s = time.monotonic() + self.timeout_s
         with connection:
             try:
-                connection.settimeout(self.timeout_s)
                 connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                ask = _recv_frame(connection)
+                ask = _recv_frame(connection, MAX_ASK_BYTES, deadline_s)
+                with self._lock:
+                    if self._asking.pop(connection, False) is False:
+                        return   # closed for a newer connection meanwhile
                 if not isinstance(ask, dict) or ask.get("version") != WIRE_VERSION:
                     _send_frame(connection, {"error": f"unsupported fetch {str(ask)[:80]!r} (wire version "
-                                                      f"{WIRE_VERSION} expected)"})
+                                                      f"{WIRE_VERSION} expected)"}, deadline_s)
                     return
                 mismatch = self.layout.mismatch(ask.get("layout"))
                 if mismatch is not None:
-                    _send_frame(connection, {"error": f"the two instances differ in {mismatch}"})
+                    _send_frame(connection, {"error": f"the two instances differ in {mismatch}"}, deadline_s)
                     return
                 taken = self.exports.take(ask.get("handle"))
                 if isinstance(taken, str):
-                    _send_frame(connection, {"error": taken})
+                    _send_frame(connection, {"error": taken}, deadline_s)
                     return
                 handle = taken.handle
-                self._send_blocks(connection, taken)
+                self._send_blocks(connection, taken, deadline_s)
                 self.exports.finish(handle, sent=True)
-            except (OSError, ValueError, msgpack.UnpackException) as e:
-                logger.warning("KV transfer to a generation instance failed: %s", e)
+            except (OSError, ValueError, TypeError, msgpack.UnpackException) as e:
+                self.num_failed += 1
+                self._warn_once("failed", "KV transfer to a generation instance failed: %s", e)
             finally:
                 if handle is not None:
                     self.exports.finish(handle, sent=False)
+                with self._lock:
+                    self._asking.pop(connection, None)
+                    self._num_serving -= 1
 
-    def _send_blocks(self, connection: socket.socket, exported: ExportedKv) -> None:
+    def _send_blocks(self, connection: socket.socket, exported: ExportedKv, deadline_s: float) -> None:
         indexes = [j for j, b in enumerate(exported.block_ids) if b != RELEASED]
         ids = [exported.block_ids[j] for j in indexes]
         values = _as_bytes(self.runner.kv_pool)                 # uint8 [L, 2, N, tpb, H, D * size]
@@ -208,9 +274,17 @@ class KvTransferServer:
         num_bytes = lambda pool: pool[:, :, :1].numel() * len(ids)   # noqa: E731
         _send_frame(connection, {"error": None, "num_tokens": exported.num_tokens, "block_indexes": indexes,
                                  "shape": shape, "num_value_bytes": num_bytes(values),
-                                 "num_scale_bytes": 0 if scales is None else num_bytes(scales)})
+                                 "num_scale_bytes": 0 if scales is None else num_bytes(scales)}, deadline_s)
         for pool in (values,) if scales is None else (values, scales):
-            _send_pool_blocks(connection, pool, ids)
+            _send_pool_blocks(connection, pool, ids, deadline_s)
+
+
+def _abort(connection: socket.socket) -> None:
+    """Wake a thread blocked on `connection` (its recv returns at once); the thread closes it."""
+    try:
+        connection.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 def _block_runs(block_ids: list[int]) -> list[tuple[int, int]]:
@@ -224,7 +298,7 @@ def _block_runs(block_ids: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
-def _send_pool_blocks(connection: socket.socket, pool: torch.Tensor, block_ids: list[int]) -> None:
+def _send_pool_blocks(connection: socket.socket, pool: torch.Tensor, block_ids: list[int], deadline_s: float) -> None:
     """The bytes of `pool`'s blocks [L, 2, n, ...] in that order. A CPU pool is sent from where it
     lies, a run of consecutive blocks per layer and K/V at a time (no gathering copy); a GPU pool
     is gathered on the device, then copied to the host.
@@ -237,10 +311,10 @@ def _send_pool_blocks(connection: socket.socket, pool: torch.Tensor, block_ids: 
         for layer in range(array.shape[0]):
             for kv in range(array.shape[1]):
                 for start, stop in runs:
-                    connection.sendall(memoryview(array[layer, kv, start:stop]).cast("B"))
+                    _sendall(connection, memoryview(array[layer, kv, start:stop]).cast("B"), deadline_s)
         return
     ids = torch.tensor(block_ids, dtype=torch.int64, device=pool.device)
-    connection.sendall(memoryview(pool.index_select(2, ids).cpu().numpy()).cast("B"))
+    _sendall(connection, memoryview(pool.index_select(2, ids).cpu().numpy()).cast("B"), deadline_s)
 
 
 # -- the generation side -----------------------------------------------------------------------
@@ -254,24 +328,130 @@ class FetchedBlocks:
     scales: torch.Tensor | None             # uint8 [L, 2, n, tpb, H * 4]: a quantized pool's float32 scales
 
 
-def fetch_blocks(host: str, port: int, handle: int, layout: KvLayout, timeout_s: float) -> FetchedBlocks:
-    """KvTransferError naming the address and the cause when the blocks cannot be fetched."""
+@dataclass(frozen=True)
+class FetchExpectation:
+    """What a generation-only request can take as an answer: its prompt's blocks in this pool's byte shapes."""
+    num_tokens: int                          # the request's prompt length
+    tokens_per_block: int
+    value_block_shape: tuple[int, ...]       # the values' byte shape less the block axis: (L, 2, tpb, H, D * size)
+    scale_block_shape: tuple[int, ...] | None  # (L, 2, tpb, H * 4) for a quantized pool, else None
+
+    @classmethod
+    def of(cls, runner, num_tokens: int) -> "FetchExpectation":
+        values = _as_bytes(runner.kv_pool)
+        scales = None if runner.kv_scales is None else _as_bytes(runner.kv_scales)
+        drop_blocks = lambda t: (*t.shape[:2], *t.shape[3:])   # noqa: E731
+        return cls(num_tokens, runner.tokens_per_block, drop_blocks(values),
+                   None if scales is None else drop_blocks(scales))
+
+    @property
+    def num_blocks(self) -> int:
+        return -(-self.num_tokens // self.tokens_per_block)
+
+    @property
+    def max_header_bytes(self) -> int:
+        return 1024 + 9 * self.num_blocks   # the keys and shape, plus a msgpack int (<= 9 bytes) per index
+
+
+class OpenSockets:
+    """The sockets of the fetches under way, so that `abort_all` (shutdown) ends them at once."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._sockets: set[socket.socket] = set()
+        self._is_aborted = False
+
+    def add(self, sock: socket.socket) -> None:
+        with self._lock:
+            if self._is_aborted:
+                raise ConnectionError("the fetch was aborted (shutdown)")
+            self._sockets.add(sock)
+
+    def discard(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._sockets.discard(sock)
+
+    def abort_all(self) -> None:
+        """End every fetch under way (its next recv fails) and refuse new ones."""
+        with self._lock:
+            self._is_aborted = True
+            sockets = list(self._sockets)
+        for sock in sockets:
+            _abort(sock)
+
+
+def fetch_blocks(host: str, port: int, handle: int, layout: KvLayout, timeout_s: float, expect: FetchExpectation,
+                 open_sockets: OpenSockets | None = None) -> FetchedBlocks:
+    """KvTransferError naming the address and the cause when the blocks cannot be fetched within
+    `timeout_s` (connect to last byte), or the answer is not one of `expect`. open_sockets: where
+    the connection is registered while it is open."""
     where = f"{host}:{port} (handle {handle})"
+    deadline_s = time.monotonic() + timeout_s
+    open_sockets = OpenSockets() if open_sockets is None else open_sockets
     try:
         with socket.create_connection((host, port), timeout=timeout_s) as sock:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            _send_frame(sock, {"version": WIRE_VERSION, "handle": handle, "layout": layout.to_dict()})
-            header = _recv_frame(sock)
-            if not isinstance(header, dict) or header.get("error") is not None:
-                error = header.get("error") if isinstance(header, dict) else f"a malformed answer {header!r}"
-                raise KvTransferError(f"the context instance at {where} refused the fetch: {error}")
-            values = _recv_tensor(sock, header["num_value_bytes"])
-            scales = _recv_tensor(sock, header["num_scale_bytes"]) if header["num_scale_bytes"] else None
-    except (OSError, ConnectionError) as e:
+            open_sockets.add(sock)
+            try:
+                header, values, scales = _fetch_over(sock, handle, layout, expect, where, deadline_s)
+            finally:
+                open_sockets.discard(sock)
+    except TimeoutError:   # socket.timeout
+        raise KvTransferError(f"cannot fetch the KV blocks from the context instance at {where}: not all there "
+                              f"by the deadline (kv_transfer_timeout_ms {round(timeout_s * 1000)}, connect to "
+                              f"last byte)") from None
+    except (OSError, ValueError, msgpack.UnpackException) as e:
         raise KvTransferError(f"cannot fetch the KV blocks from the context instance at {where}: {e}") from None
     shape = header["shape"]
     return FetchedBlocks(header["num_tokens"], tuple(header["block_indexes"]), values.view(shape),
                          None if scales is None else scales.view(*shape[:-2], -1))
+
+
+def _fetch_over(sock: socket.socket, handle: int, layout: KvLayout, expect: FetchExpectation, where: str,
+                deadline_s: float) -> tuple[dict, torch.Tensor, torch.Tensor | None]:
+    """(the answer's header, the values' bytes, the scales' bytes or None)."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    _send_frame(sock, {"version": WIRE_VERSION, "handle": handle, "layout": layout.to_dict()}, deadline_s)
+    header = _recv_frame(sock, expect.max_header_bytes, deadline_s)
+    if not isinstance(header, dict) or header.get("error") is not None:
+        error = header.get("error") if isinstance(header, dict) else f"a malformed answer {str(header)[:80]}"
+        raise KvTransferError(f"the context instance at {where} refused the fetch: {str(error)[:200]}")
+    problem = _answer_problem(header, expect)
+    if problem is not None:
+        raise KvTransferError(f"the context instance at {where} answered {problem}")
+    values = _recv_tensor(sock, header["num_value_bytes"], deadline_s)
+    scales = _recv_tensor(sock, header["num_scale_bytes"], deadline_s) if header["num_scale_bytes"] else None
+    return header, values, scales
+
+
+def _is_int(value) -> bool:
+    return type(value) is int
+
+
+def _answer_problem(header: dict, expect: FetchExpectation) -> str | None:
+    """'field value: why' for an answer header that is not one of the request's prompt blocks, else None."""
+    num_tokens, indexes = header.get("num_tokens"), header.get("block_indexes")
+    if not _is_int(num_tokens) or num_tokens != expect.num_tokens:
+        return f"num_tokens {num_tokens!r}: the request's prompt has {expect.num_tokens} tokens"
+    if not isinstance(indexes, list) or not all(_is_int(j) for j in indexes) or not indexes \
+            or any(b <= a for a, b in zip(indexes, indexes[1:])) or indexes[0] < 0 or indexes[-1] >= expect.num_blocks:
+        return (f"block_indexes {str(indexes)[:80]}: expected increasing indexes in [0, {expect.num_blocks}) "
+                f"(the prompt's blocks)")
+    shape = [*expect.value_block_shape[:2], len(indexes), *expect.value_block_shape[2:]]
+    if header.get("shape") != shape:
+        return f"shape {str(header.get('shape'))[:80]}: expected {shape} (one block per index, this pool's layout)"
+    num_values = _product(shape)
+    num_scales = 0 if expect.scale_block_shape is None else len(indexes) * _product(expect.scale_block_shape)
+    for field, expected in (("num_value_bytes", num_values), ("num_scale_bytes", num_scales)):
+        if not _is_int(header.get(field)) or header[field] != expected:
+            return f"{field} {header.get(field)!r}: expected {expected}"
+    return None
+
+
+def _product(values) -> int:
+    out = 1
+    for v in values:
+        out *= v
+    return out
 
 
 @torch.inference_mode()

@@ -17,7 +17,7 @@ import msgpack
 
 from ..admission import AdmissionLimits, RequestError
 from ..kv_handoff import KvExports
-from ..kv_transfer import KvLayout, KvTransferServer, fetch_blocks
+from ..kv_transfer import FetchExpectation, KvLayout, KvTransferServer, OpenSockets, fetch_blocks
 from ..llm_request import RequestOutput, ResumedContext
 from .conversion import _token_ids
 from .request import ContextPhaseParams, Request, RequestType, SamplingConfig
@@ -67,6 +67,26 @@ class KvSource:
     host: str
     port: int
     handle: int
+    num_tokens: int     # the request's prompt length: what the answer must cover
+
+
+# opaque_state key -> the types its value may have (a context-only result's params; checked at enqueue)
+_STATE_FIELDS = {"host": (str,), "port": (int,), "handle": (int,), "num_tokens": (int,), "prompt_len": (int,),
+                 "prompt_digest": (bytes,), "max_tokens": (int,), "sampling": (dict,),
+                 "lora_task_id": (int, type(None)), "first_log_prob": (float, int), "layout": (dict,)}
+
+
+def _check_state_fields(state: dict) -> None:
+    for name, types in _STATE_FIELDS.items():
+        if name not in state:
+            raise RequestError(f"context_phase_params: opaque_state.{name} is missing")
+        value = state[name]
+        if isinstance(value, bool) or not isinstance(value, types):
+            raise RequestError(f"context_phase_params: opaque_state.{name}: expected "
+                               f"{' or '.join(t.__name__ for t in types)}, got {str(value)[:80]!r}")
+    if not 0 < state["port"] < 65536 or not state["host"]:
+        raise RequestError(f"context_phase_params: opaque_state.host / port: not an address "
+                           f"({state['host'][:80]!r}, {state['port']})")
 
 
 def check_request_type(request: Request, limits: AdmissionLimits, transfer: "KvTransfer | None"
@@ -130,6 +150,7 @@ def _resumed(request: Request, params, limits: AdmissionLimits, transfer: "KvTra
         state = None
     if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
         raise RequestError("context_phase_params: opaque_state is not that of a context-only result of this version")
+    _check_state_fields(state)
     mismatch = transfer.layout.mismatch(state.get("layout"))
     if mismatch is not None:
         raise RequestError(f"context_phase_params: the context instance differs from this one in {mismatch}")
@@ -157,7 +178,7 @@ def _resumed(request: Request, params, limits: AdmissionLimits, transfer: "KvTra
     if getattr(request.output_config, "return_context_logits", False):
         raise RequestError("output_config.return_context_logits: REQUEST_TYPE_GENERATION_ONLY computes no context")
     return ResumedContext(params.first_gen_tokens[0], float(state["first_log_prob"]),
-                          KvSource(state["host"], state["port"], state["handle"]))
+                          KvSource(state["host"], state["port"], state["handle"], len(prompt)))
 
 
 class KvTransfer:
@@ -172,7 +193,8 @@ class KvTransfer:
         self._lock = threading.Lock()
         self._server: KvTransferServer | None = None
         self._fetches: ThreadPoolExecutor | None = None
-        self._closed = False
+        self._fetch_sockets = OpenSockets()   # of the fetches under way
+        self._closed = self._fetches_cancelled = False
         self.num_fetches = self.num_fetched_bytes = 0   # cumulative, of the fetches that succeeded
         self.fetch_s = 0.0                              # their summed wall time (connect to last byte)
 
@@ -197,16 +219,22 @@ class KvTransfer:
 
     def fetch(self, source: KvSource) -> Future:
         """-> a Future of the blocks (kv_transfer.FetchedBlocks); its exception names
-        context_phase_params when they cannot be fetched."""
+        context_phase_params when they cannot be fetched (within timeout_s, connect to last byte)."""
         with self._lock:
+            if self._fetches_cancelled:
+                future: Future = Future()
+                future.cancel()
+                return future
             if self._fetches is None:
                 self._fetches = ThreadPoolExecutor(_MAX_FETCHES, thread_name_prefix="KvTransferFetch")
             return self._fetches.submit(self._fetch, source)
 
     def _fetch(self, source: KvSource):
         start = time.perf_counter()
+        expect = FetchExpectation.of(self._runner, source.num_tokens)
         try:
-            fetched = fetch_blocks(source.host, source.port, source.handle, self.layout, self.timeout_s)
+            fetched = fetch_blocks(source.host, source.port, source.handle, self.layout, self.timeout_s, expect,
+                                   self._fetch_sockets)
         except Exception as e:  # noqa: BLE001 - any failure is the request's error
             raise RuntimeError(f"context_phase_params: the KV blocks could not be fetched: {e}") from None
         with self._lock:
@@ -215,12 +243,25 @@ class KvTransfer:
             self.fetch_s += time.perf_counter() - start
         return fetched
 
+    def cancel_fetches(self) -> None:
+        """Shutdown: end the fetches under way (their requests get an error) and refuse new ones,
+        so that no peer holds the worker past shutdown."""
+        with self._lock:
+            self._fetches_cancelled = True
+            fetches = self._fetches
+        self._fetch_sockets.abort_all()
+        if fetches is not None:
+            fetches.shutdown(wait=False, cancel_futures=True)
+
     def close(self) -> None:
+        """After the worker stopped: no more transfers; the blocks still reserved are freed."""
+        self.cancel_fetches()
         with self._lock:
             self._closed = True
             server, self._server = self._server, None
             fetches, self._fetches = self._fetches, None
         if server is not None:
             server.close()
+        self.exports.release_all()
         if fetches is not None:
             fetches.shutdown(wait=False, cancel_futures=True)

@@ -190,6 +190,8 @@ class Executor:
         every wait (they return what is ready). Idempotent. On a rank > 0 of a tensor-parallel
         world: wait until rank 0 ends the run."""
         self._front_end.close()
+        if self._front_end.kv_transfer is not None:   # no peer may hold a generation-only request past this
+            self._front_end.kv_transfer.cancel_fetches()
         try:
             self._worker.shutdown()
         finally:

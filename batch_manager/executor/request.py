@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import msgpack
 
@@ -97,6 +97,7 @@ class ContextPhaseParams:
     first_gen_tokens: list[int]
     req_id: int
     opaque_state: bytes | None = None
+    MAX_BYTES: ClassVar[int] = 1 << 16   # from_bytes refuses more (this module's params are ~600 bytes)
 
     def to_bytes(self) -> bytes:
         return msgpack.packb({"first_gen_tokens": list(self.first_gen_tokens), "req_id": self.req_id,
@@ -104,7 +105,15 @@ class ContextPhaseParams:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "ContextPhaseParams":
-        """ValueError naming context_phase_params for bytes that are not a to_bytes() output."""
+        """ValueError naming context_phase_params for bytes that are not a to_bytes() output (or
+        more than MAX_BYTES of them)."""
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise ValueError(f"context_phase_params: expected the bytes of a ContextPhaseParams, got "
+                             f"{type(data).__name__}")
+        num_bytes = data.nbytes if isinstance(data, memoryview) else len(data)
+        if num_bytes > cls.MAX_BYTES:
+            raise ValueError(f"context_phase_params: {num_bytes} bytes (a ContextPhaseParams is at most "
+                             f"{cls.MAX_BYTES})")
         try:
             value = msgpack.unpackb(bytes(data), raw=False)
         except (TypeError, ValueError, msgpack.UnpackException) as e:
