@@ -1,5 +1,6 @@
 """`python -m samples.chaos_soak [--requests N] [--producers P] [--seed S] [--json OUT]`: a chaos
-soak of GptManager, then of the Executor (samples.chaos_soak.executor_round).
+soak of GptManager, then of the Executor (samples.chaos_soak.executor_round) and of its disaggregated
+requests (samples.chaos_soak.disaggregated_round).
 
 Rounds of construct / serve / shut down, one per (batching type x capacity policy), with block
 reuse, chunked context and overlap switched on and off between rounds, over a KV pool small
@@ -45,6 +46,7 @@ from batch_manager import (GptManager, KvCacheConfig, PeftCacheManagerConfig, Sc
                            TrtGptModelOptionalParams, TrtGptModelType)
 from runtime import Engine, GenerationInput, GenerationOutput, GptSession, SamplingConfig, WorldConfig, build_engine
 
+from .disaggregated_round import disaggregated_violations, run_disaggregated_round
 from .executor_round import executor_violations, run_executor_round
 from . import requests as chaos_requests
 from .requests import MAX_BEAM_WIDTH, make_bad, make_valid
@@ -264,9 +266,12 @@ def run_soak(num_requests: int = 300, num_producers: int = 4, seed: int = 0, wor
                                     round_seed, session))
         memory = [r["rss_mib"] for r in rounds[-3:]]
         executor_round = run_executor_round(engine_dir, POOL_TOKENS, per_round, num_producers, seed * 100 + 99)
+        disaggregated_round = run_disaggregated_round(engine_dir, POOL_TOKENS, per_round, num_producers,
+                                                      seed * 100 + 98)
     found = [f"round {i} ({r['config']['model_type']}, {r['config']['policy']}): {v}"
              for i, r in enumerate(rounds) for v in violations(r)]
     found += [f"executor round: {v}" for v in executor_violations(executor_round)]
+    found += [f"disaggregated round: {v}" for v in disaggregated_violations(disaggregated_round)]
     growth = round(memory[-1] - memory[0], 1)
     if growth > RSS_TOLERANCE_MIB:
         found.append(f"RSS grew {growth} MiB across three identical rounds (tolerance {RSS_TOLERANCE_MIB})")
@@ -281,7 +286,7 @@ def run_soak(num_requests: int = 300, num_producers: int = 4, seed: int = 0, wor
                 slowest_shutdown_s=max(r["shutdown_s"] for r in rounds),
                 slowest_shutdown_after_last_step_s=max(r["shutdown_after_last_step_s"] for r in rounds),
                 wall_s=round(time.monotonic() - start, 1), violations=found, rounds=rounds,
-                executor_round=executor_round)
+                executor_round=executor_round, disaggregated_round=disaggregated_round)
 
 
 def main(argv: list[str] | None = None) -> int:

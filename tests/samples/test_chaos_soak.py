@@ -11,7 +11,9 @@ from batch_manager.admission import AdmissionLimits, RequestError, to_spec
 from runtime.models import model_config_from_hf
 from samples.default_model import llama_hf_config
 from samples.chaos_soak.requests import BAD_KINDS, MAX_BEAM_WIDTH, make_bad
-from samples.chaos_soak.soak import BUILD, MODEL, POOL_TOKENS, RSS_TOLERANCE_MIB, SHUTDOWN_BOUND_S, main, run_soak
+from samples.chaos_soak.disaggregated_round import BAD_KINDS, disaggregated_violations, run_disaggregated_round
+from samples.chaos_soak.soak import (BUILD, MODEL, POOL_TOKENS, RSS_TOLERANCE_MIB, SHUTDOWN_BOUND_S, main, make_engine,
+                                     run_soak)
 
 LIMITS = AdmissionLimits(vocab_size=MODEL["vocab_size"], max_input_len=BUILD["max_input_len"],
                          max_seq_len=BUILD["max_seq_len"], max_beam_width=MAX_BEAM_WIDTH,
@@ -47,6 +49,15 @@ def test_short_soak_keeps_every_invariant(tmp_path):
     assert threading.active_count() == threads
     e = report["executor_round"]   # its violations are in report["violations"]
     assert e["served"] > 10 and e["bad"] > 0 and e["cancels"] > 0 and e["refused_after_shutdown"] > 0
+    assert report["disaggregated_round"]["honest_served"] > 0
+
+
+def test_disaggregated_round_serves_the_honest_and_answers_the_dead_and_slow(tmp_path):
+    report = run_disaggregated_round(make_engine(str(tmp_path)), POOL_TOKENS, 40, 4, seed=1)
+    assert disaggregated_violations(report) == [], report
+    assert report["honest_served"] == report["honest_submitted"] > 10
+    assert all(report.get(f"{kind}_errors", 0) == report.get(f"{kind}_submitted", 0) for kind in BAD_KINDS)
+    assert sum(report.get(f"{kind}_errors", 0) for kind in BAD_KINDS) > 3
 
 
 def test_bad_kinds_cover_the_validation_list():
