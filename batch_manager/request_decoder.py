@@ -62,14 +62,16 @@ class RequestDecoder:
                    for r in requests if r.request_id in failures}
         keep = [i for i, r in enumerate(requests) if r.request_id not in failures]
         if keep:
+            all_logits = logits
             if len(keep) < len(requests):
                 logits = logits[[row for i in keep for row in range(*spans[i])]]
             outcomes = self.decoder.step([entries[i].state for i in keep], logits, [requests[i].drafts for i in keep])
             for i, o in zip(keep, outcomes):
                 if o.finish_reason == "no_token":
-                    state = entries[i].state
-                    results[requests[i].request_id] = RequestResult(
-                        requests[i].request_id, error=_no_token_error(state, state.num_generated + len(o.tokens)))
+                    state, (lo, hi) = entries[i].state, spans[i]
+                    is_nan = bool(torch.isnan(all_logits[lo:hi]).any())
+                    results[requests[i].request_id] = RequestResult(requests[i].request_id, error=_no_token_error(
+                        state, state.num_generated + len(o.tokens), is_nan))
                     continue
                 results[requests[i].request_id] = RequestResult(requests[i].request_id, o)
         self.release(r.request_id for r in requests if r.request_id in failures or
@@ -118,9 +120,12 @@ class RequestDecoder:
         return failures
 
 
-def _no_token_error(state: DecodeState, step: int) -> str:
+def _no_token_error(state: DecodeState, step: int, is_nan: bool) -> str:
     """The error ending a request whose logits allowed no token at generation step `step` (0: the
-    first generated token)."""
+    first generated token); `is_nan`: its logits held NaN (the model's, or a post-processor's)."""
+    if is_nan:
+        return (f"logits: no token is allowed at generation step {step}: the logits are NaN (a model that "
+                "computes NaN, e.g. from non-finite weights, or a logits post-processor that wrote NaN)")
     if state.guide is not None:
         return (f"guided_decoding_params: no token is allowed at generation step {step}: the guide and the bans "
                 "(bad_words, min_length, a logits post-processor) leave none (the end id only where the guide "

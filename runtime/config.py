@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import stat
 from dataclasses import dataclass
@@ -55,6 +56,16 @@ class RopeConfig:
     low_freq_factor: float = 1.0        # llama3
     high_freq_factor: float = 4.0       # llama3
     original_max_position_embeddings: int = 8192  # llama3
+
+    def validated(self) -> "RopeConfig":
+        """ConfigError naming the field unless every number is finite and > 0 (a theta or factor of
+        0 or NaN would make every position's rotation NaN, and every logit with it)."""
+        for name in ("theta", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or value <= 0:
+                raise ConfigError(f"rope.{name}: must be a finite number > 0, got {value!r}")
+        return self
 
 
 @dataclass(frozen=True)
@@ -167,6 +178,8 @@ class ModelConfig:
                     or self.rotary_dim < 2 or self.rotary_dim % 2:
                 raise ConfigError(f"rotary_fraction: must be in (0, 1] and rotate an even number (>= 2) of the "
                                   f"{self.head_dim} head dims, got {fraction!r}")
+        if is_rotary:
+            self.rope.validated()
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"num_key_value_heads: {self.num_kv_heads} does not divide "
                               f"num_attention_heads {self.num_heads}")

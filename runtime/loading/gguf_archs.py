@@ -6,6 +6,7 @@ Each entry builds the HF `config.json` dict its registry entry reads (runtime.mo
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Callable, Mapping
@@ -41,6 +42,14 @@ class Keys:
         value = self.file.get_float(self.key(suffix))
         return default if value is None else value
 
+    def positive_number(self, suffix: str, default: float | None = None) -> float | None:
+        """number(), or ConfigError naming the key unless it is a finite number > 0 (or absent)."""
+        value = self.number(suffix, default)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ConfigError(f"{self.file.path}: metadata {self.key(suffix)!r}: must be a finite number > 0, "
+                              f"got {value}")
+        return value
+
     def has_tensor(self, name: str) -> bool:
         return name in self.file.tensors
 
@@ -56,6 +65,9 @@ class Keys:
         """attention.key_length where `free` (the architecture allows any), else hidden / heads; the
         value length must be the same."""
         key_length = self.count("attention.key_length", required=False)
+        if (not free or key_length is None) and self.heads > self.hidden:
+            raise ConfigError(f"{self.file.path}: metadata {self.key('attention.head_count')!r}: {self.heads} "
+                              f"heads exceed {self.key('embedding_length')!r} {self.hidden} (no head dim)")
         head_dim = key_length if free and key_length is not None else self.hidden // self.heads
         for suffix in ("attention.key_length", "attention.value_length"):
             value = self.count(suffix, required=False)
@@ -74,8 +86,7 @@ class Keys:
     def vocab_size(self) -> int:
         value = self.count("vocab_size", required=False)
         if value is None:
-            tokens = self.file.get_str_list("tokenizer.ggml.tokens")
-            value = len(tokens) if tokens else None
+            value = self.file.num_items("tokenizer.ggml.tokens") or None
         if value is None and "token_embd.weight" in self.file.tensors:
             value = self.file.tensors["token_embd.weight"].shape[0]
         if not value:
@@ -85,10 +96,10 @@ class Keys:
 
     def rope(self) -> dict[str, Any]:
         """rope_theta, and rope_scaling where the file scales positions linearly."""
-        out: dict[str, Any] = {"rope_theta": self.number("rope.freq_base", 10000.0)}
+        out: dict[str, Any] = {"rope_theta": self.positive_number("rope.freq_base", 10000.0)}
         kind = self.file.get_str(self.key("rope.scaling.type"))
-        factor = self.number("rope.scaling.factor")
-        if kind is None and self.number("rope.scale_linear", 1.0) != 1.0:   # the older spelling
+        factor = self.positive_number("rope.scaling.factor")
+        if kind is None and self.positive_number("rope.scale_linear", 1.0) != 1.0:   # the older spelling
             kind, factor = "linear", self.number("rope.scale_linear")
         if kind == "linear" and factor is None:
             raise ConfigError(f"{self.file.path}: metadata {self.key('rope.scaling.factor')!r}: missing")

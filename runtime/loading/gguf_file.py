@@ -29,6 +29,7 @@ from .tensor_files import WeightError
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)    # version 1 had 32-bit counts
 MAX_DIMS = 4                   # ggml's GGML_MAX_DIMS
+MAX_DIM = (1 << 63) - 1        # one dim's size (ggml's int64_t ne; torch's sizes)
 DEFAULT_ALIGNMENT = 32
 HEADER_BYTES = 24              # magic, version, tensor_count, kv_count
 # GGUFValueType -> struct format of one little-endian scalar (STRING = 8 and ARRAY = 9 have layouts of their own)
@@ -59,9 +60,31 @@ class TensorInfo:
         return gguf.GGMLQuantizationType(self.type_id).name
 
 
+class StringArray:
+    """A metadata array of strings kept as the file stores them: the bytes of the whole array (a
+    copy: each string after its 8-byte length) and where each string starts, 8 bytes an item;
+    decoded (and checked as UTF-8) only when read. NOTE: a list of 3M Python strings took 882 MB
+    for a 56 MB file; this takes the file's bytes plus 8 a string."""
+
+    def __init__(self, blob: bytes, starts: np.ndarray):
+        self._blob, self._starts = blob, starts   # int64 [n + 1]: string i is blob[starts[i]:starts[i + 1] - 8]
+
+    def __len__(self) -> int:
+        return len(self._starts) - 1
+
+    def decoded(self, what: str) -> list[str]:
+        """Every string (ConfigError naming `what` for one that is not UTF-8)."""
+        blob, starts = self._blob, self._starts.tolist()
+        try:
+            return [blob[start:end - 8].decode("utf-8") for start, end in zip(starts, starts[1:])]
+        except UnicodeDecodeError:
+            raise ConfigError(f"{what}: not UTF-8 text") from None
+
+
 @dataclass(frozen=True)
 class Value:
-    """One metadata value: `value_type` a GGUFValueType; arrays have `item_type` and a list value."""
+    """One metadata value: `value_type` a GGUFValueType; arrays have `item_type` and a compact value
+    (a read-only numpy array of scalars, or a StringArray)."""
     value_type: int
     value: Any
     item_type: int | None = None
@@ -118,14 +141,28 @@ def _read_value(cur: _Cursor, value_type: int, key: str) -> Value:
         raise ConfigError(f"{cur.path}: {what}: unknown value type {value_type}")
     item_type = cur.u32(what)
     if item_type == STRING:
-        return Value(value_type, [cur.text(what) for _ in range(cur.count(what, 8))], item_type)
+        return Value(value_type, _read_strings(cur, what), item_type)
     if item_type not in SCALAR_FORMATS:
         raise ConfigError(f"{cur.path}: {what}: unsupported array item type {item_type}")
     fmt = SCALAR_FORMATS[item_type]
     count = cur.count(what, struct.calcsize(fmt))
     start = cur.take(count * struct.calcsize(fmt), what)
-    items = np.frombuffer(cur.data, dtype=np.dtype(fmt), count=count, offset=start).tolist()
-    return Value(value_type, [bool(v) for v in items] if item_type == BOOL else items, item_type)
+    items = np.frombuffer(cur.data, dtype=np.dtype(fmt), count=count, offset=start)
+    items = items.astype(bool) if item_type == BOOL else items.copy()   # a copy: the mapping may close
+    items.flags.writeable = False
+    return Value(value_type, items, item_type)
+
+
+def _read_strings(cur: _Cursor, what: str) -> StringArray:
+    """The strings of an array, each length checked against the file, kept undecoded."""
+    count = cur.count(what, 8)
+    first = cur.pos
+    starts = np.empty(count + 1, np.int64)
+    for i in range(count):
+        length = cur.u64(what)
+        starts[i] = cur.take(length, what) - first
+    starts[count] = cur.pos - first + 8
+    return StringArray(bytes(cur.data[first:cur.pos]), starts)
 
 
 def _read_tensor_info(cur: _Cursor) -> tuple[str, int, tuple[int, ...], int]:
@@ -140,6 +177,9 @@ def _read_tensor_info(cur: _Cursor) -> tuple[str, int, tuple[int, ...], int]:
 def _tensor(path: str, raw: tuple[str, int, tuple[int, ...], int], data_start: int, alignment: int,
             size: int) -> TensorInfo:
     name, type_id, ne, offset = raw
+    for dim in ne:
+        if dim > MAX_DIM:
+            raise WeightError(f"{path}: tensor {name!r}: dim {dim} exceeds {MAX_DIM} (torch's int64 sizes)")
     try:
         kind = gguf.GGMLQuantizationType(type_id)
         block_size, type_bytes = gguf.GGML_QUANT_SIZES[kind]
@@ -193,9 +233,10 @@ def read_header(data: mmap.mmap, size: int, path: str) -> tuple[dict[str, Value]
     return metadata, tensors
 
 
-def _map(path: str) -> tuple[mmap.mmap | None, int]:
-    """A read-only mapping of a regular file (None when empty) and its size. O_NONBLOCK: opening a
-    FIFO returns at once (and fstat refuses it) where a plain open would wait for a writer."""
+def _map(path: str) -> tuple[mmap.mmap | None, int, int]:
+    """A read-only mapping of a regular file (None when empty), its size and its open descriptor
+    (kept to see the size again before each tensor read). O_NONBLOCK: opening a FIFO returns at
+    once (and fstat refuses it) where a plain open would wait for a writer."""
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
     except OSError as e:
@@ -204,11 +245,12 @@ def _map(path: str) -> tuple[mmap.mmap | None, int]:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             raise ConfigError(f"{path}: cannot read the GGUF file: not a regular file")
-        return (mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if info.st_size else None), info.st_size
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read the GGUF file: {e}") from None
-    finally:
-        os.close(fd)   # the mapping outlives the descriptor
+        return (mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if info.st_size else None), info.st_size, fd
+    except BaseException as e:
+        os.close(fd)
+        if isinstance(e, OSError):
+            raise ConfigError(f"{path}: cannot read the GGUF file: {e}") from None
+        raise
 
 
 class GgufFile:
@@ -218,9 +260,17 @@ class GgufFile:
 
     def __init__(self, path: str | os.PathLike):
         self.path = os.fspath(path)
-        self._data, size = _map(self.path)
-        self.metadata, self.tensors = read_header(self._data if self._data is not None else b"", size, self.path)
+        self._data, size, self._fd = _map(self.path)
+        try:
+            self.metadata, self.tensors = read_header(self._data if self._data is not None else b"", size, self.path)
+        except BaseException:
+            self.close()
+            raise
         self.num_bytes_read = 0
+
+    def __del__(self) -> None:
+        if getattr(self, "_fd", None) is not None:
+            os.close(self._fd)
 
     def __enter__(self) -> "GgufFile":
         return self
@@ -230,6 +280,9 @@ class GgufFile:
 
     def close(self) -> None:
         """Unmap the file (tensors already read are copies and stay valid)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
         if self._data is not None:
             try:
                 self._data.close()
@@ -243,13 +296,20 @@ class GgufFile:
         entry = self.metadata.get(key)
         if entry is None:
             return None
-        if is_array and entry.value_type == ARRAY and not entry.value:
+        if is_array and entry.value_type == ARRAY and not len(entry.value):
             return []
         kind = entry.value_type if not is_array else (entry.item_type if entry.value_type == ARRAY else None)
         if kind not in value_types:
             raise ConfigError(f"{self.path}: metadata {key!r}: expected {what}, got value type {entry.value_type}"
                               + (f" of {entry.item_type}" if entry.item_type is not None else ""))
-        return entry.value
+        if isinstance(entry.value, StringArray):
+            return entry.value.decoded(f"{self.path}: metadata {key!r}")
+        return entry.value.tolist() if isinstance(entry.value, np.ndarray) else entry.value
+
+    def num_items(self, key: str) -> int | None:
+        """The length of array `key` (None when absent or not an array), without decoding it."""
+        entry = self.metadata.get(key)
+        return len(entry.value) if entry is not None and entry.value_type == ARRAY else None
 
     def get_int(self, key: str) -> int | None:
         return self._get(key, INT_TYPES, False, "an integer")
@@ -280,8 +340,18 @@ class GgufFile:
         """The stored bytes of tensor `name` as gguf.quants lays them out: uint8 [*shape[:-1], row bytes]
         (a read-only view of the mapping)."""
         info = self.tensors[name]
+        self._check_still_whole(info)
         byte_shape = gguf.quants.quant_shape_to_byte_shape(info.shape, gguf.GGMLQuantizationType(info.type_id))
         return np.frombuffer(self._data, dtype=np.uint8, count=info.num_bytes, offset=info.offset).reshape(byte_shape)
+
+    def _check_still_whole(self, info: TensorInfo) -> None:
+        """WeightError naming the tensor when the file no longer holds its bytes: a read of a mapped
+        page past the end of a file truncated since it was mapped kills the process (SIGBUS).
+        NOTE: a truncation between this check and the copy still does (README "GGUF files")."""
+        size = os.fstat(self._fd).st_size if self._fd is not None else 0
+        if info.offset + info.num_bytes > size:
+            raise WeightError(f"{self.path}: tensor {info.name!r}: its bytes at offset {info.offset} are past the "
+                              f"end of the file, now {size} bytes (truncated while loaded?)")
 
     def read(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Tensor `name` de-quantized (gguf.quants.dequantize), in torch's dim order, as `dtype`."""

@@ -135,7 +135,23 @@ def _checked(raw: RawWeights, cfg: ModelConfig, dtype: torch.dtype, where: str, 
         elif selection is not None:   # a reader that built it in memory
             tensor = shard.slice(name, tensor, shapes)
         out[name] = tensor.contiguous() if name in stored else tensor.to(dtype).contiguous()
+        _check_finite(out[name], name, where)
     return out
+
+
+def _check_finite(tensor: torch.Tensor, name: str, where: str) -> None:
+    """WeightError naming the tensor when a floating-point one holds NaN or infinity (in the dtype it
+    runs in: a float32 value beyond float16's range becomes infinite). Without it a NaN weight loads
+    and every request then fails at its first token.
+    NOTE: a finite sum proves every element finite (NaN and inf propagate through a sum) in one
+    reduction, 8-10x faster than isfinite(...).all() (a [4096, 11008] tensor, 2 CPU cores: 16 ms
+    float32 and 12 ms bfloat16, against 140 and 131 ms; a copy of it takes 46 and 25 ms); only a sum
+    that is not finite (a NaN, or finite values summing past the dtype's range) takes the exact pass."""
+    if not tensor.is_floating_point() or bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all()):
+        return
+    num_nan = int(torch.isnan(tensor).sum())
+    raise WeightError(f"{where}: tensor {name!r} holds {num_nan} NaN and {int(torch.isinf(tensor).sum())} infinite "
+                      f"values (as {tensor.dtype}); a model with them computes NaN logits")
 
 
 def check_weights(raw: dict[str, torch.Tensor], cfg: ModelConfig, dtype: torch.dtype, where: str,

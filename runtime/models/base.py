@@ -5,6 +5,7 @@ An entry maps a checkpoint's config onto ModelConfig and its tensor names onto t
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -54,6 +55,19 @@ def _rope_parameters(hf: dict[str, Any]) -> dict[str, Any]:
     return dict(params) if isinstance(params, dict) else dict(hf.get("rope_scaling") or {})
 
 
+def positive_number(value: Any, key: str) -> float:
+    """`value` as a float, or ConfigError naming `key` unless it is a finite number > 0."""
+    try:
+        number = None if isinstance(value, bool) else float(value)
+    except OverflowError:   # an int too large for a float
+        number = math.inf
+    except (TypeError, ValueError):
+        number = None
+    if number is None or not math.isfinite(number) or number <= 0:
+        raise ConfigError(f"config.json: {key} must be a finite number > 0, got {value!r}"[:300])
+    return number
+
+
 def rotary_fraction_from_hf(hf: dict[str, Any], *legacy_keys: str, default: float = 1.0) -> float:
     """The share of head_dim that rotates: rope_parameters' partial_rotary_factor (transformers >= 5),
     else the top-level `partial_rotary_factor` or one of `legacy_keys` (e.g. GPT-NeoX's rotary_pct),
@@ -71,20 +85,28 @@ def rotary_fraction_from_hf(hf: dict[str, Any], *legacy_keys: str, default: floa
 
 def rope_from_hf(hf: dict[str, Any], *legacy_theta_keys: str) -> RopeConfig:
     """Theta and scaling of the rotary embedding; `legacy_theta_keys` name older spellings of
-    rope_theta (e.g. GPT-NeoX's rotary_emb_base). The rotated share is rotary_fraction_from_hf's."""
+    rope_theta (e.g. GPT-NeoX's rotary_emb_base). The rotated share is rotary_fraction_from_hf's.
+    A theta or factor that is not a finite number > 0 (0, NaN, inf) is a ConfigError naming the key."""
     scaling = _rope_parameters(hf)
-    theta = next((hf[k] for k in ("rope_theta", *legacy_theta_keys) if hf.get(k) is not None), 10000.0)
-    theta = float(scaling.get("rope_theta", theta))
+    section = "rope_parameters" if isinstance(hf.get("rope_parameters"), dict) else "rope_scaling"
+    theta_key = next((k for k in ("rope_theta", *legacy_theta_keys) if hf.get(k) is not None), None)
+    theta = hf[theta_key] if theta_key is not None else 10000.0
+    if "rope_theta" in scaling:
+        theta_key, theta = f"{section}.rope_theta", scaling["rope_theta"]
+    theta = positive_number(theta, theta_key or "rope_theta")
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
         return RopeConfig(theta=theta)
-    factor = float(scaling.get("factor", 1.0))
+    factor = positive_number(scaling.get("factor", 1.0), f"{section}.factor")
     if kind == "linear":
         return RopeConfig(theta=theta, scaling_type="linear", factor=factor)
     if kind == "llama3":
         return RopeConfig(theta=theta, scaling_type="llama3", factor=factor,
-                          low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
-                          high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
-                          original_max_position_embeddings=int(
-                              scaling.get("original_max_position_embeddings", 8192)))
+                          low_freq_factor=positive_number(scaling.get("low_freq_factor", 1.0),
+                                                          f"{section}.low_freq_factor"),
+                          high_freq_factor=positive_number(scaling.get("high_freq_factor", 4.0),
+                                                           f"{section}.high_freq_factor"),
+                          original_max_position_embeddings=int(positive_number(
+                              scaling.get("original_max_position_embeddings", 8192),
+                              f"{section}.original_max_position_embeddings")))
     raise ConfigError(f"rope_scaling: unsupported type {kind!r}; supported: default, linear, llama3")

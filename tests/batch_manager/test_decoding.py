@@ -152,6 +152,25 @@ def test_batched_post_processor_sees_every_opted_in_request_once_per_step(tiny_e
     assert calls[0] == [1, 3]
 
 
+def test_nan_logits_are_named_in_the_no_token_error_not_blamed_on_bad_words(tiny_engine, prompts):
+    def batched(request_ids, logits, token_ids, stream, client_ids):
+        for request_id, rows in zip(request_ids, logits):
+            if request_id == 1:
+                rows.fill_(float("nan"))
+
+    requests = [make_request(i, prompts[i], max_new_tokens=2) for i in (1, 2)]
+    for r in requests:
+        r.use_batched_logits_post_processor = True
+    client = Client(requests)
+    params = small_pool()
+    params.logits_post_processor_batched = batched
+    run_to_completion(tiny_engine[0], client, params=params)
+    _, _, err = client.final(1)
+    assert err.startswith("logits: no token is allowed at generation step 0: the logits are NaN"), err
+    assert "bad_words" not in err
+    assert client.final(2)[2] == ""
+
+
 @pytest.mark.parametrize("tensors, message", [
     (dict(stop_words_list=torch.tensor([[1, 2], [3, -1]], dtype=torch.int32)), "stop_words_list"),
     (dict(bad_words_list=torch.tensor([[[500], [1]]], dtype=torch.int32)), "bad_words_list: token id 500"),

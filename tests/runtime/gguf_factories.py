@@ -134,7 +134,8 @@ def write_gguf(path: str | os.PathLike, case: str, model, matmul_type=Q.F32, nam
                extra: dict | None = None, extra_keys: dict[str, int] | None = None) -> str:
     """Write `model` (a transformers model of `case`'s family) as llama.cpp would; every 2-D weight in
     `matmul_type` (norms and biases F32), or as `matmul_type(gguf name, float32 array)` gives it
-    (data, raw dtype). `extra`: GGUF name -> float32 array to add; `extra_keys`: uint32 metadata."""
+    (data, raw dtype). `extra`: GGUF name -> float32 array to add; `extra_keys`: metadata (int: uint32,
+    float: float32, str: string)."""
     arch, config = GGUF_ARCH[case], model.config
     params = {n: p.detach().float().numpy() for n, p in model.named_parameters()}
     num_layers = _get(config, "num_hidden_layers", "n_layer")
@@ -143,7 +144,8 @@ def write_gguf(path: str | os.PathLike, case: str, model, matmul_type=Q.F32, nam
     writer.add_name(name or case)
     _metadata(writer, case, config)
     for key, value in (extra_keys or {}).items():
-        writer.add_uint32(key, value)
+        add = {float: writer.add_float32, str: writer.add_string}.get(type(value), writer.add_uint32)
+        add(key, value)
     _tokenizer(writer, config.vocab_size, {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id,
                                            "pad_token_id": getattr(config, "pad_token_id", None)})
     for hf_name, w in params.items():

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from runtime import ConfigError, Engine, WeightError, save_gguf_tokenizer
-from runtime.loading.gguf_file import GgufFile
+from runtime.loading.gguf_file import GgufFile, read_header
 from tests import factories
 from tests.runtime.gguf_factories import write_gguf
 
@@ -87,7 +87,22 @@ def damage(name: str, data: bytes) -> bytes:
                                                   tensor_field(data, Q_NAME, "ne1"), "<Q", 1 << 32),
         "too_many_dims": lambda: patch(data, tensor_field(data, Q_NAME, "n_dims"), "<I", 9),
         "misshaped_tensor": lambda: patch(data, tensor_field(data, Q_NAME, "ne1"), "<Q", 32),
+        "freq_base_nan": lambda: patch(data, after_key(data, "llama.rope.freq_base") + 4, "<f", float("nan")),
+        "freq_base_zero": lambda: patch(data, after_key(data, "llama.rope.freq_base") + 4, "<f", 0.0),
+        "freq_base_negative": lambda: patch(data, after_key(data, "llama.rope.freq_base") + 4, "<f", -1.0),
+        "freq_base_inf": lambda: patch(data, after_key(data, "llama.rope.freq_base") + 4, "<f", float("inf")),
+        "norm_eps_nan": lambda: patch(data, after_key(data, "llama.attention.layer_norm_rms_epsilon") + 4, "<f",
+                                      float("nan")),
+        "head_count_over_embedding": lambda: patch(data, after_key(data, "llama.attention.head_count") + 4, "<I",
+                                                   128),
+        "nan_weight": lambda: patch(data, tensor_data(data, Q_NAME), "<f", float("nan")),
     }[name]()
+
+
+def tensor_data(data: bytes, name: str) -> int:
+    """Offset of the first byte of tensor `name`'s data."""
+    _, tensors = read_header(data, len(data), "valid.gguf")
+    return tensors[name].offset
 
 
 # case -> (error class, text the message must hold)
@@ -117,6 +132,13 @@ CASES = {
     "dims_overflowing_64_bits": (WeightError, f"tensor '{Q_NAME}'"),
     "too_many_dims": (WeightError, f"tensor '{Q_NAME}': 9 dims"),
     "misshaped_tensor": (WeightError, f"tensor '{Q_NAME}' has shape [32, 64], expected [64, 64]"),
+    "freq_base_nan": (ConfigError, "'llama.rope.freq_base': must be a finite number > 0, got nan"),
+    "freq_base_zero": (ConfigError, "'llama.rope.freq_base': must be a finite number > 0, got 0.0"),
+    "freq_base_negative": (ConfigError, "'llama.rope.freq_base': must be a finite number > 0, got -1.0"),
+    "freq_base_inf": (ConfigError, "'llama.rope.freq_base': must be a finite number > 0, got inf"),
+    "norm_eps_nan": (ConfigError, "norm_eps: must be in (0, 1), got nan"),
+    "head_count_over_embedding": (ConfigError, "'llama.attention.head_count': 128 heads exceed"),
+    "nan_weight": (WeightError, "tensor 'layers.0.qkv.weight' holds 1 NaN and 0 infinite values"),
 }
 
 
@@ -163,3 +185,94 @@ def test_not_a_regular_file(tmp_path):
     os.mkfifo(tmp_path / "fifo.gguf")
     with pytest.raises(ConfigError, match="not a regular file"):
         Engine.from_dir(tmp_path / "fifo.gguf")
+
+
+def test_a_zero_byte_tensor_with_a_dim_past_int64_is_refused_naming_it(valid, tmp_path):
+    data = patch(patch(valid, tensor_field(valid, Q_NAME, "ne0"), "<Q", 0), tensor_field(valid, Q_NAME, "ne1"),
+                 "<Q", (1 << 64) - 1)
+    (tmp_path / "bad.gguf").write_bytes(data)
+    with pytest.raises(WeightError, match=rf"tensor '{Q_NAME}': dim 18446744073709551615 exceeds"):
+        GgufFile(tmp_path / "bad.gguf")
+
+
+@pytest.mark.parametrize("factor", [0.0, float("nan"), -2.0])
+def test_a_linear_rope_factor_that_is_not_finite_and_positive_is_refused(tmp_path, factor):
+    model = factories.hf_model("llama", seed=1, num_hidden_layers=1)
+    path = write_gguf(tmp_path / "f.gguf", "llama", model, extra_keys={"llama.rope.scaling.type": "linear",
+                                                                       "llama.rope.scaling.factor": factor})
+    with pytest.raises(ConfigError, match=r"'llama.rope.scaling.factor': must be a finite number > 0"):
+        Engine.from_dir(path)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_more_heads_than_embedding_width_is_refused_naming_the_key(valid, tmp_path, arch):
+    """llama without rope.dimension_count divided by a head dim of 0 (ZeroDivisionError)."""
+    if arch == "llama":
+        data = valid.replace(b"llama.rope.dimension_count", b"llama.rope.dimension_counX")
+    else:
+        data = open(write_gguf(tmp_path / "h.gguf", arch, factories.hf_model(arch, seed=1, num_hidden_layers=1)),
+                    "rb").read()
+    (tmp_path / "h.gguf").write_bytes(patch(data, after_key(data, f"{arch}.attention.head_count") + 4, "<I", 4096))
+    with pytest.raises(ConfigError, match=rf"'{arch}.attention.head_count': 4096 heads exceed '{arch}.embedding_length'"):
+        Engine.from_dir(tmp_path / "h.gguf")
+
+
+def _gguf_of_arrays(path, num_items: int) -> int:
+    """A GGUF file of two metadata arrays of `num_items` each (6-byte strings, int32s); its size."""
+    def key(name: str) -> bytes:
+        return struct.pack("<Q", len(name)) + name.encode()
+    strings = b"".join(struct.pack("<Q", 6) + b"t%05d" % (i % 100000) for i in range(num_items))
+    ints = np.arange(num_items, dtype="<i4").tobytes()
+    data = (b"GGUF" + struct.pack("<IQQ", 3, 0, 2)
+            + key("tokenizer.ggml.tokens") + struct.pack("<IIQ", 9, 8, num_items) + strings
+            + key("tokenizer.ggml.token_type") + struct.pack("<IIQ", 9, 5, num_items) + ints)
+    path.write_bytes(data)
+    return len(data)
+
+
+def test_metadata_arrays_take_about_their_file_size_in_memory(tmp_path):
+    import tracemalloc
+    size = _gguf_of_arrays(tmp_path / "a.gguf", 500_000)
+    tracemalloc.start()
+    try:
+        file = GgufFile(tmp_path / "a.gguf")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 2 * size, (peak, size)   # Python lists: 5x the strings' bytes, 9x the ints'
+    assert file.num_items("tokenizer.ggml.tokens") == 500_000
+    assert file.get_str_list("tokenizer.ggml.tokens")[123_456] == "t23456"
+    assert file.get_int_list("tokenizer.ggml.token_type")[-1] == 499_999
+    file.close()
+
+
+def test_a_string_array_that_is_not_utf8_is_named_when_read(tmp_path):
+    _gguf_of_arrays(tmp_path / "a.gguf", 3)
+    data = (tmp_path / "a.gguf").read_bytes().replace(b"t00001", b"t\xff0001")
+    (tmp_path / "a.gguf").write_bytes(data)
+    with pytest.raises(ConfigError, match="'tokenizer.ggml.tokens': not UTF-8 text"):
+        GgufFile(tmp_path / "a.gguf").get_str_list("tokenizer.ggml.tokens")
+
+
+def test_a_file_truncated_while_loaded_is_an_error_not_a_sigbus(valid, tmp_path):
+    """Run in a child: reading a mapped page past the end of a truncated file is SIGBUS."""
+    import subprocess
+    import sys
+    import textwrap
+    path = tmp_path / "m.gguf"
+    path.write_bytes(valid)
+    code = textwrap.dedent(f"""
+        import os
+        from runtime import WeightError
+        from runtime.loading.gguf_file import GgufFile
+        file = GgufFile({str(path)!r})
+        os.truncate({str(path)!r}, 4096)
+        try:
+            file.read({Q_NAME!r})
+        except WeightError as e:
+            print("ERROR", e)
+    """)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=120)
+    assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
+    assert f"tensor '{Q_NAME}'" in result.stdout and "truncated while loaded" in result.stdout, result.stdout

@@ -176,3 +176,65 @@ def test_hostile_safetensors_index_is_a_config_error_naming_it(hf_dir, tmp_path)
     (path / "model.safetensors.index.json").symlink_to("/dev/zero")
     expect_clean_error(LOAD_AND_RUN.format(path=str(path)), "ERROR", "model.safetensors.index.json",
                        "not a regular file", timeout_s=60)
+
+
+def _copy_hf(hf_dir: Path, dst: Path, edit_config=None, edit_tensors=None) -> Path:
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(hf_dir, dst)
+    if edit_config:
+        config = json.loads((dst / "config.json").read_text())
+        edit_config(config)
+        (dst / "config.json").write_text(json.dumps(config))
+    if edit_tensors:
+        tensors = load_file(dst / "model.safetensors")
+        edit_tensors(tensors)
+        save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+@pytest.mark.parametrize("theta", [0, -1.0, float("nan"), float("inf"), 10 ** 400])
+def test_a_rope_theta_that_is_not_finite_and_positive_is_refused_at_load(hf_dir, engine_dir, tmp_path, theta):
+    from runtime import ConfigError, Engine
+    path = _copy_hf(hf_dir, tmp_path / "hf", edit_config=lambda c: c.update(rope_theta=theta, rope_parameters=None))
+    with pytest.raises(ConfigError, match=r"config.json: rope_theta must be a finite number > 0"):
+        Engine.from_dir(path)
+    path = copy_engine(engine_dir, tmp_path / "e", edit_model=dict(
+        rope=dict(theta=theta if theta != 10 ** 400 else float("inf"))))
+    with pytest.raises(ConfigError, match=r"rope.theta: must be a finite number > 0"):
+        Engine.from_dir(path)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_a_non_finite_weight_is_refused_at_load_naming_the_tensor(hf_dir, tmp_path, value):
+    from runtime import Engine, WeightError
+
+    def poison(tensors):
+        tensors["model.layers.0.mlp.down_proj.weight"][3, 5] = value
+
+    path = _copy_hf(hf_dir, tmp_path / "hf", edit_tensors=poison)
+    with pytest.raises(WeightError, match=r"tensor 'layers.0.mlp_out.weight' holds"):
+        Engine.from_dir(path)
+
+
+def test_a_float32_weight_past_float16_range_is_refused_in_float16(hf_dir, tmp_path):
+    from runtime import Engine, WeightError
+
+    def widen(tensors):
+        tensors["model.layers.0.mlp.down_proj.weight"][0, 0] = 1e6
+
+    path = _copy_hf(hf_dir, tmp_path / "hf", edit_tensors=widen)
+    Engine.from_dir(path)   # float32: fine
+    with pytest.raises(WeightError, match=r"'layers.0.mlp_out.weight' holds 0 NaN and 1 infinite values \(as torch.float16\)"):
+        Engine.from_dir(path, dtype="float16")
+
+
+def test_a_non_finite_int4_scale_is_refused_at_load_naming_it(hf_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+    from runtime import Engine, WeightError
+    build_engine(hf_dir, tmp_path / "int4", max_seq_len=64, max_input_len=32, tokens_per_block=4, weight_only="int4")
+    tensors = load_file(tmp_path / "int4" / "weights.safetensors")
+    name = next(n for n in sorted(tensors) if n.endswith("_scale"))
+    tensors[name].view(-1)[0] = float("inf")
+    save_file(tensors, tmp_path / "int4" / "weights.safetensors", metadata={"format": "batch-manager-engine"})
+    with pytest.raises(WeightError, match=rf"tensor '{name}' holds 0 NaN and 1 infinite"):
+        Engine.from_dir(tmp_path / "int4")
