@@ -8,7 +8,6 @@ import collections
 import dataclasses
 import logging
 import threading
-import time
 
 import numpy as np
 
@@ -63,7 +62,6 @@ class LlmModel:
         parameters = read_parameters(model_config)
         model_type = MODEL_TYPES[parameters.get("gpt_model_type", "inflight_fused_batching").lower()]
         self._cancel_check_period_s = int(parameters.get("cancellation_check_period_ms", "100")) / 1e3
-        self._last_cancel_check_s = 0.0
         self._lock = threading.Lock()   # guards the three below: execute and the worker share them
         self._incoming = collections.deque()
         self._id_to_live: dict[int, LiveRequest] = {}
@@ -71,12 +69,19 @@ class LlmModel:
         self._ids = RequestIds()
         self._is_busy = False   # the worker's view: a request was live at its last get-requests call
         self._output_names = [o["name"] for o in model_config["output"]]
+        self._is_closing = threading.Event()
+        # held by the watcher while it asks requests, and by the worker while it sends a final response
+        self._finalize_lock = threading.Lock()
         self.metrics = StatsMetrics(pb_utils, model_name, model_version, model_type == TrtGptModelType.V1)
         self.manager = GptManager(parameters["gpt_model_path"], model_type, int(parameters.get("max_beam_width", "1")),
                                   POLICIES[parameters.get("batch_scheduler_policy", "guaranteed_no_evict").lower()],
                                   self._get_requests, self._send_response, self._poll_stop_signals,
                                   self.metrics.update, manager_options(parameters),
                                   exclude_input_in_output=_bool(parameters, "exclude_input_in_output"))
+        # NOTE: a cancellation check is a round trip to the server process: done on a thread of its
+        # own, never on the GptManager's worker (it would cost every step one round trip per request).
+        self._cancel_watcher = threading.Thread(target=self._watch_cancellations, name="cancellations", daemon=True)
+        self._cancel_watcher.start()
 
     # Triton's thread
 
@@ -86,7 +91,7 @@ class LlmModel:
             try:
                 self._accept(request, sender)
             except BadRequest as e:
-                self._send_final(sender, self.pb_utils.InferenceResponse(error=self.pb_utils.TritonError(str(e))))
+                self._send_error(sender, request.request_id(), str(e))
 
     def _accept(self, request, sender) -> None:
         arrays = {}
@@ -111,7 +116,20 @@ class LlmModel:
             self._incoming.append(make_request(request_id, parsed))
 
     def finalize(self) -> None:
+        self._is_closing.set()
         self.manager.shutdown()
+        self._cancel_watcher.join()
+
+    def _watch_cancellations(self) -> None:
+        """Each period, the live requests whose client cancelled become stop signals."""
+        while not self._is_closing.wait(self._cancel_check_period_s):
+            with self._finalize_lock:   # never ask a request whose final response went out: it is freed
+                with self._lock:
+                    live = list(self._id_to_live.items())
+                cancelled_ids = {request_id for request_id, entry in live if entry.request.is_cancelled()}
+            if cancelled_ids:
+                with self._lock:
+                    self._stop_ids.update(cancelled_ids & self._id_to_live.keys())
 
     # the GptManager's worker thread
 
@@ -125,6 +143,13 @@ class LlmModel:
         return requests
 
     def _send_response(self, request_id: int, tensors, is_final: bool, err_msg: str) -> None:
+        if is_final:
+            with self._finalize_lock:
+                self._respond(request_id, tensors, is_final, err_msg)
+        else:
+            self._respond(request_id, tensors, is_final, err_msg)
+
+    def _respond(self, request_id: int, tensors, is_final: bool, err_msg: str) -> None:
         with self._lock:
             live = self._id_to_live.pop(request_id, None) if is_final else self._id_to_live.get(request_id)
             if live is not None and is_final:
@@ -133,15 +158,21 @@ class LlmModel:
         if live is None:
             return
         if err_msg:
-            response = self.pb_utils.InferenceResponse(error=self.pb_utils.TritonError(err_msg))
-        else:
-            outputs = [self.pb_utils.Tensor(t.name, np.ascontiguousarray(t.tensor.numpy()))
-                       for t in tensors if t.name in self._output_names]
-            response = self.pb_utils.InferenceResponse(output_tensors=outputs)
+            self._send_error(live.sender, live.triton_id, err_msg)
+            return
+        outputs = [self.pb_utils.Tensor(t.name, np.ascontiguousarray(t.tensor.numpy()))
+                   for t in tensors if t.name in self._output_names]
+        response = self.pb_utils.InferenceResponse(output_tensors=outputs)
         if is_final:
             self._send_final(live.sender, response)
         else:
             live.sender.send(response)
+
+    def _send_error(self, sender, triton_id: str, message: str) -> None:
+        """A final error response, its message led by the request id as Triton's own errors are
+        (a streaming client's error callback gets only the message)."""
+        error = self.pb_utils.TritonError(f"[request id: {triton_id or '<id_unknown>'}] {message}")
+        self._send_final(sender, self.pb_utils.InferenceResponse(error=error))
 
     def _send_final(self, sender, response) -> None:
         final = self.pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -151,11 +182,6 @@ class LlmModel:
             sender.send(response, flags=final)
 
     def _poll_stop_signals(self) -> set[int]:
-        now_s = time.monotonic()
         with self._lock:
             stop_ids, self._stop_ids = self._stop_ids, set()
-            live = list(self._id_to_live.items()) if now_s - self._last_cancel_check_s >= self._cancel_check_period_s else []
-        if live:
-            self._last_cancel_check_s = now_s
-            stop_ids.update(request_id for request_id, entry in live if entry.request.is_cancelled())
         return stop_ids
