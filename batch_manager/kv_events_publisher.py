@@ -2,9 +2,10 @@
 
 `WireEventCollector` is the KV manager's event sink on the worker thread: it turns stores and
 evictions into vLLM's event maps. Once per iteration the worker calls `KvEventPublisher.publish`,
-which numbers the iteration's events as one message, keeps it for replay and sends it without
-ever waiting (a subscriber that cannot take it loses it; the drop is counted). A thread answers
-replay requests. engine_builder makes one on rank 0 when `kv_events_config` is set.
+which numbers the iteration's events as one message, keeps it for replay and hands it to the PUB
+endpoint (zmtp_publisher, its own thread) without ever waiting (a subscriber that cannot take it
+loses it; the drop is counted). A thread answers replay requests. engine_builder makes one on
+rank 0 when `kv_events_config` is set.
 """
 from __future__ import annotations
 
@@ -18,12 +19,13 @@ import msgpack
 import zmq
 
 from .options import KvCacheConfig, KvEventsConfig
+from .zmtp_publisher import ZmtpPublisher
 
 logger = logging.getLogger(__name__)
 
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 REPLAY_POLL_MS = 50          # how soon the replay thread sees a close
-SEND_HWM = 10_000            # messages queued per subscriber before sends to it fail (dropped, counted)
+SEND_HWM = 10_000            # messages queued per subscriber before it misses one (dropped, counted)
 ALL_BLOCKS_CLEARED = {"type": "AllBlocksCleared"}
 
 
@@ -107,26 +109,26 @@ class WireEventCollector:
 
 
 class KvEventPublisher:
-    """Binds the PUB socket (and the replay ROUTER) of `config`. `publish` and `close` run on the
-    worker thread; the replay socket lives on its own thread.
+    """Binds the PUB endpoint (and the replay ROUTER) of `config`. `publish` and `close` run on
+    the worker thread; the PUB endpoint and the replay socket each live on their own thread.
 
-    NOTE: the PUB side is an XPUB socket with XPUB_NODROP, which subscribers cannot tell from a
-    PUB: a send that would exceed a subscriber's queue fails at once (EAGAIN) instead of being
-    dropped silently, so drops are counted. A message is checked whole: the high-water mark
-    counts complete messages, so its later frames cannot fail once the first went."""
+    NOTE: the PUB side is zmtp_publisher, not a libzmq PUB or XPUB socket: those keep every
+    prefix a peer subscribes to and process the subscriptions inside `send`, so one peer could
+    stall the worker and grow the engine without bound. Subscribers cannot tell it from a PUB."""
 
     def __init__(self, config: KvEventsConfig, collector: WireEventCollector, send_hwm: int = SEND_HWM):
         self.collector = collector
-        self.num_dropped = 0          # messages a subscriber could not take (it may replay them)
         self._topic = _check_fields(config)
         self._next_sequence = 0
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)   # (sequence, payload)
         self._lock = threading.Lock()   # the buffer: appended here, read by the replay thread
         self._context = zmq.Context()
-        self._replay_thread = None
+        self._replay_thread, self._pub = None, None
         try:
-            self._pub = self._bind(zmq.XPUB, config.endpoint, "endpoint", send_hwm)
-            self._pub.setsockopt(zmq.XPUB_NODROP, 1)
+            try:
+                self._pub = ZmtpPublisher(endpoint_address(config.endpoint, "endpoint"), send_hwm)
+            except OSError as e:
+                raise ValueError(f"kv_events_config.endpoint: cannot bind {config.endpoint!r}: {e}") from None
             if config.replay_endpoint is not None:
                 replay = self._bind(zmq.ROUTER, config.replay_endpoint, "replay_endpoint",
                                     config.buffer_steps + 1)
@@ -135,14 +137,21 @@ class KvEventPublisher:
                                                        name="KvEventsReplay", daemon=True)
                 self._replay_thread.start()
         except BaseException:
+            if self._pub is not None:
+                self._pub.close()
             self._context.destroy(linger=0)
             raise
         self._send([ALL_BLOCKS_CLEARED])   # message 0: routers forget what an earlier engine held
 
     @property
     def num_published(self) -> int:
-        """Messages numbered and handed to the socket so far (message 0 included), taken or not."""
+        """Messages numbered and handed to the endpoint so far (message 0 included), taken or not."""
         return self._next_sequence
+
+    @property
+    def num_dropped(self) -> int:
+        """Messages a subscriber could not take (it may replay them)."""
+        return self._pub.num_dropped
 
     def _bind(self, kind: int, endpoint: str, field: str, send_hwm: int | None = None) -> zmq.Socket:
         socket = self._context.socket(kind)
@@ -168,12 +177,7 @@ class KvEventPublisher:
         payload = msgpack.packb([time.time(), events, 0], use_bin_type=True)
         with self._lock:
             self._buffer.append((sequence, payload))
-        while self._pub.poll(0, zmq.POLLIN):   # subscriptions arriving: read, or they queue up
-            self._pub.recv(zmq.NOBLOCK)
-        try:
-            self._pub.send_multipart([self._topic, sequence.to_bytes(8, "big"), payload], flags=zmq.NOBLOCK)
-        except zmq.Again:
-            self.num_dropped += 1
+        self._pub.send([self._topic, sequence.to_bytes(8, "big"), payload])
 
     def close(self) -> None:
         """Publish what is left, stop the replay thread, close the sockets. Idempotent."""
@@ -183,6 +187,7 @@ class KvEventPublisher:
         if self._replay_thread is not None:
             self._stop.set()
             self._replay_thread.join()
+        self._pub.close()
         self._context.destroy(linger=0)
 
     # -- replay thread ------------------------------------------------------------------------------
