@@ -19,7 +19,7 @@ import msgpack
 from batch_manager.executor import ContextPhaseParams, Executor, ExecutorConfig, KvCacheConfig, Request, RequestType
 
 CONTEXT_ONLY, GENERATION_ONLY = RequestType.REQUEST_TYPE_CONTEXT_ONLY, RequestType.REQUEST_TYPE_GENERATION_ONLY
-TRANSFER_TIMEOUT_MS = 1000
+TRANSFER_TIMEOUT_MS = 3000   # also how long an honest context result waits for its fetch (a busy machine)
 BAD_KINDS = ("dead", "drip", "lie")
 BAD_RATE = 0.3
 SHUTDOWN_BOUND_S = 10.0

@@ -94,8 +94,19 @@ def test_a_dripping_context_instance_is_cut_off_at_the_deadline(tiny_engine):
         with DrippingPeer(0.3) as peer:
             start = time.monotonic()
             responses = generate(executor, params_to(params, peer.address), timeout_s=20)
-        assert time.monotonic() - start < 20 and peer.num_connections == 1
-        assert responses[-1].has_error() and "deadline" in responses[-1].error_msg, responses[-1].error_msg
+            assert time.monotonic() - start < 20 and peer.num_connections == 1
+            assert responses[-1].has_error() and "deadline" in responses[-1].error_msg, responses[-1].error_msg
+            # More dripping requests than fetch threads, then an honest one (its blocks kept on a
+            # context instance of the default 60 s timeout): it is served after them.
+            with executor_for(tiny_engine[0], kv_cache_config=KvCacheConfig(max_tokens=POOL)) as context:
+                honest = context_params(context)
+                ids = executor.enqueue_requests([Request(PROMPT, NUM_NEW_TOKENS, request_type=GENERATION_ONLY,
+                                                         context_phase_params=params_to(params, peer.address))
+                                                 for _ in range(6)] + [
+                    Request(PROMPT, NUM_NEW_TOKENS, request_type=GENERATION_ONLY, context_phase_params=honest)])
+                responses = collect(executor, ids, timeout_s=30)
+        assert all(responses[i][-1].has_error() for i in ids[:-1])
+        assert not responses[ids[-1]][-1].has_error(), responses[ids[-1]][-1].error_msg
         assert_still_serves(executor)
 
 
@@ -130,7 +141,9 @@ def test_idle_connections_are_bounded_and_honest_fetches_still_get_through(tiny_
         caplog.set_level(logging.WARNING, logger="batch_manager.kv_transfer")
         idle = [socket.create_connection((state["host"], state["port"]), timeout=10) for _ in range(60)]
         try:
-            time.sleep(0.5)
+            deadline = time.monotonic() + 10   # the closed ones' threads end at their next recv
+            while transfer_threads() - threads > kv_transfer.MAX_CONNECTIONS and time.monotonic() < deadline:
+                time.sleep(0.05)
             assert transfer_threads() - threads <= kv_transfer.MAX_CONNECTIONS
             responses = generate(executor, params)   # its connection closes the oldest idle one
             assert not responses[-1].has_error(), responses[-1].error_msg
