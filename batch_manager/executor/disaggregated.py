@@ -6,6 +6,7 @@ fetches of its generation-only requests. Called by the Executor's front end."""
 from __future__ import annotations
 
 import hashlib
+import logging
 import threading
 import time
 from array import array
@@ -21,6 +22,8 @@ from ..kv_transfer import FetchExpectation, KvLayout, KvTransferServer, OpenSock
 from ..llm_request import RequestOutput, ResumedContext
 from .conversion import _token_ids
 from .request import ContextPhaseParams, Request, RequestType, SamplingConfig
+
+logger = logging.getLogger(__name__)
 
 _STATE_VERSION = 1
 _MAX_FETCHES = 4   # concurrent fetches of one Executor
@@ -262,6 +265,9 @@ class KvTransfer:
             fetches, self._fetches = self._fetches, None
         if server is not None:
             server.close()
-        self.exports.release_all()
+        try:
+            self.exports.release_all()
+        except Exception:  # noqa: BLE001 - after a worker crash the pool's bookkeeping may be in doubt
+            logger.exception("freeing the KV blocks kept for fetches failed")
         if fetches is not None:
             fetches.shutdown(wait=False, cancel_futures=True)
