@@ -62,7 +62,8 @@ def endpoint_address(value, field: str) -> tuple[str, str | tuple[str, int]]:
     """"tcp://HOST:PORT" -> ("tcp", (host, port)), "ipc://PATH" -> ("ipc", path); ValueError naming
     kv_events_config.<field> otherwise. HOST "*" is every interface; PORT must be 1..65535 (0 or
     "*", any free port, is refused: nothing would tell a subscriber which one was taken)."""
-    expected = f"kv_events_config.{field}: expected \"tcp://HOST:PORT\" (PORT 1..65535) or \"ipc://PATH\", got {value!r}"
+    expected = (f"kv_events_config.{field}: expected \"tcp://HOST:PORT\" (PORT 1..65535) or \"ipc://PATH\", "
+                f"got {value!r}")
     if not isinstance(value, str):
         raise ValueError(expected)
     if value.startswith("ipc://") and len(value) > len("ipc://"):

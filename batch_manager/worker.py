@@ -307,6 +307,6 @@ class Worker:
             **({"num_draft_tokens_proposed": self.scheduler.num_draft_tokens_proposed,
                 "num_draft_tokens_accepted": self.scheduler.num_draft_tokens_accepted}
                if self.config.uses_drafts else {}),
-            **({"num_kv_events_published": self.kv_events.num_published, "num_kv_events_dropped": self.kv_events.num_dropped}
-               if self.kv_events is not None else {}))
+            **({"num_kv_events_published": self.kv_events.num_published,
+                "num_kv_events_dropped": self.kv_events.num_dropped} if self.kv_events is not None else {}))
         self.front_end.report_stats(stats, frozenset(r.request_id for r in step.requests), self.scheduler, finished)

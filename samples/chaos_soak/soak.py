@@ -22,7 +22,8 @@ greedy requests that were neither stopped nor failed equal a solo GptSession run
 The model is a tiny random-weight LLaMA (vocab 128, hidden 64, 2 layers, 4 heads, 2 KV heads)
 written through samples.default_model, so that 10,000 requests run in minutes on 2 CPU cores.
 Exit status 1 when an invariant broke. The short mode (the default, a few hundred requests)
-runs in the test suite; the long mode is `--requests 10000`.
+runs in the test suite; the long mode is `--requests 10000`. The KV-events round
+(samples.chaos_soak.kv_events_round) serves requests while hostile peers attack the events endpoint.
 """
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ from runtime import Engine, GenerationInput, GenerationOutput, GptSession, Sampl
 
 from .disaggregated_round import disaggregated_violations, run_disaggregated_round
 from .executor_round import executor_violations, run_executor_round
+from .kv_events_round import kv_events_violations, run_kv_events_round
 from . import requests as chaos_requests
 from .requests import MAX_BEAM_WIDTH, make_bad, make_valid
 from samples.benchmark.lora import random_adapter
@@ -266,11 +268,13 @@ def run_soak(num_requests: int = 300, num_producers: int = 4, seed: int = 0, wor
                                     round_seed, session))
         memory = [r["rss_mib"] for r in rounds[-3:]]
         executor_round = run_executor_round(engine_dir, POOL_TOKENS, per_round, num_producers, seed * 100 + 99)
+        kv_events_round = run_kv_events_round(engine_dir, POOL_TOKENS, per_round, seed * 100 + 97)
         disaggregated_round = run_disaggregated_round(engine_dir, POOL_TOKENS, per_round, num_producers,
                                                       seed * 100 + 98)
     found = [f"round {i} ({r['config']['model_type']}, {r['config']['policy']}): {v}"
              for i, r in enumerate(rounds) for v in violations(r)]
     found += [f"executor round: {v}" for v in executor_violations(executor_round)]
+    found += [f"KV-events round: {v}" for v in kv_events_violations(kv_events_round)]
     found += [f"disaggregated round: {v}" for v in disaggregated_violations(disaggregated_round)]
     growth = round(memory[-1] - memory[0], 1)
     if growth > RSS_TOLERANCE_MIB:
@@ -286,6 +290,7 @@ def run_soak(num_requests: int = 300, num_producers: int = 4, seed: int = 0, wor
                 slowest_shutdown_s=max(r["shutdown_s"] for r in rounds),
                 slowest_shutdown_after_last_step_s=max(r["shutdown_after_last_step_s"] for r in rounds),
                 wall_s=round(time.monotonic() - start, 1), violations=found, rounds=rounds,
+                kv_events_round=kv_events_round,
                 executor_round=executor_round, disaggregated_round=disaggregated_round)
 
 

@@ -49,6 +49,7 @@ def test_short_soak_keeps_every_invariant(tmp_path):
     assert threading.active_count() == threads
     e = report["executor_round"]   # its violations are in report["violations"]
     assert e["served"] > 10 and e["bad"] > 0 and e["cancels"] > 0 and e["refused_after_shutdown"] > 0
+    assert report["kv_events_round"]["served"] == report["kv_events_round"]["submitted"] > 0   # checks in violations
     assert report["disaggregated_round"]["honest_served"] > 0
 
 

@@ -1,0 +1,54 @@
+"""`python -m samples.chaos_soak.hostile_subscriber ENDPOINT MODE SECONDS`: one hostile peer of a
+KV-events endpoint, for the soak's KV-events round and samples.microbench.kv_events_flood. It
+imports only pyzmq (starts in well under a second) and prints "attacking" once connected.
+churn: subscribe / unsubscribe as fast as it can; unique: a new 200-byte prefix each time;
+stuck: subscribe to everything and never read."""
+from __future__ import annotations
+
+import sys
+import time
+
+import zmq
+
+MODES = ("churn", "unique", "stuck")
+
+
+def attack(endpoint: str, mode: str, seconds: float) -> None:
+    context = zmq.Context()
+    if mode == "stuck":
+        sub = context.socket(zmq.SUB)
+        sub.setsockopt(zmq.RCVHWM, 1)
+        sub.setsockopt(zmq.RCVBUF, 4096)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(endpoint)
+        print("attacking", flush=True)
+        time.sleep(seconds)
+    else:
+        xsub = context.socket(zmq.XSUB)
+        xsub.setsockopt(zmq.SNDHWM, 100_000)
+        xsub.connect(endpoint)
+        print("attacking", flush=True)
+        end, i = time.monotonic() + seconds, 0
+        while time.monotonic() < end:
+            frame = (b"\x01" if i % 2 == 0 else b"\x00") if mode == "churn" else b"\x01" + i.to_bytes(8, "big") * 25
+            try:
+                xsub.send(frame, zmq.NOBLOCK)
+            except zmq.Again:
+                time.sleep(0.0001)
+            i += 1
+    context.destroy(linger=0)
+
+
+def start(endpoint: str, mode: str, seconds: float, cwd) -> "subprocess.Popen":
+    """The peer in its own process, returned once it is connected and attacking."""
+    import subprocess
+    peer = subprocess.Popen([sys.executable, "-m", "samples.chaos_soak.hostile_subscriber", endpoint, mode,
+                             str(seconds)], cwd=cwd, stdout=subprocess.PIPE, text=True)
+    peer.stdout.readline()
+    return peer
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 4 or sys.argv[2] not in MODES:
+        sys.exit("usage: python -m samples.chaos_soak.hostile_subscriber ENDPOINT churn|unique|stuck SECONDS")
+    attack(sys.argv[1], sys.argv[2], float(sys.argv[3]))
