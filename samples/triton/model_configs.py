@@ -74,8 +74,7 @@ POSTPROCESSING_OUTPUTS = (
     TensorSpec("OUT_OUTPUT_LOG_PROBS", "FP32", (-1, -1)),
 )
 
-# The ensemble's text interface: name -> (data type, dims, the tensorrt_llm input it feeds or None
-# when preprocessing takes it).
+# The ensemble's text interface; the maps below say which model each input feeds.
 ENSEMBLE_INPUTS = (
     TensorSpec("text_input", "STRING", (-1,)), TensorSpec("max_tokens", "INT32", (-1,)),
     TensorSpec("bad_words", "STRING", (-1,), optional=True), TensorSpec("stop_words", "STRING", (-1,), optional=True),
