@@ -251,20 +251,26 @@ def test_shutdown_drains_requests_in_flight(tiny_engine, prompts, references):
 def test_idle_manager_shuts_down_promptly_and_does_not_spin(tiny_engine):
     engine_dir, _ = tiny_engine
     client = Client([])
+    began = time.monotonic()
     manager = GptManager(engine_dir, TrtGptModelType.InflightFusedBatching, 1, SchedulerPolicy.GUARANTEED_NO_EVICT,
                          *client.callbacks())
+    from batch_manager.worker import IDLE_SLEEP_S
     time.sleep(0.3)
     start = time.monotonic()
     manager.shutdown()
-    assert time.monotonic() - start < 0.5
-    # A busy loop would poll the get callback hundreds of thousands of times in 0.3 s.
-    assert 10 < client.num_get_calls < 3000
+    print(f"shutdown of an idle manager: {(time.monotonic() - start) * 1e3:.1f} ms")
+    assert time.monotonic() - start < 5   # seconds: the worker notices at its next poll (0.5-5 ms)
+    # A correct worker sleeps IDLE_SLEEP_S or more between polls (x 2: margin), however slow the machine; a busy
+    # loop would poll hundreds of thousands of times in 0.3 s.
+    assert 1 <= client.num_get_calls <= 2 * (time.monotonic() - began) / IDLE_SLEEP_S + 20, client.num_get_calls
     assert client.stats == []  # no stats while nothing is active
 
 
 def test_an_idle_manager_polls_less_once_idle_and_still_serves(tiny_engine, prompts, references):
     """0.5 ms polls while requests came in the last 0.1 s, then 5 ms ones (~6 % of a core ->
-    under 1 %); a request after the backoff is served as any other."""
+    under 1 %); a request after the backoff is served as any other. The bounds are counts per
+    measured second (a slow machine polls less, never more); samples/microbench/idle_cost.py
+    prints the rates and the share of a core."""
     from batch_manager.worker import IDLE_BACKOFF_AFTER_S, IDLE_BACKOFF_SLEEP_S
     engine_dir, _ = tiny_engine
     client = Client([make_request(0, prompts[0], 8)], arrival_calls=[10**9])   # held back for now
@@ -273,9 +279,10 @@ def test_an_idle_manager_polls_less_once_idle_and_still_serves(tiny_engine, prom
         time.sleep(IDLE_BACKOFF_AFTER_S + 0.1)
         before, start = client.num_get_calls, time.monotonic()
         time.sleep(0.5)
-        polls = client.num_get_calls - before
-        assert 0.25 / IDLE_BACKOFF_SLEEP_S < polls < 2 * 0.5 / IDLE_BACKOFF_SLEEP_S + 20, polls  # not 1000 at 0.5 ms
-        assert time.monotonic() - start < 1.0
+        polls, elapsed_s = client.num_get_calls - before, time.monotonic() - start
+        print(f"idle polls: {polls} in {elapsed_s:.3f} s")
+        # about one per IDLE_BACKOFF_SLEEP_S (a slow machine polls less, never more): not 1000 at 0.5 ms
+        assert 1 <= polls <= 2 * elapsed_s / IDLE_BACKOFF_SLEEP_S + 5, (polls, elapsed_s)
         client.arrival_calls[0] = 0
         client.wait(60)
     tensors, _, error = client.final(0)
@@ -408,7 +415,7 @@ def test_an_unreferenced_manager_is_shut_down_when_collected(tiny_engine):
     assert thread.is_alive()
     del manager
     gc.collect()
-    thread.join(2)
+    thread.join(10)   # seconds: a collected manager stops its worker at its next poll
     assert not thread.is_alive()
 
 

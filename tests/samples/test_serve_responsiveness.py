@@ -3,8 +3,8 @@ or /generate text is refused by its length (a 400 naming the field and the limit
 tokenized, and `/health`, sent one after another while that request is in flight, keeps answering
 within HEALTH_BUDGET_S. Before the bound, the server tokenized such a prompt on its event loop and
 every other client waited 20-60 s. What stays on the loop is decoding the 15 MB of JSON (~17 ms on
-a quiet machine, 35-70 ms on a loaded one), so a try whose slowest /health missed the budget is
-repeated, up to NUM_TRIES: a stall seen on every try is the server's, not the machine's."""
+a quiet machine, 35-70 ms on a loaded one; samples/microbench/idle_cost.py prints it), so the
+budget is seconds: far above that on any machine, far below the stall it guards against."""
 from __future__ import annotations
 
 import asyncio
@@ -22,9 +22,7 @@ from tests.samples.scripted_model import MAX_SEQ_LEN
 
 BIG_CHARS = 15_000_000                      # fits the default 16 MiB body limit
 BIG_TEXT = ("Hello world, the batch manager serves every client. " * (BIG_CHARS // 52 + 1))[:BIG_CHARS]
-HEALTH_BUDGET_S = 0.1                       # the slowest /health answer allowed while the big request runs
-NUM_TRIES = 3
-NOISE_S = 1.0                               # a slower /health is no loaded machine's noise: no retry
+HEALTH_BUDGET_S = 3.0                       # the slowest /health answer allowed while the big request runs
 MAX_TEXT_CHARS = MAX_SEQ_LEN * MAX_CHARS_PER_TOKEN
 
 
@@ -68,15 +66,10 @@ async def health_latencies_during(url: str, path: str, data: bytes) -> tuple[int
 ])
 def test_a_huge_text_prompt_is_refused_without_stalling_other_clients(server, path, body, field):
     data = json.dumps(body).encode()   # before the measurement: the client shares the server's process
-    slowest_ms = []
-    for _ in range(NUM_TRIES):
-        status, text, latencies = run(health_latencies_during, server.url, path, data, timeout_s=180)
-        assert latencies
-        slowest_ms.append(round(max(latencies) * 1e3, 1))
-        if not HEALTH_BUDGET_S <= max(latencies) < NOISE_S:
-            break
-    print(f"{path}: the slowest /health of each try: {slowest_ms} ms")
-    assert min(slowest_ms) < HEALTH_BUDGET_S * 1e3, f"the slowest /health of each try: {slowest_ms} ms"
+    status, text, latencies = run(health_latencies_during, server.url, path, data, timeout_s=180)
+    assert latencies
+    print(f"{path}: the slowest /health of {len(latencies)}: {max(latencies) * 1e3:.1f} ms")
+    assert max(latencies) < HEALTH_BUDGET_S, f"the slowest /health: {max(latencies) * 1e3:.1f} ms"
     error = json.loads(text)["error"]
     message = error if path == "/generate" else error["message"]
     assert status == 400 and message.startswith(f"{field}: {BIG_CHARS} characters"), text[:300]

@@ -135,7 +135,7 @@ def test_ttft_budget_refuses_at_once_once_the_rate_is_measured(tiny_engine, prom
                                                      rf".* \({ahead} context tokens ahead and 6 of its own at "
                                                      r".*exceeds the budget of 1e-06 ms") as e:
                 executor.enqueue_request(Request([9] * 6, 2, ttft_budget_ms=1e-6))
-            assert time.monotonic() - started < 1.0      # at once, not after waiting
+            assert time.monotonic() - started < 10       # at once, not after waiting (for the gate: forever)
             assert e.value.retry_after_s > 0
             with pytest.raises(QueueFullError, match=rf"\({len(prompts[0])} context tokens ahead and 6 of its own"):
                 executor.enqueue_request(Request([9] * 6, 2, ttft_budget_ms=1e-6, priority=0.9))   # jumps the queue
