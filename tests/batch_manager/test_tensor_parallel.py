@@ -262,8 +262,9 @@ def idle_then_serve(engine_dir: str, idle_s: float) -> tuple[float, float, str |
 
 
 # An idle rank uses under this fraction of what a spinning thread gets on the same machine at the
-# same time (a ratio, not a share of a core: a busy machine slows both). Measured on 2 quiet cores
-# (samples/microbench/idle_cost.py): leader ~0.01-0.05, follower ~0.02; a spinning worker: ~1.
+# same time (a ratio, not a share of a core: a busy machine slows both). Measured on 2 shared cores
+# (samples/microbench/idle_cost.py --part tp): leader 0.009-0.016 of a core, follower 0.003-0.005,
+# a spinning thread 0.12-0.34 (ratios under 0.1); a leader once took 0.052 on a 2-core EPYC.
 MAX_IDLE_TO_SPIN = 0.3
 
 
