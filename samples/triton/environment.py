@@ -11,6 +11,7 @@ An environment that itself holds nvidia-pytriton and numpy<2 (the `triton` extra
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib.util
 import logging
 import os
@@ -104,7 +105,9 @@ def prepare(cache_dir: str | None = None, install: bool = True) -> ServerEnviron
                 raise TritonUnavailableError(f"the Triton side environment is not prepared (python -m samples.triton "
                                              f"--setup-only): {root}")
             _install(root, venv_dir)
-    backend_dir = _backend_dir(packages_dir, os.path.join(root, "backends"))
+    # keyed by where the wheel is: an environment of its own may hold another version of it
+    key = hashlib.sha1(packages_dir.encode()).hexdigest()[:12]
+    backend_dir = _backend_dir(packages_dir, os.path.join(root, f"backends-{key}"))
     pytriton_dir = os.path.join(packages_dir, "pytriton", "tritonserver")
     return ServerEnvironment(
         server_binary=os.path.join(pytriton_dir, "bin", "tritonserver"), python_bin_dir=python_bin_dir,

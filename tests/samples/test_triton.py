@@ -177,3 +177,31 @@ def test_metric_families_carry_the_stats_json(server, direct, client):
     general = metric_values(server, "nv_trt_llm_general_metrics")
     assert general["iteration_counter"] >= 6
     assert abs(general["timestamp"] - time.time()) < 600
+
+
+def test_the_command_serves_until_sigint_then_exits_cleanly(engine_dir, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    from samples.triton.testing import free_ports
+    http_port, grpc_port, metrics_port = free_ports(3)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "samples.triton", "--engine-dir", engine_dir, "--model-repository", str(tmp_path),
+         "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port)],
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        lines = []
+        for line in process.stdout:
+            lines.append(line)
+            if line.startswith("serving:"):
+                break
+        assert f"127.0.0.1:{grpc_port}" in lines[-1], lines
+        assert sorted(os.listdir(tmp_path)) == ["tensorrt_llm"]   # no tokenizer: no text models
+        process.send_signal(signal.SIGINT)
+        assert process.wait(60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
