@@ -53,6 +53,9 @@ from .parallel.tensor_shard import TensorShard
 
 REQUIRED_INPUTS = ("input_ids", "input_lengths", "past_lengths", "block_tables")
 OPTIONAL_INPUTS = ("position_ids", "return_context_logits", "num_logits", "lora_task_ids", *TABLE_INPUTS)
+# Inputs a fused generation step may carry (anything else changes the forward: LoRA, prompt tables,
+# context logits).
+_FUSED_INPUTS = frozenset(REQUIRED_INPUTS) | {"position_ids", "num_logits"}
 
 
 def effective_window(model_window: int | None, max_attention_window: int | None) -> int | None:
@@ -83,13 +86,16 @@ class ModelRunner:
     def __init__(self, engine: Engine, num_blocks: int, kernels=None, device: str | torch.device | None = None,
                  max_attention_window: int | None = None, sink_token_length: int | None = None,
                  linear_impl: str | None = None, tensor_parallel: TensorParallel | None = None,
-                 gather_logits_to_all: bool = True):
+                 gather_logits_to_all: bool = True, fused_decode: bool = True):
         """linear_impl: the CPU matmul kernel (one of runtime.kernels.linear.CPU_IMPLS; default: the
         fastest this torch build has); ignored on GPUs.
         tensor_parallel: this rank's world (runtime.parallel.tensor_parallel); every rank then runs the same
         forwards, in the same order. The engine holds the rank's slices (Engine.from_dir with its
         shard) or whole weights (sliced here). gather_logits_to_all: every rank gets the logits;
-        else rank 0 only (the others' outputs hold None)."""
+        else rank 0 only (the others' outputs hold None). fused_decode: steps of a few sequences
+        with one new token each run as one native call where the kernel backend has one for the
+        model (kernels.prepare_decode_step; also off with BATCH_MANAGER_FUSED_DECODE=0); False:
+        every step op by op (the reference)."""
         cfg = engine.model_config
         if not isinstance(num_blocks, int) or num_blocks <= 0:
             raise ValueError(f"num_blocks: must be a positive integer, got {num_blocks!r}")
@@ -140,6 +146,10 @@ class ModelRunner:
         if is_quantized_kv(kv_dtype):
             self.kv_scales = torch.zeros(self.kv_pool.shape[:-1], dtype=torch.float32, device=self.device)
         self.lora_store = LoraWeightStore(self.device, engine.dtype, self.shard)   # task id -> resident adapter
+        # The generation step as one call where the backend has one for this model (None: op by op).
+        self.decode_step = (self.kernels.prepare_decode_step(self.model, self.kv_pool, self.kv_scales,
+                                                             self.tokens_per_block)
+                            if fused_decode and self.stage is None else None)
 
     def _stage_weights(self, engine: Engine) -> dict[str, torch.Tensor]:
         """The engine's weights of this rank's stage (an engine loaded whole gives up the others)."""
@@ -183,6 +193,10 @@ class ModelRunner:
         part runs now (its layers, the send to the next stage) while global rank 0's logits are
         received in `finish`, so rank 0 can launch the next micro-batch while the later stages
         compute this one. Without a pipeline the whole forward runs here."""
+        if self.decode_step is not None:
+            fused = self._fused_generation(inputs)
+            if fused is not None:
+                return LaunchedForward(self.decode_step(*fused))
         step = self._layout(inputs)
         if self.stage is None:
             return LaunchedForward(*self.model.forward(step, self.kv_pool, self.kv_scales))
@@ -327,6 +341,43 @@ class ModelRunner:
             context_logits_index=None if context_logits_index is None else context_logits_index.to(dev),
             lora=lora, prompt_embeddings=prompt_embeddings)
 
+
+    def _fused_generation(self, inputs: dict[str, torch.Tensor]) -> tuple | None:
+        """The fused step's arguments (input_ids, positions, slots, block_tables, seq_lens) when
+        every sequence of the step has exactly one new token, there are at most decode_step.max_rows
+        of them, nothing else changes the forward, and the inputs pass the checks of _layout;
+        else None (the step takes the general path, which reports bad inputs)."""
+        if not set(inputs) <= _FUSED_INPUTS:
+            return None
+        lengths = inputs.get("input_lengths")
+        if lengths is None or lengths.dim() != 1 or not 1 <= lengths.numel() <= self.decode_step.max_rows:
+            return None
+        num_logits = inputs.get("num_logits")
+        if not bool((lengths == 1).all()) or (num_logits is not None and not bool((num_logits == 1).all())):
+            return None
+        try:
+            _check_inputs(inputs)
+        except ValueError:
+            return None
+        num_seqs, tpb = lengths.numel(), self.tokens_per_block
+        input_ids = inputs["input_ids"].to("cpu", torch.int64)
+        past = inputs["past_lengths"].to("cpu", torch.int64)
+        block_tables = inputs["block_tables"].to("cpu", torch.int32).contiguous()
+        position_ids = inputs.get("position_ids")
+        positions = past if position_ids is None else position_ids.to("cpu", torch.int64)
+        if (input_ids.numel() != num_seqs or past.numel() != num_seqs or block_tables.shape[0] != num_seqs
+                or positions.shape != (num_seqs,) or bool((past < 0).any()) or bool((positions < 0).any())
+                or int(input_ids.min()) < 0 or int(input_ids.max()) >= self.model_config.vocab_size):
+            return None
+        ones = torch.ones(num_seqs, dtype=torch.int64)
+        blocks_needed = past // tpb + 1
+        if int(blocks_needed.max()) > block_tables.shape[1]:
+            return None
+        used = block_tables[self._read_blocks(past, ones, blocks_needed, block_tables.shape[1])]
+        if int(used.min()) < 0 or int(used.max()) >= self.num_blocks:
+            return None
+        slots = block_tables[torch.arange(num_seqs), past // tpb].long() * tpb + past % tpb
+        return input_ids.contiguous(), positions.contiguous(), slots, block_tables, past + 1
 
     def _read_blocks(self, past: torch.Tensor, lengths: torch.Tensor, blocks_needed: torch.Tensor,
                      width: int) -> torch.Tensor:

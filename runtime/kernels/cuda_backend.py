@@ -184,6 +184,9 @@ class CudaKernels:
     def prepare_weight_only_linear(self, weight, scale, minimum, bias):
         return self._reference.prepare_weight_only_linear(weight, scale, minimum, bias)
 
+    def prepare_decode_step(self, model, kv_pool, kv_scales, tokens_per_block):
+        return None   # the GPU runs the model op by op
+
     def linear(self, x, weight):
         return self._reference.linear(x, weight)
 

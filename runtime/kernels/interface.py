@@ -100,6 +100,15 @@ class KernelBackend(Protocol):
         packed int4 uint8 [out, in / 2] with scale and minimum float32 [out, in / group_size]
         (w = q * scale + min); bias [out] (the compute dtype) or None. .weight is `weight`."""
 
+    def prepare_decode_step(self, model, kv_pool: torch.Tensor, kv_scales: torch.Tensor | None,
+                            tokens_per_block: int):
+        """The whole generation step of `model` (runtime.models.transformer.Transformer) over its
+        KV pool as one call, or None where this backend has none for it (the model then runs
+        op by op). The callable takes (input_ids, positions, slots, seq_lens int64 [rows],
+        block_tables int32 [rows, width]) of sequences with one new token each, checked by the
+        caller, writes their K / V and returns float32 logits [rows, V]; it takes at most
+        `max_rows` rows (its attribute)."""
+
     def linear(self, x: torch.Tensor, weight: PreparedLinear) -> torch.Tensor:
         """x [rows, in] (any strides) -> x @ W^T + bias [rows, out] in x's dtype, W the prepared
         weight (de-quantized for a weight-only one). The result is a new tensor, possibly strided

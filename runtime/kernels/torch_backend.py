@@ -15,6 +15,7 @@ import torch
 
 from . import torch_attention, torch_decoder, torch_dense
 from .cpu_attention import CpuAttention
+from .cpu_decode_step import DecodeStep
 from .cpu_native import native_ops
 from .cpu_native_bf16 import bf16_ops
 from .interface import PreparedLinear
@@ -71,6 +72,11 @@ class TorchKernels:
         if weight.is_cpu:
             self._native_dense_ops()   # captured with the weights' own kernels, when the model is built
         return QuantizedLinear(weight, scale, minimum, bias)
+
+    def prepare_decode_step(self, model, kv_pool: torch.Tensor, kv_scales: torch.Tensor | None,
+                            tokens_per_block: int):
+        """The native fused generation step (cpu_decode_step.py) where it covers the model, else None."""
+        return DecodeStep.build(model, kv_pool, kv_scales, tokens_per_block)
 
     def linear(self, x: torch.Tensor, weight: PreparedLinear) -> torch.Tensor:
         return weight(x)

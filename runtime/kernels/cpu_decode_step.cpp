@@ -1,0 +1,322 @@
+// The generation step of a LLaMA-family model as one native call (cpu_decode_step.py builds it,
+// compiled as one translation unit after cpu_native.cpp and cpu_weight_only.cpp, whose kernels it
+// calls from the namespaces bm_native and bm_wo). One OpenMP parallel region runs every layer:
+//
+//   per layer:  RMSNorm (each thread its own copy: no barrier) -> QKV GEMV (outputs split over
+//               threads) | barrier | per (sequence, KV head): rotary, the KV-cache write, paged
+//               decode attention | barrier | out-projection GEMV added into the residual |
+//               barrier | RMSNorm -> gate and up GEMV over the same outputs, silu(gate) * up |
+//               barrier | down GEMV added into the residual | barrier
+//   then:       final RMSNorm -> lm_head GEMV -> logits
+//
+// so a step costs 5 barriers per layer instead of ~15 Python-dispatched ops. Activations stay
+// float32 throughout (the weight-only kernels' contract); bf16 weights are read by the bf16 kernel
+// (with AVX512-BF16 the inputs are rounded to bf16 first, as the eager bf16 model's are).
+//
+// Contracts:
+//   x: float32 [rows, hidden], the embeddings in, the last layer's residual stream out.
+//   positions, slots, seq_lens int64 [rows]: each sequence's one new token's position, its cache
+//       slot (block * tokens_per_block + offset) and the cached tokens including it.
+//   block_tables int32 [rows, bt_stride]; entries of blocks holding no visible key may be < 0.
+//   logits float32 [rows, vocab].
+//   Weight formats (Linear.format): 0 float32 [n, k]; 1 bf16 [n, k]; 2 int8 [n, k] + scale [n];
+//       3 int4 packed [n, k / 2] + scale, min [n, k / gs] (cpu_weight_only.cpp's layouts).
+//   KV formats (Model.kv_format): 0 float32, 1 bf16, 2 int8 with float32 scales per (slot, head)
+//       (kv_quant.py: scale = max|x| / 127, q = round-half-even(x / scale)).
+//   rope_cos, rope_sin: float32 [rope_positions, rotary_dim / 2] (neox pairing: dim i with
+//       i + rotary_dim / 2); positions must be below rope_positions (the caller checks).
+
+namespace {
+
+struct Linear {
+  int32_t format, pad;
+  const void* w;
+  const float* scale;
+  const float* min;
+  const float* bias;  // float32 [n] or null
+  int64_t n, k, gs;
+};
+
+struct Layer {
+  const float* input_norm;  // float32 [hidden]
+  const float* post_norm;
+  Linear qkv, out, mlp_in, mlp_out;  // mlp_in: [gate; up], 2 * intermediate outputs
+  void* k_cache;                     // [num_blocks, tpb, kv_heads, head_dim] of kv_format
+  void* v_cache;
+  float* k_scales;                   // int8 only: float32 [num_blocks, tpb, kv_heads]
+  float* v_scales;
+};
+
+struct Model {
+  int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, vocab, rotary_dim;
+  int64_t tokens_per_block, window, sink, rope_positions;
+  float eps, attention_scale;
+  int32_t kv_format, isa;
+  int32_t matmuls_only, pad;  // benchmarks: run the GEMVs alone (same inputs, barriers and split)
+  const float* rope_cos;
+  const float* rope_sin;
+  const float* final_norm;
+  const Layer* layers;
+  Linear lm_head;
+};
+
+constexpr int64_t kUnit = 32;  // outputs per unit of thread work (a multiple of every tile's O)
+
+// The outputs [n0, n1) of thread t of nt over n outputs: contiguous runs of whole units.
+inline void thread_range(int64_t n, int t, int nt, int64_t& n0, int64_t& n1) {
+  const int64_t units = (n + kUnit - 1) / kUnit;
+  n0 = std::min(n, units * t / nt * kUnit);
+  n1 = std::min(n, units * (t + 1) / nt * kUnit);
+}
+
+inline void rms_norm_rows(const float* x, int64_t rows, int64_t h, const float* w, float eps, float* y) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * h;
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < h; ++i) sum += xr[i] * xr[i];
+    const float inv = 1.f / sqrtf(sum / (float)h + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < h; ++i) y[r * h + i] = xr[i] * inv * w[i];
+  }
+}
+
+// A GEMV's input as each weight format reads it: float32 rows, their bf16 copy (AVX512-BF16) and
+// the int4 group sums, prepared once per input by each thread for itself.
+struct Input {
+  const float* x;
+  const uint16_t* x_bf16;  // null unless a bf16 weight reads it with the dot-product instruction
+  const float* xsum;       // [rows, k / gs] for int4 weights, else null
+  int64_t rows, k;
+};
+
+template <class V>
+void weight_only_range(const Linear& L, const Input& in, float* y, int64_t ldy, int accumulate, int64_t n0,
+                       int64_t n1) {
+  if (L.format == 2) {
+    const bm_wo::Int8Args a{in.x, in.k, (const int8_t*)L.w, L.scale, L.n, L.k, L.bias, y, ldy, accumulate};
+    bm_wo::run_range<V, bm_wo::Int8Args, bm_wo::Int8K>(a, in.rows, n0, n1);
+  } else {
+    const bm_wo::Int4Args a{in.x, in.k, (const uint8_t*)L.w, L.scale, L.min, L.n, L.k, L.gs, L.bias, y, ldy,
+                            accumulate, in.xsum};
+    bm_wo::run_range<V, bm_wo::Int4Args, bm_wo::Int4K>(a, in.rows, n0, n1);
+  }
+}
+
+// y[r, o] (+)= sum_k in.x[r, k] W[o, k] (+ bias[o]) for the outputs o in [n0, n1).
+void linear_range(const Linear& L, const Input& in, float* y, int64_t ldy, int accumulate, int64_t n0, int64_t n1,
+                  int isa) {
+  if (n0 >= n1) return;
+  const int64_t rows = in.rows;
+  switch (L.format) {
+    case 0:
+      if (rows == 1) bm_native::linear_range<8>(in.x, rows, in.k, (const float*)L.w, n0, n1, L.k, L.bias, y, ldy, accumulate);
+      else if (rows == 2) bm_native::linear_range<4>(in.x, rows, in.k, (const float*)L.w, n0, n1, L.k, L.bias, y, ldy, accumulate);
+      else bm_native::linear_range<3>(in.x, rows, in.k, (const float*)L.w, n0, n1, L.k, L.bias, y, ldy, accumulate);
+      return;
+    case 1: {
+      const bool dp = in.x_bf16 != nullptr;
+      const bm_native::Bf16LinearArgs a{dp ? (const void*)in.x_bf16 : (const void*)in.x, dp, rows, in.k,
+                                        (const uint16_t*)L.w, L.n, L.k, L.bias, y, false, ldy, accumulate};
+      if (dp) {
+        if (rows == 1) bm_native::linear_bf16_range<true, 8>(a, n0, n1);
+        else if (rows == 2) bm_native::linear_bf16_range<true, 4>(a, n0, n1);
+        else bm_native::linear_bf16_range<true, 4>(a, n0, n1);
+      } else {
+        if (rows == 1) bm_native::linear_bf16_range<false, 8>(a, n0, n1);
+        else if (rows == 2) bm_native::linear_bf16_range<false, 4>(a, n0, n1);
+        else bm_native::linear_bf16_range<false, 3>(a, n0, n1);
+      }
+      return;
+    }
+    default:
+#ifdef __AVX512F__
+      if (isa >= 2) { weight_only_range<bm_wo::Avx512>(L, in, y, ldy, accumulate, n0, n1); return; }
+#endif
+      if (isa >= 1) weight_only_range<bm_wo::Avx2>(L, in, y, ldy, accumulate, n0, n1);
+      else weight_only_range<bm_wo::Scalar>(L, in, y, ldy, accumulate, n0, n1);
+  }
+}
+
+// A thread's private buffers for one GEMV input: the rows' bf16 copy and int4 group sums as the
+// weights `uses` need them.
+struct InputScratch {
+  std::vector<uint16_t> bf16;
+  std::vector<float> xsum;
+
+  Input prepare(const float* x, int64_t rows, int64_t k, std::initializer_list<const Linear*> uses) {
+    Input in{x, nullptr, nullptr, rows, k};
+    for (const Linear* L : uses) {
+      if (L->format == 1 && bm_native::kHasDpbf16 && k % 32 == 0 && in.x_bf16 == nullptr) {
+        bf16.resize(rows * k);
+        for (int64_t i = 0; i < rows * k; ++i) bf16[i] = bm_native::f32_to_bf16(x[i]);
+        in.x_bf16 = bf16.data();
+      }
+      if (L->format == 3 && in.xsum == nullptr) {
+        const int64_t groups = k / L->gs;
+        xsum.resize(rows * groups);
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t g = 0; g < groups; ++g) {
+            float s = 0.f;
+            for (int64_t t = 0; t < L->gs; ++t) s += x[r * k + g * L->gs + t];
+            xsum[r * groups + g] = s;
+          }
+        in.xsum = xsum.data();
+      }
+    }
+    return in;
+  }
+};
+
+// One K or V row of the cache (slot, head) as float32.
+inline void read_kv_row(const Model& m, const void* cache, const float* scales, int64_t row, float* out) {
+  const int64_t d = m.head_dim;
+  if (m.kv_format == 0) {
+    const float* p = (const float*)cache + row * d;
+    std::copy(p, p + d, out);
+  } else if (m.kv_format == 1) {
+    const uint16_t* p = (const uint16_t*)cache + row * d;
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) out[i] = bm_native::bf16_to_f32(p[i]);
+  } else {
+    const int8_t* p = (const int8_t*)cache + row * d;
+    const float s = scales[row];
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) out[i] = (float)p[i] * s;
+  }
+}
+
+inline void write_kv_row(const Model& m, void* cache, float* scales, int64_t row, const float* x) {
+  const int64_t d = m.head_dim;
+  if (m.kv_format == 0) {
+    std::copy(x, x + d, (float*)cache + row * d);
+  } else if (m.kv_format == 1) {
+    uint16_t* p = (uint16_t*)cache + row * d;
+    for (int64_t i = 0; i < d; ++i) p[i] = bm_native::f32_to_bf16(x[i]);
+  } else {
+    float amax = 0.f;
+    for (int64_t i = 0; i < d; ++i) amax = std::max(amax, fabsf(x[i]));
+    const float scale = amax / 127.f, safe = scale > 0.f ? scale : 1.f;
+    int8_t* p = (int8_t*)cache + row * d;
+    for (int64_t i = 0; i < d; ++i) p[i] = (int8_t)nearbyintf(std::min(127.f, std::max(-127.f, x[i] / safe)));
+    scales[row] = scale;
+  }
+}
+
+// Rotary (neox pairing) of one head in place over its first rotary_dim dims.
+inline void rotate(const Model& m, float* head, int64_t position) {
+  const int64_t half = m.rotary_dim / 2;
+  const float* c = m.rope_cos + position * half;
+  const float* s = m.rope_sin + position * half;
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = head[i], b = head[i + half];
+    head[i] = a * c[i] - b * s[i];
+    head[i + half] = b * c[i] + a * s[i];
+  }
+}
+
+struct AttentionScratch {
+  std::vector<float> q, acc, row, scores;
+  std::vector<int64_t> keys;
+};
+
+// Sequence b, KV head kvh: rotate its query heads and key, write the key and value into the
+// cache, attend over the visible keys; out [num_heads * head_dim] of the sequence's row.
+void attend(const Model& m, const Layer& L, const float* qkv, int64_t b, int64_t kvh, const int64_t* positions,
+            const int64_t* slots, const int32_t* block_tables, int64_t bt_stride, const int64_t* seq_lens,
+            float* out, AttentionScratch& s) {
+  const int64_t d = m.head_dim, group = m.num_heads / m.num_kv_heads, tpb = m.tokens_per_block;
+  const int64_t q_size = m.num_heads * d, kv_size = m.num_kv_heads * d;
+  const float* row = qkv + b * (q_size + 2 * kv_size);
+  s.q.assign(row + kvh * group * d, row + (kvh + 1) * group * d);
+  s.row.assign(row + q_size + kvh * d, row + q_size + (kvh + 1) * d);
+  for (int64_t g = 0; g < group; ++g) rotate(m, s.q.data() + g * d, positions[b]);
+  rotate(m, s.row.data(), positions[b]);
+  const int64_t new_row = slots[b] * m.num_kv_heads + kvh;
+  write_kv_row(m, L.k_cache, L.k_scales, new_row, s.row.data());
+  write_kv_row(m, L.v_cache, L.v_scales, new_row, row + q_size + kv_size + kvh * d);
+
+  bm_native::visible_keys(seq_lens[b], m.window, m.sink, s.keys);
+  const int64_t n = (int64_t)s.keys.size();
+  const int32_t* table = block_tables + b * bt_stride;
+  for (int64_t& j : s.keys) j = ((int64_t)table[j / tpb] * tpb + j % tpb) * m.num_kv_heads + kvh;
+  s.scores.resize(group * n);
+  for (int64_t i = 0; i < n; ++i) {
+    read_kv_row(m, L.k_cache, L.k_scales, s.keys[i], s.row.data());
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = s.q.data() + g * d;
+      float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t t = 0; t < d; ++t) dot += qg[t] * s.row[t];
+      s.scores[g * n + i] = dot * m.attention_scale;
+    }
+  }
+  bm_native::softmax_rows(s.scores.data(), group, n);
+  s.acc.assign(group * d, 0.f);
+  for (int64_t i = 0; i < n; ++i) {
+    read_kv_row(m, L.v_cache, L.v_scales, s.keys[i], s.row.data());
+    for (int64_t g = 0; g < group; ++g) {
+      const float p = s.scores[g * n + i];
+      float* o = s.acc.data() + g * d;
+#pragma omp simd
+      for (int64_t t = 0; t < d; ++t) o[t] += p * s.row[t];
+    }
+  }
+  std::copy(s.acc.begin(), s.acc.end(), out + b * q_size + kvh * group * d);
+}
+
+inline float silu(float g) { return g / (1.f + expf(-g)); }
+
+}  // namespace
+
+extern "C" void bm_decode_step(const Model* model, int64_t rows, float* x, const int64_t* positions,
+                               const int64_t* slots, const int32_t* block_tables, int64_t bt_stride,
+                               const int64_t* seq_lens, float* logits, int num_threads) {
+  const Model& m = *model;
+  const int64_t h = m.hidden, inter = m.intermediate, d = m.head_dim;
+  const int64_t qkv_width = (m.num_heads + 2 * m.num_kv_heads) * d, q_size = m.num_heads * d;
+  // shared between the threads, each written by one thread per phase
+  std::vector<float> qkv(rows * qkv_width), attn(rows * q_size, 0.f), gate_up(rows * 2 * inter), act(rows * inter, 0.f);
+#pragma omp parallel num_threads(num_threads)
+  {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    std::vector<float> normed(rows * h, 0.f);
+    InputScratch input_scratch;
+    AttentionScratch attention_scratch;
+    int64_t n0, n1;
+    for (int64_t layer = 0; layer < m.num_layers; ++layer) {
+      const Layer& L = m.layers[layer];
+      if (!m.matmuls_only) rms_norm_rows(x, rows, h, L.input_norm, m.eps, normed.data());
+      Input in = input_scratch.prepare(normed.data(), rows, h, {&L.qkv});
+      thread_range(L.qkv.n, t, nt, n0, n1);
+      linear_range(L.qkv, in, qkv.data(), qkv_width, 0, n0, n1, m.isa);
+#pragma omp barrier
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t task = 0; task < rows * m.num_kv_heads; ++task)
+        if (!m.matmuls_only) attend(m, L, qkv.data(), task / m.num_kv_heads, task % m.num_kv_heads, positions, slots, block_tables,
+               bt_stride, seq_lens, attn.data(), attention_scratch);
+      // (the for's implied barrier)
+      in = input_scratch.prepare(attn.data(), rows, q_size, {&L.out});
+      thread_range(L.out.n, t, nt, n0, n1);
+      linear_range(L.out, in, x, h, 1, n0, n1, m.isa);
+#pragma omp barrier
+      if (!m.matmuls_only) rms_norm_rows(x, rows, h, L.post_norm, m.eps, normed.data());
+      in = input_scratch.prepare(normed.data(), rows, h, {&L.mlp_in});
+      thread_range(inter, t, nt, n0, n1);   // gate outputs [n0, n1) and the same up outputs
+      linear_range(L.mlp_in, in, gate_up.data(), 2 * inter, 0, n0, n1, m.isa);
+      linear_range(L.mlp_in, in, gate_up.data(), 2 * inter, 0, inter + n0, inter + n1, m.isa);
+      for (int64_t r = 0; r < rows && !m.matmuls_only; ++r)
+        for (int64_t i = n0; i < n1; ++i)
+          act[r * inter + i] = silu(gate_up[r * 2 * inter + i]) * gate_up[r * 2 * inter + inter + i];
+#pragma omp barrier
+      in = input_scratch.prepare(act.data(), rows, inter, {&L.mlp_out});
+      thread_range(L.mlp_out.n, t, nt, n0, n1);
+      linear_range(L.mlp_out, in, x, h, 1, n0, n1, m.isa);
+#pragma omp barrier
+    }
+    if (!m.matmuls_only) rms_norm_rows(x, rows, h, m.final_norm, m.eps, normed.data());
+    Input in = input_scratch.prepare(normed.data(), rows, h, {&m.lm_head});
+    thread_range(m.vocab, t, nt, n0, n1);
+    linear_range(m.lm_head, in, logits, m.vocab, 0, n0, n1, m.isa);
+  }
+}

@@ -1,0 +1,230 @@
+"""The generation step of a LLaMA-family model as one native call (cpu_decode_step.cpp): every
+layer's RMSNorm, QKV, rotary, KV-cache write, paged decode attention, out-projection, gated MLP
+and residuals, then the final norm and lm_head, inside one OpenMP parallel region.
+
+Why: at one to a few sequences a step is a chain of ~15 small ops per layer; run from Python
+(eager torch ops and one ctypes call each) they cost ~4.4 ms per token on SmolLM2-135M, as much
+as its weight matmuls. The native step keeps the same kernels for the matmuls (cpu_native.cpp's
+float32 and bf16 GEMVs, cpu_weight_only.cpp's int8 / int4 ones, compiled into the same library)
+and runs the rest between barriers.
+
+What it covers (`DecodeStep.build` says None otherwise; the eager model stays the reference and
+the fallback): RMSNorm, rotary positions with the neox pairing (partial rotary too), the
+sequential residual, a SiLU-gated MLP, biases on any linear; weights float32, bf16, int8 or int4;
+a float32, bf16 or int8 KV cache; one process (no tensor or pipeline parallelism), CPU. The runner
+routes a step to it when every sequence has one new token, there are at most MAX_ROWS of them,
+and nothing changes the forward (no LoRA, prompt tables, context logits or draft logits).
+
+Numerics: activations stay float32 from the embedding to the logits (the eager model's in a
+float32 engine; a bf16 engine's eager path rounds them to bf16 between ops, so there the two
+agree to bf16 rounding). BATCH_MANAGER_FUSED_DECODE=0 turns it off (A/B runs, tests).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+import subprocess
+from pathlib import Path
+
+import torch
+
+from . import cpu_native
+from .cpu_weight_only import weight_only_ops
+from .linear import Linear
+from .native_build import build_library, compiler_available, native_cache_dir
+from .weight_only_linear import QuantizedLinear
+
+logger = logging.getLogger(__name__)
+
+ENV_VAR = "BATCH_MANAGER_FUSED_DECODE"   # "0": generation steps take the eager path
+SOURCE = Path(__file__).with_name("cpu_decode_step.cpp")
+# Sequences per fused step: the GEMVs reuse each weight load across the rows of a small batch; above
+# this many rows the eager path's blocked GEMMs (oneDNN, de-quantized tiles) are the better kernels.
+MAX_ROWS = 8
+
+_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.uint8: 3}
+_KV_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+_P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("format", _I32), ("pad", _I32), ("w", _P), ("scale", _P), ("min", _P), ("bias", _P),
+                ("n", _I64), ("k", _I64), ("gs", _I64)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", _Linear), ("out", _Linear), ("mlp_in", _Linear),
+                ("mlp_out", _Linear), ("k_cache", _P), ("v_cache", _P), ("k_scales", _P), ("v_scales", _P)]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [("num_layers", _I64), ("hidden", _I64), ("num_heads", _I64), ("num_kv_heads", _I64),
+                ("head_dim", _I64), ("intermediate", _I64), ("vocab", _I64), ("rotary_dim", _I64),
+                ("tokens_per_block", _I64), ("window", _I64), ("sink", _I64), ("rope_positions", _I64),
+                ("eps", _F32), ("attention_scale", _F32), ("kv_format", _I32), ("isa", _I32),
+                ("matmuls_only", _I32), ("pad", _I32),
+                ("rope_cos", _P), ("rope_sin", _P), ("final_norm", _P), ("layers", _P), ("lm_head", _Linear)]
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV_VAR, "").strip() != "0"
+
+
+@functools.lru_cache(maxsize=None)
+def _library() -> ctypes.CDLL | None:
+    """cpu_native.cpp and cpu_weight_only.cpp (each in a namespace of its own) then
+    cpu_decode_step.cpp, as one translation unit; None where it cannot be built."""
+    if not cpu_native._cpu_supported() or not compiler_available():
+        return None
+    here = SOURCE.parent
+    source = "".join([
+        "#include <immintrin.h>\n#include <math.h>\n#include <omp.h>\n#include <stdint.h>\n#include <string.h>\n"
+        "#include <errno.h>\n#include <sched.h>\n#include <signal.h>\n#include <time.h>\n"
+        "#include <algorithm>\n#include <atomic>\n#include <initializer_list>\n#include <type_traits>\n"
+        "#include <vector>\n",
+        "namespace bm_native {\n", (here / "cpu_native.cpp").read_text(), "\n}  // namespace bm_native\n",
+        "namespace bm_wo {\n", (here / "cpu_weight_only.cpp").read_text(), "\n}  // namespace bm_wo\n",
+        SOURCE.read_text()])
+    try:
+        path = build_library(source, cpu_native.CXX_FLAGS, "cpu-decode-step", native_cache_dir(), "fused decode step",
+                             extra_key=cpu_native._cpu_identity())
+    except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+        logger.warning("fused decode step: build failed, generation steps stay eager: %s", error)
+        return None
+    lib = ctypes.CDLL(str(path))
+    lib.bm_decode_step.argtypes = [_P, _I64, _P, _P, _P, _P, _I64, _P, _P, ctypes.c_int]
+    lib.bm_decode_step.restype = None
+    return lib
+
+
+def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.detach().float().contiguous()
+
+
+class DecodeStep:
+    """A model's generation step bound to its weights and KV pool (pointers taken once: the model,
+    the pool and the tensors made here must outlive it; the runner holds all three)."""
+
+    max_rows = MAX_ROWS
+
+    def __init__(self, lib: ctypes.CDLL, model, kv_pool: torch.Tensor, kv_scales: torch.Tensor | None,
+                 tokens_per_block: int, isa: int):
+        cfg = model.config
+        self._lib, self._model = lib, model
+        self._keep: list[torch.Tensor] = []   # float32 copies of norms and biases the structs point at
+        layers = (_Layer * cfg.num_layers)()
+        for i in range(cfg.num_layers):
+            p = f"layers.{i}."
+            layer = layers[i]
+            layer.input_norm = self._hold(_f32(model.w[p + "input_norm.weight"]))
+            layer.post_norm = self._hold(_f32(model.w[p + "post_norm.weight"]))
+            for field, name in (("qkv", "qkv"), ("out", "out"), ("mlp_in", "mlp_in"), ("mlp_out", "mlp_out")):
+                setattr(layer, field, self._linear(model.linears[p + name]))
+            layer.k_cache, layer.v_cache = kv_pool[i, 0].data_ptr(), kv_pool[i, 1].data_ptr()
+            if kv_scales is not None:
+                layer.k_scales, layer.v_scales = kv_scales[i, 0].data_ptr(), kv_scales[i, 1].data_ptr()
+        self._layers = layers
+        window = model.attention_window
+        self._struct = _Model(
+            num_layers=cfg.num_layers, hidden=cfg.hidden_size, num_heads=cfg.num_heads,
+            num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, intermediate=cfg.intermediate_size,
+            vocab=cfg.vocab_size, rotary_dim=cfg.rotary_dim, tokens_per_block=tokens_per_block,
+            window=-1 if window is None else window, sink=model.sink_token_length, rope_positions=0,
+            eps=cfg.norm_eps, attention_scale=model.scale, kv_format=_KV_FORMATS[kv_pool.dtype], isa=isa,
+            final_norm=self._hold(_f32(model.w["final_norm.weight"])), layers=ctypes.addressof(layers),
+            lm_head=self._linear(model.lm_head))
+        self._rope_cos = self._rope_sin = None
+        self._ensure_positions(min(cfg.max_position_embeddings, 4096))
+
+    @classmethod
+    def build(cls, model, kv_pool: torch.Tensor, kv_scales: torch.Tensor | None, tokens_per_block: int
+              ) -> "DecodeStep | None":
+        """The fused step of `model` (runtime.models.transformer.Transformer) over its pool, or None
+        where the model, its weights or this machine are outside what it covers (module docstring)."""
+        cfg = model.config
+        if (not enabled() or model.device.type != "cpu" or model.tp is not None or model.shard is not None
+                or not model.is_first_stage or not model.is_last_stage or cfg.norm_type != "rmsnorm"
+                or cfg.mlp_type != "gated" or cfg.activation not in ("silu", "swish")
+                or cfg.position_embedding != "rope" or cfg.rotary_style != "neox" or cfg.residual != "sequential"
+                or cfg.embedding_norm or model.alibi_slopes is not None or kv_pool.dtype not in _KV_FORMATS
+                or model.dtype not in (torch.float32, torch.bfloat16)):
+            return None
+        prepared = [model.lm_head] + list(model.linears.values())
+        if not all(_format(linear) is not None for linear in prepared):
+            return None
+        lib = _library()
+        if lib is None:
+            return None
+        ops = weight_only_ops()
+        isa = ops._isa(None) if ops is not None else 1
+        return cls(lib, model, kv_pool, kv_scales, tokens_per_block, isa)
+
+    @property
+    def matmuls_only(self) -> bool:
+        """Benchmarks: the step runs its weight GEMVs alone (nothing else; outputs meaningless)."""
+        return bool(self._struct.matmuls_only)
+
+    @matmuls_only.setter
+    def matmuls_only(self, value: bool) -> None:
+        self._struct.matmuls_only = int(value)
+
+    def _hold(self, t: torch.Tensor | None) -> int | None:
+        if t is None:
+            return None
+        self._keep.append(t)
+        return t.data_ptr()
+
+    def _linear(self, linear) -> _Linear:
+        fmt = _format(linear)
+        if isinstance(linear, QuantizedLinear):
+            n, k = linear.weight.shape[0], linear.weight.shape[1] * (2 if fmt == 3 else 1)
+            gs = 0 if fmt == 2 else k // linear.scale.shape[1]
+            return _Linear(format=fmt, w=linear.weight.data_ptr(), scale=linear.scale.data_ptr(),
+                           min=None if linear.minimum is None else linear.minimum.data_ptr(),
+                           bias=self._hold(linear.bias_f32), n=n, k=k, gs=gs)
+        n, k = linear.plain.shape
+        return _Linear(format=fmt, w=linear.plain.data_ptr(), bias=self._hold(_f32(linear.bias)), n=n, k=k)
+
+    def _ensure_positions(self, num_positions: int) -> None:
+        """Rotary tables cover positions [0, num_positions) (grown by doubling as steps need),
+        computed as the eager model computes its cos / sin (rope.rope_cos_sin, float32)."""
+        if self._struct.rope_positions >= num_positions:
+            return
+        size = max(num_positions, 2 * self._struct.rope_positions)
+        freqs = torch.arange(size, dtype=torch.float32)[:, None] * self._model.inv_freq.float()[None, :]
+        self._rope_cos, self._rope_sin = freqs.cos().contiguous(), freqs.sin().contiguous()
+        self._struct.rope_cos, self._struct.rope_sin = self._rope_cos.data_ptr(), self._rope_sin.data_ptr()
+        self._struct.rope_positions = size
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                 block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions, slots, seq_lens int64 [rows] (checked by the caller: ids in the
+        vocabulary, positions >= 0, every block read in the pool), block_tables int32 [rows, width]
+        -> logits float32 [rows, vocab]. Writes each sequence's new K / V into its slot."""
+        rows = input_ids.numel()
+        assert 1 <= rows <= self.max_rows and block_tables.dtype == torch.int32 and block_tables.is_contiguous()
+        self._ensure_positions(int(positions.max()) + 1)
+        x = self._model._embed(input_ids).to(torch.float32).contiguous()   # a new tensor: the step writes it
+        logits = torch.empty(rows, self._struct.vocab, dtype=torch.float32)
+        self._lib.bm_decode_step(ctypes.addressof(self._struct), rows, x.data_ptr(), positions.data_ptr(),
+                                 slots.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
+                                 seq_lens.data_ptr(), logits.data_ptr(), torch.get_num_threads())
+        return logits
+
+
+def _format(linear) -> int | None:
+    """The weight format code of a prepared linear the fused step can read in place, else None."""
+    if isinstance(linear, QuantizedLinear):
+        if linear.ops is None:
+            return None
+        if linear.minimum is None:
+            return 2
+        groups = linear.scale.shape[1]
+        k = linear.weight.shape[1] * 2
+        return 3 if k % groups == 0 and k // groups in (32, 64, 128) else None
+    if isinstance(linear, Linear) and linear.plain is not None and linear.plain.dtype in (torch.float32,
+                                                                                           torch.bfloat16):
+        return _FORMATS[linear.plain.dtype]
+    return None

@@ -1,0 +1,101 @@
+"""The generation step, fused (one native call) against eager (op by op), per precision mode.
+
+For each mode: one runner with the fused step and one without, on the same engine (the real default
+model unless --model), a context step of --prompt tokens for each of R sequences, then the time of
+one generation step of R rows, median of --steps, for:
+  eager        every op from Python (BATCH_MANAGER_FUSED_DECODE=0's path)
+  fused        the whole step as one native call
+  matmuls      the same call running its weight GEMVs alone (same inputs, split and barriers)
+and "outside" = fused - matmuls: the time of everything but the weight matmuls (norms, rotary, KV
+write, attention, SiLU, the barriers, the embedding lookup and the call itself).
+
+    python -m samples.microbench.decode_step [--rows 1 4 8] [--modes fp32 bf16 int8 int4]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+
+MODES = {"fp32": {}, "bf16": {"dtype": "bfloat16"}, "int8": {"weight_only": "int8"},
+         "int4": {"weight_only": "int4", "group_size": 32}}
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return "unknown CPU"
+
+
+def _build(source: str, directory: str, overrides: dict) -> None:
+    from runtime import build_engine
+    build_engine(source, directory, **overrides)
+
+
+def time_steps(runner, rows: int, prompt: int, steps: int) -> float:
+    """Median seconds of a generation step of `rows` sequences after a `prompt`-token context."""
+    from runtime.step_inputs import SequenceStep, pack_step
+    tpb = runner.tokens_per_block
+    blocks_per_seq = -(-(prompt + steps + 8) // tpb)
+    tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(rows)]
+    tokens = [[(7 * i + j) % 1000 + 10 for j in range(prompt)] for i in range(rows)]
+    runner.forward(pack_step([SequenceStep(t, 0, b) for t, b in zip(tokens, tables)]))
+    times = []
+    for step in range(steps):
+        inputs = pack_step([SequenceStep([42 + i], prompt + step, b) for i, b in enumerate(tables)])
+        start = time.perf_counter()
+        runner.forward(inputs)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[2:])
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="a checkpoint or GGUF file (default: the real default model's GGUF)")
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    p.add_argument("--rows", nargs="+", type=int, default=[1, 4, 8])
+    p.add_argument("--prompt", type=int, default=64)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from runtime import Engine, ModelRunner
+    from samples.default_model import real_model_gguf
+    from samples.microbench.llama_cpp_compare import in_fresh_process
+    source = args.model or real_model_gguf()
+    print(f"{cpu_name()}, {torch.get_num_threads()} threads; ms per generation step "
+          f"(median of {args.steps}), {args.prompt}-token context")
+    results = {}
+    with tempfile.TemporaryDirectory() as work:
+        for mode in args.modes:
+            directory = os.path.join(work, mode)
+            in_fresh_process(_build, source, directory, MODES[mode])   # NOTE: no build thread pool left here
+            engine = Engine.from_dir(directory)
+            blocks = -(-(args.prompt + args.steps + 8) // engine.build_config.tokens_per_block) * max(args.rows)
+            fused, eager = ModelRunner(engine, blocks), ModelRunner(engine, blocks, fused_decode=False)
+            if fused.decode_step is None:
+                print(f"  {mode}: the fused step does not cover this model")
+                continue
+            for rows in args.rows:
+                row = {"eager": time_steps(eager, rows, args.prompt, args.steps),
+                       "fused": time_steps(fused, rows, args.prompt, args.steps)}
+                fused.decode_step.matmuls_only = True
+                row["matmuls"] = time_steps(fused, rows, args.prompt, args.steps)
+                fused.decode_step.matmuls_only = False
+                row["outside"] = row["fused"] - row["matmuls"]
+                results[(mode, rows)] = row
+                print(f"  {mode:5s} rows {rows}: eager {row['eager'] * 1e3:6.2f}  fused {row['fused'] * 1e3:6.2f} "
+                      f"({row['eager'] / row['fused']:.2f}x)  matmuls {row['matmuls'] * 1e3:6.2f}  "
+                      f"outside {row['outside'] * 1e3:5.2f}")
+            del fused, eager, engine
+    return results
+
+
+if __name__ == "__main__":
+    main()

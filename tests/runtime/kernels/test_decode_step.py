@@ -1,0 +1,157 @@
+"""The fused generation step (runtime/kernels/cpu_decode_step.py) against the eager model, op by op:
+the same logits (to float rounding; bf16 engines to bf16 rounding) and the same KV cache, for the
+LLaMA family in every precision mode, over several sequences of different lengths whose steps cross
+block boundaries, after a context computed in chunks, with a window and sink tokens; and the
+routing: which models and steps take it."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime import Engine, ModelRunner
+from runtime.kernels import cpu_decode_step
+from tests.factories import make_checkpoint, step_inputs
+
+MODES = {
+    "fp32": {},
+    "bf16": {"dtype": "bfloat16"},
+    "int8": {"weight_only": "int8"},
+    "int4": {"weight_only": "int4", "group_size": 32},
+    "int8_kv": {"kv_cache_dtype": "int8"},
+    "bf16_int8_kv": {"dtype": "bfloat16", "kv_cache_dtype": "int8"},
+    "int4_int8_kv": {"weight_only": "int4", "group_size": 32, "kv_cache_dtype": "int8"},
+    "bf16_int8": {"dtype": "bfloat16", "weight_only": "int8"},
+}
+# Largest |fused - eager| over the largest |eager logit| of a step. float32 activations on both
+# sides: float rounding (an int8 cache may round one value the other way: 2e-3); a bf16 engine's
+# eager path rounds its activations to bf16 between ops, the fused one keeps them in float32.
+TOLERANCE = {"fp32": 1e-5, "int8": 1e-5, "int4": 1e-5, "int8_kv": 2e-3, "int4_int8_kv": 2e-3}
+BF16_TOLERANCE = 8e-2
+TOKENS_PER_BLOCK = 4
+NUM_BLOCKS = 64
+
+
+def skip_without_kernels():
+    if cpu_decode_step._library() is None:
+        pytest.skip("the native CPU kernels cannot be built here (x86-64 AVX2/FMA and a C++ compiler)")
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """llama (GQA), mistral (sliding window 8), qwen2 (QKV bias, tied embeddings)."""
+    out = {}
+    for seed, arch in enumerate(("llama", "mistral", "qwen2")):
+        path = tmp_path_factory.mktemp(arch)
+        make_checkpoint(path, arch, seed=seed)
+        out[arch] = path
+    return out
+
+
+def runners(checkpoint, mode: str, **runner_kwargs) -> tuple[ModelRunner, ModelRunner]:
+    engine = Engine.from_dir(checkpoint, tokens_per_block=TOKENS_PER_BLOCK, **MODES[mode])
+    fused = ModelRunner(engine, NUM_BLOCKS, **runner_kwargs)
+    eager = ModelRunner(engine, NUM_BLOCKS, fused_decode=False, **runner_kwargs)
+    assert fused.decode_step is not None and eager.decode_step is None
+    return fused, eager
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def run_both(fused: ModelRunner, eager: ModelRunner, prompts: list[list[int]], tables: list[list[int]],
+             num_steps: int, chunk: int | None = None) -> tuple[float, list[list[int]], list[list[int]]]:
+    """Context (in chunks of `chunk` tokens when given), then `num_steps` generation steps on both
+    runners, each fed the eager runner's greedy tokens -> (worst relative error, fused greedy
+    tokens, eager greedy tokens) per sequence."""
+    for runner in (fused, eager):
+        done = [0] * len(prompts)
+        while any(d < len(p) for d, p in zip(done, prompts)):
+            seqs = []
+            for i, (p, t) in enumerate(zip(prompts, tables)):
+                if done[i] < len(p):
+                    take = len(p) - done[i] if chunk is None else min(chunk, len(p) - done[i])
+                    seqs.append((p[done[i]:done[i] + take], done[i], t))
+                    done[i] += take
+            runner.forward(step_inputs(seqs))
+    past = [len(p) for p in prompts]
+    tokens = [p[-1] for p in prompts]
+    worst, fused_tokens, eager_tokens = 0.0, [[] for _ in prompts], [[] for _ in prompts]
+    for _ in range(num_steps):
+        inputs = step_inputs([([tk], pa, t) for tk, pa, t in zip(tokens, past, tables)])
+        a, b = fused.forward(inputs)["logits"], eager.forward(inputs)["logits"]
+        worst = max(worst, relative_error(a, b))
+        for i in range(len(prompts)):
+            fused_tokens[i].append(int(a[i].argmax()))
+            eager_tokens[i].append(int(b[i].argmax()))
+        tokens, past = [row[-1] for row in eager_tokens], [p + 1 for p in past]
+    return worst, fused_tokens, eager_tokens
+
+
+PROMPTS = [[3, 4, 5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16, 17], [2, 3], list(range(20, 32))]
+# Shuffled, non-contiguous block ids (12 steps cross 3 block boundaries of 4 tokens each)
+TABLES = [[5, 1, 9, 13, 17, 21], [30, 2, 40, 41, 7, 3], [60, 50, 22, 23, 24, 25], [8, 10, 12, 14, 16, 18, 19]]
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+def test_fused_step_equals_the_eager_model(checkpoints, arch, mode):
+    skip_without_kernels()
+    fused, eager = runners(checkpoints[arch], mode)
+    worst, fused_tokens, eager_tokens = run_both(fused, eager, PROMPTS, TABLES, num_steps=12)
+    if mode.startswith("bf16"):
+        assert worst < BF16_TOLERANCE
+    else:
+        assert worst < TOLERANCE[mode]
+        assert fused_tokens == eager_tokens
+        assert torch.allclose(fused.kv_pool.float(), eager.kv_pool.float(), atol=1e-5, rtol=1e-5) or \
+            mode.endswith("int8_kv")
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_batches_of_one_to_max_rows_and_a_chunked_context(checkpoints, rows):
+    skip_without_kernels()
+    fused, eager = runners(checkpoints["llama"], "int4")
+    prompts = [list(range(10 + i, 10 + i + 3 + 2 * i)) for i in range(rows)]
+    tables = [list(range(7 * i, 7 * i + 7)) for i in range(rows)]
+    worst, fused_tokens, eager_tokens = run_both(fused, eager, prompts, tables, num_steps=9, chunk=3)
+    assert worst < TOLERANCE["int4"] and fused_tokens == eager_tokens
+
+
+def test_window_and_sink_tokens(checkpoints):
+    skip_without_kernels()
+    fused, eager = runners(checkpoints["llama"], "fp32", max_attention_window=6, sink_token_length=2)
+    worst, fused_tokens, eager_tokens = run_both(fused, eager, PROMPTS, TABLES, num_steps=12)
+    assert worst < TOLERANCE["fp32"] and fused_tokens == eager_tokens
+
+
+def test_steps_it_does_not_cover_take_the_eager_path(checkpoints, monkeypatch):
+    skip_without_kernels()
+    fused, eager = runners(checkpoints["llama"], "fp32")
+    calls = []
+    real = fused.decode_step.__call__
+    monkeypatch.setattr(type(fused.decode_step), "__call__", lambda self, *a: calls.append(len(a[0])) or real(*a))
+    rows = fused.decode_step.max_rows + 1
+    tables = [[i] for i in range(rows)]
+    for runner in (fused, eager):
+        runner.forward(step_inputs([([5], 0, t) for t in tables]))
+    assert calls == []                        # a context step
+    many = step_inputs([([6], 1, t) for t in tables])
+    assert torch.equal(fused.forward(many)["logits"], eager.forward(many)["logits"])
+    assert calls == []                        # more rows than it takes
+    with_context_logits = step_inputs([([6], 1, t) for t in tables[:2]], context_logits=True)
+    fused.forward(with_context_logits)
+    assert calls == []                        # context logits asked for
+    fused.forward(step_inputs([([6], 1, t) for t in tables[:2]]))
+    assert calls == [2]
+    bad = step_inputs([([6], 1, [NUM_BLOCKS + 3])])
+    with pytest.raises(ValueError, match="block_tables"):
+        fused.forward(bad)                    # a bad input is reported by the general path's checks
+
+
+def test_models_and_switch_it_does_not_cover(checkpoints, tmp_path, monkeypatch):
+    skip_without_kernels()
+    make_checkpoint(tmp_path / "gpt2", "gpt2")
+    assert ModelRunner(Engine.from_dir(tmp_path / "gpt2"), 8).decode_step is None   # LayerNorm, GELU, learned positions
+    monkeypatch.setenv(cpu_decode_step.ENV_VAR, "0")
+    assert ModelRunner(Engine.from_dir(checkpoints["llama"]), 8).decode_step is None
