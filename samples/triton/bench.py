@@ -106,7 +106,7 @@ def triton_run(url: str, prompts: list[list[int]], max_new_tokens: list[int], st
         start_s = time.perf_counter()
         for i, (prompt, num_new) in enumerate(zip(prompts, max_new_tokens)):
             client.submit(str(i), llm_inputs(prompt, num_new, streaming, end_id))
-        results = [client.wait(str(i)) for i in range(len(prompts))]
+        results = [client.wait(str(i), timeout_s=3600) for i in range(len(prompts))]
         elapsed_s = time.perf_counter() - start_s
     finally:
         client.close()
@@ -134,14 +134,14 @@ def main() -> None:
     _, direct_s, _ = direct.run(prompts, lengths)
     direct_ttft_s = [direct.run(*short, streaming=True)[2][0] for _ in range(args.ttft_tries)]
     direct.close()
+    print(f"W{len(samples)} ({num_tokens} generated tokens), engine {engine_dir}")
+    print(f"  GptManager directly: {num_tokens / direct_s:7.1f} tokens/s ({direct_s:.2f} s)", flush=True)
 
     with tempfile.TemporaryDirectory() as repository, running_server(repository, engine_dir) as server:
         triton_run(server.grpc_url, *short)   # warm-up
         _, triton_s, _ = triton_run(server.grpc_url, prompts, lengths)
         triton_ttft_s = [triton_run(server.grpc_url, *short, streaming=True)[2][0] for _ in range(args.ttft_tries)]
 
-    print(f"W{len(samples)} ({num_tokens} generated tokens), engine {engine_dir}")
-    print(f"  GptManager directly: {num_tokens / direct_s:7.1f} tokens/s ({direct_s:.2f} s)")
     print(f"  through Triton:      {num_tokens / triton_s:7.1f} tokens/s ({triton_s:.2f} s), "
           f"{triton_s / direct_s - 1:+.1%} time")
     print(f"TTFT p50, one streamed request (32-token prompt), {args.ttft_tries} tries: "
