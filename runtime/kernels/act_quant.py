@@ -1,0 +1,225 @@
+"""The int8-activation mode's integer GEMVs (issue 41): activations quantized per block of 32 input
+columns to symmetric int8, dot products with int8 / int4 weights in int32 (cpu_act_quant.cpp).
+Owns the torch reference of that arithmetic, the weights' repacked layout (`pack`, once at load) and
+the ctypes wrapper; `act_quant_ops()` is None where the kernels cannot be built or run here.
+
+Tiers: "avx512vnni", "avxvnni", "avx2", "scalar"; the best one compiled in and supported runs unless
+the `isa` argument or BATCH_MANAGER_ACT_QUANT_ISA names another that is available.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..config import ConfigError
+from . import cpu_native
+from .native_build import CXX, compiler_available
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_act_quant.cpp")
+ISA_ENV_VAR = "BATCH_MANAGER_ACT_QUANT_ISA"
+ISAS = {"scalar": 0, "avx2": 1, "avxvnni": 2, "avx512vnni": 3}
+BLOCK = 32          # activation columns per quantization block
+UNIT = 16           # output rows per packed unit (kActUnit)
+FORMAT_INT8, FORMAT_INT4 = 2, 3
+
+
+# ---- the torch reference ----------------------------------------------------------------------
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x float32 [rows, k], k % 32 == 0 -> (q int8 [rows, k], d float32 [rows, k/32], s int32
+    [rows, k/32]): d = max|x| / 127 per block, q = round-half-even(x / d) in [-127, 127] (0 where
+    d == 0), s = the block's sum of q."""
+    rows, k = x.shape
+    assert x.dtype == torch.float32 and k % BLOCK == 0, (x.dtype, k)
+    blocks = x.reshape(rows, k // BLOCK, BLOCK)
+    d = blocks.abs().amax(dim=2) / 127
+    safe = torch.where(d == 0, torch.ones_like(d), d)
+    q = torch.round(blocks / safe[:, :, None]).clamp(-127, 127)
+    q = torch.where(d[:, :, None] == 0, torch.zeros_like(q), q).to(torch.int8)
+    return q.reshape(rows, k), d, q.to(torch.int32).sum(dim=2, dtype=torch.int32)
+
+
+def unpack_int4(packed: torch.Tensor, group_size: int) -> torch.Tensor:
+    """uint8 [n, k/2] in cpu_weight_only's int4 layout -> the nibbles uint8 [n, k] in column order."""
+    n, half_k = packed.shape
+    grouped = packed.reshape(n, half_k * 2 // group_size, group_size // 2)
+    return torch.cat([grouped & 15, grouped >> 4], dim=2).reshape(n, half_k * 2)
+
+
+def int8_act_linear_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                              minimum: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+    """x float32 [rows, k]; int8: weight int8 [n, k], scale [n], minimum None; int4: weight uint8
+    [n, k/2] (cpu_weight_only's layout), scale and minimum [n, k/gs] -> float32 [rows, n]. The
+    integer block sums are exact (float64 products of integers); the float part in float32."""
+    q, d, s = quantize_activations(x)
+    rows, k = x.shape
+    nib = weight if minimum is None else unpack_int4(weight, k // scale.shape[1])
+    n = nib.shape[0]
+    isum = torch.einsum("rbj,obj->rob", q.double().reshape(rows, -1, BLOCK),
+                        nib.double().reshape(n, -1, BLOCK)).float()                       # [rows, n, blocks]
+    if minimum is None:
+        y = (isum * d[:, None, :]).sum(dim=2) * scale
+    else:
+        per_block = k // BLOCK // scale.shape[1]
+        block_scale = scale.repeat_interleave(per_block, dim=1)                           # [n, blocks]
+        block_min = minimum.repeat_interleave(per_block, dim=1)
+        y = ((block_scale * isum + block_min * s[:, None, :].float()) * d[:, None, :]).sum(dim=2)
+    return y if bias is None else y + bias
+
+
+# ---- the packed weights -----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PackedActWeight:
+    """One linear's weights in cpu_act_quant.cpp's layout (n_units = ceil(n / 16))."""
+    packed: torch.Tensor            # uint8: int8 [n_units, k/32, 8, 16, 4]; int4 [n_units, k/32, 4, 16, 4]
+    scale: torch.Tensor             # float32: int8 [n_units * 16]; int4 [n_units, k/gs, 16]
+    minimum: torch.Tensor | None    # float32 int4 [n_units, k/gs, 16]; int8 None
+    n: int
+    k: int
+    group_size: int                 # int4: 32 / 64 / 128; int8: 0
+    format: int                     # FORMAT_INT8 / FORMAT_INT4
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])]) if rows > t.shape[0] else t
+
+
+def pack(weight: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None) -> PackedActWeight:
+    """int8 weight [n, k] + scale [n] (minimum None), or int4 packed uint8 [n, k/2] + scale and
+    minimum [n, k/gs] (cpu_weight_only's layouts) -> the repacked tensors."""
+    n = weight.shape[0]
+    units = -(-n // UNIT)
+    if minimum is None:
+        k = weight.shape[1]
+        if weight.dtype != torch.int8 or scale.shape != (n,) or k % BLOCK:
+            raise ValueError(f"int8 weight: expected int8 [n, k % 32 == 0] and scale [n], got "
+                             f"{weight.dtype} {tuple(weight.shape)} and {tuple(scale.shape)}")
+        biased = (_pad_rows(weight, units * UNIT).to(torch.int16) + 128).to(torch.uint8)
+        packed = biased.reshape(units, UNIT, k // BLOCK, 8, 4).permute(0, 2, 3, 1, 4).contiguous()
+        return PackedActWeight(packed, _pad_rows(scale.float(), units * UNIT).contiguous(), None, n, k, 0,
+                               FORMAT_INT8)
+    k = weight.shape[1] * 2
+    groups = scale.shape[1]
+    group_size = k // groups if groups else 0
+    if (weight.dtype != torch.uint8 or group_size not in (32, 64, 128) or groups * group_size != k
+            or scale.shape != (n, groups) or minimum.shape != (n, groups)):
+        raise ValueError(f"int4 weight: expected uint8 [n, k/2] and scale, minimum [n, k/gs] with gs in 32/64/128, "
+                         f"got {weight.dtype} {tuple(weight.shape)}, {tuple(scale.shape)}, {tuple(minimum.shape)}")
+    nib = _pad_rows(unpack_int4(weight, group_size), units * UNIT).reshape(units, UNIT, k // BLOCK, 2, 4, 4)
+    packed = (nib[:, :, :, 0] | (nib[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).contiguous()
+
+    def per_unit(t: torch.Tensor) -> torch.Tensor:
+        return _pad_rows(t.float(), units * UNIT).reshape(units, UNIT, groups).transpose(1, 2).contiguous()
+    return PackedActWeight(packed, per_unit(scale), per_unit(minimum), n, k, group_size, FORMAT_INT4)
+
+
+# ---- the native kernels -----------------------------------------------------------------------
+
+class ActLinearStruct(ctypes.Structure):
+    """cpu_act_quant.cpp's ActLinear."""
+    _fields_ = [("format", ctypes.c_int32), ("pad", ctypes.c_int32), ("packed", ctypes.c_void_p),
+                ("scale", ctypes.c_void_p), ("min", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+                ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("gs", ctypes.c_int64)]
+
+
+_P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_SIGNATURES = {
+    "bm_aq_quantize": ([_P, _I64, _I64, _P, _P, _P], None),
+    "bm_aq_linear": ([ctypes.POINTER(ActLinearStruct), _P, _I64, _P, _I64, _I32, _I32, _I32], None),
+    "bm_aq_isa_mask": ([], ctypes.c_int),
+    "bm_aq_best_isa": ([], ctypes.c_int),
+}
+
+
+class ActQuantOps:
+    """The loaded library; methods take CPU tensors and assert the layouts of the C contracts."""
+
+    def __init__(self, library: Path):
+        self._lib = ctypes.CDLL(str(library))
+        for name, (argtypes, restype) in _SIGNATURES.items():
+            fn = getattr(self._lib, name)
+            fn.argtypes, fn.restype = argtypes, restype
+        mask = int(self._lib.bm_aq_isa_mask())
+        self.available_isas = tuple(name for name, level in ISAS.items() if mask & (1 << level))
+        self.best_isa = self.available_isas[-1]
+
+    def isa_level(self, isa: str | None = None) -> int:
+        """The tier to run: `isa`, else $BATCH_MANAGER_ACT_QUANT_ISA, else the best available."""
+        field, name = ("isa", isa) if isa is not None else (ISA_ENV_VAR, os.environ.get(ISA_ENV_VAR, "").strip())
+        if not name:
+            return ISAS[self.best_isa]
+        if name not in self.available_isas:
+            raise ConfigError(f"{field}={name!r}: this CPU and build offer {', '.join(self.available_isas)}")
+        return ISAS[name]
+
+    def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """quantize_activations in C++ (the same (q, d, s))."""
+        assert x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous() and x.shape[1] % BLOCK == 0
+        rows, k = x.shape
+        q = torch.empty(rows, k, dtype=torch.int8)
+        d = torch.empty(rows, k // BLOCK, dtype=torch.float32)
+        s = torch.empty(rows, k // BLOCK, dtype=torch.int32)
+        self._lib.bm_aq_quantize(x.data_ptr(), rows, k, q.data_ptr(), d.data_ptr(), s.data_ptr())
+        return q, d, s
+
+    def act_linear(self, x: torch.Tensor, packed: PackedActWeight, bias: torch.Tensor | None,
+                   out: torch.Tensor | None = None, isa: str | None = None) -> torch.Tensor:
+        """x float32 [rows, k] -> float32 [rows, n] (ADDED into `out` when given); x is quantized
+        per block of 32 columns first."""
+        assert x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] == packed.k
+        x = x.contiguous()
+        rows = x.shape[0]
+        assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous() and bias.shape == (packed.n,))
+        if out is None:
+            y, accumulate = torch.empty(rows, packed.n, dtype=torch.float32), 0
+        else:
+            assert out.dtype == torch.float32 and out.shape == (rows, packed.n) and out.stride(1) == 1
+            y, accumulate = out, 1
+        level = self.isa_level(isa)
+        if rows == 0:
+            return y
+        w = ActLinearStruct(packed.format, 0, packed.packed.data_ptr(), packed.scale.data_ptr(),
+                            None if packed.minimum is None else packed.minimum.data_ptr(),
+                            None if bias is None else bias.data_ptr(), packed.n, packed.k, packed.group_size)
+        self._lib.bm_aq_linear(ctypes.byref(w), x.data_ptr(), rows, y.data_ptr(), y.stride(0), accumulate,
+                               torch.get_num_threads(), level)
+        return y
+
+
+def act_quant_ops() -> ActQuantOps | None:
+    """The kernels (built and loaded once per process), or None where they cannot run here."""
+    if os.environ.get(cpu_native.ENV_VAR, "").strip() == "0":
+        return None
+    return _load()
+
+
+@functools.lru_cache(maxsize=None)
+def _load() -> ActQuantOps | None:
+    if not cpu_native._cpu_supported() or not compiler_available():
+        logger.info("act-quant kernels: unavailable (needs x86-64 AVX2/FMA and %s)", CXX)
+        return None
+    try:
+        return ActQuantOps(cpu_native.build(source_path=SOURCE))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+        logger.warning("act-quant kernels: build failed: %s", error)
+        return None
+
+
+def act_linear(x: torch.Tensor, packed: PackedActWeight, bias: torch.Tensor | None = None,
+               out: torch.Tensor | None = None, isa: str | None = None) -> torch.Tensor:
+    """ActQuantOps.act_linear through the loaded kernels (RuntimeError where they cannot run here)."""
+    ops = act_quant_ops()
+    if ops is None:
+        raise RuntimeError("the act-quant kernels cannot run here (no AVX2/FMA, no compiler, or "
+                           f"{cpu_native.ENV_VAR}=0)")
+    return ops.act_linear(x, packed, bias, out, isa)

@@ -1,0 +1,372 @@
+// Integer GEMVs of the int8-activation mode (issue 41): activations quantized per block of 32 input
+// columns to symmetric int8, dot products with int8 / int4 weights in int32 (vpdpbusd), like
+// llama.cpp's Q8_0 x Q8_0 and Q4_0 x Q8_0. Built at run time by act_quant.py (cpu_native.build,
+// -march=native) and called via ctypes; the fused decode step compiles this file into its own
+// translation unit inside `namespace bm_aq`, calling quantize_rows and act_linear_range.
+//
+// Contracts (all arrays contiguous):
+//   quantize_rows: x float32 [rows, k], k % 32 == 0 -> per block b of 32 columns
+//       d[r, b] = max|x| / 127, q[r, j] = round-half-even(x / d) in [-127, 127] (0 where d == 0),
+//       s[r, b] = sum of the block's q. q int8 [rows, k], d float32 [rows, k/32], s int32 [rows, k/32].
+//   act_linear_range: outputs [n0, n1) of
+//       int8: y[r, o] (+)= scale[o] * sum_b d[r, b] * (sum_{j in b} w[o, j] q[r, j]) (+ bias[o])
+//       int4: y[r, o] (+)= sum_b d[r, b] * (scale[o, g] * (sum_{j in b} nib[o, j] q[r, j])
+//                                             + min[o, g] * s[r, b]) (+ bias[o]),  g = b * 32 / gs
+//       n0 a multiple of kActUnit, n1 too or n1 == n; any number of rows (blocks of up to 8 share
+//       each weight vector load). Single-threaded: callers split the units over threads.
+//   Packed layouts (act_quant.pack builds them once at load; n_units = ceil(n / 16), rows past n are
+//   zero weights with zero scales), per unit of 16 output rows and per 32-column block b:
+//       int8: 8 vectors of 64 bytes; vector j, lane i (output 16u + i) holds w[o, 32b + 4j .. +3] + 128
+//             (unsigned). scale float32 [n_units * 16].
+//       int4: 4 vectors of 64 bytes; vector j, lane i holds in its low nibbles columns 32b + 4j .. +3
+//             and in its high nibbles columns 32b + 16 + 4j .. +3 (unsigned 0..15).
+//             scale, min float32 [n_units, k / gs, 16].
+//   isa: 0 scalar, 1 AVX2 (vpmaddubsw + vpmaddwd; int8 via the sign trick on w = u8 ^ 0x80),
+//       2 AVX-VNNI (ymm vpdpbusd), 3 AVX512-VNNI (zmm vpdpbusd); a tier not compiled in falls back
+//       to the next lower one. bm_aq_isa_mask says which are compiled and supported.
+// The integer sums are exact (|sum| < 2^24, so their float conversion is exact too).
+
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <algorithm>
+#include <vector>
+
+// Outputs per unit of the packed layout and of act_linear_range's [n0, n1).
+constexpr int64_t kActUnit = 16;
+
+// One packed linear (act_quant.PackedActWeight's tensors; a plain struct for the fused step's context).
+struct ActLinear {
+  int32_t format;      // 2: int8 weights, 3: int4 weights
+  int32_t pad;
+  const void* packed;  // uint8: int8 [n_units, k/32, 8, 16, 4] (w + 128); int4 [n_units, k/32, 4, 16, 4]
+  const float* scale;  // int8 [n_units * 16]; int4 [n_units, k / gs, 16]
+  const float* min;    // int4 [n_units, k / gs, 16]; int8 nullptr
+  const float* bias;   // [n] or nullptr
+  int64_t n, k, gs;    // outputs, inputs (k % 32 == 0), int4 group size (32, 64, 128; int8: 0)
+};
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+
+inline int32_t load_i32(const int8_t* p) {
+  int32_t v;
+  memcpy(&v, p, 4);
+  return v;
+}
+
+inline void store_out(float* y, float v, int accumulate) { *y = accumulate ? *y + v : v; }
+
+// The lanes (16 outputs of one unit) of one row, after the blocks: bias, (+)= into y[o0, o1).
+inline void finish_unit(const float* sums, const float* bias, float* y, int64_t o0, int64_t o1, int accumulate) {
+  for (int64_t o = o0; o < o1; ++o) store_out(y + o, sums[o - o0] + (bias ? bias[o] : 0.f), accumulate);
+}
+
+// ---- scalar tier: the same layout, one lane at a time -------------------------------------------
+
+void unit_scalar(const ActLinear& a, int64_t unit, const int8_t* q, const float* d, const int32_t* s,
+                 int64_t rows, float* y, int64_t ldy, int accumulate) {
+  const int64_t blocks = a.k / kBlock, o0 = unit * 16, o1 = std::min(a.n, o0 + 16);
+  const uint8_t* w = (const uint8_t*)a.packed;
+  for (int64_t r = 0; r < rows; ++r) {
+    float acc[16] = {0};
+    const int8_t* qr = q + r * a.k;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int8_t* qb = qr + b * kBlock;
+      const float db = d[r * blocks + b];
+      const int32_t sb = s[r * blocks + b];
+      for (int i = 0; i < 16; ++i) {
+        int32_t isum = 0;
+        if (a.format == 2) {
+          const uint8_t* wb = w + (unit * blocks + b) * 512;
+          for (int j = 0; j < 8; ++j)
+            for (int t = 0; t < 4; ++t) isum += ((int32_t)wb[j * 64 + i * 4 + t] - 128) * qb[4 * j + t];
+          acc[i] = fmaf((float)isum, db, acc[i]);
+        } else {
+          const uint8_t* wb = w + (unit * blocks + b) * 256;
+          for (int j = 0; j < 4; ++j)
+            for (int t = 0; t < 4; ++t) {
+              const uint8_t byte = wb[j * 64 + i * 4 + t];
+              isum += (byte & 15) * qb[4 * j + t] + (byte >> 4) * qb[16 + 4 * j + t];
+            }
+          const int64_t g = (unit * (a.k / a.gs) + b * kBlock / a.gs) * 16 + i;
+          const float t = fmaf(a.min[g], (float)sb, (float)isum * a.scale[g]);
+          acc[i] = fmaf(t, db, acc[i]);
+        }
+      }
+    }
+    if (a.format == 2)
+      for (int i = 0; i < 16; ++i) acc[i] *= a.scale[o0 + i];
+    finish_unit(acc, a.bias, y + r * ldy, o0, o1, accumulate);
+  }
+}
+
+// ---- vector tiers: L lanes (outputs) per vector, 16 / L vectors per unit ------------------------
+// I: int32 lanes; F: float lanes. acc4 / acc8 add one vector of a block's products per lane; done4
+// turns the int4 accumulator into int32 sums. kBiased8: acc8 multiplies the biased u8 weights (the
+// caller subtracts 128 * s).
+
+#ifdef __AVX2__
+struct Avx2Base {
+  using I = __m256i;
+  using F = __m256;
+  static constexpr int L = 8;
+  static I zero() { return _mm256_setzero_si256(); }
+  static I load(const uint8_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
+  static I bcast(const int8_t* p) { return _mm256_set1_epi32(load_i32(p)); }
+  static I low4(I w) { return _mm256_and_si256(w, _mm256_set1_epi8(15)); }
+  static I high4(I w) { return _mm256_and_si256(_mm256_srli_epi16(w, 4), _mm256_set1_epi8(15)); }
+  static I sub(I a, I b) { return _mm256_sub_epi32(a, b); }
+  static I set1(int32_t v) { return _mm256_set1_epi32(v); }
+  static F cvt(I v) { return _mm256_cvtepi32_ps(v); }
+  static F fzero() { return _mm256_setzero_ps(); }
+  static F fload(const float* p) { return _mm256_loadu_ps(p); }
+  static F fset1(float v) { return _mm256_set1_ps(v); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static void fstore(float* p, F v) { _mm256_storeu_ps(p, v); }
+};
+
+struct Avx2 : Avx2Base {
+  static constexpr bool kBiased8 = false;
+  // s16 products: nibble (<= 15) x q (|q| <= 127), 2 per maddubs lane, 8 maddubs per block: <= 30480.
+  static I acc4(I acc, I u, I q) { return _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, q)); }
+  static I done4(I acc) { return _mm256_madd_epi16(acc, _mm256_set1_epi16(1)); }
+  static I acc8(I acc, I wb, I q) {  // sign trick: |w| * sign(q, w) == w * q, pairs <= 2 * 127 * 127
+    const I w = _mm256_xor_si256(wb, _mm256_set1_epi8((char)0x80));
+    const I p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(q, w));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+  }
+};
+#endif
+
+#ifdef __AVXVNNI__
+struct AvxVnni : Avx2Base {
+  static constexpr bool kBiased8 = true;
+  static I acc4(I acc, I u, I q) { return _mm256_dpbusd_avx_epi32(acc, u, q); }
+  static I done4(I acc) { return acc; }
+  static I acc8(I acc, I wb, I q) { return _mm256_dpbusd_avx_epi32(acc, wb, q); }
+};
+#endif
+
+#ifdef __AVX512VNNI__
+struct Avx512Vnni {
+  using I = __m512i;
+  using F = __m512;
+  static constexpr int L = 16;
+  static constexpr bool kBiased8 = true;
+  static I zero() { return _mm512_setzero_si512(); }
+  static I load(const uint8_t* p) { return _mm512_loadu_si512((const void*)p); }
+  static I bcast(const int8_t* p) { return _mm512_set1_epi32(load_i32(p)); }
+  static I low4(I w) { return _mm512_and_si512(w, _mm512_set1_epi8(15)); }
+  static I high4(I w) { return _mm512_and_si512(_mm512_srli_epi16(w, 4), _mm512_set1_epi8(15)); }
+  static I sub(I a, I b) { return _mm512_sub_epi32(a, b); }
+  static I set1(int32_t v) { return _mm512_set1_epi32(v); }
+  static I acc4(I acc, I u, I q) { return _mm512_dpbusd_epi32(acc, u, q); }
+  static I done4(I acc) { return acc; }
+  static I acc8(I acc, I wb, I q) { return _mm512_dpbusd_epi32(acc, wb, q); }
+  static F cvt(I v) { return _mm512_cvtepi32_ps(v); }
+  static F fzero() { return _mm512_setzero_ps(); }
+  static F fload(const float* p) { return _mm512_loadu_ps(p); }
+  static F fset1(float v) { return _mm512_set1_ps(v); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static void fstore(float* p, F v) { _mm512_storeu_ps(p, v); }
+};
+#endif
+
+// R rows x the L lanes `part` (0 .. 16 / L - 1) of one unit: every weight vector is loaded once and
+// fed to the R rows' accumulators.
+template <class V, int R>
+void int8_lanes(const ActLinear& a, int64_t unit, int part, const int8_t* q, const float* d,
+                const int32_t* s, float out[R][16]) {
+  const int64_t blocks = a.k / kBlock;
+  const uint8_t* w = (const uint8_t*)a.packed + unit * blocks * 512 + part * V::L * 4;
+  typename V::F acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = V::fzero();
+  for (int64_t b = 0; b < blocks; ++b) {
+    typename V::I isum[R];
+    for (int r = 0; r < R; ++r) isum[r] = V::zero();
+    const uint8_t* wb = w + b * 512;
+    _mm_prefetch((const char*)(wb + 2048), _MM_HINT_T0);
+    for (int j = 0; j < 8; ++j) {
+      const typename V::I wv = V::load(wb + j * 64);
+      for (int r = 0; r < R; ++r) isum[r] = V::acc8(isum[r], wv, V::bcast(q + r * a.k + b * kBlock + 4 * j));
+    }
+    for (int r = 0; r < R; ++r) {
+      if (V::kBiased8) isum[r] = V::sub(isum[r], V::set1(128 * s[r * blocks + b]));
+      acc[r] = V::fma(V::cvt(isum[r]), V::fset1(d[r * blocks + b]), acc[r]);
+    }
+  }
+  const typename V::F scale = V::fload(a.scale + unit * 16 + part * V::L);
+  for (int r = 0; r < R; ++r) V::fstore(out[r] + part * V::L, V::mul(acc[r], scale));
+}
+
+template <class V, int R>
+void int4_lanes(const ActLinear& a, int64_t unit, int part, const int8_t* q, const float* d,
+                const int32_t* s, float out[R][16]) {
+  const int64_t blocks = a.k / kBlock, groups = a.k / a.gs;
+  const uint8_t* w = (const uint8_t*)a.packed + unit * blocks * 256 + part * V::L * 4;
+  const float* scale = a.scale + unit * groups * 16 + part * V::L;
+  const float* min = a.min + unit * groups * 16 + part * V::L;
+  typename V::F acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = V::fzero();
+  for (int64_t b = 0; b < blocks; ++b) {
+    typename V::I isum[R];
+    for (int r = 0; r < R; ++r) isum[r] = V::zero();
+    const uint8_t* wb = w + b * 256;
+    _mm_prefetch((const char*)(wb + 1024), _MM_HINT_T0);
+    for (int j = 0; j < 4; ++j) {
+      const typename V::I wv = V::load(wb + j * 64), lo = V::low4(wv), hi = V::high4(wv);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* qb = q + r * a.k + b * kBlock + 4 * j;
+        isum[r] = V::acc4(V::acc4(isum[r], lo, V::bcast(qb)), hi, V::bcast(qb + 16));
+      }
+    }
+    const int64_t g = b * kBlock / a.gs;
+    const typename V::F sc = V::fload(scale + g * 16), mn = V::fload(min + g * 16);
+    for (int r = 0; r < R; ++r) {
+      const typename V::F t = V::fma(mn, V::fset1((float)s[r * blocks + b]), V::mul(V::cvt(V::done4(isum[r])), sc));
+      acc[r] = V::fma(t, V::fset1(d[r * blocks + b]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) V::fstore(out[r] + part * V::L, acc[r]);
+}
+
+template <class V, int R>
+void unit_rows(const ActLinear& a, int64_t unit, const int8_t* q, const float* d, const int32_t* s,
+               float* y, int64_t ldy, int accumulate) {
+  float out[R][16];
+  for (int part = 0; part < 16 / V::L; ++part) {
+    if (a.format == 2) int8_lanes<V, R>(a, unit, part, q, d, s, out);
+    else int4_lanes<V, R>(a, unit, part, q, d, s, out);
+  }
+  const int64_t o0 = unit * 16, o1 = std::min(a.n, o0 + 16);
+  for (int r = 0; r < R; ++r) finish_unit(out[r], a.bias, y + r * ldy, o0, o1, accumulate);
+}
+
+// Rows in blocks of up to 8 (the row loop outside, so a block's activations stay in L1 over the units).
+template <class V>
+void range_rows(const ActLinear& a, const int8_t* q, const float* d, const int32_t* s, int64_t rows,
+                float* y, int64_t ldy, int accumulate, int64_t u0, int64_t u1) {
+  const int64_t blocks = a.k / kBlock;
+  for (int64_t r0 = 0; r0 < rows; r0 += 8) {
+    const int64_t R = std::min<int64_t>(8, rows - r0);
+    const int8_t* qr = q + r0 * a.k;
+    const float* dr = d + r0 * blocks;
+    const int32_t* sr = s + r0 * blocks;
+    float* yr = y + r0 * ldy;
+    for (int64_t u = u0; u < u1; ++u) {
+      switch (R) {
+        case 1: unit_rows<V, 1>(a, u, qr, dr, sr, yr, ldy, accumulate); break;
+        case 2: unit_rows<V, 2>(a, u, qr, dr, sr, yr, ldy, accumulate); break;
+        case 3: unit_rows<V, 3>(a, u, qr, dr, sr, yr, ldy, accumulate); break;
+        case 4: unit_rows<V, 4>(a, u, qr, dr, sr, yr, ldy, accumulate); break;
+        case 5: unit_rows<V, 5>(a, u, qr, dr, sr, yr, ldy, accumulate); break;
+        case 6: unit_rows<V, 6>(a, u, qr, dr, sr, yr, ldy, accumulate); break;
+        case 7: unit_rows<V, 7>(a, u, qr, dr, sr, yr, ldy, accumulate); break;
+        default: unit_rows<V, 8>(a, u, qr, dr, sr, yr, ldy, accumulate); break;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+// The tiers compiled in and supported by this CPU: bit i for isa i.
+int isa_mask() {
+  int mask = 1;
+#ifdef __AVX2__
+  if (__builtin_cpu_supports("avx2")) mask |= 2;
+#endif
+#ifdef __AVXVNNI__
+  if (__builtin_cpu_supports("avxvnni")) mask |= 4;
+#endif
+#ifdef __AVX512VNNI__
+  if (__builtin_cpu_supports("avx512vnni")) mask |= 8;
+#endif
+  return mask;
+}
+
+void quantize_rows(const float* x, int64_t rows, int64_t k, int8_t* q, float* d, int32_t* s) {
+  const int64_t blocks = k / kBlock;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float* xb = x + r * k + b * kBlock;
+      int8_t* qb = q + r * k + b * kBlock;
+      float amax = 0.f;
+#pragma omp simd reduction(max : amax)
+      for (int j = 0; j < kBlock; ++j) amax = std::max(amax, fabsf(xb[j]));
+      const float db = amax / 127.f;
+      int32_t sum = 0;
+      if (db != 0.f) {
+#pragma omp simd reduction(+ : sum)
+        for (int j = 0; j < kBlock; ++j) {
+          const float v = std::min(127.f, std::max(-127.f, rintf(xb[j] / db)));  // round half to even
+          qb[j] = (int8_t)v;
+          sum += (int32_t)v;
+        }
+      } else {
+        memset(qb, 0, kBlock);
+      }
+      d[r * blocks + b] = db;
+      s[r * blocks + b] = sum;
+    }
+}
+
+void act_linear_range(const ActLinear& w, const int8_t* q, const float* d, const int32_t* s, int64_t rows,
+                      int64_t k, float* y, int64_t ldy, int accumulate, int64_t n0, int64_t n1, int isa) {
+  const ActLinear& a = w;
+  const int64_t u0 = n0 / kActUnit, u1 = (n1 + kActUnit - 1) / kActUnit;
+  (void)k;
+#ifdef __AVX512VNNI__
+  if (isa >= 3) { range_rows<Avx512Vnni>(a, q, d, s, rows, y, ldy, accumulate, u0, u1); return; }
+#endif
+#ifdef __AVXVNNI__
+  if (isa >= 2) { range_rows<AvxVnni>(a, q, d, s, rows, y, ldy, accumulate, u0, u1); return; }
+#endif
+#ifdef __AVX2__
+  if (isa >= 1) { range_rows<Avx2>(a, q, d, s, rows, y, ldy, accumulate, u0, u1); return; }
+#endif
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t u = u0; u < u1; ++u)
+      unit_scalar(a, u, q + r * a.k, d + r * (a.k / kBlock), s + r * (a.k / kBlock), 1, y + r * ldy, ldy,
+                  accumulate);
+}
+
+extern "C" int bm_aq_isa_mask() { return isa_mask(); }
+
+extern "C" int bm_aq_best_isa() {
+  const int mask = isa_mask();
+  int best = 0;
+  for (int i = 0; i < 4; ++i)
+    if (mask & (1 << i)) best = i;
+  return best;
+}
+
+extern "C" void bm_aq_quantize(const float* x, int64_t rows, int64_t k, int8_t* q, float* d, int32_t* s) {
+  quantize_rows(x, rows, k, q, d, s);
+}
+
+// x float32 [rows, k] contiguous -> y (row stride ldy); each thread a contiguous range of units.
+extern "C" void bm_aq_linear(const ActLinear* w, const float* x, int64_t rows, float* y, int64_t ldy,
+                             int accumulate, int num_threads, int isa) {
+  const int64_t k = w->k, blocks = k / kBlock, units = (w->n + kActUnit - 1) / kActUnit;
+  std::vector<int8_t> q(rows * k);
+  std::vector<float> d(rows * blocks);
+  std::vector<int32_t> s(rows * blocks);
+  quantize_rows(x, rows, k, q.data(), d.data(), s.data());
+  const int threads = (int)std::max<int64_t>(1, std::min<int64_t>(num_threads, units));
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t u0 = units * t / nt, u1 = units * (t + 1) / nt;
+    if (u0 < u1)
+      act_linear_range(*w, q.data(), d.data(), s.data(), rows, k, y, ldy, accumulate, u0 * kActUnit,
+                       std::min(w->n, u1 * kActUnit), isa);
+  }
+}
