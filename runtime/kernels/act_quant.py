@@ -176,24 +176,31 @@ class ActQuantOps:
                    out: torch.Tensor | None = None, isa: str | None = None) -> torch.Tensor:
         """x float32 [rows, k] -> float32 [rows, n] (ADDED into `out` when given); x is quantized
         per block of 32 columns first."""
-        assert x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] == packed.k
-        x = x.contiguous()
-        rows = x.shape[0]
+        return self.bind(packed, bias, isa)(x, out)
+
+    def bind(self, packed: PackedActWeight, bias: torch.Tensor | None, isa: str | None = None):
+        """`fn(x, out=None)`: act_linear of this weight with the checks, the tier and the C struct
+        done once (the per-call Python cost is a visible share of a small GEMV)."""
         assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous() and bias.shape == (packed.n,))
-        if out is None:
-            y, accumulate = torch.empty(rows, packed.n, dtype=torch.float32), 0
-        else:
-            assert out.dtype == torch.float32 and out.shape == (rows, packed.n) and out.stride(1) == 1
-            y, accumulate = out, 1
-        level = self.isa_level(isa)
-        if rows == 0:
-            return y
+        level, n, k = self.isa_level(isa), packed.n, packed.k
         w = ActLinearStruct(packed.format, 0, packed.packed.data_ptr(), packed.scale.data_ptr(),
                             None if packed.minimum is None else packed.minimum.data_ptr(),
-                            None if bias is None else bias.data_ptr(), packed.n, packed.k, packed.group_size)
-        self._lib.bm_aq_linear(ctypes.byref(w), x.data_ptr(), rows, y.data_ptr(), y.stride(0), accumulate,
-                               torch.get_num_threads(), level)
-        return y
+                            None if bias is None else bias.data_ptr(), n, k, packed.group_size)
+        keep, fn, w_ref = (packed, bias), self._lib.bm_aq_linear, ctypes.byref(w)   # the pointers stay valid
+
+        def linear(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+            assert keep and x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] == k
+            x = x.contiguous()
+            rows = x.shape[0]
+            if out is None:
+                y, accumulate = torch.empty(rows, n, dtype=torch.float32), 0
+            else:
+                assert out.dtype == torch.float32 and out.shape == (rows, n) and out.stride(1) == 1
+                y, accumulate = out, 1
+            if rows:
+                fn(w_ref, x.data_ptr(), rows, y.data_ptr(), y.stride(0), accumulate, torch.get_num_threads(), level)
+            return y
+        return linear
 
 
 def act_quant_ops() -> ActQuantOps | None:
