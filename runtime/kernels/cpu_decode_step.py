@@ -72,6 +72,31 @@ def enabled() -> bool:
     return os.environ.get(ENV_VAR, "").strip() != "0"
 
 
+def openmp_runtimes() -> set[str]:
+    """The OpenMP runtime libraries mapped into this process (libgomp, LLVM's libomp, Intel's
+    libiomp5), by path. One is expected: the step's region then runs on torch's own thread pool.
+    Two would mean two thread teams spinning on the same cores (a 10-100x slowdown is reported
+    for mixing libgomp and libomp)."""
+    names = ("libgomp", "libomp", "libiomp5")
+    try:
+        with open("/proc/self/maps") as f:
+            return {line.split()[-1] for line in f
+                    if len(line.split()) >= 6 and os.path.basename(line.split()[-1]).startswith(names)}
+    except OSError:
+        return set()
+
+
+@functools.lru_cache(maxsize=None)
+def _one_openmp_runtime() -> bool:
+    """Checked once per process, after the library is loaded."""
+    runtimes = openmp_runtimes()
+    if len(runtimes) > 1:
+        logger.warning("fused decode step: off, %d OpenMP runtimes are mapped in this process (%s); the "
+                       "native kernels need the one torch uses", len(runtimes), ", ".join(sorted(runtimes)))
+        return False
+    return True
+
+
 @functools.lru_cache(maxsize=None)
 def _library() -> ctypes.CDLL | None:
     """cpu_native.cpp and cpu_weight_only.cpp (each in a namespace of its own) then
@@ -155,7 +180,7 @@ class DecodeStep:
         if not all(_format(linear) is not None for linear in prepared):
             return None
         lib = _library()
-        if lib is None:
+        if lib is None or not _one_openmp_runtime():
             return None
         ops = weight_only_ops()
         isa = ops._isa(None) if ops is not None else 1

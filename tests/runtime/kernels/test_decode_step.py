@@ -155,3 +155,10 @@ def test_models_and_switch_it_does_not_cover(checkpoints, tmp_path, monkeypatch)
     assert ModelRunner(Engine.from_dir(tmp_path / "gpt2"), 8).decode_step is None   # LayerNorm, GELU, learned positions
     monkeypatch.setenv(cpu_decode_step.ENV_VAR, "0")
     assert ModelRunner(Engine.from_dir(checkpoints["llama"]), 8).decode_step is None
+
+
+def test_one_openmp_runtime_is_mapped(checkpoints):
+    skip_without_kernels()
+    runners(checkpoints["llama"], "fp32")
+    runtimes = cpu_decode_step.openmp_runtimes()
+    assert len(runtimes) == 1, runtimes   # the library's libgomp is torch's, not a second runtime
