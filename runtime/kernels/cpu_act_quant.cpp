@@ -23,7 +23,8 @@
 //             scale, min float32 [n_units, k / gs, 16].
 //   isa: 0 scalar, 1 AVX2 (vpmaddubsw + vpmaddwd; int8 via the sign trick on w = u8 ^ 0x80),
 //       2 AVX-VNNI (ymm vpdpbusd), 3 AVX512-VNNI (zmm vpdpbusd); a tier not compiled in falls back
-//       to the next lower one. bm_aq_isa_mask says which are compiled and supported.
+//       to the next lower one. bm_aq_isa_mask says which are compiled and supported: the caller
+//       passes one of those (act_quant.py checks the isa argument and BATCH_MANAGER_ACT_QUANT_ISA).
 // The integer sums are exact (|sum| < 2^24, so their float conversion is exact too).
 
 #include <immintrin.h>

@@ -1,10 +1,11 @@
 """The int8-activation GEMVs (runtime.kernels.act_quant) against the weight-only ones
 (runtime.kernels.cpu_weight_only, float32 activations) at SmolLM2-135M's linear shapes:
 
-    python -m samples.microbench.act_quant [--threads 2,1] [--rows 1,8] [--reps 20]
+    python -m samples.microbench.act_quant [--threads 2,1] [--rows 1,8] [--reps 20] [--scalar]
 
 Per shape (k -> n), rows and threads: ms per call of weight-only int8 / int4 g32 and of the
-act-quant int8 / int4 g32 on every tier this CPU has (activation quantization included). Each pass
+act-quant int8 / int4 g32 on every vector tier this CPU has (activation quantization included;
+the scalar tier, a test path, with --scalar). Each pass
 calls the linear on enough copies of the weight (>= 64 MB in all) that they stream from memory as
 in a generation step; best of `--reps` passes, divided by the copies. Prints the CPU model name.
 """
@@ -40,7 +41,7 @@ def best_ms(fns: list, x: torch.Tensor, reps: int) -> float:
     return best
 
 
-def linears(k: int, n: int) -> dict[str, list]:
+def linears(k: int, n: int, scalar: bool) -> dict[str, list]:
     """name -> bound linears over enough weight copies to stream from memory."""
     weight = torch.randn(n, k) * 0.05
     w8, s8 = quantize_int8(weight)
@@ -50,7 +51,7 @@ def linears(k: int, n: int) -> dict[str, list]:
     out = {"wo int8": [wo.bind(w8.clone(), s8, None, None) for _ in range(copies)],
            "wo int4": [wo.bind(w4.clone(), s4, m4, None) for _ in range(copies)]}
     packed8, packed4 = pack(w8, s8, None), pack(w4, s4, m4)
-    for isa in reversed(aq.available_isas):
+    for isa in reversed(aq.available_isas if scalar else aq.available_isas[1:]):
         out[f"aq int8 {isa}"] = [aq.bind(pack(w8, s8, None) if i else packed8, None, isa) for i in range(copies)]
         out[f"aq int4 {isa}"] = [aq.bind(pack(w4, s4, m4) if i else packed4, None, isa) for i in range(copies)]
     return out
@@ -61,12 +62,13 @@ def main() -> None:
     parser.add_argument("--threads", default="2,1")
     parser.add_argument("--rows", default="1,8")
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--scalar", action="store_true", help="time the scalar tier too")
     args = parser.parse_args()
     threads_list = [int(t) for t in args.threads.split(",")]
     rows_list = [int(r) for r in args.rows.split(",")]
     print(f"CPU: {cpu_model()}; ms per call, best of {args.reps} passes over >= 64 MB of weight copies")
     for k, n in SHAPES:
-        fns = linears(k, n)
+        fns = linears(k, n, args.scalar)
         header = f"{k:>5} -> {n:<6}" + "".join(f"{f'{t}thr r{r}':>11}" for t in threads_list for r in rows_list)
         print(header)
         for name, copies in fns.items():
