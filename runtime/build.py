@@ -7,7 +7,8 @@ import sys
 
 from .config import BuildConfig, ConfigError
 from .engine import build_engine
-from .precision import BUILD_DTYPES, GROUP_SIZES, KV_CACHE_DTYPES, WEIGHT_ONLY_MODES, WEIGHT_ONLY_SKIPPABLE, QuantMode
+from .precision import (ACT_QUANT_MODES, BUILD_DTYPES, GROUP_SIZES, KV_CACHE_DTYPES, WEIGHT_ONLY_MODES,
+                        WEIGHT_ONLY_SKIPPABLE, QuantMode)
 from .loading.weights import WeightError
 
 
@@ -24,6 +25,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--group-size", type=int, default=defaults.group_size, choices=list(GROUP_SIZES))
     p.add_argument("--weight-only-skip", action="append", choices=list(WEIGHT_ONLY_SKIPPABLE), default=[],
                    help="keep this layer in --dtype (repeatable)")
+    p.add_argument("--act-quant", choices=list(ACT_QUANT_MODES), default=None,
+                   help="with --weight-only: the matmuls' activations quantized to int8 per block of 32 columns "
+                        "(integer dot products: faster on CPUs with VNNI, not exact)")
     p.add_argument("--kv-cache-dtype", default=defaults.kv_cache_dtype, choices=list(KV_CACHE_DTYPES))
     p.add_argument("--max-batch-size", type=int, default=defaults.max_batch_size)
     p.add_argument("--max-input-len", type=int, default=None,
@@ -45,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
                   gather_context_logits=args.gather_context_logits or args.gather_all_token_logits,
                   gather_generation_logits=args.gather_generation_logits or args.gather_all_token_logits,
                   weight_only=args.weight_only, group_size=args.group_size,
-                  weight_only_skip=tuple(args.weight_only_skip), kv_cache_dtype=args.kv_cache_dtype)
+                  weight_only_skip=tuple(args.weight_only_skip), kv_cache_dtype=args.kv_cache_dtype,
+                  act_quant=args.act_quant)
     if args.max_seq_len is not None:
         fields["max_seq_len"] = args.max_seq_len
     if args.max_input_len is not None:

@@ -208,6 +208,8 @@ class BuildConfig:
     weight_only_skip: tuple[str, ...] = ()  # ("lm_head",): the output layer (and a tied embedding) stay in dtype
     kv_cache_dtype: str = "auto"            # auto (the compute dtype) | int8 | fp8
     kv_cache_scale: str | None = None       # "block_head" | "token_head": recorded by the loader that chose it
+    act_quant: str | None = None            # None | "int8": the weight-only matmuls' activations quantized per
+                                            # block of 32 columns (integer dot products; needs weight_only)
 
     def validated(self, model: ModelConfig | None = None) -> "BuildConfig":
         for name in ("max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens",
@@ -217,7 +219,7 @@ class BuildConfig:
                 raise ConfigError(f"{name}: must be a positive integer, got {value!r}")
         normalize_dtype(self.dtype, allow_auto=True)
         check_precision_fields(self.weight_only, self.group_size, self.weight_only_skip, self.kv_cache_dtype,
-                               self.kv_cache_scale, ConfigError)
+                               self.kv_cache_scale, ConfigError, self.act_quant)
         if self.max_input_len > self.max_seq_len:
             raise ConfigError(f"max_input_len: {self.max_input_len} exceeds max_seq_len {self.max_seq_len}")
         if model is not None and self.max_seq_len > model.max_position_embeddings \

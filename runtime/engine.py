@@ -136,7 +136,8 @@ def resolved(model: ModelConfig, build: BuildConfig) -> ModelConfig:
     or a CPU with fast bf16, else float32) and the QuantMode of the build's precision fields."""
     dtype = resolve_dtype(build.dtype, torch.cuda.is_available())
     return dataclasses.replace(model, dtype=dtype,
-                               quant_mode=int(QuantMode.from_build(build.weight_only, build.kv_cache_dtype)))
+                               quant_mode=int(QuantMode.from_build(build.weight_only, build.kv_cache_dtype,
+                                                                   build.act_quant)))
 
 
 KV_CACHE_SCALE = "token_head"   # the scale layout of a quantized KV cache (runtime/kernels/kv_quant.py)

@@ -12,6 +12,9 @@ import platform
 
 BUILD_DTYPES = ("auto", "float32", "float16", "bfloat16")
 WEIGHT_ONLY_MODES = ("int8", "int4")
+# Activation quantization of a weight-only engine's matmuls (BuildConfig.act_quant): "int8", per
+# block of 32 input columns (runtime/kernels/act_quant.py states the arithmetic).
+ACT_QUANT_MODES = ("int8",)
 GROUP_SIZES = (32, 64, 128)
 WEIGHT_ONLY_SKIPPABLE = ("lm_head",)
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
@@ -48,8 +51,10 @@ class QuantMode(enum.IntFlag):
         return self.has_int8_kv_cache() or self.has_fp8_kv_cache()
 
     @staticmethod
-    def from_build(weight_only: str | None, kv_cache_dtype: str) -> "QuantMode":
+    def from_build(weight_only: str | None, kv_cache_dtype: str, act_quant: str | None = None) -> "QuantMode":
         mode = QuantMode(0)
+        if act_quant is not None:
+            mode |= QuantMode.ACTIVATIONS
         if weight_only == "int8":
             mode |= QuantMode.INT8_WEIGHTS | QuantMode.PER_CHANNEL
         elif weight_only == "int4":
@@ -89,8 +94,15 @@ def resolve_dtype(dtype: str, cuda: bool, flags: frozenset[str] | None = None) -
 
 
 def check_precision_fields(weight_only, group_size, weight_only_skip, kv_cache_dtype, kv_cache_scale,
-                           error: type[ValueError]) -> None:
+                           error: type[ValueError], act_quant: str | None = None) -> None:
     """`error(message naming the field)` for a value outside the modes above."""
+    if act_quant is not None:
+        if act_quant not in ACT_QUANT_MODES:
+            raise error(f"act_quant: unsupported value {act_quant!r}; supported: None, "
+                        f"{', '.join(map(repr, ACT_QUANT_MODES))}")
+        if weight_only is None:
+            raise error(f"act_quant: {act_quant!r} quantizes the activations of weight-only matmuls; set "
+                        f"weight_only ({', '.join(map(repr, WEIGHT_ONLY_MODES))}) too")
     if weight_only is not None and weight_only not in WEIGHT_ONLY_MODES:
         raise error(f"weight_only: unsupported value {weight_only!r}; supported: None, "
                     f"{', '.join(map(repr, WEIGHT_ONLY_MODES))}")

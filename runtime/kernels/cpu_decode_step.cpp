@@ -1,6 +1,6 @@
 // The generation step of a LLaMA-family model as one native call (cpu_decode_step.py builds it,
-// compiled as one translation unit after cpu_native.cpp and cpu_weight_only.cpp, whose kernels it
-// calls from the namespaces bm_native and bm_wo). One OpenMP parallel region runs every layer:
+// compiled as one translation unit after cpu_native.cpp, cpu_weight_only.cpp and cpu_act_quant.cpp,
+// whose kernels it calls from the namespaces bm_native, bm_wo and bm_aq). One OpenMP parallel region runs every layer:
 //
 //   per layer:  RMSNorm (each thread its own copy: no barrier) -> QKV GEMV (outputs split over
 //               threads) | barrier | per (sequence, KV head): rotary, the KV-cache write, paged
@@ -20,7 +20,9 @@
 //   block_tables int32 [rows, bt_stride]; entries of blocks holding no visible key may be < 0.
 //   logits float32 [rows, vocab].
 //   Weight formats (Linear.format): 0 float32 [n, k]; 1 bf16 [n, k]; 2 int8 [n, k] + scale [n];
-//       3 int4 packed [n, k / 2] + scale, min [n, k / gs] (cpu_weight_only.cpp's layouts).
+//       3 int4 packed [n, k / 2] + scale, min [n, k / gs] (cpu_weight_only.cpp's layouts);
+//       4, 5: int8 / int4 in cpu_act_quant.cpp's repacked layout, with int8 activations (the input
+//       quantized per block of 32 columns, once per input by each thread).
 //   KV formats (Model.kv_format): 0 float32, 1 bf16, 2 int8 with float32 scales per (slot, head)
 //       (kv_quant.py: scale = max|x| / 127, q = round-half-even(x / scale)).
 //   rope_cos, rope_sin: float32 [rope_positions, rotary_dim / 2] (neox pairing: dim i with
@@ -29,7 +31,7 @@
 namespace {
 
 struct Linear {
-  int32_t format, pad;
+  int32_t format, act_isa;  // act_isa: formats 4, 5: the act-quant tier (act_quant.ISAS)
   const void* w;
   const float* scale;
   const float* min;
@@ -60,7 +62,8 @@ struct Model {
   Linear lm_head;
 };
 
-constexpr int64_t kUnit = 32;  // outputs per unit of thread work (a multiple of every tile's O)
+constexpr int64_t kUnit = 32;  // outputs per unit of thread work (a multiple of every tile's O and of kActUnit)
+static_assert(kUnit % bm_aq::kActUnit == 0, "thread ranges must start on act-quant units");
 
 // The outputs [n0, n1) of thread t of nt over n outputs: contiguous runs of whole units.
 inline void thread_range(int64_t n, int t, int nt, int64_t& n0, int64_t& n1) {
@@ -88,6 +91,9 @@ struct Input {
   const uint16_t* x_bf16;  // null unless a bf16 weight reads it with the dot-product instruction
   const float* xsum;       // [rows, k / gs] for int4 weights, else null
   int64_t rows, k;
+  const int8_t* q;         // int8-activation weights: x quantized per block of 32 (bm_aq::quantize_rows)
+  const float* d;
+  const int32_t* s;
 };
 
 template <class V>
@@ -129,6 +135,12 @@ void linear_range(const Linear& L, const Input& in, float* y, int64_t ldy, int a
       }
       return;
     }
+    case 4:
+    case 5: {
+      const bm_aq::ActLinear a{L.format - 2, 0, L.w, L.scale, L.min, L.bias, L.n, L.k, L.gs};
+      bm_aq::act_linear_range(a, in.q, in.d, in.s, rows, in.k, y, ldy, accumulate, n0, n1, L.act_isa);
+      return;
+    }
     default:
 #ifdef __AVX512F__
       if (isa >= 2) { weight_only_range<bm_wo::Avx512>(L, in, y, ldy, accumulate, n0, n1); return; }
@@ -142,11 +154,20 @@ void linear_range(const Linear& L, const Input& in, float* y, int64_t ldy, int a
 // weights `uses` need them.
 struct InputScratch {
   std::vector<uint16_t> bf16;
-  std::vector<float> xsum;
+  std::vector<float> xsum, d;
+  std::vector<int8_t> q;
+  std::vector<int32_t> s;
 
   Input prepare(const float* x, int64_t rows, int64_t k, std::initializer_list<const Linear*> uses) {
-    Input in{x, nullptr, nullptr, rows, k};
+    Input in{x, nullptr, nullptr, rows, k, nullptr, nullptr, nullptr};
     for (const Linear* L : uses) {
+      if ((L->format == 4 || L->format == 5) && in.q == nullptr) {
+        q.resize(rows * k);
+        d.resize(rows * k / 32);
+        s.resize(rows * k / 32);
+        bm_aq::quantize_rows(x, rows, k, q.data(), d.data(), s.data());
+        in.q = q.data(), in.d = d.data(), in.s = s.data();
+      }
       if (L->format == 1 && bm_native::kHasDpbf16 && k % 32 == 0 && in.x_bf16 == nullptr) {
         bf16.resize(rows * k);
         for (int64_t i = 0; i < rows * k; ++i) bf16[i] = bm_native::f32_to_bf16(x[i]);

@@ -10,7 +10,8 @@ and runs the rest between barriers.
 
 What it covers (`DecodeStep.build` says None otherwise; the eager model stays the reference and
 the fallback): RMSNorm, rotary positions with the neox pairing (partial rotary too), the
-sequential residual, a SiLU-gated MLP, biases on any linear; weights float32, bf16, int8 or int4;
+sequential residual, a SiLU-gated MLP, biases on any linear; weights float32, bf16, int8 or int4
+(exact, or with int8 activations: act_quant.py, each thread quantizing each GEMV input once);
 a float32, bf16 or int8 KV cache; one process (no tensor or pipeline parallelism), CPU. The runner
 routes a step to it when every sequence has one new token, there are at most MAX_ROWS of them,
 and nothing changes the forward (no LoRA, prompt tables, context logits or draft logits).
@@ -30,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from . import act_quant as aq
 from . import cpu_native
 from .cpu_weight_only import weight_only_ops
 from .linear import Linear
@@ -50,7 +52,7 @@ _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c
 
 
 class _Linear(ctypes.Structure):
-    _fields_ = [("format", _I32), ("pad", _I32), ("w", _P), ("scale", _P), ("min", _P), ("bias", _P),
+    _fields_ = [("format", _I32), ("act_isa", _I32), ("w", _P), ("scale", _P), ("min", _P), ("bias", _P),
                 ("n", _I64), ("k", _I64), ("gs", _I64)]
 
 
@@ -99,8 +101,8 @@ def _one_openmp_runtime() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _library() -> ctypes.CDLL | None:
-    """cpu_native.cpp and cpu_weight_only.cpp (each in a namespace of its own) then
-    cpu_decode_step.cpp, as one translation unit; None where it cannot be built."""
+    """cpu_native.cpp, cpu_weight_only.cpp and cpu_act_quant.cpp (each in a namespace of its own)
+    then cpu_decode_step.cpp, as one translation unit; None where it cannot be built."""
     if not cpu_native._cpu_supported() or not compiler_available():
         return None
     here = SOURCE.parent
@@ -111,6 +113,7 @@ def _library() -> ctypes.CDLL | None:
         "#include <vector>\n",
         "namespace bm_native {\n", (here / "cpu_native.cpp").read_text(), "\n}  // namespace bm_native\n",
         "namespace bm_wo {\n", (here / "cpu_weight_only.cpp").read_text(), "\n}  // namespace bm_wo\n",
+        "namespace bm_aq {\n", (here / "cpu_act_quant.cpp").read_text(), "\n}  // namespace bm_aq\n",
         SOURCE.read_text()])
     try:
         path = build_library(source, cpu_native.CXX_FLAGS, "cpu-decode-step", native_cache_dir(), "fused decode step",
@@ -203,6 +206,12 @@ class DecodeStep:
 
     def _linear(self, linear) -> _Linear:
         fmt = _format(linear)
+        if fmt in (4, 5):
+            packed = linear.packed
+            return _Linear(format=fmt, act_isa=aq.act_quant_ops().isa_level(), w=packed.packed.data_ptr(),
+                           scale=packed.scale.data_ptr(),
+                           min=None if packed.minimum is None else packed.minimum.data_ptr(),
+                           bias=self._hold(linear.bias_f32), n=packed.n, k=packed.k, gs=packed.group_size)
         if isinstance(linear, QuantizedLinear):
             n, k = linear.weight.shape[0], linear.weight.shape[1] * (2 if fmt == 3 else 1)
             gs = 0 if fmt == 2 else k // linear.scale.shape[1]
@@ -241,6 +250,8 @@ class DecodeStep:
 
 def _format(linear) -> int | None:
     """The weight format code of a prepared linear the fused step can read in place, else None."""
+    if isinstance(linear, QuantizedLinear) and linear.act_quant is not None:
+        return None if linear.act_kernel is None else (4 if linear.minimum is None else 5)
     if isinstance(linear, QuantizedLinear):
         if linear.ops is None:
             return None

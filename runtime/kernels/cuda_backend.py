@@ -181,8 +181,8 @@ class CudaKernels:
     def prepare_linear(self, weight, bias, impl=None):
         return self._reference.prepare_linear(weight, bias, impl)
 
-    def prepare_weight_only_linear(self, weight, scale, minimum, bias):
-        return self._reference.prepare_weight_only_linear(weight, scale, minimum, bias)
+    def prepare_weight_only_linear(self, weight, scale, minimum, bias, act_quant=None):
+        return self._reference.prepare_weight_only_linear(weight, scale, minimum, bias, act_quant)
 
     def prepare_decode_step(self, model, kv_pool, kv_scales, tokens_per_block):
         return None   # the GPU runs the model op by op

@@ -94,11 +94,13 @@ class KernelBackend(Protocol):
         runtime.kernels.linear.CPU_IMPLS; None: the fastest available); ignored off the CPU."""
 
     def prepare_weight_only_linear(self, weight: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None,
-                                   bias: torch.Tensor | None) -> PreparedLinear:
+                                   bias: torch.Tensor | None, act_quant: str | None = None) -> PreparedLinear:
         """A weight-only quantized weight (runtime/models/weight_only.py's layouts) ready for linear /
         linear_add: int8 [out, in] with scale float32 [out] and minimum None (w = q * scale), or
         packed int4 uint8 [out, in / 2] with scale and minimum float32 [out, in / group_size]
-        (w = q * scale + min); bias [out] (the compute dtype) or None. .weight is `weight`."""
+        (w = q * scale + min); bias [out] (the compute dtype) or None. .weight is `weight`.
+        act_quant "int8": the activations are quantized per block of 32 columns and the products
+        are integer (runtime/kernels/act_quant.py defines the arithmetic); None: exact."""
 
     def prepare_decode_step(self, model, kv_pool: torch.Tensor, kv_scales: torch.Tensor | None,
                             tokens_per_block: int):

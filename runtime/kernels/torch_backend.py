@@ -68,10 +68,10 @@ class TorchKernels:
         return Linear(weight, bias, weight.device, impl)
 
     def prepare_weight_only_linear(self, weight: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None,
-                                   bias: torch.Tensor | None) -> PreparedLinear:
+                                   bias: torch.Tensor | None, act_quant: str | None = None) -> PreparedLinear:
         if weight.is_cpu:
             self._native_dense_ops()   # captured with the weights' own kernels, when the model is built
-        return QuantizedLinear(weight, scale, minimum, bias)
+        return QuantizedLinear(weight, scale, minimum, bias, act_quant)
 
     def prepare_decode_step(self, model, kv_pool: torch.Tensor, kv_scales: torch.Tensor | None,
                             tokens_per_block: int):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from . import act_quant as aq
 from .cpu_weight_only import weight_only_ops
 from .torch_dense import dequantize, weight_only_linear
 
@@ -22,13 +23,24 @@ TILE_OUTPUTS = 256
 
 class QuantizedLinear:
     """`x @ W^T + bias` for a quantized W on W's device: the native kernel up to NATIVE_MAX_ROWS
-    rows on CPU, torch's GEMM on de-quantized tiles above (and the torch reference off CPU)."""
+    rows on CPU, torch's GEMM on de-quantized tiles above (and the torch reference off CPU).
+
+    act_quant "int8": x is quantized per block of 32 columns first and the products are integer
+    (act_quant.py), at every row count: the native kernels over the weight repacked once here
+    (`packed`) on a CPU that runs them, act_quant's torch reference elsewhere."""
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None,
-                 bias: torch.Tensor | None):
+                 bias: torch.Tensor | None, act_quant: str | None = None):
         self.weight, self.scale, self.minimum = weight, scale, minimum
         self.bias = bias
         self.bias_f32 = None if bias is None else bias.float().contiguous()
+        self.act_quant = act_quant
+        self.packed, self.act_kernel = None, None
+        if act_quant is not None:
+            act_ops = aq.act_quant_ops() if weight.device.type == "cpu" else None
+            if act_ops is not None:
+                self.packed = aq.pack(weight, scale, minimum)
+                self.act_kernel = act_ops.bind(self.packed, self.bias_f32)
         self.ops = weight_only_ops() if weight.device.type == "cpu" else None
         self.num_outputs = self.weight.shape[0]
         self.kernel = (None if self.ops is None
@@ -61,6 +73,11 @@ class QuantizedLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in] -> [rows, out] in x's dtype."""
+        if self.act_quant is not None:
+            if self.act_kernel is not None:
+                return self.act_kernel(x.float()).to(x.dtype)
+            return aq.int8_act_linear_reference(x.float(), self.weight, self.scale, self.minimum,
+                                                self.bias_f32).to(x.dtype)
         if self.ops is not None and x.shape[0] <= self.max_native_rows:
             y = self._native(x)
             return y if x.dtype == torch.float32 else y.to(x.dtype)
@@ -70,6 +87,10 @@ class QuantizedLinear:
 
     def add_to(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """residual + self(x), into `residual` (float32, rows contiguous) where the native kernel runs."""
+        if self.act_kernel is not None and residual.dtype == torch.float32 and residual.stride(1) == 1:
+            return self.act_kernel(x.float(), residual)
+        if self.act_quant is not None:
+            return residual + self(x)
         if (self.ops is not None and x.shape[0] <= self.max_native_rows and residual.dtype == torch.float32
                 and residual.stride(1) == 1):
             return self._native(x, out=residual)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from .alibi import alibi_slopes
 from ..config import ModelConfig
+from ..precision import QuantMode
 from ..kernels.interface import KernelBackend, PreparedLinear
 from ..kernels.kv_quant import round_trip
 from ..adapters.lora_step import LoraStepPlan
@@ -106,6 +107,8 @@ class Transformer:
         if config.position_embedding == "alibi":   # a rank's heads take their own slopes
             slopes = alibi_slopes(config.num_heads)
             self.alibi_slopes = (slopes[shard.head_index()] if shard is not None else slopes).to(device)
+        # "int8": the weight-only matmuls quantize their activations (QuantMode.ACTIVATIONS)
+        self.act_quant = "int8" if QuantMode(config.quant_mode) & QuantMode.ACTIVATIONS else None
         self.linears: dict[str, PreparedLinear] = {}
         for name in [n for n in self.w if n.endswith((".qkv.weight", ".out.weight", ".mlp_in.weight",
                                                        ".mlp_out.weight"))]:
@@ -139,7 +142,7 @@ class Transformer:
         """The matmul weight `name` of `weights` (weight-only quantized or not), prepared by the backend."""
         if is_quantized(weights, name):
             return self.kernels.prepare_weight_only_linear(weights[name], weights[name + "_scale"],
-                                                           weights.get(name + "_min"), bias)
+                                                           weights.get(name + "_min"), bias, self.act_quant)
         return self.kernels.prepare_linear(weights[name], bias, linear_impl)
 
     def weight_tensors(self) -> list[torch.Tensor]:

@@ -21,11 +21,15 @@ MODES = {
     "bf16_int8_kv": {"dtype": "bfloat16", "kv_cache_dtype": "int8"},
     "int4_int8_kv": {"weight_only": "int4", "group_size": 32, "kv_cache_dtype": "int8"},
     "bf16_int8": {"dtype": "bfloat16", "weight_only": "int8"},
+    "int8_act": {"weight_only": "int8", "act_quant": "int8"},
+    "int4_act": {"weight_only": "int4", "group_size": 32, "act_quant": "int8"},
+    "int4_act_int8_kv": {"weight_only": "int4", "group_size": 32, "act_quant": "int8", "kv_cache_dtype": "int8"},
 }
 # Largest |fused - eager| over the largest |eager logit| of a step. float32 activations on both
 # sides: float rounding (an int8 cache may round one value the other way: 2e-3); a bf16 engine's
 # eager path rounds its activations to bf16 between ops, the fused one keeps them in float32.
-TOLERANCE = {"fp32": 1e-5, "int8": 1e-5, "int4": 1e-5, "int8_kv": 2e-3, "int4_int8_kv": 2e-3}
+TOLERANCE = {"fp32": 1e-5, "int8": 1e-5, "int4": 1e-5, "int8_kv": 2e-3, "int4_int8_kv": 2e-3,
+             "int8_act": 1e-4, "int4_act": 1e-4, "int4_act_int8_kv": 2e-3}
 BF16_TOLERANCE = 8e-2
 TOKENS_PER_BLOCK = 4
 NUM_BLOCKS = 64
