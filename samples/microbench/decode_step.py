@@ -9,7 +9,9 @@ one generation step of R rows, median of --steps, for:
 and "outside" = fused - matmuls: the time of everything but the weight matmuls (norms, rotary, KV
 write, attention, SiLU, the barriers, the embedding lookup and the call itself).
 
-    python -m samples.microbench.decode_step [--rows 1 4 8] [--modes fp32 bf16 int8 int4]
+    python -m samples.microbench.decode_step [--rows 1 4 8] [--modes fp32 bf16 int8 int4 int8+a8 int4+a8]
+
+(+a8: int8 activations, BuildConfig.act_quant.)
 """
 from __future__ import annotations
 
@@ -22,7 +24,9 @@ import time
 import torch
 
 MODES = {"fp32": {}, "bf16": {"dtype": "bfloat16"}, "int8": {"weight_only": "int8"},
-         "int4": {"weight_only": "int4", "group_size": 32}}
+         "int4": {"weight_only": "int4", "group_size": 32},
+         "int8+a8": {"weight_only": "int8", "act_quant": "int8"},
+         "int4+a8": {"weight_only": "int4", "group_size": 32, "act_quant": "int8"}}
 
 
 def cpu_name() -> str:
@@ -90,7 +94,7 @@ def main(argv: list[str] | None = None) -> dict:
                 fused.decode_step.matmuls_only = False
                 row["outside"] = row["fused"] - row["matmuls"]
                 results[(mode, rows)] = row
-                print(f"  {mode:5s} rows {rows}: eager {row['eager'] * 1e3:6.2f}  fused {row['fused'] * 1e3:6.2f} "
+                print(f"  {mode:7s} rows {rows}: eager {row['eager'] * 1e3:6.2f}  fused {row['fused'] * 1e3:6.2f} "
                       f"({row['eager'] / row['fused']:.2f}x)  matmuls {row['matmuls'] * 1e3:6.2f}  "
                       f"outside {row['outside'] * 1e3:5.2f}")
             del fused, eager, engine

@@ -4,7 +4,7 @@ The weights: the real default model's GGUF (SmolLM2-135M-Instruct, Q4_1), de-qua
 again with the `gguf` package as F32, Q8_0 and Q4_0 files. llama.cpp (the `xllamacpp` wheel, its
 server embedded in this process; `pip install --no-deps xllamacpp`) generates from each file; ours
 generates from engines built from the F32 file in float32 and in the matching weight-only modes
-(int8 for Q8_0, int4 group 32 for Q4_0). Each side: greedy, one request, the same prompt, N new
+(int8 for Q8_0, int4 group 32 for Q4_0), each exact and with int8 activations (act_quant). Each side: greedy, one request, the same prompt, N new
 tokens, the generation rate (tokens after the first / their time), best of --repeats. Every
 measurement runs in a fresh process: llama.cpp's threads and a thread pool left by an engine build
 would otherwise share the cores with the side being timed (runtime.engine.build_engine's NOTE).
@@ -22,9 +22,16 @@ import time
 import numpy as np
 import torch
 
+from samples.microbench.decode_step import cpu_name
+
 PROMPT = "Here is part of Python's documentation. Explain what a generator is, in a few sentences."
 LLAMA_CPP_TYPES = ("F32", "Q8_0", "Q4_0")
-OUR_MODES = {"F32": {}, "Q8_0": {"weight_only": "int8"}, "Q4_0": {"weight_only": "int4", "group_size": 32}}
+# ours per llama.cpp format: the exact weight-only mode, then the int8-activation one (llama.cpp's own
+# arithmetic for these formats: activations quantized to 8 bits per block of 32)
+OUR_MODES = {"F32": {"float32": {}},
+             "Q8_0": {"int8": {"weight_only": "int8"}, "int8+a8": {"weight_only": "int8", "act_quant": "int8"}},
+             "Q4_0": {"int4 g32": {"weight_only": "int4", "group_size": 32},
+                      "int4 g32+a8": {"weight_only": "int4", "group_size": 32, "act_quant": "int8"}}}
 
 
 def rewrite_gguf(source: str, destination: str, type_name: str) -> str:
@@ -116,24 +123,26 @@ def main(argv: list[str] | None = None) -> dict:
         prompt_ids = load_tokenizer(tokenizer_dir)(PROMPT)["input_ids"]
         for type_name in LLAMA_CPP_TYPES:
             row = {"llama_cpp_tok_s": max(in_fresh_process(llama_cpp_rate, files[type_name], PROMPT, args.new_tokens,
-                                                           args.threads) for _ in range(args.repeats))}
-            engine_dir = os.path.join(work, f"ours-{type_name}")
-            try:
-                build_engine(files["F32"], engine_dir, **OUR_MODES[type_name])
-                row["ours_tok_s"] = max(in_fresh_process(our_rate, engine_dir, prompt_ids, args.new_tokens, args.threads)
-                                        for _ in range(args.repeats))
-                row["ours_to_llama_cpp"] = row["ours_tok_s"] / row["llama_cpp_tok_s"]
-            except ConfigError as e:
-                row["ours_refused"] = str(e)
+                                                           args.threads) for _ in range(args.repeats)), "ours": {}}
+            for mode, fields in OUR_MODES[type_name].items():
+                engine_dir = os.path.join(work, f"ours-{type_name}-{len(row['ours'])}")
+                try:
+                    build_engine(files["F32"], engine_dir, **fields)
+                    row["ours"][mode] = max(in_fresh_process(our_rate, engine_dir, prompt_ids, args.new_tokens,
+                                                             args.threads) for _ in range(args.repeats))
+                except ConfigError as e:
+                    row["ours"][mode] = f"refused: {e}"
             results[type_name] = row
-    fp32 = results["F32"].get("ours_tok_s")
-    print(f"one stream, {args.new_tokens} new tokens, {args.threads} threads, best of {args.repeats}:")
+    fp32 = results["F32"]["ours"].get("float32")
+    print(f"{cpu_name()}; one stream, {args.new_tokens} new tokens, {args.threads} threads, best of {args.repeats}:")
     for type_name, row in results.items():
-        mode = {"F32": "float32", "Q8_0": "int8", "Q4_0": "int4 g32"}[type_name]
-        ours = (f"ours {mode} {row['ours_tok_s']:.1f} tok/s ({row['ours_to_llama_cpp']:.2f}x llama.cpp"
-                + (f", {row['ours_tok_s'] / fp32:.2f}x our float32)" if fp32 else ")")
-                if "ours_tok_s" in row else f"ours {mode}: refused ({row['ours_refused']})")
-        print(f"  {type_name:5s} llama.cpp {row['llama_cpp_tok_s']:.1f} tok/s; {ours}")
+        print(f"  {type_name:5s} llama.cpp {row['llama_cpp_tok_s']:.1f} tok/s")
+        for mode, rate in row["ours"].items():
+            if isinstance(rate, str):
+                print(f"        ours {mode}: {rate}")
+                continue
+            versus_fp32 = f", {rate / fp32:.2f}x our float32" if isinstance(fp32, float) else ""
+            print(f"        ours {mode} {rate:.1f} tok/s ({rate / row['llama_cpp_tok_s']:.2f}x llama.cpp{versus_fp32})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -15,6 +15,7 @@ MODE_FIELDS = {
     "int8": {"weight_only": "int8"}, "int4": {"weight_only": "int4", "group_size": 32},
     "int4-g64": {"weight_only": "int4", "group_size": 64}, "int4-g128": {"weight_only": "int4", "group_size": 128},
     "kv-int8": {"kv_cache_dtype": "int8"}, "kv-fp8": {"kv_cache_dtype": "fp8"},
+    "a8": {"act_quant": "int8"},   # int8 activations, with int8 or int4: "int8+a8", "int4+a8"
 }
 
 
