@@ -84,3 +84,12 @@ def test_logits_stay_near_the_exact_weight_only_model(checkpoint):
         logits[act_quant] = runner.forward(step_inputs([(tokens, 0, [0, 1])], True))["context_logits"]
     error = (logits["int8"] - logits[None]).abs().max() / logits[None].abs().max()
     assert 0 < error < 0.05
+
+
+def test_a_tier_the_environment_names_but_cannot_run_is_a_config_error(checkpoint, monkeypatch):
+    if aq.act_quant_ops() is None:
+        pytest.skip("the act-quant kernels cannot run here")
+    engine = Engine.from_dir(checkpoint, weight_only="int8", act_quant="int8")
+    monkeypatch.setenv(aq.ISA_ENV_VAR, "avx1024")
+    with pytest.raises(ConfigError, match=aq.ISA_ENV_VAR):
+        ModelRunner(engine, 4)
