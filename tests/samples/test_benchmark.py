@@ -140,3 +140,11 @@ def test_dtype_builds_a_bf16_engine_with_the_tokenizer_files(tiny_model_dirs, tm
     assert (converted / "tokenizer.json").read_text() == "{}"
     report = benchmark.main(["--engine-dir", tiny_model_dirs[1], "--backend", "ours", *SMALL, "--dtype", "bfloat16"])
     assert report["ours"]["num_error_samples"] == 0
+
+
+def test_the_default_models_dtype_follows_the_measured_rule():
+    from samples.default_model import preferred_dtype
+    assert preferred_dtype(frozenset({"avx512f", "amx_bf16", "avx512_bf16"}), "GenuineIntel")[0] == "bfloat16"
+    assert preferred_dtype(frozenset({"avx512f", "avx512_bf16"}), "AuthenticAMD")[0] == "bfloat16"
+    assert preferred_dtype(frozenset({"avx512f", "avx512_bf16"}), "GenuineIntel")[0] == "float32"
+    assert preferred_dtype(frozenset({"avx2", "fma"}), "AuthenticAMD")[0] == "float32"
