@@ -56,7 +56,7 @@ def main() -> int:
 
     def on_signal(signum, _frame):
         stop_signal.append(signum)
-        server.process.send_signal(signal.SIGTERM)
+        server.request_stop()
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import os
 import threading
 
 import numpy as np
@@ -62,6 +63,8 @@ class LlmModel:
         parameters = read_parameters(model_config)
         model_type = MODEL_TYPES[parameters.get("gpt_model_type", "inflight_fused_batching").lower()]
         self._cancel_check_period_s = int(parameters.get("cancellation_check_period_ms", "100")) / 1e3
+        self._drain_file = parameters.get("drain_file")   # once it exists: stop what runs, refuse new work
+        self._is_draining = False
         self._lock = threading.Lock()   # guards the three below: execute and the worker share them
         self._incoming = collections.deque()
         self._id_to_live: dict[int, LiveRequest] = {}
@@ -111,18 +114,33 @@ class LlmModel:
                 return
             if is_live:
                 raise BadRequest(f"request id {triton_id!r} is already in use by a live request")
+            if self._is_draining:
+                raise BadRequest("the server is shutting down")
             request_id = self._ids.assign(triton_id)
             self._id_to_live[request_id] = LiveRequest(triton_id, request, sender)
             self._incoming.append(make_request(request_id, parsed))
 
     def finalize(self) -> None:
+        """Unloading: requests in flight stop at once with what they have (a final response each),
+        requests not yet handed over get an error; then the GptManager shuts down."""
         self._is_closing.set()
-        self.manager.shutdown()
         self._cancel_watcher.join()
+        with self._lock:
+            pending = [self._id_to_live.pop(r.request_id) for r in self._incoming]
+            self._incoming.clear()
+            self._stop_ids.update(self._id_to_live)
+        for live in pending:
+            self._send_error(live.sender, live.triton_id, "the model is unloading")
+        self.manager.shutdown()
 
     def _watch_cancellations(self) -> None:
-        """Each period, the live requests whose client cancelled become stop signals."""
+        """Each period, the live requests whose client cancelled become stop signals; once the
+        drain file exists (the launcher's shutdown), every live request does."""
         while not self._is_closing.wait(self._cancel_check_period_s):
+            if self._drain_file and not self._is_draining and os.path.exists(self._drain_file):
+                with self._lock:
+                    self._is_draining = True
+                    self._stop_ids.update(self._id_to_live)
             with self._finalize_lock:   # never ask a request whose final response went out: it is freed
                 with self._lock:
                     live = list(self._id_to_live.items())

@@ -27,6 +27,13 @@ class RepositoryOptions:
     num_text_instances: int = 1                   # instances of preprocessing / postprocessing
 
 
+DRAIN_FILE = "draining"   # in the tensorrt_llm model's directory; written by the launcher on shutdown
+
+
+def drain_file(repository: str) -> str:
+    return os.path.join(os.path.abspath(repository), "tensorrt_llm", DRAIN_FILE)
+
+
 def _llm_parameters(engine_dir: str, options: RepositoryOptions) -> dict[str, str]:
     parameters = {"gpt_model_type": options.gpt_model_type, "gpt_model_path": engine_dir,
                   "batch_scheduler_policy": options.batch_scheduler_policy,
@@ -51,7 +58,8 @@ def write_repository(directory: str, engine_dir: str, python_path: tuple[str, ..
     common = {"python_path": os.pathsep.join(python_path)}
     models = {"tensorrt_llm": mc.python_model_config(
         "tensorrt_llm", mc.LLM_INPUTS, mc.LLM_OUTPUTS,
-        {**common, "implementation": "samples.triton.llm_model:LlmModel", **_llm_parameters(engine_dir, options)},
+        {**common, "implementation": "samples.triton.llm_model:LlmModel", "drain_file": drain_file(directory),
+         **_llm_parameters(engine_dir, options)},
         options.max_batch_size, is_decoupled=True)}
     if has_tokenizer(engine_dir):
         text = {**common, "tokenizer_dir": engine_dir}
@@ -64,6 +72,8 @@ def write_repository(directory: str, engine_dir: str, python_path: tuple[str, ..
             {**text, "implementation": "samples.triton.text_models:Postprocessing"}, options.max_batch_size,
             num_instances=options.num_text_instances)
         models["ensemble"] = mc.ensemble_config(options.max_batch_size)
+    if os.path.exists(drain_file(directory)):
+        os.remove(drain_file(directory))
     for name, config in models.items():
         version_dir = os.path.join(directory, name, "1")
         os.makedirs(version_dir, exist_ok=True)

@@ -11,6 +11,7 @@ import urllib.error
 import urllib.request
 
 from samples.triton.environment import ServerEnvironment
+from samples.triton.repository import drain_file
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +36,7 @@ def server_command(env: ServerEnvironment, repository: str, ports: Ports, log_ve
 class TritonServer:
     def __init__(self, env: ServerEnvironment, repository: str, ports: Ports = Ports(), log_file=None):
         self.ports = ports
+        self.repository = repository
         self.process = subprocess.Popen(server_command(env, repository, ports), env=env.process_env(),
                                         stdout=log_file, stderr=subprocess.STDOUT if log_file else None)
 
@@ -67,10 +69,20 @@ class TritonServer:
                 pass
             time.sleep(0.25)
 
-    def stop(self, timeout_s: float = 60.0) -> int:
-        """SIGTERM (Triton unloads the models: each GptManager shuts down), then SIGKILL after the timeout."""
+    def request_stop(self) -> None:
+        """The drain file first (the tensorrt_llm model ends its live requests with a final
+        response within a check period), then SIGTERM: Triton waits for the requests in flight,
+        unloads the models (each GptManager shuts down) and exits. Without the drain, requests
+        still in flight at Triton's exit timeout crash the server's exit."""
         if self.process.poll() is None:
+            with open(drain_file(self.repository), "w"):
+                pass
             self.process.send_signal(signal.SIGTERM)
+
+    def stop(self, timeout_s: float = 60.0) -> int:
+        """request_stop, then SIGKILL after the timeout."""
+        if self.process.poll() is None:
+            self.request_stop()
             try:
                 self.process.wait(timeout_s)
             except subprocess.TimeoutExpired:

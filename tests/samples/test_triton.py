@@ -179,11 +179,12 @@ def test_metric_families_carry_the_stats_json(server, direct, client):
     assert abs(general["timestamp"] - time.time()) < 600
 
 
-def test_the_command_serves_until_sigint_then_exits_cleanly(engine_dir, tmp_path):
+def test_the_command_serves_until_sigint_then_ends_live_requests_and_exits_cleanly(engine_dir, tmp_path):
     import os
     import signal
     import subprocess
     import sys
+    from samples.triton.client import StreamClient
     from samples.triton.testing import free_ports
     http_port, grpc_port, metrics_port = free_ports(3)
     process = subprocess.Popen(
@@ -199,7 +200,13 @@ def test_the_command_serves_until_sigint_then_exits_cleanly(engine_dir, tmp_path
                 break
         assert f"127.0.0.1:{grpc_port}" in lines[-1], lines
         assert sorted(os.listdir(tmp_path)) == ["tensorrt_llm"]   # no tokenizer: no text models
+        stream = StreamClient(f"127.0.0.1:{grpc_port}")
+        stream.submit("1", llm_inputs(PROMPTS[0], LONG, True))
+        wait_for_tokens(stream, "1", 2)
         process.send_signal(signal.SIGINT)
+        result = stream.wait("1", 30)                 # the live request ends with a final response
+        assert result.error is None and len(result.tokens) < LONG
+        stream.close()   # NOTE: Triton keeps its models loaded for a stream still open, up to its exit timeout
         assert process.wait(60) == 0
     finally:
         if process.poll() is None:
