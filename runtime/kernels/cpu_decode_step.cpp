@@ -241,6 +241,40 @@ struct AttentionScratch {
   std::vector<int64_t> keys;
 };
 
+// A cached K or V row as float32: the cache's own row (float32 cache) or `buffer` holding it converted.
+inline const float* kv_row(const Model& m, const void* cache, const float* scales, int64_t row, float* buffer) {
+  if (m.kv_format == 0) return (const float*)cache + row * m.head_dim;
+  read_kv_row(m, cache, scales, row, buffer);
+  return buffer;
+}
+
+inline float dot(const float* __restrict a, const float* __restrict b, int64_t d) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = 0; t < d; ++t) sum += a[t] * b[t];
+  return sum;
+}
+
+// Softmax in place of n scores, exp 8 at a time (cpu_native.cpp's polynomial exp: libm's expf per
+// score was a visible share of a many-row step).
+inline void softmax(float* scores, int64_t n) {
+  float top = -INFINITY;
+  for (int64_t i = 0; i < n; ++i) top = std::max(top, scores[i]);
+  const __m256 shift = _mm256_set1_ps(top);
+  __m256 sums = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = bm_native::exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + i), shift));
+    _mm256_storeu_ps(scores + i, e);
+    sums = _mm256_add_ps(sums, e);
+  }
+  float total = bm_native::hsum8(sums);
+  for (; i < n; ++i) total += (scores[i] = expf(scores[i] - top));
+  const float inv = 1.f / total;
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) scores[j] *= inv;
+}
+
 // Sequence b, KV head kvh: rotate its query heads and key, write the key and value into the
 // cache, attend over the visible keys; out [num_heads * head_dim] of the sequence's row.
 void attend(const Model& m, const Layer& L, const float* qkv, int64_t b, int64_t kvh, const int64_t* positions,
@@ -262,28 +296,24 @@ void attend(const Model& m, const Layer& L, const float* qkv, int64_t b, int64_t
   const int32_t* table = block_tables + b * bt_stride;
   for (int64_t& j : s.keys) j = ((int64_t)table[j / tpb] * tpb + j % tpb) * m.num_kv_heads + kvh;
   s.scores.resize(group * n);
+  const float* q = s.q.data();
+  float* scores = s.scores.data();
   for (int64_t i = 0; i < n; ++i) {
-    read_kv_row(m, L.k_cache, L.k_scales, s.keys[i], s.row.data());
-    for (int64_t g = 0; g < group; ++g) {
-      const float* qg = s.q.data() + g * d;
-      float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-      for (int64_t t = 0; t < d; ++t) dot += qg[t] * s.row[t];
-      s.scores[g * n + i] = dot * m.attention_scale;
-    }
+    const float* k = kv_row(m, L.k_cache, L.k_scales, s.keys[i], s.row.data());
+    for (int64_t g = 0; g < group; ++g) scores[g * n + i] = dot(q + g * d, k, d) * m.attention_scale;
   }
-  bm_native::softmax_rows(s.scores.data(), group, n);
-  s.acc.assign(group * d, 0.f);
+  for (int64_t g = 0; g < group; ++g) softmax(scores + g * n, n);
+  float* acc = out + b * q_size + kvh * group * d;   // this task's [group, d] of the output
+  std::fill_n(acc, group * d, 0.f);
   for (int64_t i = 0; i < n; ++i) {
-    read_kv_row(m, L.v_cache, L.v_scales, s.keys[i], s.row.data());
+    const float* v = kv_row(m, L.v_cache, L.v_scales, s.keys[i], s.row.data());
     for (int64_t g = 0; g < group; ++g) {
-      const float p = s.scores[g * n + i];
-      float* o = s.acc.data() + g * d;
+      const float p = scores[g * n + i];
+      float* __restrict o = acc + g * d;
 #pragma omp simd
-      for (int64_t t = 0; t < d; ++t) o[t] += p * s.row[t];
+      for (int64_t t = 0; t < d; ++t) o[t] += p * v[t];
     }
   }
-  std::copy(s.acc.begin(), s.acc.end(), out + b * q_size + kvh * group * d);
 }
 
 // act[i] = silu(gate[i]) * up[i] for i in [n0, n1): 8 at a time with cpu_native.cpp's polynomial
