@@ -31,8 +31,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sections", default=None, help=f"comma-separated, of {', '.join(SECTIONS)} (default: all but "
                                                      "precision, plus precision with --precision)")
     p.add_argument("--precision", default="", help="modes to compare with float32, comma-separated: fp32, bf16, "
-                                                   "fp16, auto, int8, int4, int4-g64, int4-g128, kv-int8, kv-fp8, "
-                                                   "combined with '+' (bf16+int8)")
+                                                   "fp16, auto, int8, int4, int4-g64, int4-g128, kv-int8, kv-fp8, a8 (int8 activations), "
+                                                   "combined with '+' (bf16+int8, int4+a8)")
     p.add_argument("--windows", type=int, default=16, help="perplexity: windows of real text")
     p.add_argument("--window-len", type=int, default=512, help="perplexity: tokens per window")
     p.add_argument("--prompts", type=int, default=32, help="greedy: chat prompts (sampled: a quarter of them)")
