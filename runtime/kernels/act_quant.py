@@ -70,8 +70,8 @@ def int8_act_linear_reference(x: torch.Tensor, weight: torch.Tensor, scale: torc
         y = (isum * d[:, None, :]).sum(dim=2) * scale
     else:
         per_block = k // BLOCK // scale.shape[1]
-        block_scale = scale.repeat_interleave(per_block, dim=1)                           # [n, blocks]
-        block_min = minimum.repeat_interleave(per_block, dim=1)
+        block_scale = scale.float().repeat_interleave(per_block, dim=1)                   # [n, blocks]
+        block_min = minimum.float().repeat_interleave(per_block, dim=1)
         y = ((block_scale * isum + block_min * s[:, None, :].float()) * d[:, None, :]).sum(dim=2)
     return y if bias is None else y + bias
 

@@ -20,7 +20,7 @@
 //   block_tables int32 [rows, bt_stride]; entries of blocks holding no visible key may be < 0.
 //   logits float32 [rows, vocab].
 //   Weight formats (Linear.format): 0 float32 [n, k]; 1 bf16 [n, k]; 2 int8 [n, k] + scale [n];
-//       3 int4 packed [n, k / 2] + scale, min [n, k / gs] (cpu_weight_only.cpp's layouts);
+//       3 int4 packed [n, k / 2] + scale, min float16 [n, k / gs] (cpu_weight_only.cpp's layouts);
 //       4, 5: int8 / int4 in cpu_act_quant.cpp's repacked layout, with int8 activations (the input
 //       quantized per block of 32 columns, once per input by each thread).
 //   KV formats (Model.kv_format): 0 float32, 1 bf16, 2 int8 with float32 scales per (slot, head)
@@ -33,8 +33,8 @@ namespace {
 struct Linear {
   int32_t format, act_isa;  // act_isa: formats 4, 5: the act-quant tier (act_quant.ISAS)
   const void* w;
-  const float* scale;
-  const float* min;
+  const void* scale;  // formats 2, 4, 5: float32; 3: float16 (uint16_t bits)
+  const void* min;
   const float* bias;  // float32 [n] or null
   int64_t n, k, gs;
 };
@@ -100,11 +100,12 @@ template <class V>
 void weight_only_range(const Linear& L, const Input& in, float* y, int64_t ldy, int accumulate, int64_t n0,
                        int64_t n1) {
   if (L.format == 2) {
-    const bm_wo::Int8Args a{in.x, in.k, (const int8_t*)L.w, L.scale, L.n, L.k, L.bias, y, ldy, accumulate};
+    const bm_wo::Int8Args a{in.x, in.k, (const int8_t*)L.w, (const float*)L.scale, L.n, L.k, L.bias, y, ldy,
+                            accumulate};
     bm_wo::run_range<V, bm_wo::Int8Args, bm_wo::Int8K>(a, in.rows, n0, n1);
   } else {
-    const bm_wo::Int4Args a{in.x, in.k, (const uint8_t*)L.w, L.scale, L.min, L.n, L.k, L.gs, L.bias, y, ldy,
-                            accumulate, in.xsum};
+    const bm_wo::Int4Args a{in.x, in.k, (const uint8_t*)L.w, (const uint16_t*)L.scale, (const uint16_t*)L.min,
+                            L.n, L.k, L.gs, L.bias, y, ldy, accumulate, in.xsum};
     bm_wo::run_range<V, bm_wo::Int4Args, bm_wo::Int4K>(a, in.rows, n0, n1);
   }
 }
@@ -137,7 +138,8 @@ void linear_range(const Linear& L, const Input& in, float* y, int64_t ldy, int a
     }
     case 4:
     case 5: {
-      const bm_aq::ActLinear a{L.format - 2, 0, L.w, L.scale, L.min, L.bias, L.n, L.k, L.gs};
+      const bm_aq::ActLinear a{L.format - 2, 0, L.w, (const float*)L.scale, (const float*)L.min, L.bias, L.n, L.k,
+                               L.gs};
       bm_aq::act_linear_range(a, in.q, in.d, in.s, rows, in.k, y, ldy, accumulate, n0, n1, L.act_isa);
       return;
     }
@@ -224,8 +226,10 @@ inline void write_kv_row(const Model& m, void* cache, float* scales, int64_t row
   }
 }
 
-// Rotary (neox pairing) of one head in place over its first rotary_dim dims.
-inline void rotate(const Model& m, float* head, int64_t position) {
+// Rotary (neox pairing) of one head in place over its first rotary_dim dims, rounded as the eager
+// model's torch ops round it (two products, then their sum: no fused multiply-add), so a key lands
+// on the same side of an int8 cache's rounding boundary.
+__attribute__((optimize("fp-contract=off"))) inline void rotate(const Model& m, float* head, int64_t position) {
   const int64_t half = m.rotary_dim / 2;
   const float* c = m.rope_cos + position * half;
   const float* s = m.rope_sin + position * half;

@@ -9,7 +9,7 @@
 //   bm_wo_int4_linear: w[o, k] = q[o, k] * scale[o, g] + min[o, g] with g = k / gs; packed uint8
 //       [n, k / 2]: in group g of row o, byte j (j < gs / 2) holds column g*gs + j in its low
 //       nibble and column g*gs + gs/2 + j in its high nibble (GGUF Q4_0 / Q4_1's layout at gs 32);
-//       scale, min float32 [n, k / gs]; gs in {32, 64, 128} divides k.
+//       scale, min float16 [n, k / gs] (their bits, uint16_t); gs in {32, 64, 128} divides k.
 //   bm_wo_dequant_{int8,int4}: the float32 rows [n0, n1) of the de-quantized weight into
 //       out [n1 - n0, k] contiguous (the many-row path multiplies them with torch's GEMM).
 //   isa: 0 scalar, 1 AVX2 + FMA, 2 AVX-512 where compiled in (else AVX2; int4 there de-quantizes
@@ -20,6 +20,7 @@
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
+#include <string.h>
 
 #include <algorithm>
 
@@ -95,8 +96,30 @@ struct Int8Args {
   const float* bias; float* y; int64_t ldy; int accumulate;
 };
 
+// float16 bits -> float (F16C where compiled for it, else by hand; int4 scales and mins are float16)
+inline float half_to_float(uint16_t h) {
+#ifdef __F16C__
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
+  uint32_t bits;
+  if (exponent == 0x1f) bits = sign | 0x7f800000 | (mantissa << 13);
+  else if (exponent != 0) bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  else if (mantissa == 0) bits = sign;
+  else {   // subnormal: normalize
+    int e = -1;
+    uint32_t m = mantissa;
+    do { m <<= 1; ++e; } while (!(m & 0x400));
+    bits = sign | ((uint32_t)(112 - e) << 23) | ((m & 0x3ff) << 13);
+  }
+  float f;
+  memcpy(&f, &bits, 4);
+  return f;
+#endif
+}
+
 struct Int4Args {
-  const float* x; int64_t ldx; const uint8_t* w; const float* scale; const float* min; int64_t n, k, gs;
+  const float* x; int64_t ldx; const uint8_t* w; const uint16_t* scale; const uint16_t* min; int64_t n, k, gs;
   const float* bias; float* y; int64_t ldy; int accumulate;
   const float* xsum;  // [rows, k / gs]: each row's sum of x over each group (the mins' term)
 };
@@ -161,17 +184,17 @@ void int4_tile(const Int4Args& a, int64_t r0, int64_t o0) {
       }
     }
     for (int o = 0; o < O; ++o) {
-      const typename V::F d = V::set1(a.scale[(o0 + o) * groups + g]);
+      const typename V::F d = V::set1(half_to_float(a.scale[(o0 + o) * groups + g]));
       for (int r = 0; r < R; ++r) acc[r][o] = V::fma(part[r][o], d, acc[r][o]);
     }
   }
   for (int r = 0; r < R; ++r)
     for (int o = 0; o < O; ++o) {
-      const float* mins = a.min + (o0 + o) * groups;
+      const uint16_t* mins = a.min + (o0 + o) * groups;
       const float* xs = a.xsum + (r0 + r) * groups;
       float m = 0.f;  // NOTE: a simd reduction: a serial one is a chain of `groups` dependent adds
 #pragma omp simd reduction(+ : m)
-      for (int64_t g = 0; g < groups; ++g) m += mins[g] * xs[g];
+      for (int64_t g = 0; g < groups; ++g) m += half_to_float(mins[g]) * xs[g];
       float s = V::hsum(acc[r][o]) + m;
       if (a.bias) s += a.bias[o0 + o];
       store(a.y + (r0 + r) * a.ldy + o0 + o, s, a.accumulate);
@@ -192,7 +215,8 @@ void int4_tile_lut(const Int4Args& a, int64_t r0, int64_t o0) {
   for (int64_t g = 0; g < groups; ++g) {
     typename V::F lut[O];
     for (int o = 0; o < O; ++o)
-      lut[o] = V::fma(iota, V::set1(a.scale[(o0 + o) * groups + g]), V::set1(a.min[(o0 + o) * groups + g]));
+      lut[o] = V::fma(iota, V::set1(half_to_float(a.scale[(o0 + o) * groups + g])),
+                      V::set1(half_to_float(a.min[(o0 + o) * groups + g])));
     for (int64_t j = 0; j < half; j += V::W) {
       if (((g * half + j) & 63) < V::W)
         for (int o = 0; o < O; ++o)
@@ -285,8 +309,8 @@ extern "C" void bm_wo_int8_linear(const float* x, int64_t rows, int64_t ldx, con
   parallel_linear<Int8Args, Int8K>(a, rows, isa, num_threads);
 }
 
-extern "C" void bm_wo_int4_linear(const float* x, int64_t rows, int64_t ldx, const uint8_t* w, const float* scale,
-                                  const float* min, int64_t n, int64_t k, int64_t gs, const float* bias, float* y,
+extern "C" void bm_wo_int4_linear(const float* x, int64_t rows, int64_t ldx, const uint8_t* w, const uint16_t* scale,
+                                  const uint16_t* min, int64_t n, int64_t k, int64_t gs, const float* bias, float* y,
                                   int64_t ldy, int accumulate, float* xsum, int num_threads, int isa) {
   const int64_t groups = k / gs;
   for (int64_t r = 0; r < rows; ++r)
@@ -310,14 +334,14 @@ extern "C" void bm_wo_dequant_int8(const int8_t* w, const float* scale, int64_t 
   }
 }
 
-extern "C" void bm_wo_dequant_int4(const uint8_t* w, const float* scale, const float* min, int64_t n0, int64_t n1,
+extern "C" void bm_wo_dequant_int4(const uint8_t* w, const uint16_t* scale, const uint16_t* min, int64_t n0, int64_t n1,
                                    int64_t k, int64_t gs, float* out, int num_threads) {
   const int64_t groups = k / gs, half = gs / 2;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
   for (int64_t o = n0; o < n1; ++o) {
     float* dst = out + (o - n0) * k;
     for (int64_t g = 0; g < groups; ++g) {
-      const float d = scale[o * groups + g], m = min[o * groups + g];
+      const float d = half_to_float(scale[o * groups + g]), m = half_to_float(min[o * groups + g]);
       const uint8_t* b = w + o * (k / 2) + g * half;
 #pragma omp simd
       for (int64_t j = 0; j < half; ++j) {

@@ -82,13 +82,13 @@ class WeightOnlyOps:
 
     def int4_linear(self, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
                     bias: torch.Tensor | None, out: torch.Tensor | None = None, isa: str | None = None) -> torch.Tensor:
-        """x float32 [rows, in], packed uint8 [out, in / 2], scale and minimum float32
+        """x float32 [rows, in], packed uint8 [out, in / 2], scale and minimum float16
         [out, in / group] -> [rows, out] (ADDED into `out` when given)."""
         n, k = packed.shape[0], packed.shape[1] * 2
         group_size = k // scale.shape[1]
         assert packed.dtype == torch.uint8 and packed.is_contiguous() and x.shape[1] == k
         assert group_size in (32, 64, 128) and scale.shape[1] * group_size == k
-        assert scale.dtype == minimum.dtype == torch.float32 and scale.is_contiguous() and minimum.is_contiguous()
+        assert scale.dtype == minimum.dtype == torch.float16 and scale.is_contiguous() and minimum.is_contiguous()
         assert scale.shape == minimum.shape == (n, k // group_size)
         assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())
         y, accumulate = self._out(x, n, out)

@@ -26,14 +26,14 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None = None) -> torch.Tensor:
     """The float32 weight [out, in] of a weight-only one (also of a row subset: any leading rows):
     int8 [out, in] with scale [out]: q * scale; packed int4 uint8 [out, in / 2] with scale and
-    minimum [out, in / group_size]: q * scale + min, in group g byte j holding column g*gs + j
+    minimum [out, in / group_size] (float16, or float32): q * scale + min in float32, in group g byte j holding column g*gs + j
     (low nibble) and g*gs + gs/2 + j (high nibble) (runtime/models/weight_only.py's layouts)."""
     if weight.dtype == torch.int8:
         return weight.float() * scale[:, None]
     out, groups = scale.shape
     packed = weight.view(out, groups, -1)
     q = torch.cat([packed & 15, packed >> 4], dim=2).float()   # [out, groups, gs]
-    return (q * scale[..., None] + minimum[..., None]).reshape(out, -1)
+    return (q * scale.float()[..., None] + minimum.float()[..., None]).reshape(out, -1)
 
 
 def weight_only_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None,

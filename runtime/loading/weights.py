@@ -120,7 +120,7 @@ def _checked(raw: RawWeights, cfg: ModelConfig, dtype: torch.dtype, where: str, 
             raise WeightError(f"{where}: tensor {name!r} has shape {list(tensor.shape)}, "
                               f"expected {list(shape)} from the config")
         if name in stored:
-            if tensor.dtype != stored[name][0]:
+            if tensor.dtype != stored[name][0] and not _older_stored_dtype(tensor.dtype, stored[name][0]):
                 raise WeightError(f"{where}: tensor {name!r} has dtype {tensor.dtype}, expected {stored[name][0]}")
         elif not tensor.is_floating_point():
             raise WeightError(f"{where}: tensor {name!r} has dtype {tensor.dtype}, expected floating point")
@@ -134,9 +134,15 @@ def _checked(raw: RawWeights, cfg: ModelConfig, dtype: torch.dtype, where: str, 
             tensor = src.read(tensor, selection)
         elif selection is not None:   # a reader that built it in memory
             tensor = shard.slice(name, tensor, shapes)
-        out[name] = tensor.contiguous() if name in stored else tensor.to(dtype).contiguous()
+        out[name] = tensor.to(stored[name][0]).contiguous() if name in stored else tensor.to(dtype).contiguous()
         _check_finite(out[name], name, where)
     return out
+
+
+def _older_stored_dtype(found: torch.dtype, expected: torch.dtype) -> bool:
+    """A stored dtype of an older engine directory, converted at load: int4 scales and mins were
+    float32 before they were float16."""
+    return found == torch.float32 and expected == torch.float16
 
 
 def _check_finite(tensor: torch.Tensor, name: str, where: str) -> None:

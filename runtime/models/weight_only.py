@@ -5,11 +5,13 @@ layout of an engine directory. The matmuls over them are the kernel backend's
 Stored under the canonical weight name `W` (e.g. `layers.0.qkv.weight`, `lm_head`, a tied
 `embed_tokens`):
   int8: `W` int8 [out, in], `W_scale` float32 [out]; w = q * scale (symmetric, per output channel).
-  int4: `W` uint8 [out, in / 2], `W_scale` and `W_min` float32 [out, in / group_size];
+  int4: `W` uint8 [out, in / 2], `W_scale` and `W_min` float16 [out, in / group_size] (0.625 bytes
+        per weight in all; engine directories written with float32 ones load, converted);
         w = q * scale + min with q in 0..15 per group of group_size input columns; in group g,
         byte j holds column g*gs + j (low nibble) and g*gs + gs/2 + j (high nibble), GGUF
         Q4_0 / Q4_1's layout (Q4_1: scale d, min m; Q4_0: scale d, min -8 d).
-Scales and mins are float32 whatever the compute dtype; norms and biases stay in it. Under tensor
+int8 scales are float32, int4 scales and mins float16, whatever the compute dtype; norms and biases
+stay in it. Under tensor
 parallelism a rank holds the slices of the one quantized model (runtime.parallel.tensor_shard.selection:
 an int4 group never straddles two ranks).
 """
@@ -45,8 +47,8 @@ def stored_layout(cfg: ModelConfig, build: BuildConfig) -> dict[str, tuple[torch
             layout[name + "_scale"] = (torch.float32, (out,))
         else:
             layout[name] = (torch.uint8, (out, width // 2))
-            layout[name + "_scale"] = (torch.float32, (out, width // build.group_size))
-            layout[name + "_min"] = (torch.float32, (out, width // build.group_size))
+            layout[name + "_scale"] = (torch.float16, (out, width // build.group_size))
+            layout[name + "_min"] = (torch.float16, (out, width // build.group_size))
     return layout
 
 
@@ -60,14 +62,16 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """[out, in] float -> (packed uint8 [out, in / 2], scale, min float32 [out, in / group_size])."""
+    """[out, in] float -> (packed uint8 [out, in / 2], scale, min float16 [out, in / group_size]).
+    The nibbles are rounded against the float16 scale and min they will be read with."""
     out, width = weight.shape
     assert width % group_size == 0, f"group_size {group_size} does not divide {width}"
     w = weight.float().view(out, width // group_size, group_size)
-    low, high = w.amin(dim=2), w.amax(dim=2)
-    scale = (high - low) / 15.0
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round((w - low[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.uint8)
+    half_max = torch.finfo(torch.float16).max
+    low = w.amin(dim=2).clamp(-half_max, half_max).half()
+    scale = ((w.amax(dim=2) - low.float()) / 15.0).clamp(max=half_max).half()
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))   # also a range below float16's smallest step
+    q = torch.round((w - low.float()[..., None]) / scale.float()[..., None]).clamp_(0, 15).to(torch.uint8)
     half = group_size // 2
     packed = q[..., :half] | (q[..., half:] << 4)   # [out, groups, gs / 2]
     return packed.reshape(out, width // 2).contiguous(), scale.contiguous(), low.contiguous()

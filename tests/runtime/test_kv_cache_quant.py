@@ -16,6 +16,10 @@ from tests.factories import make_checkpoints, step_inputs
 from tests.runtime.test_paged_cache import one_shot_logits, random_tokens, shuffled_block_tables
 
 SELF_ATOL = 1e-4      # a quantized runner against itself (same stored values, other paths)
+# ... where the other path computes a key or value itself (a generation step's fused native call
+# against the one-shot context's oneDNN GEMMs): the two float32 values may differ in the last bit
+# and, rarely, round to neighbouring int8 steps (one such step moved these logits by 1.4e-3).
+SELF_ROUNDING_ATOL = 5e-3
 # The model with an int8 / fp8 cache against the float32 cache: the tiny random LLaMA's logits
 # span about +-6; measured max |diff| 0.17 (int8) over these prompts, mean well under 0.05.
 INT8_ATOL, FP8_ATOL, MEAN_ATOL = 0.4, 1.0, 0.08
@@ -131,7 +135,7 @@ def test_int8_incremental_decoding_over_shuffled_blocks_equals_its_one_shot(chec
     logits = runner.forward(step_inputs([(p, 0, t) for p, t in zip(prompts, tables)]))["logits"]
     for step in range(11):
         for i, p in enumerate(prompts):
-            torch.testing.assert_close(logits[i], references[i][len(p) - 1 + step], atol=SELF_ATOL, rtol=0)
+            torch.testing.assert_close(logits[i], references[i][len(p) - 1 + step], atol=SELF_ROUNDING_ATOL, rtol=0)
         if step < 10:
             seqs = [([c[step]], len(p) + step, t) for p, c, t in zip(prompts, continuations, tables)]
             logits = runner.forward(step_inputs(seqs))["logits"]

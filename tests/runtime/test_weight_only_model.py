@@ -218,3 +218,24 @@ def test_engine_dir_with_wrong_quantized_tensors_is_refused(checkpoints, tmp_pat
         save_file(damaged, tmp_path / "weights.safetensors")
         with pytest.raises(WeightError, match="layers.0.qkv.weight|layers.1.out.weight_scale|lm_head_scale"):
             Engine.from_dir(tmp_path)
+
+
+def test_int4_scales_and_mins_are_stored_in_float16_and_older_float32_ones_load(tmp_path):
+    """0.625 bytes per weight (a nibble, and a float16 scale and min per 32); an engine directory
+    written when they were float32 loads with them converted, and runs the same."""
+    from safetensors.torch import load_file, save_file
+    from runtime.engine import ENGINE_FORMAT, ENGINE_WEIGHTS_FILE
+    make_checkpoint(tmp_path / "ckpt", "llama")
+    build_engine(tmp_path / "ckpt", tmp_path / "engine", weight_only="int4", tokens_per_block=4)
+    path = tmp_path / "engine" / ENGINE_WEIGHTS_FILE
+    stored = load_file(str(path))
+    assert stored["layers.0.qkv.weight_scale"].dtype == torch.float16
+    assert stored["layers.0.qkv.weight_min"].dtype == torch.float16
+    inputs = step_inputs([([3, 4, 5, 6], 0, [0])], True)
+    expected = ModelRunner(Engine.from_dir(tmp_path / "engine"), 2).forward(inputs)["context_logits"]
+    older = {name: t.float() if name.endswith(("_scale", "_min")) and t.dtype == torch.float16 else t
+             for name, t in stored.items()}
+    save_file(older, str(path), metadata={"format": ENGINE_FORMAT})
+    engine = Engine.from_dir(tmp_path / "engine")
+    assert engine.weights["layers.0.qkv.weight_scale"].dtype == torch.float16
+    assert torch.equal(ModelRunner(engine, 2).forward(inputs)["context_logits"], expected)
