@@ -11,7 +11,8 @@ from batch_manager.admission import AdmissionLimits, RequestError, to_spec
 from runtime.models import model_config_from_hf
 from samples.default_model import llama_hf_config
 from samples.chaos_soak.requests import BAD_KINDS, MAX_BEAM_WIDTH, make_bad
-from samples.chaos_soak.disaggregated_round import BAD_KINDS, disaggregated_violations, run_disaggregated_round
+from samples.chaos_soak.disaggregated_round import BAD_KINDS as BAD_PEERS
+from samples.chaos_soak.disaggregated_round import disaggregated_violations, run_disaggregated_round
 from samples.chaos_soak.soak import (BUILD, MODEL, POOL_TOKENS, RSS_TOLERANCE_MIB, SHUTDOWN_BOUND_S, main, make_engine,
                                      run_soak)
 
@@ -57,8 +58,8 @@ def test_disaggregated_round_serves_the_honest_and_answers_the_dead_and_slow(tmp
     report = run_disaggregated_round(make_engine(str(tmp_path)), POOL_TOKENS, 40, 4, seed=1)
     assert disaggregated_violations(report) == [], report
     assert report["honest_served"] == report["honest_submitted"] > 10
-    assert all(report.get(f"{kind}_errors", 0) == report.get(f"{kind}_submitted", 0) for kind in BAD_KINDS)
-    assert sum(report.get(f"{kind}_errors", 0) for kind in BAD_KINDS) > 3
+    assert all(report.get(f"{kind}_errors", 0) == report.get(f"{kind}_submitted", 0) for kind in BAD_PEERS)
+    assert sum(report.get(f"{kind}_errors", 0) for kind in BAD_PEERS) > 3
 
 
 def test_bad_kinds_cover_the_validation_list():

@@ -71,9 +71,11 @@ def test_a_conversation_over_the_character_limit_is_refused_by_its_length(info):
         error = refusal(info, {"messages": messages}, is_chat=True)
         assert error.param == "messages" and "characters of content and names" in error.message
         assert f"limit of {MAX_TEXT_CHARS}" in error.message
-    # short contents, but the template's own text per message takes the rendered conversation over
+    # short contents, but the template's own text per message takes the rendered conversation over:
+    # the bounded render (samples/serve/chat_template.py) stops it there
     error = refusal(info, {"messages": [{"role": "user", "content": ""}] * MAX_TEXT_CHARS}, is_chat=True)
-    assert error.param == "messages" and "in the rendered conversation" in error.message
+    assert error.param == "messages" and "the chat template was stopped: it rendered a conversation" in error.message
+    assert f"limit of {MAX_TEXT_CHARS}" in error.message
 
 
 def test_token_ids_beyond_the_context_are_refused_before_each_is_checked(info):
