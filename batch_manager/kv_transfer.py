@@ -1,8 +1,8 @@
 """KV blocks over TCP between two instances (disaggregated context and generation): the context
 side's `KvTransferServer` (a listening thread; one short connection per fetch) reads the blocks a
 `kv_handoff.KvExports` keeps; the generation side's `fetch_blocks` receives them into host memory
-and the model executor's `install_blocks` writes them into its own pool. `KvLayout` is what both
-pools must share for the bytes to mean the same.
+and the model executor's `install_blocks` writes them into its own pool. The frames, the raw
+bytes and `KvLayout` (what both pools must share for the bytes to mean the same) are kv_wire.py's.
 
 Wire (one connection per fetch): the client sends a frame {"version", "handle", "layout"}; the
 server answers a frame {"error"} or {"num_tokens", "block_indexes", "shape", "num_value_bytes",
@@ -23,13 +23,11 @@ memory either way (gloo), at similar speeds into fresh memory (samples/microbenc
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import socket
-import struct
 import threading
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 
 import msgpack
 import torch
@@ -37,125 +35,12 @@ import torch
 from runtime.cache.kv_cache_manager import RELEASED
 
 from .kv_handoff import ExportedKv, KvExports, KvWrites
+from .kv_wire import (MAX_ASK_BYTES, WIRE_VERSION, KvLayout, KvTransferError, abort, as_bytes, recv_frame, recv_tensor,
+                      send_frame, send_pool_blocks)
 
 logger = logging.getLogger(__name__)
 
-WIRE_VERSION = 1
-_LENGTH = struct.Struct(">I")
-MAX_ASK_BYTES = 1 << 16       # the ask is ~300 bytes (version, handle, layout)
 MAX_CONNECTIONS = 16          # served at once by one server (a thread each)
-
-
-class KvTransferError(RuntimeError):
-    """A fetch failed: the context side is unreachable, refused the handle, or broke off."""
-
-
-@dataclass(frozen=True)
-class KvLayout:
-    """What makes one instance's KV blocks readable by another: the same model (its shape fields
-    and a digest of a sample of its weights: a different checkpoint of the same shape is caught
-    with near certainty, identical weights are not proven), dtypes, block size and parallel layout."""
-    model: str
-    weights_digest: str
-    dtype: str
-    kv_cache_dtype: str
-    tokens_per_block: int
-    tensor_parallelism: int
-    pipeline_parallelism: int
-
-    @classmethod
-    def of(cls, runner) -> "KvLayout":
-        cfg, engine = runner.model_config, runner.engine
-        tp = runner.tensor_parallel
-        tp_size = 1 if tp is None else tp.size
-        world_size = 1 if tp is None else tp.world_size
-        model = (f"{cfg.architecture} layers={cfg.num_layers} hidden={cfg.hidden_size} heads={cfg.num_heads} "
-                 f"kv_heads={cfg.num_kv_heads} head_dim={cfg.head_dim} vocab={cfg.vocab_size}")
-        return cls(model, _weights_digest(engine.weights), str(engine.dtype).removeprefix("torch."),
-                   str(engine.kv_storage_dtype).removeprefix("torch."), runner.tokens_per_block, tp_size,
-                   world_size // tp_size)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    def mismatch(self, other: dict) -> str | None:
-        """The first field where `other` (a peer's to_dict) differs: 'field: X there, Y here'."""
-        for f in fields(self):
-            theirs = other.get(f.name) if isinstance(other, dict) else None
-            if theirs != getattr(self, f.name):
-                return f"{f.name}: {theirs!r} there, {getattr(self, f.name)!r} here"
-        return None
-
-
-def _weights_digest(weights: dict) -> str:
-    """blake2b over each weight's name, shape, dtype and its first and last 32 elements' bytes."""
-    digest = hashlib.blake2b(digest_size=8)
-    for name in sorted(weights):
-        t = weights[name]
-        digest.update(f"{name}{tuple(t.shape)}{t.dtype}".encode())
-        try:
-            flat = t.detach().reshape(-1)
-            for part in (flat[:32], flat[-32:]):
-                digest.update(part.cpu().contiguous().view(torch.uint8).numpy().tobytes())
-        except (RuntimeError, TypeError):   # an opaque (reordered) tensor: its name and shape only
-            pass
-    return digest.hexdigest()
-
-
-# -- frames ------------------------------------------------------------------------------------
-
-def _remaining_s(sock: socket.socket, deadline_s: float) -> None:
-    """Set the socket's timeout to what is left until `deadline_s` (monotonic); timeout if none."""
-    left = deadline_s - time.monotonic()
-    if left <= 0:
-        raise socket.timeout("the transfer's deadline passed")
-    sock.settimeout(left)
-
-
-def _send_frame(sock: socket.socket, value, deadline_s: float) -> None:
-    body = msgpack.packb(value, use_bin_type=True)
-    _sendall(sock, _LENGTH.pack(len(body)) + body, deadline_s)
-
-
-def _sendall(sock: socket.socket, data, deadline_s: float) -> None:
-    _remaining_s(sock, deadline_s)
-    sock.sendall(data)
-
-
-def _recv_into(sock: socket.socket, view: memoryview, deadline_s: float) -> None:
-    num_bytes, received = len(view), 0
-    while received < num_bytes:
-        _remaining_s(sock, deadline_s)   # a deadline for the whole, not per recv: a dripping peer ends too
-        n = sock.recv_into(view[received:], num_bytes - received)
-        if n == 0:
-            raise ConnectionError(f"the peer closed the connection after {received} of {num_bytes} bytes")
-        received += n
-
-
-def _recv_tensor(sock: socket.socket, num_bytes: int, deadline_s: float) -> torch.Tensor:
-    """uint8 [num_bytes]. NOTE: into torch.empty, not bytearray: no zero-filling pass first (47 MB:
-    33 ms instead of 48 on this machine)."""
-    tensor = torch.empty(num_bytes, dtype=torch.uint8)
-    _recv_into(sock, memoryview(tensor.numpy()), deadline_s)
-    return tensor
-
-
-def _recv_frame(sock: socket.socket, max_bytes: int, deadline_s: float):
-    length_bytes = bytearray(_LENGTH.size)
-    _recv_into(sock, memoryview(length_bytes), deadline_s)
-    (length,) = _LENGTH.unpack(length_bytes)
-    if length > max_bytes:
-        raise ValueError(f"a frame of {length} bytes (at most {max_bytes} here)")
-    body = bytearray(length)
-    _recv_into(sock, memoryview(body), deadline_s)
-    return msgpack.unpackb(bytes(body), raw=False)
-
-
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """uint8 view of a contiguous tensor (the last dimension widened by the element size); shares
-    its memory, so writes through it land in `t`."""
-    assert t.is_contiguous()
-    return t.view(torch.uint8)
 
 
 # -- the context side --------------------------------------------------------------------------
@@ -210,7 +95,7 @@ class KvTransferServer:
                 self.num_refused += 1
                 self._warn_once("refused", "KV transfer: %d connections at once (the most served); a new one "
                                 "was refused", MAX_CONNECTIONS)
-                _abort(connection)
+                abort(connection)
                 connection.close()
                 continue
             threading.Thread(target=self._serve, args=(connection,), name="KvTransferSend", daemon=True).start()
@@ -224,7 +109,7 @@ class KvTransferServer:
                     return False
                 oldest = next(iter(self._asking))
                 del self._asking[oldest]
-                _abort(oldest)   # its thread ends at its next recv (and leaves the count then)
+                abort(oldest)   # its thread ends at its next recv (and leaves the count then)
                 self.num_refused += 1
             self._num_serving += 1
             self._asking[connection] = None
@@ -236,21 +121,21 @@ class KvTransferServer:
         with connection:
             try:
                 connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                ask = _recv_frame(connection, MAX_ASK_BYTES, deadline_s)
+                ask = recv_frame(connection, MAX_ASK_BYTES, deadline_s)
                 with self._lock:
                     if self._asking.pop(connection, False) is False:
                         return   # closed for a newer connection meanwhile
                 if not isinstance(ask, dict) or ask.get("version") != WIRE_VERSION:
-                    _send_frame(connection, {"error": f"unsupported fetch {str(ask)[:80]!r} (wire version "
+                    send_frame(connection, {"error": f"unsupported fetch {str(ask)[:80]!r} (wire version "
                                                       f"{WIRE_VERSION} expected)"}, deadline_s)
                     return
                 mismatch = self.layout.mismatch(ask.get("layout"))
                 if mismatch is not None:
-                    _send_frame(connection, {"error": f"the two instances differ in {mismatch}"}, deadline_s)
+                    send_frame(connection, {"error": f"the two instances differ in {mismatch}"}, deadline_s)
                     return
                 taken = self.exports.take(ask.get("handle"))
                 if isinstance(taken, str):
-                    _send_frame(connection, {"error": taken}, deadline_s)
+                    send_frame(connection, {"error": taken}, deadline_s)
                     return
                 handle = taken.handle
                 self._send_blocks(connection, taken, deadline_s)
@@ -268,53 +153,15 @@ class KvTransferServer:
     def _send_blocks(self, connection: socket.socket, exported: ExportedKv, deadline_s: float) -> None:
         indexes = [j for j, b in enumerate(exported.block_ids) if b != RELEASED]
         ids = [exported.block_ids[j] for j in indexes]
-        values = _as_bytes(self.runner.kv_pool)                 # uint8 [L, 2, N, tpb, H, D * size]
-        scales = None if self.runner.kv_scales is None else _as_bytes(self.runner.kv_scales)   # [L, 2, N, tpb, H * 4]
+        values = as_bytes(self.runner.kv_pool)                 # uint8 [L, 2, N, tpb, H, D * size]
+        scales = None if self.runner.kv_scales is None else as_bytes(self.runner.kv_scales)   # [L, 2, N, tpb, H * 4]
         shape = [*values.shape[:2], len(ids), *values.shape[3:]]
         num_bytes = lambda pool: pool[:, :, :1].numel() * len(ids)   # noqa: E731
-        _send_frame(connection, {"error": None, "num_tokens": exported.num_tokens, "block_indexes": indexes,
+        send_frame(connection, {"error": None, "num_tokens": exported.num_tokens, "block_indexes": indexes,
                                  "shape": shape, "num_value_bytes": num_bytes(values),
                                  "num_scale_bytes": 0 if scales is None else num_bytes(scales)}, deadline_s)
         for pool in (values,) if scales is None else (values, scales):
-            _send_pool_blocks(connection, pool, ids, deadline_s)
-
-
-def _abort(connection: socket.socket) -> None:
-    """Wake a thread blocked on `connection` (its recv returns at once); the thread closes it."""
-    try:
-        connection.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-
-
-def _block_runs(block_ids: list[int]) -> list[tuple[int, int]]:
-    """[start, stop) of each run of consecutive ids, in order."""
-    runs: list[tuple[int, int]] = []
-    for b in block_ids:
-        if runs and runs[-1][1] == b:
-            runs[-1] = (runs[-1][0], b + 1)
-        else:
-            runs.append((b, b + 1))
-    return runs
-
-
-def _send_pool_blocks(connection: socket.socket, pool: torch.Tensor, block_ids: list[int], deadline_s: float) -> None:
-    """The bytes of `pool`'s blocks [L, 2, n, ...] in that order. A CPU pool is sent from where it
-    lies, a run of consecutive blocks per layer and K/V at a time (no gathering copy); a GPU pool
-    is gathered on the device, then copied to the host.
-
-    NOTE: numpy views for a CPU pool, not torch ops: a torch op on this thread could start an
-    OpenMP pool of its own, which slows the worker's forwards (engine_builder.start_worker)."""
-    if pool.device.type == "cpu":
-        array = pool.numpy()
-        runs = _block_runs(block_ids)
-        for layer in range(array.shape[0]):
-            for kv in range(array.shape[1]):
-                for start, stop in runs:
-                    _sendall(connection, memoryview(array[layer, kv, start:stop]).cast("B"), deadline_s)
-        return
-    ids = torch.tensor(block_ids, dtype=torch.int64, device=pool.device)
-    _sendall(connection, memoryview(pool.index_select(2, ids).cpu().numpy()).cast("B"), deadline_s)
+            send_pool_blocks(connection, pool, ids, deadline_s)
 
 
 # -- the generation side -----------------------------------------------------------------------
@@ -338,8 +185,8 @@ class FetchExpectation:
 
     @classmethod
     def of(cls, runner, num_tokens: int) -> "FetchExpectation":
-        values = _as_bytes(runner.kv_pool)
-        scales = None if runner.kv_scales is None else _as_bytes(runner.kv_scales)
+        values = as_bytes(runner.kv_pool)
+        scales = None if runner.kv_scales is None else as_bytes(runner.kv_scales)
         drop_blocks = lambda t: (*t.shape[:2], *t.shape[3:])   # noqa: E731
         return cls(num_tokens, runner.tokens_per_block, drop_blocks(values),
                    None if scales is None else drop_blocks(scales))
@@ -377,7 +224,7 @@ class OpenSockets:
             self._is_aborted = True
             sockets = list(self._sockets)
         for sock in sockets:
-            _abort(sock)
+            abort(sock)
 
 
 def fetch_blocks(host: str, port: int, handle: int, layout: KvLayout, timeout_s: float, expect: FetchExpectation,
@@ -410,16 +257,16 @@ def _fetch_over(sock: socket.socket, handle: int, layout: KvLayout, expect: Fetc
                 deadline_s: float) -> tuple[dict, torch.Tensor, torch.Tensor | None]:
     """(the answer's header, the values' bytes, the scales' bytes or None)."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    _send_frame(sock, {"version": WIRE_VERSION, "handle": handle, "layout": layout.to_dict()}, deadline_s)
-    header = _recv_frame(sock, expect.max_header_bytes, deadline_s)
+    send_frame(sock, {"version": WIRE_VERSION, "handle": handle, "layout": layout.to_dict()}, deadline_s)
+    header = recv_frame(sock, expect.max_header_bytes, deadline_s)
     if not isinstance(header, dict) or header.get("error") is not None:
         error = header.get("error") if isinstance(header, dict) else f"a malformed answer {str(header)[:80]}"
         raise KvTransferError(f"the context instance at {where} refused the fetch: {str(error)[:200]}")
     problem = _answer_problem(header, expect)
     if problem is not None:
         raise KvTransferError(f"the context instance at {where} answered {problem}")
-    values = _recv_tensor(sock, header["num_value_bytes"], deadline_s)
-    scales = _recv_tensor(sock, header["num_scale_bytes"], deadline_s) if header["num_scale_bytes"] else None
+    values = recv_tensor(sock, header["num_value_bytes"], deadline_s)
+    scales = recv_tensor(sock, header["num_scale_bytes"], deadline_s) if header["num_scale_bytes"] else None
     return header, values, scales
 
 
@@ -461,10 +308,10 @@ def install_blocks(runner, writes: KvWrites) -> None:
     dst = torch.tensor(writes.block_ids, dtype=torch.int64, device=device)
     src = torch.tensor(writes.slots, dtype=torch.int64)
     fetched = writes.fetched
-    pool = _as_bytes(runner.kv_pool)
+    pool = as_bytes(runner.kv_pool)
     if fetched.values.shape[:2] + fetched.values.shape[3:] != pool.shape[:2] + pool.shape[3:]:
         raise RuntimeError(f"fetched KV blocks of shape {list(fetched.values.shape)} (bytes) do not fit this pool's "
                            f"{list(pool.shape)}")
     pool.index_copy_(2, dst, fetched.values.index_select(2, src).to(device))
     if runner.kv_scales is not None:
-        _as_bytes(runner.kv_scales).index_copy_(2, dst, fetched.scales.index_select(2, src).to(device))
+        as_bytes(runner.kv_scales).index_copy_(2, dst, fetched.scales.index_select(2, src).to(device))

@@ -18,7 +18,8 @@ import msgpack
 
 from ..admission import AdmissionLimits, RequestError
 from ..kv_handoff import KvExports
-from ..kv_transfer import FetchExpectation, KvLayout, KvTransferServer, OpenSockets, fetch_blocks
+from ..kv_transfer import FetchExpectation, KvTransferServer, OpenSockets, fetch_blocks
+from ..kv_wire import KvLayout
 from ..llm_request import RequestOutput, ResumedContext
 from .conversion import _token_ids
 from .request import ContextPhaseParams, Request, RequestType, SamplingConfig
