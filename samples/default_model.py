@@ -30,7 +30,8 @@ def preferred_dtype(flags: frozenset[str] | None = None, vendor: str | None = No
     the quality budget (bf16's perplexity on the real model is fp32's within 0.01 %; the README's
     precision table). The rule, from W64 measured against fp32 on the default model:
       - AMX-BF16 (Intel Sapphire Rapids and later): bfloat16 (oneDNN's AMX GEMMs);
-      - AVX512-BF16 on an AMD CPU (Zen 4): bfloat16 (W64 1.7-2.1x fp32, one stream 1.7x);
+      - AVX512-BF16 on an AMD CPU (Zen 4): bfloat16 (W64 1.7-2.1x fp32, one stream 1.7x, measured in
+        an earlier round on an AMD EPYC Zen 4, no AMX);
       - AVX512-BF16 on an Intel CPU without AMX: float32 (W64 0.81-1.01x: its many-row bf16 GEMMs
         run at half the fp32 rate; one stream alone gains);
       - otherwise float32 (no fast bf16 dot product)."""

@@ -54,7 +54,7 @@ struct Model {
   int64_t tokens_per_block, window, sink, rope_positions;
   float eps, attention_scale;
   int32_t kv_format, isa;
-  int32_t matmuls_only, pad;  // benchmarks: run the GEMVs alone (same inputs, barriers and split)
+  int32_t matmuls_only, pad;  // benchmarks: 1 the GEMVs alone (same inputs, barriers and split), 2 all but attention
   const float* rope_cos;
   const float* rope_sin;
   const float* final_norm;

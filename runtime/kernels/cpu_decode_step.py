@@ -186,16 +186,19 @@ class DecodeStep:
         if lib is None or not _one_openmp_runtime():
             return None
         ops = weight_only_ops()
-        isa = ops._isa(None) if ops is not None else 1
+        isa = ops.isa_level() if ops is not None else 1
         return cls(lib, model, kv_pool, kv_scales, tokens_per_block, isa)
 
     @property
-    def matmuls_only(self) -> bool:
-        """Benchmarks: the step runs its weight GEMVs alone (nothing else; outputs meaningless)."""
-        return bool(self._struct.matmuls_only)
+    def matmuls_only(self) -> int:
+        """Benchmarks (outputs then meaningless): 1 runs the weight GEMVs alone, 2 all but attention;
+        0 (the default) the whole step."""
+        return self._struct.matmuls_only
 
     @matmuls_only.setter
-    def matmuls_only(self, value: bool) -> None:
+    def matmuls_only(self, value: int) -> None:
+        if value not in (0, 1, 2):
+            raise ValueError(f"matmuls_only: expected 0, 1 or 2, got {value!r}")
         self._struct.matmuls_only = int(value)
 
     def _hold(self, t: torch.Tensor | None) -> int | None:

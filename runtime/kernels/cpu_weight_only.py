@@ -51,7 +51,8 @@ class WeightOnlyOps:
             fn.argtypes, fn.restype = argtypes, (ctypes.c_int if name == "bm_wo_max_isa" else None)
         self.max_isa = int(self._lib.bm_wo_max_isa())
 
-    def _isa(self, isa: str | None) -> int:
+    def isa_level(self, isa: str | None = None) -> int:
+        """The tier to run (ISAS): `isa`, else $BATCH_MANAGER_WEIGHT_ONLY_ISA, else the best compiled in."""
         name = isa or os.environ.get(ISA_ENV_VAR, "").strip() or "avx512"
         if name not in ISAS:
             field = "isa" if isa else ISA_ENV_VAR
@@ -77,7 +78,7 @@ class WeightOnlyOps:
         y, accumulate = self._out(x, n, out)
         self._lib.bm_wo_int8_linear(x.data_ptr(), x.shape[0], x.stride(0), weight.data_ptr(), scale.data_ptr(), n, k,
                                     _ptr(bias), y.data_ptr(), y.stride(0), accumulate, torch.get_num_threads(),
-                                    self._isa(isa))
+                                    self.isa_level(isa))
         return y
 
     def int4_linear(self, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
@@ -95,7 +96,7 @@ class WeightOnlyOps:
         xsum = torch.empty(x.shape[0], k // group_size, dtype=torch.float32)
         self._lib.bm_wo_int4_linear(x.data_ptr(), x.shape[0], x.stride(0), packed.data_ptr(), scale.data_ptr(),
                                     minimum.data_ptr(), n, k, group_size, _ptr(bias), y.data_ptr(), y.stride(0),
-                                    accumulate, xsum.data_ptr(), torch.get_num_threads(), self._isa(isa))
+                                    accumulate, xsum.data_ptr(), torch.get_num_threads(), self.isa_level(isa))
         return y
 
     def bind(self, weight: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None,
@@ -111,7 +112,7 @@ class WeightOnlyOps:
             self.int4_linear(torch.zeros(1, weight.shape[1] * 2), weight, scale, minimum, bias, isa=isa)
             fn, n, k = self._lib.bm_wo_int4_linear, weight.shape[0], weight.shape[1] * 2
             head = (weight.data_ptr(), scale.data_ptr(), minimum.data_ptr(), n, k, k // scale.shape[1], _ptr(bias))
-        level, groups = self._isa(isa), None if minimum is None else scale.shape[1]
+        level, groups = self.isa_level(isa), None if minimum is None else scale.shape[1]
         keep = (weight, scale, minimum, bias)   # the pointers above stay valid while fn lives
         # int4: scratch for the rows' group sums (NOTE: one per bound weight; not thread-safe)
         xsum_rows = 64

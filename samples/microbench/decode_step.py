@@ -89,9 +89,9 @@ def main(argv: list[str] | None = None) -> dict:
             for rows in args.rows:
                 row = {"eager": time_steps(eager, rows, args.prompt, args.steps),
                        "fused": time_steps(fused, rows, args.prompt, args.steps)}
-                fused.decode_step.matmuls_only = True
+                fused.decode_step.matmuls_only = 1
                 row["matmuls"] = time_steps(fused, rows, args.prompt, args.steps)
-                fused.decode_step.matmuls_only = False
+                fused.decode_step.matmuls_only = 0
                 row["outside"] = row["fused"] - row["matmuls"]
                 results[(mode, rows)] = row
                 print(f"  {mode:7s} rows {rows}: eager {row['eager'] * 1e3:6.2f}  fused {row['fused'] * 1e3:6.2f} "

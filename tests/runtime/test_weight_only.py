@@ -107,13 +107,13 @@ def test_isa_env_var_forces_the_fallback(monkeypatch):
     ref = reference_linear(x, weight, scale, None, None)
     for isa in ("scalar", "avx2"):
         monkeypatch.setenv(ISA_ENV_VAR, isa)
-        assert OPS._isa(None) == min({"scalar": 0, "avx2": 1}[isa], OPS.max_isa)
+        assert OPS.isa_level(None) == min({"scalar": 0, "avx2": 1}[isa], OPS.max_isa)
         assert_matches(OPS.int8_linear(x, weight, scale, None), ref)
     monkeypatch.setenv(ISA_ENV_VAR, "sse9")
     with pytest.raises(ValueError, match=f"^{ISA_ENV_VAR}: expected one of scalar, avx2, avx512, got 'sse9'$"):
         OPS.int8_linear(x, weight, scale, None)
     with pytest.raises(ValueError, match="^isa: expected one of scalar, avx2, avx512, got 'sse9'$"):
-        OPS._isa("sse9")
+        OPS.isa_level("sse9")
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
