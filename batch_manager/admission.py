@@ -15,12 +15,12 @@ from runtime.decoding import DecodingParams, parse_word_list
 from runtime.decoding.fields import SAMPLING_FIELDS
 from runtime.adapters.prompt_tuning import check_prompt_table, table_digest
 
-from . import tensor_names as tn
-from .inference_request import InferenceRequest
+from .legacy import tensor_names as tn
+from .legacy.inference_request import InferenceRequest
 from .guided_decoding import check_guide
-from .llm_request import RequestSpec
+from .scheduling.llm_request import RequestSpec
 from .lora import PeftCacheManagerConfig, adapter_ref, tensor_int
-from .peft_cache import AdapterRef
+from .adapters.peft_cache import AdapterRef
 
 logger = logging.getLogger(__name__)
 

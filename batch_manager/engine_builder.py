@@ -19,17 +19,17 @@ from runtime.engine import ENGINE_CONFIG_FILE
 from runtime.cache.kv_cache_manager import KvCacheManager
 from runtime.parallel.tensor_parallel import init_tensor_parallel, local_device
 
-from .adapter_weights import AdapterWeights
-from .capacity_scheduler import make_capacity_scheduler
+from .adapters.adapter_weights import AdapterWeights
+from .scheduling.capacity_scheduler import make_capacity_scheduler
 from .distributed import Follower
 from .guided_decoding import GuidedDecodingConfig
-from .kv_events_publisher import KvEventPublisher, check_kv_events_config, make_publisher
-from .kv_sizing import host_budget_bytes, num_kv_blocks
+from .kv_transport.kv_events_publisher import KvEventPublisher, check_kv_events_config, make_publisher
+from .scheduling.kv_sizing import host_budget_bytes, num_kv_blocks
 from .lora import PeftCacheManagerConfig, make_peft_cache
-from .micro_batch_scheduler import MicroBatchScheduler
+from .scheduling.micro_batch_scheduler import MicroBatchScheduler
 from .model_executor import ModelExecutor
 from .options import DecodingConfig, KvCacheConfig, SchedulerPolicy, TrtGptModelOptionalParams, TrtGptModelType
-from .scheduler import Scheduler
+from .scheduling.scheduler import Scheduler
 from .admission import AdmissionLimits
 from .worker import Worker, WorkerConfig
 

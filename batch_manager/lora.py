@@ -11,7 +11,7 @@ from runtime.config import ModelConfig
 from runtime.adapters.lora import adapter_from_tensors, lora_modules
 from runtime.adapters.peft_adapter import load_peft_adapter
 
-from .peft_cache import AdapterRef, PeftCache
+from .adapters.peft_cache import AdapterRef, PeftCache
 
 __all__ = ["PeftCacheManagerConfig", "load_peft_adapter", "make_peft_cache", "adapter_ref", "MAX_TASK_ID"]
 
@@ -29,7 +29,7 @@ class PeftCacheManagerConfig:
     Device rows: a row holds one (module, layer) of rank up to optimal_adapter_size (a module of
     rank r takes ceil(r / optimal_adapter_size) rows); num_device_module_layer, when non-zero, is
     the number of rows, else device_cache_percent of the memory the KV pool is sized from (free
-    GPU memory; on CPU the host KV budget, batch_manager.kv_sizing) divided by the bytes of the
+    GPU memory; on CPU the host KV budget, batch_manager.scheduling.kv_sizing) divided by the bytes of the
     model's largest row. max_adapter_size: larger ranks are refused."""
     host_cache_size: int | None = None
     num_host_module_layer: int = 0

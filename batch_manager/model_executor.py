@@ -15,10 +15,10 @@ from runtime.step_inputs import SequenceStep, pack_step
 from runtime.parallel.tensor_parallel import DistributedError
 
 from .distributed import StepBroadcaster
-from .kv_transfer import install_blocks
+from .kv_transport.kv_transfer import install_blocks
 
 from .request_decoder import RequestDecoder
-from .step import RequestResult, ScheduledRequest, ScheduledStep, StepResult
+from .scheduling.step import RequestResult, ScheduledRequest, ScheduledStep, StepResult
 
 logger = logging.getLogger(__name__)
 

@@ -51,7 +51,7 @@ class KvCacheConfig:
 
 @dataclass(frozen=True)
 class KvEventsConfig:
-    """KV-cache events on the wire (batch_manager.kv_events_publisher), in vLLM's format for
+    """KV-cache events on the wire (batch_manager.kv_transport.kv_events_publisher), in vLLM's format for
     routers in other processes. Needs KvCacheConfig.enable_block_reuse; only rank 0 publishes.
     endpoint: where the ZMQ PUB socket binds ("tcp://HOST:PORT" or "ipc://PATH"); subscribers
     connect. replay_endpoint: a ROUTER socket that resends the newest `buffer_steps` messages

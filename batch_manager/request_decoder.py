@@ -13,7 +13,7 @@ import torch
 
 from runtime.decoding import Decoder, DecodeState
 
-from .step import NewRequest, RequestResult, ScheduledRequest
+from .scheduling.step import NewRequest, RequestResult, ScheduledRequest
 
 logger = logging.getLogger(__name__)
 

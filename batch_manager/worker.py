@@ -15,13 +15,13 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Callable
 
-from .front_end import TERMINATED, FrontEnd
-from .llm_request import FinishReason, LlmRequest
+from .legacy.front_end import TERMINATED, FrontEnd
+from .scheduling.llm_request import FinishReason, LlmRequest
 from .model_executor import DistributedError, ModelExecutor
 from .options import TrtGptModelType
-from .scheduler import Scheduler
+from .scheduling.scheduler import Scheduler
 from .stats import IterationStats
-from .step import ScheduledStep, StepResult
+from .scheduling.step import ScheduledStep, StepResult
 from .admission import RequestError
 
 logger = logging.getLogger(__name__)

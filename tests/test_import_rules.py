@@ -14,16 +14,16 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("batch_manager", "runtime", "cuda_src", "samples")
 
-RUNTIME_USERS = {"batch_manager.model_executor", "batch_manager.kv_sizing", "batch_manager.gpt_manager",
+RUNTIME_USERS = {"batch_manager.model_executor", "batch_manager.scheduling.kv_sizing", "batch_manager.legacy.gpt_manager",
                  "batch_manager.admission", "batch_manager.request_decoder", "batch_manager.engine_builder",
                  "batch_manager.executor.conversion", "batch_manager.guided_decoding", "batch_manager.lora",
                  "batch_manager.distributed", "batch_manager.executor.request"}
 # Pure-Python runtime modules that batch_manager's pure modules may import (block bookkeeping).
 RUNTIME_LEAVES = {"runtime.cache.kv_cache_manager", "runtime.cache.beam_blocks", "runtime.token_record", "runtime.parallel.world_config"}
-PURE_MODULES = {"batch_manager.scheduler", "batch_manager.llm_request", "batch_manager.stats",
-                "batch_manager.options", "batch_manager.tensor_names", "batch_manager.capacity_scheduler",
-                "batch_manager.micro_batch_scheduler", "batch_manager.step", "batch_manager.callbacks",
-                "batch_manager.peft_cache", "batch_manager.kv_handoff"}
+PURE_MODULES = {"batch_manager.scheduling.scheduler", "batch_manager.scheduling.llm_request", "batch_manager.stats",
+                "batch_manager.options", "batch_manager.legacy.tensor_names", "batch_manager.scheduling.capacity_scheduler",
+                "batch_manager.scheduling.micro_batch_scheduler", "batch_manager.scheduling.step", "batch_manager.legacy.callbacks",
+                "batch_manager.adapters.peft_cache", "batch_manager.kv_transport.kv_handoff"}
 HEAVY = ("torch", "numpy")
 
 
@@ -103,7 +103,7 @@ def test_the_walk_finds_the_modules_and_their_imports():
     assert RUNTIME_USERS | PURE_MODULES | RUNTIME_LEAVES <= set(MODULES)
     assert "runtime.kernels" in MODULES
     assert touches(imports("batch_manager.engine_builder"), "runtime")
-    assert "runtime.cache.kv_cache_manager" in imports("batch_manager.scheduler")
+    assert "runtime.cache.kv_cache_manager" in imports("batch_manager.scheduling.scheduler")
     assert "runtime.cache.kv_cache_manager" in imports("runtime.cache.beam_blocks")
     assert non_leaf_runtime({"runtime", "runtime.cache.kv_cache_manager.RELEASED", "runtime.session"}) == {
         "runtime", "runtime.session"}

@@ -17,10 +17,10 @@ from runtime.adapters.prompt_tuning import check_prompt_table
 from ..admission import (INT_DTYPES, AdmissionLimits, RequestError, cache_salt, check_decoding, check_drafts,
                          check_prompt, make_spec)
 from ..guided_decoding import check_guide
-from ..llm_request import FinishReason as CoreFinishReason
-from ..llm_request import RequestOutput, RequestSpec
+from ..scheduling.llm_request import FinishReason as CoreFinishReason
+from ..scheduling.llm_request import RequestOutput, RequestSpec
 from ..lora import adapter_ref
-from ..responses import context_logits, render
+from ..legacy.responses import context_logits, render
 from .request import (ExternalDraftTokensConfig, FinishReason, LoraConfig, OutputConfig, PromptTuningConfig, Request,
                       Result, SamplingConfig)
 

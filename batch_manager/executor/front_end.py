@@ -1,4 +1,4 @@
-"""The Executor's adapter to the worker (`batch_manager.front_end.FrontEnd`): requests validated
+"""The Executor's adapter to the worker (`batch_manager.legacy.front_end.FrontEnd`): requests validated
 on the caller's thread wait in a priority queue, stop ids in a set, results in the response
 store, stats in their rings. The caller-side methods are thread-safe; the protocol's methods run
 on the worker thread. Admission by load (queue bounds, the time-to-first-token budget) happens at
@@ -11,10 +11,10 @@ from dataclasses import replace
 from typing import Callable
 
 from ..admission import AdmissionLimits
-from ..front_end import Fetched
-from ..llm_request import FinishReason as CoreFinishReason
-from ..llm_request import LlmRequest, RequestOutput, RequestSpec
-from ..responses import StreamCursors
+from ..legacy.front_end import Fetched
+from ..scheduling.llm_request import FinishReason as CoreFinishReason
+from ..scheduling.llm_request import LlmRequest, RequestOutput, RequestSpec
+from ..legacy.responses import StreamCursors
 from ..stats import IterationStats as CoreIterationStats
 from .conversion import OutputOptions, is_samples, to_result, to_sequence_results, to_spec
 from .deadlines import Deadlines, check_allotted_time_ms, check_milliseconds

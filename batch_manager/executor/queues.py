@@ -10,7 +10,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
-from ..llm_request import RequestSpec
+from ..scheduling.llm_request import RequestSpec
 from .request import Response
 from .waits import wait_for
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import orjson
 
-from ..llm_request import LlmRequest, RequestState
+from ..scheduling.llm_request import LlmRequest, RequestState
 from ..stats import IterationStats as CoreIterationStats
 from ..stats import stats_json
 

@@ -25,7 +25,7 @@ _DEFAULTS = {f.name: f.default for f in dataclasses.fields(DecodingParams)}
 @dataclass(frozen=True)
 class SamplingField:
     param: str                  # the DecodingParams field
-    tensor: str                 # GptManager's request tensor (batch_manager.tensor_names)
+    tensor: str                 # GptManager's request tensor (batch_manager.legacy.tensor_names)
     executor: str | None        # the Executor's attribute ("output_config.x" outside SamplingConfig)
     session: str | None         # GptSession's SamplingConfig attribute (None: not settable there)
     body: str | None            # the serving sample's JSON field (None: not accepted there)

@@ -19,7 +19,7 @@ import time
 import zmq
 
 from batch_manager.executor import KvEventsConfig
-from batch_manager.kv_events_publisher import KvEventPublisher
+from batch_manager.kv_transport.kv_events_publisher import KvEventPublisher
 from samples.chaos_soak import hostile_subscriber
 from samples.chaos_soak.kv_events_round import PROJECT_ROOT
 

@@ -1,4 +1,4 @@
-"""Which weights a LoRA task id names (batch_manager.adapter_weights) and the PEFT cache's check of
+"""Which weights a LoRA task id names (batch_manager.adapters.adapter_weights) and the PEFT cache's check of
 weights sent again: a repeat (identical in the cache's dtype, padding aside) is accepted, other
 weights are refused while the id is cached or claimed by a queued request, and an evicted id may
 take new weights. No model: real adapters converted for the tiny LLaMA's config."""
@@ -8,8 +8,8 @@ import gc
 
 import torch
 
-from batch_manager.adapter_weights import AdapterWeights
-from batch_manager.peft_cache import AdapterRef, PeftCache
+from batch_manager.adapters.adapter_weights import AdapterWeights
+from batch_manager.adapters.peft_cache import AdapterRef, PeftCache
 from runtime.adapters.lora import adapter_from_tensors
 from runtime.models import model_config_from_hf
 from tests.factories import hf_config

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from batch_manager import InferenceRequest, NamedTensor, tensor_names
-from batch_manager.llm_request import RequestSpec
+from batch_manager.scheduling.llm_request import RequestSpec
 from batch_manager.admission import AdmissionLimits, RequestError, to_spec
 
 VOCAB = 128

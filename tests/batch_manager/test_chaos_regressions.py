@@ -50,7 +50,7 @@ def test_a_beam_request_stopped_before_its_first_step_still_has_every_beam(tiny_
 def test_a_response_that_cannot_be_built_fails_only_its_request(tiny_engine, prompts, references, monkeypatch):
     """Defence in depth: an exception while building one response is that request's error, not
     the worker's death."""
-    from batch_manager import front_end as worker_module   # where GptManager builds its responses
+    from batch_manager.legacy import front_end as worker_module   # where GptManager builds its responses
     build = worker_module.response_tensors
 
     def fragile(spec, output, start, exclude_input_in_output):

@@ -13,11 +13,11 @@ import torch
 
 from batch_manager import (DecodingConfig, GptManager, KvCacheConfig, SchedulerPolicy, TrtGptModelOptionalParams,
                            TrtGptModelType, tensor_names)
-from batch_manager.capacity_scheduler import GuaranteedNoEvictScheduler
-from batch_manager.llm_request import LlmRequest, RequestSpec
-from batch_manager.micro_batch_scheduler import MicroBatchScheduler
-from batch_manager.scheduler import Scheduler
-from batch_manager.step import RequestResult, StepResult
+from batch_manager.scheduling.capacity_scheduler import GuaranteedNoEvictScheduler
+from batch_manager.scheduling.llm_request import LlmRequest, RequestSpec
+from batch_manager.scheduling.micro_batch_scheduler import MicroBatchScheduler
+from batch_manager.scheduling.scheduler import Scheduler
+from batch_manager.scheduling.step import RequestResult, StepResult
 from runtime.decoding import DecodeOutcome, DecodingParams
 from runtime.cache.kv_cache_manager import KvCacheManager
 from tests.batch_manager.conftest import NUM_NEW_TOKENS, Client, kv_of, make_request

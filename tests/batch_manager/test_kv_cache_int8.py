@@ -10,7 +10,7 @@ import torch
 
 from batch_manager import GptManager, KvCacheConfig, SchedulerPolicy, TrtGptModelOptionalParams, TrtGptModelType
 from batch_manager import tensor_names
-from batch_manager.kv_sizing import HOST_KV_BUDGET_ENV, num_kv_blocks
+from batch_manager.scheduling.kv_sizing import HOST_KV_BUDGET_ENV, num_kv_blocks
 from runtime import Engine, build_engine
 from tests.batch_manager.conftest import Client, make_request, kv_of
 from tests.batch_manager.test_decoding import beam_outputs, session_beams

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from batch_manager import GptManager, KvCacheConfig, SchedulerPolicy, TrtGptModelOptionalParams, TrtGptModelType
-from batch_manager.kv_sizing import HOST_KV_BUDGET_ENV, host_budget_bytes, num_kv_blocks
+from batch_manager.scheduling.kv_sizing import HOST_KV_BUDGET_ENV, host_budget_bytes, num_kv_blocks
 from runtime import Engine, ModelRunner
 from tests.batch_manager.conftest import Client, make_request, inject_faults, kv_of
 

@@ -2,10 +2,10 @@
 residency: requests wait for room, adapters in use are never evicted, idle ones leave LRU first."""
 from __future__ import annotations
 
-from batch_manager.capacity_scheduler import GuaranteedNoEvictScheduler, MaxUtilizationScheduler
-from batch_manager.llm_request import FinishReason, LlmRequest, RequestSpec, RequestState
+from batch_manager.scheduling.capacity_scheduler import GuaranteedNoEvictScheduler, MaxUtilizationScheduler
+from batch_manager.scheduling.llm_request import FinishReason, LlmRequest, RequestSpec, RequestState
 from runtime.decoding import DecodingParams
-from batch_manager.peft_cache import AdapterRef, PeftCache
+from batch_manager.adapters.peft_cache import AdapterRef, PeftCache
 from runtime.cache.kv_cache_manager import KvCacheManager
 
 

@@ -3,10 +3,10 @@ FIFO among equals, MAX_UTILIZATION pauses the lowest priority (newest first), th
 never preempt. Exact ids and block tables."""
 from __future__ import annotations
 
-from batch_manager.capacity_scheduler import (GuaranteedNoEvictScheduler, MaxUtilizationScheduler,
+from batch_manager.scheduling.capacity_scheduler import (GuaranteedNoEvictScheduler, MaxUtilizationScheduler,
                                               StaticBatchScheduler)
 from runtime.cache.kv_cache_manager import KvCacheManager
-from batch_manager.llm_request import FinishReason, LlmRequest, RequestSpec, RequestState
+from batch_manager.scheduling.llm_request import FinishReason, LlmRequest, RequestSpec, RequestState
 from runtime.decoding import DecodingParams
 
 

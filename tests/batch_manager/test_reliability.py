@@ -9,7 +9,7 @@ import pytest
 
 from batch_manager import (GptManager, InferenceRequest, SchedulerPolicy, TrtGptModelOptionalParams,
                            TrtGptModelType, tensor_names)
-from batch_manager.scheduler import Scheduler
+from batch_manager.scheduling.scheduler import Scheduler
 from tests.batch_manager.conftest import Client, make_request, wait_until
 
 

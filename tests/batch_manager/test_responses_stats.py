@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from batch_manager.admission import AdmissionLimits
-from batch_manager.callbacks import UserCallbacks
-from batch_manager.front_end import CallbackFrontEnd
-from batch_manager.llm_request import FinishReason, RequestOutput, RequestSpec
-from batch_manager.responses import response_tensors
+from batch_manager.legacy.callbacks import UserCallbacks
+from batch_manager.legacy.front_end import CallbackFrontEnd
+from batch_manager.scheduling.llm_request import FinishReason, RequestOutput, RequestSpec
+from batch_manager.legacy.responses import response_tensors
 from batch_manager.stats import IterationStats, stats_json
 from runtime.decoding import DecodingParams
 

@@ -7,12 +7,12 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from batch_manager.llm_request import FinishReason, LlmRequest, RequestSpec, RequestState
+from batch_manager.scheduling.llm_request import FinishReason, LlmRequest, RequestSpec, RequestState
 from runtime.decoding import DecodingParams
 from batch_manager.options import SchedulerPolicy
-from batch_manager.capacity_scheduler import (GuaranteedNoEvictScheduler, MaxUtilizationScheduler,
+from batch_manager.scheduling.capacity_scheduler import (GuaranteedNoEvictScheduler, MaxUtilizationScheduler,
                                               StaticBatchScheduler, free_request_blocks, make_capacity_scheduler)
-from batch_manager.micro_batch_scheduler import MicroBatchScheduler
+from batch_manager.scheduling.micro_batch_scheduler import MicroBatchScheduler
 from runtime.cache.beam_blocks import beam_holder, fork_beams
 from runtime.cache.kv_cache_manager import KvCacheManager
 

@@ -7,13 +7,13 @@ import dataclasses
 
 import torch
 
-from batch_manager.capacity_scheduler import GuaranteedNoEvictScheduler
+from batch_manager.scheduling.capacity_scheduler import GuaranteedNoEvictScheduler
 from runtime.cache.kv_cache_manager import KvCacheManager
-from batch_manager.llm_request import FinishReason, LlmRequest, RequestSpec, RequestState
-from batch_manager.micro_batch_scheduler import MicroBatchScheduler
+from batch_manager.scheduling.llm_request import FinishReason, LlmRequest, RequestSpec, RequestState
+from batch_manager.scheduling.micro_batch_scheduler import MicroBatchScheduler
 from batch_manager.model_executor import ModelExecutor
-from batch_manager.scheduler import Scheduler
-from batch_manager.step import RequestResult, StepResult
+from batch_manager.scheduling.scheduler import Scheduler
+from batch_manager.scheduling.step import RequestResult, StepResult
 from runtime import Engine, ModelRunner
 from runtime.decoding import DecodeOutcome, DecodingParams
 from runtime.token_record import BeamOutputs

@@ -20,7 +20,7 @@ import urllib.request
 import pytest
 
 from batch_manager import KvEventsConfig
-from batch_manager.kv_events_publisher import KvEventPublisher, WireEventCollector
+from batch_manager.kv_transport.kv_events_publisher import KvEventPublisher, WireEventCollector
 from samples.serve.replicas import Replicas, free_ports, router_executable
 from tests.samples.scripted_model import REPLY
 

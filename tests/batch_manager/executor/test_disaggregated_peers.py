@@ -13,9 +13,9 @@ import msgpack
 import pytest
 import torch
 
-from batch_manager import kv_transfer
+from batch_manager.kv_transport import kv_transfer
 from batch_manager.executor import ContextPhaseParams, KvCacheConfig, Request, RequestType
-from batch_manager.kv_handoff import import_blocks
+from batch_manager.kv_transport.kv_handoff import import_blocks
 from runtime.cache.kv_cache_manager import KvCacheManager
 from tests.batch_manager.conftest import NUM_NEW_TOKENS
 from tests.batch_manager.executor.helpers import collect, executor_for
@@ -138,7 +138,7 @@ def test_idle_connections_are_bounded_and_honest_fetches_still_get_through(tiny_
         params = context_params(executor)
         state = state_of(params)
         threads = transfer_threads()
-        caplog.set_level(logging.WARNING, logger="batch_manager.kv_transfer")
+        caplog.set_level(logging.WARNING, logger="batch_manager.kv_transport.kv_transfer")
         idle = [socket.create_connection((state["host"], state["port"]), timeout=10) for _ in range(60)]
         try:
             deadline = time.monotonic() + 10   # the closed ones' threads end at their next recv
@@ -151,7 +151,7 @@ def test_idle_connections_are_bounded_and_honest_fetches_still_get_through(tiny_
         finally:
             for connection in idle:
                 connection.close()
-        warnings = [r for r in caplog.records if r.name == "batch_manager.kv_transfer"]
+        warnings = [r for r in caplog.records if r.name == "batch_manager.kv_transport.kv_transfer"]
         assert len(warnings) <= 2, [r.getMessage() for r in warnings]   # once per kind, not per connection
 
 

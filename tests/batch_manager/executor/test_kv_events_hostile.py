@@ -14,8 +14,8 @@ import pytest
 import zmq
 
 from batch_manager.executor import KvEventsConfig
-from batch_manager import zmtp_publisher
-from batch_manager.kv_events_publisher import KvEventPublisher
+from batch_manager.kv_transport import zmtp_publisher
+from batch_manager.kv_transport.kv_events_publisher import KvEventPublisher
 
 FLOOD_S = 6.0
 # A hostile peer in its own process: an XSUB writing subscription frames as fast as it can.

@@ -17,7 +17,7 @@ from batch_manager import GptManager, KvCacheConfig as CoreKvCacheConfig, KVEven
     TrtGptModelOptionalParams, TrtGptModelType, load_peft_adapter
 from batch_manager.executor import (KvCacheConfig, KvCacheEventType, KvEventsConfig, LoraConfig, OutputConfig,
                                     Request)
-from batch_manager.kv_events_publisher import KvEventPublisher, WireEventCollector, check_kv_events_config
+from batch_manager.kv_transport.kv_events_publisher import KvEventPublisher, WireEventCollector, check_kv_events_config
 from runtime.cache.kv_cache_manager import block_hash
 from tests.batch_manager.conftest import Client, make_request
 from tests.batch_manager.executor.helpers import collect, executor_for

@@ -18,7 +18,7 @@ from typing import Callable, Hashable
 import msgpack
 import zmq
 
-from .options import KvCacheConfig, KvEventsConfig
+from ..options import KvCacheConfig, KvEventsConfig
 from .zmtp_publisher import ZmtpPublisher
 
 logger = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ adapters are opaque payloads here). Two levels, each keyed by task id:
 
 The runtime learns what to load and evict through the step (`take_changes`). A task id names one
 adapter: weights sent again for a cached id are a repeat when identical (in the cache's dtype),
-else refused; `weights` (batch_manager.adapter_weights.AdapterWeights, set by the engine builder)
+else refused; `weights` (batch_manager.adapters.adapter_weights.AdapterWeights, set by the engine builder)
 keeps that record, thread-safe, for the Executor's check at enqueue too.
 """
 from __future__ import annotations

@@ -8,11 +8,11 @@ import os
 from typing import Callable
 
 from .callbacks import UserCallbacks
-from .engine_builder import build_engine_core, start_worker
-from .distributed import Follower
+from ..engine_builder import build_engine_core, start_worker
+from ..distributed import Follower
 from .front_end import CallbackFrontEnd
-from .options import SchedulerConfig, SchedulerPolicy, TrtGptModelOptionalParams, TrtGptModelType
-from .worker import Worker
+from ..options import SchedulerConfig, SchedulerPolicy, TrtGptModelOptionalParams, TrtGptModelType
+from ..worker import Worker
 
 logger = logging.getLogger(__name__)
 

@@ -8,12 +8,12 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Iterable, Protocol
 
-from .admission import AdmissionLimits, to_spec
+from ..admission import AdmissionLimits, to_spec
 from .callbacks import UserCallbacks
 from .inference_request import InferenceRequest
-from .llm_request import LlmRequest, RequestOutput, RequestSpec
+from ..scheduling.llm_request import LlmRequest, RequestOutput, RequestSpec
 from .responses import StreamCursors, response_tensors
-from .stats import IterationStats, stats_json
+from ..stats import IterationStats, stats_json
 
 logger = logging.getLogger(__name__)
 

@@ -8,10 +8,10 @@ from dataclasses import dataclass, field, replace
 from runtime.cache.beam_blocks import beam_holder, free_beams, max_beam_blocks, prepare_beam_writes
 from runtime.cache.kv_cache_manager import KvCacheManager
 
-from .kv_handoff import import_blocks
+from ..kv_transport.kv_handoff import import_blocks
 from .llm_request import FinishReason, LlmRequest, RequestState
-from .options import SchedulerPolicy
-from .peft_cache import PeftCache
+from ..options import SchedulerPolicy
+from ..adapters.peft_cache import PeftCache
 
 
 @dataclass

@@ -10,7 +10,7 @@ import torch
 
 from . import tensor_names as tn
 from .inference_request import NamedTensor
-from .llm_request import RequestOutput, RequestSpec
+from ..scheduling.llm_request import RequestOutput, RequestSpec
 
 
 class StreamCursors:

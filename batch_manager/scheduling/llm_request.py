@@ -68,7 +68,7 @@ class RequestSpec:
     use_batched_post_processor: bool = False  # the manager's batched logits post-processor applies
     priority: float = 0.5   # in [0, 1]: admitted first when higher, paused first when lower
     client_id: Any = None   # the Executor request's, handed to logits post-processors
-    lora: Any = None        # batch_manager.peft_cache.AdapterRef: its LoRA adapter, or None
+    lora: Any = None        # batch_manager.adapters.peft_cache.AdapterRef: its LoRA adapter, or None
     prompt_table: Any = None   # float32 [T, hidden]: prompt ids vocab_size + j take row j (prompt tuning)
     # Its cached KV differs from another request's for the same tokens (an adapter, a prompt
     # table): block reuse keys its blocks by this too (see LlmRequest.reuse_token_slice).

@@ -15,7 +15,7 @@ import torch
 
 from runtime import Engine, ModelRunner
 
-from .options import KvCacheConfig
+from ..options import KvCacheConfig
 
 DEFAULT_FREE_MEMORY_FRACTION = 0.9
 HOST_KV_BUDGET_ENV = "BATCH_MANAGER_HOST_KV_BYTES"

@@ -1,0 +1,1 @@
+"""KV leaving the engine: disaggregated transfer (wire, server, fetch, hand-off) and KV-cache events."""

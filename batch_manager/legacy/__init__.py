@@ -1,0 +1,1 @@
+"""The legacy door: GptManager, its InferenceRequest tensors, callbacks, responses."""
