@@ -7,9 +7,9 @@ import sys
 
 from .config import BuildConfig, ConfigError
 from .engine import build_engine
-from .precision import (ACT_QUANT_MODES, BUILD_DTYPES, GROUP_SIZES, KV_CACHE_DTYPES, WEIGHT_ONLY_MODES,
-                        WEIGHT_ONLY_SKIPPABLE, QuantMode)
+from .precision import ACT_QUANT_MODES, BUILD_DTYPES, GROUP_SIZES, KV_CACHE_DTYPES, WEIGHT_ONLY_SKIPPABLE, QuantMode
 from .loading.weights import WeightError
+from .quantization import supported_formats
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -20,7 +20,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output", required=True, help="engine directory to write")
     p.add_argument("--dtype", default=defaults.dtype, choices=list(BUILD_DTYPES),
                    help="auto: bfloat16 where the loading machine has AMX-BF16 / AVX512-BF16 or CUDA, else float32")
-    p.add_argument("--weight-only", choices=list(WEIGHT_ONLY_MODES), default=None,
+    p.add_argument("--weight-only", choices=list(supported_formats()), default=None,
                    help="int8 (a scale per output channel) or int4 (a scale per group of input columns) weights")
     p.add_argument("--group-size", type=int, default=defaults.group_size, choices=list(GROUP_SIZES))
     p.add_argument("--weight-only-skip", action="append", choices=list(WEIGHT_ONLY_SKIPPABLE), default=[],

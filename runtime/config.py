@@ -203,8 +203,8 @@ class BuildConfig:
     gather_context_logits: bool = False
     gather_generation_logits: bool = False
     max_beam_width: int = 4
-    weight_only: str | None = None          # None | "int8" (per output channel) | "int4" (per group)
-    group_size: int = 32                    # int4: input columns per scale
+    weight_only: str | None = None          # None | a runtime.quantization entry: "int8", "int4"
+    group_size: int = 32                    # group-wise formats (int4): input columns per scale
     weight_only_skip: tuple[str, ...] = ()  # ("lm_head",): the output layer (and a tied embedding) stay in dtype
     kv_cache_dtype: str = "auto"            # auto (the compute dtype) | int8 | fp8
     kv_cache_scale: str | None = None       # "block_head" | "token_head": recorded by the loader that chose it
@@ -218,19 +218,17 @@ class BuildConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"{name}: must be a positive integer, got {value!r}")
         normalize_dtype(self.dtype, allow_auto=True)
-        check_precision_fields(self.weight_only, self.group_size, self.weight_only_skip, self.kv_cache_dtype,
-                               self.kv_cache_scale, ConfigError, self.act_quant)
+        from .quantization.registry import lookup_build, supported_formats   # NOTE: lazy: its entries import this module
+        check_precision_fields(self.weight_only, supported_formats(), self.group_size, self.weight_only_skip,
+                               self.kv_cache_dtype, self.kv_cache_scale, ConfigError, self.act_quant)
         if self.max_input_len > self.max_seq_len:
             raise ConfigError(f"max_input_len: {self.max_input_len} exceeds max_seq_len {self.max_seq_len}")
         if model is not None and self.max_seq_len > model.max_position_embeddings \
                 and model.position_embedding == "learned":
             raise ConfigError(f"max_seq_len: {self.max_seq_len} exceeds the model's "
                               f"{model.max_position_embeddings} learned positions")
-        if model is not None and self.weight_only == "int4":
-            for name, width in (("hidden_size", model.hidden_size), ("intermediate_size", model.intermediate_size),
-                                ("query width (num_heads * head_dim)", model.q_size)):
-                if width % self.group_size:
-                    raise ConfigError(f"group_size: {self.group_size} does not divide the model's {name} {width}")
+        if model is not None and self.weight_only is not None:
+            lookup_build(self.weight_only).check_model(model, self.group_size)
         return self
 
     def to_dict(self) -> dict[str, Any]:

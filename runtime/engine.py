@@ -2,7 +2,7 @@
 
 An engine directory holds `engine.json` ({"format", "version", "model": ModelConfig,
 "build": BuildConfig}) and `weights.safetensors` with the canonical weight names in the build
-dtype (a weight-only build: the quantized matmul weights and their scales, runtime.models.weight_only).
+dtype (a weight-only build: the quantized matmul weights and their parts, runtime.quantization).
 An HF checkpoint directory (`config.json` + safetensors), a `.gguf` file or a directory holding
 exactly one (runtime.loading.gguf_checkpoint) is accepted wherever an engine directory is; its
 limits then come from `default_build_config` plus any overrides.
@@ -26,7 +26,8 @@ from .models import lookup_hf, model_config_from_dict
 from .precision import QuantMode, resolve_dtype
 from .parallel.pipeline import StageLayers, StagePlan
 from .parallel.tensor_shard import TensorShard, num_local_kv_heads
-from .models.weight_only import quantize_weights, stored_layout
+from .quantization import lookup_build
+from .quantization.stored import quantize_weights, stored_layout
 from .loading.weights import Weights, check_weights, load_engine_weights, load_hf_weights
 
 if TYPE_CHECKING:
@@ -126,8 +127,8 @@ def _checked_shard(shard: TensorShard | tuple[int, int] | None, model: ModelConf
     if shard is not None and shard != TensorShard.of(model, shard.rank, shard.size):
         raise ValueError(f"shard: {shard} was not made for this model (expected "
                          f"{TensorShard.of(model, shard.rank, shard.size)})")
-    if shard is not None and build is not None and build.weight_only == "int4":
-        shard.check_group_size(build.group_size)
+    if shard is not None and build is not None and build.weight_only is not None:
+        shard.check_weight_format(lookup_build(build.weight_only), build.group_size)
     return shard
 
 
@@ -135,9 +136,10 @@ def resolved(model: ModelConfig, build: BuildConfig) -> ModelConfig:
     """`model` with what runs here: the build dtype resolved on this machine ("auto": bf16 with CUDA
     or a CPU with fast bf16, else float32) and the QuantMode of the build's precision fields."""
     dtype = resolve_dtype(build.dtype, torch.cuda.is_available())
+    weight_format = lookup_build(build.weight_only)
+    weight_bits = QuantMode(0) if weight_format is None else weight_format.quant_mode
     return dataclasses.replace(model, dtype=dtype,
-                               quant_mode=int(QuantMode.from_build(build.weight_only, build.kv_cache_dtype,
-                                                                   build.act_quant)))
+                               quant_mode=int(QuantMode.from_build(weight_bits, build.kv_cache_dtype, build.act_quant)))
 
 
 KV_CACHE_SCALE = "token_head"   # the scale layout of a quantized KV cache (runtime/kernels/kv_quant.py)
@@ -201,12 +203,12 @@ def _load_engine_dir(directory: str, overrides: dict, shard: TensorShard | tuple
 def _stored_weight_only(recorded: dict, build: BuildConfig, model: ModelConfig) -> dict:
     """name -> (dtype, shape) of the quantized tensors an engine directory stores (empty when it
     stores none); a load asking for other weight-only settings than those built is a ConfigError."""
-    fields = ("weight_only", "group_size", "weight_only_skip")
     built = BuildConfig.from_dict(recorded)
     if built.weight_only is None:
         return {}
-    for name in fields:
-        if getattr(built, name) != getattr(build, name) and (name != "group_size" or build.weight_only == "int4"):
+    grouped = lookup_build(built.weight_only).is_grouped
+    for name in ("weight_only", "group_size", "weight_only_skip"):
+        if getattr(built, name) != getattr(build, name) and (name != "group_size" or grouped):
             raise ConfigError(f"{name}: the engine was built with {name}={getattr(built, name)!r}; it cannot "
                               f"load with {getattr(build, name)!r} (rebuild from the checkpoint)")
     return stored_layout(model, build)

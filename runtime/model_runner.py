@@ -40,10 +40,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import ConfigError
 from .engine import Engine
 from .kernels import get_kernels
-from .kernels.kv_quant import is_quantized_kv
+from .kernels.kv_quant import check_kv_storage, is_quantized_kv
 from .adapters.lora_step import LoraWeightStore
 from .models.transformer import StepLayout, Transformer
 from .parallel.pipeline import LOGITS_TAG, PendingReceive
@@ -104,9 +103,7 @@ class ModelRunner:
         self.model_config = cfg
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.kernels = kernels if kernels is not None and not isinstance(kernels, str) else get_kernels(kernels)
-        if engine.build_config.kv_cache_dtype == "fp8" and self.kernels.name != "torch":
-            raise ConfigError(f"kv_cache_dtype: 'fp8' runs on the torch kernel backend only, not on "
-                              f"{self.kernels.name!r}; use 'int8' or 'auto'")
+        check_kv_storage(self.kernels, engine.build_config.kv_cache_dtype, engine.kv_storage_dtype)
         self.tokens_per_block = engine.build_config.tokens_per_block
         self.num_blocks = num_blocks
         # Pipeline parallelism: this rank's stage (its layers, and the transfers to its neighbours).

@@ -11,7 +11,6 @@ import functools
 import platform
 
 BUILD_DTYPES = ("auto", "float32", "float16", "bfloat16")
-WEIGHT_ONLY_MODES = ("int8", "int4")
 # Activation quantization of a weight-only engine's matmuls (BuildConfig.act_quant): "int8", per
 # block of 32 input columns (runtime/kernels/act_quant.py states the arithmetic).
 ACT_QUANT_MODES = ("int8",)
@@ -50,15 +49,16 @@ class QuantMode(enum.IntFlag):
     def has_kv_cache_quant(self) -> bool:
         return self.has_int8_kv_cache() or self.has_fp8_kv_cache()
 
+    def act_quant(self) -> str | None:
+        """The BuildConfig.act_quant value these bits record (ACTIVATIONS: the one mode there is)."""
+        return ACT_QUANT_MODES[0] if self & QuantMode.ACTIVATIONS else None
+
     @staticmethod
-    def from_build(weight_only: str | None, kv_cache_dtype: str, act_quant: str | None = None) -> "QuantMode":
-        mode = QuantMode(0)
+    def from_build(weight_bits: "QuantMode", kv_cache_dtype: str, act_quant: str | None = None) -> "QuantMode":
+        """weight_bits: the weight format's (runtime.quantization; 0 without weight_only)."""
+        mode = QuantMode(weight_bits)
         if act_quant is not None:
             mode |= QuantMode.ACTIVATIONS
-        if weight_only == "int8":
-            mode |= QuantMode.INT8_WEIGHTS | QuantMode.PER_CHANNEL
-        elif weight_only == "int4":
-            mode |= QuantMode.INT4_WEIGHTS | QuantMode.PER_GROUP
         if kv_cache_dtype == "int8":
             mode |= QuantMode.INT8_KV_CACHE
         elif kv_cache_dtype == "fp8":
@@ -93,19 +93,20 @@ def resolve_dtype(dtype: str, cuda: bool, flags: frozenset[str] | None = None) -
     return "bfloat16" if cuda or has_fast_bf16(flags) else "float32"
 
 
-def check_precision_fields(weight_only, group_size, weight_only_skip, kv_cache_dtype, kv_cache_scale,
-                           error: type[ValueError], act_quant: str | None = None) -> None:
-    """`error(message naming the field)` for a value outside the modes above."""
+def check_precision_fields(weight_only, weight_formats: tuple[str, ...], group_size, weight_only_skip, kv_cache_dtype,
+                           kv_cache_scale, error: type[ValueError], act_quant: str | None = None) -> None:
+    """`error(message naming the field)` for a value outside the modes above; `weight_formats`: the
+    weight_only values (runtime.quantization's entries)."""
     if act_quant is not None:
         if act_quant not in ACT_QUANT_MODES:
             raise error(f"act_quant: unsupported value {act_quant!r}; supported: None, "
                         f"{', '.join(map(repr, ACT_QUANT_MODES))}")
         if weight_only is None:
             raise error(f"act_quant: {act_quant!r} quantizes the activations of weight-only matmuls; set "
-                        f"weight_only ({', '.join(map(repr, WEIGHT_ONLY_MODES))}) too")
-    if weight_only is not None and weight_only not in WEIGHT_ONLY_MODES:
+                        f"weight_only ({', '.join(map(repr, weight_formats))}) too")
+    if weight_only is not None and weight_only not in weight_formats:
         raise error(f"weight_only: unsupported value {weight_only!r}; supported: None, "
-                    f"{', '.join(map(repr, WEIGHT_ONLY_MODES))}")
+                    f"{', '.join(map(repr, weight_formats))}")
     if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size not in GROUP_SIZES:
         raise error(f"group_size: must be one of {', '.join(map(str, GROUP_SIZES))}, got {group_size!r}")
     if not isinstance(weight_only_skip, tuple) or any(name not in WEIGHT_ONLY_SKIPPABLE for name in weight_only_skip):

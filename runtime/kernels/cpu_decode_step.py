@@ -37,6 +37,7 @@ from .cpu_weight_only import weight_only_ops
 from .linear import Linear
 from .native_build import build_library, compiler_available, native_cache_dir
 from .weight_only_linear import QuantizedLinear
+from ..precision import GROUP_SIZES
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ SOURCE = Path(__file__).with_name("cpu_decode_step.cpp")
 # this many rows the eager path's blocked GEMMs (oneDNN, de-quantized tiles) are the better kernels.
 MAX_ROWS = 8
 
-_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.uint8: 3}
+_FORMATS = {torch.float32: 0, torch.bfloat16: 1}   # float weights; a quantized one's: its WeightFormat.native_code
 _KV_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 
@@ -209,15 +210,15 @@ class DecodeStep:
 
     def _linear(self, linear) -> _Linear:
         fmt = _format(linear)
-        if fmt in (4, 5):
+        if isinstance(linear, QuantizedLinear) and linear.act_kernel is not None:
             packed = linear.packed
             return _Linear(format=fmt, act_isa=aq.act_quant_ops().isa_level(), w=packed.packed.data_ptr(),
                            scale=packed.scale.data_ptr(),
                            min=None if packed.minimum is None else packed.minimum.data_ptr(),
                            bias=self._hold(linear.bias_f32), n=packed.n, k=packed.k, gs=packed.group_size)
         if isinstance(linear, QuantizedLinear):
-            n, k = linear.weight.shape[0], linear.weight.shape[1] * (2 if fmt == 3 else 1)
-            gs = 0 if fmt == 2 else k // linear.scale.shape[1]
+            n, k = linear.weight.shape[0], linear.format.input_width(linear.weight)
+            gs = k // linear.scale.shape[1] if linear.format.is_grouped else 0
             return _Linear(format=fmt, w=linear.weight.data_ptr(), scale=linear.scale.data_ptr(),
                            min=None if linear.minimum is None else linear.minimum.data_ptr(),
                            bias=self._hold(linear.bias_f32), n=n, k=k, gs=gs)
@@ -254,15 +255,14 @@ class DecodeStep:
 def _format(linear) -> int | None:
     """The weight format code of a prepared linear the fused step can read in place, else None."""
     if isinstance(linear, QuantizedLinear) and linear.act_quant is not None:
-        return None if linear.act_kernel is None else (4 if linear.minimum is None else 5)
+        return None if linear.act_kernel is None else linear.format.native_code + 2
     if isinstance(linear, QuantizedLinear):
         if linear.ops is None:
             return None
-        if linear.minimum is None:
-            return 2
-        groups = linear.scale.shape[1]
-        k = linear.weight.shape[1] * 2
-        return 3 if k % groups == 0 and k // groups in (32, 64, 128) else None
+        if not linear.format.is_grouped:
+            return linear.format.native_code
+        groups, k = linear.scale.shape[1], linear.format.input_width(linear.weight)
+        return linear.format.native_code if k % groups == 0 and k // groups in GROUP_SIZES else None
     if isinstance(linear, Linear) and linear.plain is not None and linear.plain.dtype in (torch.float32,
                                                                                            torch.bfloat16):
         return _FORMATS[linear.plain.dtype]

@@ -133,6 +133,12 @@ class WeightOnlyOps:
             return y
         return linear
 
+    def dequantize(self, weight_format, weight: torch.Tensor, *parts_start_stop_out) -> torch.Tensor:
+        """The de-quantization kernel of `weight_format` (runtime.quantization; this library runs
+        int8 and int4): float32 rows [start, stop) into out, as dequant_int8 / dequant_int4."""
+        kernel = {"int8": self.dequant_int8, "int4": self.dequant_int4}[weight_format.name]
+        return kernel(weight, *parts_start_stop_out)
+
     def dequant_int8(self, weight: torch.Tensor, scale: torch.Tensor, start: int, stop: int,
                      out: torch.Tensor) -> torch.Tensor:
         """float32 rows [start, stop) of the de-quantized weight into out [stop - start, in] (contiguous)."""

@@ -65,6 +65,7 @@ def cuda_available() -> bool:
 
 class CudaKernels:
     name = "cuda"
+    kv_storage_dtypes = frozenset({*DTYPE_CODES, torch.int8})   # the compiled dtypes, and int8 with scales
     device_type = "cuda"
 
     def __init__(self, config: LaunchConfig | None = None, cpu_fallback: bool = False,

@@ -42,6 +42,8 @@ class PreparedLinear(Protocol):
 @runtime_checkable
 class KernelBackend(Protocol):
     name: str  # "torch" | "cuda" | "emu"
+    # The KV pool element dtypes its write_kv / attention kernels run (kv_quant.check_kv_storage).
+    kv_storage_dtypes: frozenset[torch.dtype]
 
     # ---- KV cache and attention (runtime/models/transformer.py, runtime/model_runner.py) -------------------------
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -95,10 +97,9 @@ class KernelBackend(Protocol):
 
     def prepare_weight_only_linear(self, weight: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None,
                                    bias: torch.Tensor | None, act_quant: str | None = None) -> PreparedLinear:
-        """A weight-only quantized weight (runtime/models/weight_only.py's layouts) ready for linear /
-        linear_add: int8 [out, in] with scale float32 [out] and minimum None (w = q * scale), or
-        packed int4 uint8 [out, in / 2] with scale and minimum float32 [out, in / group_size]
-        (w = q * scale + min); bias [out] (the compute dtype) or None. .weight is `weight`.
+        """A weight-only quantized weight ready for linear / linear_add: W and its format's parts
+        (runtime.quantization, the format named by W's dtype: int8 W with scale and minimum None,
+        packed int4 W with scale and minimum); bias [out] (the compute dtype) or None. .weight is `weight`.
         act_quant "int8": the activations are quantized per block of 32 columns and the products
         are integer (runtime/kernels/act_quant.py defines the arithmetic); None: exact."""
 

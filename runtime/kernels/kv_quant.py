@@ -11,12 +11,23 @@ from __future__ import annotations
 
 import torch
 
+from ..config import ConfigError
+
 KV_STORAGE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 
 
 def is_quantized_kv(dtype: torch.dtype) -> bool:
     return dtype in QMAX
+
+
+def check_kv_storage(kernels, kv_cache_dtype: str, storage_dtype: torch.dtype) -> None:
+    """ConfigError naming kv_cache_dtype and its value when `storage_dtype` (the KV pool's element
+    dtype it chose) is not among the kernel backend's declared kv_storage_dtypes."""
+    if storage_dtype not in kernels.kv_storage_dtypes:
+        runs = ", ".join(sorted(str(dtype).removeprefix("torch.") for dtype in kernels.kv_storage_dtypes))
+        raise ConfigError(f"kv_cache_dtype: {kv_cache_dtype!r} stores {storage_dtype}, which the {kernels.name!r} "
+                          f"kernel backend does not run (its KV caches: {runs}); use 'int8' or 'auto'")
 
 
 def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

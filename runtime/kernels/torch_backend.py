@@ -25,6 +25,7 @@ from .weight_only_linear import QuantizedLinear
 
 class TorchKernels:
     name = "torch"
+    kv_storage_dtypes = frozenset({torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.float8_e4m3fn})
 
     def __init__(self, fast_paths: bool = False, native: bool = False):
         """fast_paths: decode and context attention through CpuAttention (length groups, per-thread

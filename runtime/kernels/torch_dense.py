@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..quantization import lookup_dtype
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [..., h], weight [h] -> x * rsqrt(mean(x^2) + eps) * weight in x's dtype."""
@@ -24,16 +26,10 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None = None) -> torch.Tensor:
-    """The float32 weight [out, in] of a weight-only one (also of a row subset: any leading rows):
-    int8 [out, in] with scale [out]: q * scale; packed int4 uint8 [out, in / 2] with scale and
-    minimum [out, in / group_size] (float16, or float32): q * scale + min in float32, in group g byte j holding column g*gs + j
-    (low nibble) and g*gs + gs/2 + j (high nibble) (runtime/models/weight_only.py's layouts)."""
-    if weight.dtype == torch.int8:
-        return weight.float() * scale[:, None]
-    out, groups = scale.shape
-    packed = weight.view(out, groups, -1)
-    q = torch.cat([packed & 15, packed >> 4], dim=2).float()   # [out, groups, gs]
-    return (q * scale.float()[..., None] + minimum.float()[..., None]).reshape(out, -1)
+    """The float32 weight [out, in] of a weight-only one (also of a row subset: any leading rows),
+    as the format its stored dtype names defines it (runtime.quantization; minimum: None for a
+    format with one part)."""
+    return lookup_dtype(weight.dtype).dequantize(weight, *(part for part in (scale, minimum) if part is not None))
 
 
 def weight_only_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None,

@@ -1,6 +1,6 @@
-"""Weight-only int8 / int4 matmuls, the torch backend's prepare_weight_only_linear / linear /
-linear_add (interface.KernelBackend): `QuantizedLinear`, held to torch_dense.weight_only_linear
-(whose dequantize states the layouts; runtime/models/weight_only.py quantizes and stores them).
+"""Weight-only matmuls, the torch backend's prepare_weight_only_linear / linear / linear_add
+(interface.KernelBackend): `QuantizedLinear`, held to torch_dense.weight_only_linear (the formats'
+layouts and de-quantization: runtime.quantization, looked up by the weight's stored dtype).
 """
 from __future__ import annotations
 
@@ -8,12 +8,9 @@ import torch
 
 from . import act_quant as aq
 from .cpu_weight_only import weight_only_ops
-from .torch_dense import dequantize, weight_only_linear
+from ..quantization import lookup_dtype
+from .torch_dense import weight_only_linear
 
-# Rows up to which the native kernel runs; above, torch's GEMM on de-quantized tiles. Measured on
-# SmolLM2's shapes (1 thread, AVX-512, ms native / tiled): int8 3072x576 at 24 rows 0.81 / 0.91,
-# at 32 1.07 / 0.89; int4 g32 at 16 rows 1.18 / 1.25, at 24 1.79 / 1.57 (lm_head alike).
-NATIVE_MAX_ROWS = {"int8": 24, "int4": 16}
 # NOTE: torch's aten._weight_int8pack_mm (bf16 activations) is not used: measured slower than the
 # native kernel with bf16 activations too (1 thread, AVX-512, ms native / aten: 1536x576 1 row
 # 0.038 / 0.052, 8 rows 0.171 / 0.198; 49152x576 1 row 1.02 / 1.67, 8 rows 4.37 / 6.23).
@@ -22,8 +19,8 @@ TILE_OUTPUTS = 256
 
 
 class QuantizedLinear:
-    """`x @ W^T + bias` for a quantized W on W's device: the native kernel up to NATIVE_MAX_ROWS
-    rows on CPU, torch's GEMM on de-quantized tiles above (and the torch reference off CPU).
+    """`x @ W^T + bias` for a quantized W on W's device: the native kernel up to its format's
+    native_max_rows rows on CPU, torch's GEMM on de-quantized tiles above (and the torch reference off CPU).
 
     act_quant "int8": x is quantized per block of 32 columns first and the products are integer
     (act_quant.py), at every row count: the native kernels over the weight repacked once here
@@ -32,6 +29,8 @@ class QuantizedLinear:
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None,
                  bias: torch.Tensor | None, act_quant: str | None = None):
         self.weight, self.scale, self.minimum = weight, scale, minimum
+        self.format = lookup_dtype(weight.dtype)
+        self.parts = tuple(part for part in (scale, minimum) if part is not None)   # the format's, in its order
         self.bias = bias
         self.bias_f32 = None if bias is None else bias.float().contiguous()
         self.act_quant = act_quant
@@ -45,7 +44,7 @@ class QuantizedLinear:
         self.num_outputs = self.weight.shape[0]
         self.kernel = (None if self.ops is None
                        else self.ops.bind(self.weight, self.scale, self.minimum, self.bias_f32))
-        self.max_native_rows = NATIVE_MAX_ROWS["int8" if self.minimum is None else "int4"]
+        self.max_native_rows = self.format.native_max_rows
 
     def _native(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         xf = x.float() if x.dtype != torch.float32 else x
@@ -53,12 +52,9 @@ class QuantizedLinear:
 
     def _dequantized_tile(self, start: int, stop: int) -> torch.Tensor:
         if self.ops is None:
-            minimum = None if self.minimum is None else self.minimum[start:stop]
-            return dequantize(self.weight[start:stop], self.scale[start:stop], minimum)
-        tile = torch.empty(stop - start, self.weight.shape[1] * (1 if self.minimum is None else 2))
-        if self.minimum is None:
-            return self.ops.dequant_int8(self.weight, self.scale, start, stop, tile)
-        return self.ops.dequant_int4(self.weight, self.scale, self.minimum, start, stop, tile)
+            return self.format.dequantize(*(t[start:stop] for t in (self.weight, *self.parts)))
+        tile = torch.empty(stop - start, self.format.input_width(self.weight))
+        return self.ops.dequantize(self.format, self.weight, *self.parts, start, stop, tile)
 
     def _tiled(self, x: torch.Tensor) -> torch.Tensor:
         """[rows, in] -> [rows, out] as a transposed view of [out, rows] (consumers take strided inputs)."""

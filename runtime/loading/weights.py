@@ -38,7 +38,7 @@ Weights = dict[str, torch.Tensor]
 RawWeights = dict[str, Union["LazyTensor", torch.Tensor]]
 # Reads a checkpoint's tensors under the canonical names; one per architecture (runtime.models).
 WeightReader = Callable[["TensorSource", ModelConfig], RawWeights]
-# Tensors an engine stores quantized (runtime.models.weight_only): name -> (dtype, whole shape).
+# Tensors an engine stores quantized (runtime.quantization.stored): name -> (dtype, whole shape).
 StoredLayout = dict[str, tuple[torch.dtype, tuple[int, ...]]]
 
 
@@ -177,7 +177,7 @@ def load_hf_weights(directory: str, cfg: ModelConfig, dtype: torch.dtype, read: 
 def load_engine_weights(path: str, cfg: ModelConfig, dtype: torch.dtype, shard: TensorShard | None = None,
                         stored: StoredLayout | None = None, stage: StageLayers | None = None) -> tuple[Weights, int]:
     """(canonical weights, whole or the shard's slices; tensor bytes read from the files).
-    `stored`: the weight-only tensors (runtime.models.weight_only.stored_layout), read as they are."""
+    `stored`: the weight-only tensors (runtime.quantization.stored.stored_layout), read as they are."""
     with TensorSource(os.path.dirname(path)) as src:
         names = {**expected_shapes(cfg), **(stored or {})}
         raw = {name: src.get(name) for name in names if name in src.names()}

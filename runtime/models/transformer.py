@@ -24,7 +24,7 @@ from .rope import apply_rope, rope_cos_sin, rope_inv_freq
 from ..parallel.pipeline import StageLayers
 from ..parallel.tensor_parallel import TensorParallel
 from ..parallel.tensor_shard import TensorShard
-from .weight_only import is_quantized, lookup_rows, padded_rows
+from ..quantization.stored import is_quantized, lookup_rows, padded_rows, stored_parts
 from ..loading.weights import Weights
 
 _ACTIVATIONS = {
@@ -107,8 +107,8 @@ class Transformer:
         if config.position_embedding == "alibi":   # a rank's heads take their own slopes
             slopes = alibi_slopes(config.num_heads)
             self.alibi_slopes = (slopes[shard.head_index()] if shard is not None else slopes).to(device)
-        # "int8": the weight-only matmuls quantize their activations (QuantMode.ACTIVATIONS)
-        self.act_quant = "int8" if QuantMode(config.quant_mode) & QuantMode.ACTIVATIONS else None
+        # BuildConfig.act_quant: the weight-only matmuls quantize their activations (None: exact)
+        self.act_quant = QuantMode(config.quant_mode).act_quant()
         self.linears: dict[str, PreparedLinear] = {}
         for name in [n for n in self.w if n.endswith((".qkv.weight", ".out.weight", ".mlp_in.weight",
                                                        ".mlp_out.weight"))]:
@@ -141,8 +141,9 @@ class Transformer:
                         linear_impl: str | None) -> PreparedLinear:
         """The matmul weight `name` of `weights` (weight-only quantized or not), prepared by the backend."""
         if is_quantized(weights, name):
-            return self.kernels.prepare_weight_only_linear(weights[name], weights[name + "_scale"],
-                                                           weights.get(name + "_min"), bias, self.act_quant)
+            weight, *parts = stored_parts(weights, name)
+            return self.kernels.prepare_weight_only_linear(weight, *parts, *[None] * (2 - len(parts)), bias,
+                                                           self.act_quant)
         return self.kernels.prepare_linear(weights[name], bias, linear_impl)
 
     def weight_tensors(self) -> list[torch.Tensor]:

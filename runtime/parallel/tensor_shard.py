@@ -11,28 +11,14 @@ query heads read (replicated), so each rank's KV pool holds only the heads it at
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
-from ..config import ConfigError, ModelConfig
-
-Ranges = tuple[tuple[int, int], ...]   # [start, stop) spans, ascending
-
-
-# The suffixes of a weight-only weight's scales and mins (runtime.models.weight_only).
-_QUANTIZED_PART = re.compile(r"_(scale|min)$")
-
-
-def check_group_alignment(spans: "Ranges", group_size: int, what: str, size: int) -> None:
-    """ConfigError naming group_size when a span of input columns does not start and end on a group."""
-    for start, stop in spans:
-        if start % group_size or stop % group_size:
-            raise ConfigError(f"group_size: {group_size} does not divide the {stop - start} input columns "
-                              f"of {what} each of {size} tensor-parallel ranks holds (columns {start}..{stop}); "
-                              "use a group size that divides them, or fewer ranks")
+from ..config import ModelConfig
+from ..quantization import WeightFormat, lookup_stored, split_part
+from ..quantization.format import Ranges
 
 
 def num_local_kv_heads(num_kv_heads: int, size: int) -> int:
@@ -151,22 +137,18 @@ class TensorShard:
         """(dim, spans) of the canonical weight `name` this rank holds, or None: it holds it whole
         (norms, position embeddings, the row-parallel linears' biases).
 
-        A weight-only tensor (runtime.models.weight_only: `W` int8 / packed int4, `W_scale`, `W_min`)
-        takes its float weight's rows; of a row-parallel weight's input columns, an int8 `W` takes
-        the same columns and keeps its per-row scales whole, a packed int4 `W` half the columns
-        and its scales and mins one per group. `shapes` (whole shapes by name) tells the packings
-        apart; a span that splits an int4 group is a ConfigError naming group_size."""
-        base = _QUANTIZED_PART.sub("", name)
+        A weight-only tensor (runtime.quantization: `W` and its parts `W_scale`, ...) takes its
+        float weight's rows; of a row-parallel weight's input columns, each part takes what its
+        format says (WeightFormat.column_spans). `shapes` (whole shapes by name) tells a quantized
+        weight's format; a span that splits a group is a ConfigError naming group_size."""
+        base, suffix = split_part(name)
         sel = self._float_selection(base)
-        if sel is None or sel[0] == 0 or shapes is None or base + "_scale" not in shapes:
+        weight_format = None if shapes is None else lookup_stored(shapes, base)
+        if sel is None or sel[0] == 0 or weight_format is None:
             return sel
-        dim, spans = sel
-        if base + "_min" not in shapes:   # int8: per-row scales
-            return None if name != base else sel
-        group_size = 2 * shapes[base][1] // shapes[base + "_scale"][1]
-        check_group_alignment(spans, group_size, base, self.size)
-        divisor = 2 if name == base else group_size
-        return dim, tuple((start // divisor, stop // divisor) for start, stop in spans)
+        part_shapes = {part: shapes[base + part] for part in ("", *weight_format.suffixes)}
+        spans = weight_format.column_spans(suffix, sel[1], part_shapes, base, self.size)
+        return None if spans is None else (1, spans)
 
     def _float_selection(self, name: str) -> tuple[int, Ranges] | None:
         suffix = name.rsplit(".", 2)
@@ -183,11 +165,10 @@ class TensorShard:
             return 1, self.intermediate_columns()
         return None
 
-    def check_group_size(self, group_size: int) -> None:
-        """ConfigError naming group_size when an int4 group would straddle two ranks' input columns
-        of a row-parallel linear (the attention output's or the MLP down projection's)."""
-        check_group_alignment(self.out_columns(), group_size, "the attention output", self.size)
-        check_group_alignment(self.intermediate_columns(), group_size, "the MLP down projection", self.size)
+    def check_weight_format(self, weight_format: WeightFormat, group_size: int) -> None:
+        """ConfigError naming group_size when a group of `weight_format` would straddle two ranks'
+        input columns of a row-parallel linear (the attention output's or the MLP down projection's)."""
+        weight_format.check_shard(self.out_columns(), self.intermediate_columns(), group_size, self.size)
 
     def local_shape(self, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
         """The shape of the rank's slice of a canonical weight of `shape` (a float one)."""

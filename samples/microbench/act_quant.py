@@ -18,7 +18,8 @@ import torch
 
 from runtime.kernels.act_quant import act_quant_ops, pack
 from runtime.kernels.cpu_weight_only import weight_only_ops
-from runtime.models.weight_only import quantize_int4, quantize_int8
+from runtime.quantization.int4 import quantize_int4
+from runtime.quantization.int8 import quantize_int8
 
 SHAPES = [(576, 1728), (576, 576), (576, 3072), (1536, 576), (576, 49152)]   # (k, n): qkv, o, gate|up, down, lm_head
 STREAM_BYTES = 64 << 20

@@ -11,6 +11,7 @@ import torch
 from runtime import BuildConfig, ConfigError, Engine, ModelRunner, build_engine
 from runtime.kernels import TorchKernels, torch_attention
 from runtime.kernels.kv_quant import dequantize, quantize_rows
+from runtime.kernels.cuda_backend import CudaKernels
 from runtime.precision import QuantMode
 from tests.factories import make_checkpoints, step_inputs
 from tests.runtime.test_paged_cache import one_shot_logits, random_tokens, shuffled_block_tables
@@ -213,6 +214,7 @@ def test_bad_kv_cache_settings_are_config_errors_naming_the_field(checkpoints, f
 def test_backends_without_fp8_refuse_it_at_load(checkpoints):
     class CudaLike(TorchKernels):
         name = "cuda"
+        kv_storage_dtypes = CudaKernels.kv_storage_dtypes
     engine = engine_of(checkpoints, kv_cache_dtype="fp8")
     with pytest.raises(ConfigError, match="kv_cache_dtype"):
         ModelRunner(engine, 2, kernels=CudaLike())

@@ -9,7 +9,8 @@ import torch
 from runtime.kernels.cpu_weight_only import ISA_ENV_VAR, weight_only_ops
 from runtime.kernels.torch_dense import dequantize, weight_only_linear as reference_linear
 from runtime.kernels.weight_only_linear import QuantizedLinear
-from runtime.models.weight_only import quantize_int4, quantize_int8
+from runtime.quantization.int4 import quantize_int4
+from runtime.quantization.int8 import quantize_int8
 
 OPS = weight_only_ops()
 needs_native = pytest.mark.skipif(OPS is None, reason="the native weight-only kernels cannot run here")

@@ -10,7 +10,8 @@ import torch
 
 from batch_manager import GptManager, SchedulerPolicy, TrtGptModelOptionalParams, TrtGptModelType
 from runtime import BuildConfig, ConfigError, Engine, GenerationOutput, ModelRunner, SamplingConfig, build_engine
-from runtime.models.weight_only import dequantize, is_quantized
+from runtime.kernels.torch_dense import dequantize
+from runtime.quantization.stored import is_quantized
 from tests.batch_manager.conftest import Client, make_request
 from tests.factories import make_checkpoint, step_inputs
 from tests.runtime.test_model_parity import generation_input, make_session

@@ -13,7 +13,8 @@ from runtime.kernels import act_quant, cpu_native
 from runtime.kernels.act_quant import (ISA_ENV_VAR, ISAS, SOURCE, ActQuantOps, act_quant_ops,
                                        int8_act_linear_reference, pack, quantize_activations)
 from runtime.kernels.native_build import build_library, native_cache_dir
-from runtime.models.weight_only import quantize_int4, quantize_int8
+from runtime.quantization.int4 import quantize_int4
+from runtime.quantization.int8 import quantize_int8
 
 OPS = act_quant_ops()
 pytestmark = pytest.mark.skipif(OPS is None, reason="the act-quant kernels cannot be built or run here")

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from runtime import Engine, ModelRunner
 from runtime.kernels import TorchKernels, cpu_native, torch_dense
 from runtime.kernels.cuda_backend import CudaKernels
-from runtime.models.weight_only import quantize_int4, quantize_int8
+from runtime.quantization.int4 import quantize_int4
+from runtime.quantization.int8 import quantize_int8
 from tests.factories import make_checkpoint, step_inputs
 
 MODELS = Path(__file__).resolve().parents[3] / "runtime" / "models"
