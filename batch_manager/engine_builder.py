@@ -30,7 +30,7 @@ from .scheduling.micro_batch_scheduler import MicroBatchScheduler
 from .model_executor import ModelExecutor
 from .options import DecodingConfig, KvCacheConfig, SchedulerPolicy, TrtGptModelOptionalParams, TrtGptModelType
 from .scheduling.scheduler import Scheduler
-from .admission import AdmissionLimits
+from runtime.request import AdmissionLimits
 from .worker import Worker, WorkerConfig
 
 logger = logging.getLogger(__name__)

@@ -80,8 +80,8 @@ class GuidedDecodingConfig:
         return GrammarCompiler(tokenizer, list(stop) if stop else None)
 
 
-def check_guide(params, compiler: GrammarCompiler | None, name: str):
-    """-> the Future of its compiled template, or None without params (ValueError naming `name`)."""
+def parse_guide(params, compiler: GrammarCompiler | None, name: str) -> tuple[str, str | None] | None:
+    """-> (guide type, text) for `compiler.compile`, or None without params (ValueError naming `name`)."""
     if params is None:
         return None
     if not isinstance(params, GuidedDecodingParams):
@@ -96,4 +96,4 @@ def check_guide(params, compiler: GrammarCompiler | None, name: str):
         raise ValueError(f"{name}.guide: expected a string, got {type(params.guide).__name__}")
     if guide_type != GuideType.JSON and not params.guide:
         raise ValueError(f"{name}.guide: required for {guide_type.name}")
-    return compiler.compile(guide_type.value, params.guide)
+    return guide_type.value, params.guide

@@ -81,7 +81,7 @@ def make_peft_cache(config: PeftCacheManagerConfig | None, cfg: ModelConfig, dty
     return PeftCache(host, device)
 
 
-def adapter_ref(task_id, weights, config, cfg: ModelConfig, peft: PeftCacheManagerConfig,
+def adapter_ref(task_id, weights, config, cfg: ModelConfig, peft: PeftCacheManagerConfig | None,
                 names: tuple[str, str, str] = ("lora_task_id", "lora_weights", "lora_config")) -> AdapterRef | None:
     """A request's LoRA fields -> AdapterRef (payload None: id only), or None without a task id.
     ValueError naming the field and the value (weights without an id, one of weights / config
@@ -98,7 +98,8 @@ def adapter_ref(task_id, weights, config, cfg: ModelConfig, peft: PeftCacheManag
         raise ValueError(f"{missing}: missing; {w_name} and {c_name} come together")
     if weights is None:
         return AdapterRef(task_id)
-    adapter = adapter_from_tensors(weights, config, cfg, peft.max_adapter_size, (w_name, c_name))
+    adapter = adapter_from_tensors(weights, config, cfg, (peft or PeftCacheManagerConfig()).max_adapter_size,
+                                   (w_name, c_name))
     device_rows = sum(math.ceil(r / peft.optimal_adapter_size) for r in adapter.ranks)
     host_cost = adapter.num_rows if peft.num_host_module_layer else adapter.num_bytes
     return AdapterRef(task_id, adapter, host_cost, device_rows)

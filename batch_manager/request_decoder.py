@@ -1,5 +1,5 @@
 """The executor's decoder store: request id -> runtime DecodeState (beam bank, decayed top-p;
-the tokens are read from the request's TokenRecord, which the scheduler keeps), opened by a
+the tokens are read from the request's RequestOutput, which the scheduler keeps), opened by a
 step's `NewRequest` and freed by its released ids (or when the decoder finishes the request). `decode` runs the logits post-processors and one decoder step
 and returns each request's `RequestResult`; it writes nothing outside this store.
 """

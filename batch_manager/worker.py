@@ -16,13 +16,14 @@ from functools import partial
 from typing import Callable
 
 from .legacy.front_end import TERMINATED, FrontEnd
-from .scheduling.llm_request import FinishReason, LlmRequest
+from runtime.request import FinishReason, RequestError
+
+from .scheduling.llm_request import LlmRequest
 from .model_executor import DistributedError, ModelExecutor
 from .options import TrtGptModelType
 from .scheduling.scheduler import Scheduler
 from .stats import IterationStats
 from .scheduling.step import ScheduledStep, StepResult
-from .admission import RequestError
 
 logger = logging.getLogger(__name__)
 
@@ -213,11 +214,11 @@ class Worker:
                     raise RequestError(f"request_id: expected an integer in [0, 2**64), got {request_id!r}")
                 if request_id in self.scheduler:
                     raise RequestError(f"request_id: {request_id} already exists among the active requests")
-                spec = self.front_end.admit(request)
+                admitted = self.front_end.admit(request, self._num_admitted)
             except Exception as e:  # noqa: BLE001 - any bad input becomes that request's error
                 self.front_end.refuse(request_id, f"Cannot process new request: {e}")
                 continue
-            self.scheduler.add(LlmRequest(request_id, spec, self._num_admitted))
+            self.scheduler.add(admitted)
             self._num_admitted += 1
 
     def _apply_stop_signals(self) -> None:

@@ -16,7 +16,7 @@ import torch
 
 from .cache.beam_blocks import beam_holder, fork_beams, free_beams, prepare_beam_writes
 from .config import ModelConfig
-from .decoding import DecodeOutcome, Decoder, DecodeState
+from .decoding import Decoder, DecodeState
 from .decoding import DecodingParams, parse_word_list
 from .decoding.fields import SAMPLING_FIELDS
 from .engine import Engine
@@ -25,7 +25,7 @@ from .model_runner import ModelRunner
 from .adapters.prompt_tuning import per_sequence_tables
 from .step_inputs import SequenceStep, pack_step
 from .parallel.tensor_parallel import WorldConfig, init_tensor_parallel, local_device
-from .token_record import BeamOutputs, TokenRecord
+from .request import Rendered, RequestOutput, RequestSpec, render
 
 logger = logging.getLogger(__name__)
 
@@ -133,32 +133,6 @@ class GenerationOutput:
     on_token_generated: Callable[[torch.Tensor, int, bool], None] | None = None
 
 
-class _Output:
-    """One sequence's outputs besides its tokens (which its TokenRecord holds): width 1 gathers
-    each token's log prob and logits; beam search keeps its latest BeamOutputs."""
-
-    def __init__(self):
-        self.log_probs: list[float] = []
-        self.logits: list[torch.Tensor] = []
-        self.cum_log_prob = 0.0
-        self.beam_outputs: BeamOutputs | None = None
-
-    def add(self, outcome: DecodeOutcome) -> None:
-        if outcome.beams is not None:
-            self.beam_outputs = outcome.beams
-            return
-        self.log_probs += outcome.log_probs
-        self.logits += outcome.logits
-        self.cum_log_prob = outcome.cum_log_prob
-
-    def beams(self, record: TokenRecord) -> list[tuple]:
-        """The output beams, best first, as (tokens, log_probs, cum_log_prob, logits)."""
-        b = self.beam_outputs
-        if b is None:
-            return [(record.beams[0], self.log_probs, self.cum_log_prob, self.logits)]
-        return list(zip(b.tokens, b.log_probs, b.cum_log_probs, b.generation_logits or [()] * len(b.tokens)))
-
-
 class GptSession:
     @dataclass
     class Config:
@@ -233,10 +207,12 @@ class GptSession:
         params = self._with_inputs(sampling.decoding_params(batch, inputs.end_id, vocab), inputs, vocab)
 
         build = self.engine.build_config
-        records = [TokenRecord(p) for p in prompts]
+        # Each sequence a request of the core: its spec, its one record, rendered at the end.
+        specs = [RequestSpec(p, max_new_tokens, params[i], pad_id=inputs.pad_id, return_log_probs=True,
+                             return_generation_logits=build.gather_generation_logits) for i, p in enumerate(prompts)]
+        records = [RequestOutput(i, p, params[i].num_sequences) for i, p in enumerate(prompts)]
         states = [DecodeState(params[i], records[i], max_new_tokens, build.gather_generation_logits)
                   for i in range(batch)]
-        outputs = [_Output() for _ in range(batch)]
         kv = KvCacheManager(self.runner.num_blocks, build.tokens_per_block)
         allocated = all([kv.allocate(i, len(p)) for i, p in enumerate(prompts)])
         assert allocated, "the pool holds max_batch_size x max_beam_width full sequences"
@@ -248,9 +224,8 @@ class GptSession:
         for step in range(max_new_tokens):
             outcomes = self.decoder.step([states[i] for i in running], logits)
             for i, outcome in zip(running, outcomes):
-                outputs[i].add(outcome)
-                records[i].apply(outcome.tokens, outcome.beams, states[i].is_finished)
-                self._write_ids(out_ids[i], prompts[i], [b[0] for b in outputs[i].beams(records[i])], inputs.pad_id)
+                records[i].apply(outcome)
+                self._write_ids(out_ids[i], prompts[i], [s.tokens for s in records[i].sequences], inputs.pad_id)
                 if states[i].is_finished:
                     free_beams(kv, i, num_beams[i])
                 elif outcome.beams is not None:
@@ -262,8 +237,8 @@ class GptSession:
             if not running:
                 break
             logits = self._generation_step(states, running, kv)
-        self._write_outputs(output, out_ids, [o.beams(r) for o, r in zip(outputs, records)], prompts,
-                            max_new_tokens, vocab)
+        self._write_outputs(output, out_ids, [render(spec, record, 0, False) for spec, record in zip(specs, records)],
+                            prompts, max_new_tokens, vocab)
         output.context_logits = context_logits
 
     def _with_inputs(self, params: list[DecodingParams], inputs: GenerationInput, vocab: int) -> list[DecodingParams]:
@@ -320,23 +295,23 @@ class GptSession:
             out_ids[beam, n + len(tokens):] = pad_id
 
     @staticmethod
-    def _write_outputs(output: GenerationOutput, out_ids: torch.Tensor, beams: list[list[tuple]],
+    def _write_outputs(output: GenerationOutput, out_ids: torch.Tensor, rendered: list[Rendered],
                        prompts: list[list[int]], max_new_tokens: int, vocab: int) -> None:
-        """beams[i]: sequence i's output beams as (tokens, log_probs, cum_log_prob, logits)."""
+        """rendered[i]: sequence i's output beams (best first), its generated tokens from 0."""
         batch, beam_width = out_ids.shape[:2]
         lengths = torch.zeros(batch, beam_width, dtype=torch.int32)
         log_probs = torch.zeros(batch, beam_width, max_new_tokens)
         cum_log_probs = torch.zeros(batch, beam_width)
-        gather = any(logits for rows in beams for *_, logits in rows)
+        gather = any(rows for r in rendered for rows in r.generation_logits or ())
         generation_logits = torch.zeros(batch, beam_width, max_new_tokens, vocab) if gather else None
-        for i, rows in enumerate(beams):
+        for i, r in enumerate(rendered):
             lengths[i] = len(prompts[i])
-            for beam, (tokens, lps, cum, logits) in enumerate(rows):
+            for beam, tokens in enumerate(r.token_ids):
                 lengths[i, beam] = len(prompts[i]) + len(tokens)
-                log_probs[i, beam, :len(lps)] = torch.tensor(lps)
-                cum_log_probs[i, beam] = cum
-                if logits:
-                    generation_logits[i, beam, :len(logits)] = torch.stack(logits)
+                log_probs[i, beam, :len(r.log_probs[beam])] = torch.tensor(r.log_probs[beam])
+                cum_log_probs[i, beam] = r.cum_log_probs[beam]
+                if gather and r.generation_logits[beam]:
+                    generation_logits[i, beam, :len(r.generation_logits[beam])] = torch.stack(r.generation_logits[beam])
         output.ids, output.lengths = out_ids, lengths
         output.log_probs, output.cum_log_probs = log_probs, cum_log_probs
         output.generation_logits = generation_logits

@@ -1,7 +1,7 @@
 """The Executor's two conversions: a `Request` into a `RequestSpec` (on the caller's thread,
-through the same checks as GptManager's tensors: `admission.make_spec` and
-`DecodingParams.validate`), and a request's `RequestOutput` into a `Result` (on the worker
-thread, rendered as GptManager's responses are: `responses.render`)."""
+parsed here, then checked as GptManager's tensors are: `runtime.request.make_spec`), and a
+request's `RequestOutput` into a `Result` (on the worker thread, rendered as GptManager's
+responses are: `responses.render_tensors`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,13 +14,14 @@ from runtime.decoding.fields import SAMPLING_FIELDS
 
 from runtime.adapters.prompt_tuning import check_prompt_table
 
-from ..admission import (INT_DTYPES, AdmissionLimits, RequestError, cache_salt, check_decoding, check_drafts,
-                         check_prompt, make_spec)
-from ..guided_decoding import check_guide
-from ..scheduling.llm_request import FinishReason as CoreFinishReason
-from ..scheduling.llm_request import RequestOutput, RequestSpec
+from runtime.request import AdmissionLimits, RequestError, RequestOutput, RequestSpec, ResumedContext
+from runtime.request import FinishReason as CoreFinishReason
+from runtime.request import check_prompt, make_spec
+
+from ..admission import INT_DTYPES, cache_salt, finite_rows
+from ..guided_decoding import parse_guide
+from ..legacy.responses import context_logits, render_tensors
 from ..lora import adapter_ref
-from ..legacy.responses import context_logits, render
 from .request import (ExternalDraftTokensConfig, FinishReason, LoraConfig, OutputConfig, PromptTuningConfig, Request,
                       Result, SamplingConfig)
 
@@ -30,6 +31,7 @@ _NAMES = {f.param: (f.executor if "." in f.executor else f"sampling_config.{f.ex
 _NAMES.update(end_id="end_id", embedding_bias="embedding_bias",
               draft_acceptance_threshold="external_draft_tokens_config.acceptance_threshold")
 _FIELD_NAMES = {"max_new_tokens": "max_tokens", "pad_id": "pad_id", "draft_input_ids": "external_draft_tokens_config",
+                "draft_tokens": "external_draft_tokens_config.tokens", "draft_logits": "external_draft_tokens_config.logits",
                 "num_return_sequences": "sampling_config.num_return_sequences",
                 "beam_width": "sampling_config.beam_width",
                 "return_context_logits": "output_config.return_context_logits",
@@ -45,9 +47,10 @@ class OutputOptions:
 
 
 def to_spec(request: Request, limits: AdmissionLimits, normalize_log_probs: bool,
-            post_processors: dict[str, Callable], has_batched_post_processor: bool
-            ) -> tuple[RequestSpec, OutputOptions]:
-    """ValueError (RequestError) naming the field and the value for bad input."""
+            post_processors: dict[str, Callable], has_batched_post_processor: bool,
+            resumed: ResumedContext | None = None, context_only: bool = False) -> tuple[RequestSpec, OutputOptions]:
+    """ValueError (RequestError) naming the field and the value for bad input. `resumed`: a
+    generation-only request's start; `context_only`: it runs to its first token."""
     if not isinstance(request, Request):
         raise RequestError(f"request: expected an executor Request, got {type(request).__name__}")
     prompt = _token_ids("input_token_ids", request.input_token_ids)
@@ -65,24 +68,28 @@ def to_spec(request: Request, limits: AdmissionLimits, normalize_log_probs: bool
         raise RequestError(f"priority: {priority!r} outside [0, 1]")
     post_processor, use_batched = _post_processor(request.logits_post_processor_name, post_processors,
                                                  has_batched_post_processor)
+    draft_tokens, draft_logits = _drafts(request.external_draft_tokens_config)
+    try:
+        guide = parse_guide(request.guided_decoding_params, limits.guides, "guided_decoding_params")
+    except ValueError as e:
+        raise RequestError(str(e)) from None
     spec = make_spec(
-        "being enqueued", prompt, max_tokens, limits, names=_FIELD_NAMES,
-        pad_id=lambda: 0 if request.pad_id is None else _int("pad_id", request.pad_id),
-        decoding=lambda: check_decoding(_decoding_params(request, limits, normalize_log_probs), limits, _NAMES),
-        output_flags=lambda: {name: bool(getattr(output, name)) for name in
-                              ("return_log_probs", "return_context_logits", "return_generation_logits")},
+        prompt, max_tokens, limits, _decoding_params(request, limits, normalize_log_probs), names=_FIELD_NAMES,
+        decoding_names=_NAMES, request_id="being enqueued",
+        pad_id=0 if request.pad_id is None else _int("pad_id", request.pad_id),
+        draft_tokens=draft_tokens, draft_logits=draft_logits, guide=guide, context_only=context_only,
+        **{name: bool(getattr(output, name)) for name in
+           ("return_log_probs", "return_context_logits", "return_generation_logits")},
         is_streaming=bool(request.streaming), logits_post_processor=post_processor,
         use_batched_post_processor=use_batched, priority=float(priority), client_id=request.client_id,
-        lora=lora, prompt_table=table, cache_salt=cache_salt(lora, table),
-        drafts=lambda: _drafts(request.external_draft_tokens_config, limits),
-        guide=lambda: check_guide(request.guided_decoding_params, limits.guides, "guided_decoding_params"))
+        lora=lora, prompt_table=table, cache_salt=cache_salt(lora, table), resumed=resumed)
     _claim_adapter(spec.lora, limits)   # last: a refused request leaves no claim behind
     return spec, OutputOptions(bool(output.exclude_input_from_output), bool(request.return_all_generated_tokens))
 
 
-def _drafts(config, limits: AdmissionLimits) -> tuple[list[int], Any]:
+def _drafts(config) -> tuple[list[int] | None, Any]:
     if config is None:
-        return [], None
+        return None, None
     if not isinstance(config, ExternalDraftTokensConfig):
         raise RequestError(f"external_draft_tokens_config: expected an ExternalDraftTokensConfig, "
                            f"got {type(config).__name__}")
@@ -93,8 +100,7 @@ def _drafts(config, limits: AdmissionLimits) -> tuple[list[int], Any]:
         raise RequestError(f"external_draft_tokens_config.logits: expected a float tensor [D, V] with values, "
                            f"got {getattr(logits, 'dtype', type(logits).__name__)}"
                            f"{' on the meta device' if getattr(logits, 'is_meta', False) else ''}")
-    return check_drafts(tokens, logits, limits, "external_draft_tokens_config.tokens",
-                        "external_draft_tokens_config.logits")
+    return tokens, None if logits is None else finite_rows("external_draft_tokens_config.logits", logits)
 
 
 def _lora(config, limits: AdmissionLimits):
@@ -227,7 +233,8 @@ def to_result(spec: RequestSpec, output: RequestOutput, start: int, is_final: bo
     with_prompt = not spec.is_streaming and not options.exclude_input_from_output
     # Generation-only: its first token is the context instance's; its input is prompt + that token.
     num_first = 0 if spec.resumed is None else 1
-    rendered = render(spec, output, max(start if spec.is_streaming else 0, num_first), with_prompt and not num_first)
+    rendered = render_tensors(spec, output, max(start if spec.is_streaming else 0, num_first),
+                              with_prompt and not num_first)
     token_ids = rendered.token_ids
     if with_prompt and num_first:
         token_ids = [spec.prompt + output.sequences[0].tokens[:num_first] + row for row in token_ids]
@@ -259,7 +266,7 @@ def to_sequence_results(spec: RequestSpec, output: RequestOutput, sent: list[int
     request's last result has is_final; every result of the final response is_sequence_final
     (a sample that ended early is seen as ended only then)."""
     with_prompt = not spec.is_streaming and not options.exclude_input_from_output
-    rendered = render(spec, output, 0, with_prompt)
+    rendered = render_tensors(spec, output, 0, with_prompt)
     prefix = len(spec.prompt) if with_prompt else 0
     logits = context_logits(spec, output) if is_final else None
     results = []

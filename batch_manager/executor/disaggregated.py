@@ -16,11 +16,11 @@ from typing import Any
 
 import msgpack
 
-from ..admission import AdmissionLimits, RequestError
+from runtime.request import AdmissionLimits, RequestError, RequestOutput, ResumedContext
+
 from ..kv_transport.kv_handoff import KvExports
 from ..kv_transport.kv_transfer import FetchExpectation, KvTransferServer, OpenSockets, fetch_blocks
 from ..kv_transport.kv_wire import KvLayout
-from ..scheduling.llm_request import RequestOutput, ResumedContext
 from .conversion import _token_ids
 from .request import ContextPhaseParams, Request, RequestType, SamplingConfig
 

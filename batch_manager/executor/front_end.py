@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import replace
 from typing import Callable
 
-from ..admission import AdmissionLimits
+from runtime.request import AdmissionLimits, RequestOutput, RequestSpec
+from runtime.request import FinishReason as CoreFinishReason
+
 from ..legacy.front_end import Fetched
-from ..scheduling.llm_request import FinishReason as CoreFinishReason
-from ..scheduling.llm_request import LlmRequest, RequestOutput, RequestSpec
 from ..legacy.responses import StreamCursors
+from ..scheduling.llm_request import LlmRequest
 from ..stats import IterationStats as CoreIterationStats
 from .conversion import OutputOptions, is_samples, to_result, to_sequence_results, to_spec
 from .deadlines import Deadlines, check_allotted_time_ms, check_milliseconds
@@ -83,20 +83,23 @@ class ExecutorFrontEnd:
                 if allotted_ms is not None:
                     self.deadlines.add(request_id, allotted_ms)
                 self.responses.register(request_id, listener)
-            queue.push_all([QueuedRequest(request_id, spec) for request_id, (spec, _, _) in zip(ids, converted)])
+            queue.push_all([QueuedRequest(request_id, spec, self._exports_kv(spec, context_only))
+                            for request_id, (spec, _, context_only) in zip(ids, converted)])
         self._work.set()
         return ids
 
     def _convert(self, request: Request) -> tuple[RequestSpec, OutputOptions, ContextOnly | None]:
         """A request's spec and result shaping; for a context-only one, what its params record."""
         _, disaggregated = check_request_type(request, self.limits, self.kv_transfer)
+        context_only = disaggregated if isinstance(disaggregated, ContextOnly) else None
         spec, options = to_spec(request, self.limits, self._normalize_log_probs, self._post_processors,
-                                self._has_batched)
-        if isinstance(disaggregated, ContextOnly):   # runs to its first token; leaves its KV unless that ends it
-            return replace(spec, max_new_tokens=1, exports_kv=spec.max_new_tokens > 1), options, disaggregated
-        if disaggregated is not None:
-            spec = replace(spec, resumed=disaggregated)
-        return spec, options, None
+                                self._has_batched, None if context_only else disaggregated, context_only is not None)
+        return spec, options, context_only
+
+    def _exports_kv(self, spec: RequestSpec, context_only: ContextOnly | None) -> bool:
+        """A context-only request leaves its prompt's KV unless its first token ends it (the length
+        it asked for, clamped to max_seq_len, is one)."""
+        return context_only is not None and min(context_only.max_tokens, self.limits.max_seq_len - len(spec.prompt)) > 1
 
     def _check_ttft(self, specs: list[RequestSpec], budgets_ms: list[float | None]) -> None:
         """QueueFullError for the first request whose predicted first token is later than its budget
@@ -126,7 +129,7 @@ class ExecutorFrontEnd:
         """A queued request is answered at once; an admitted one stops at the worker's next poll."""
         queued = self.requests.remove(request_id)
         if queued is not None:
-            output = RequestOutput.empty(request_id, queued.spec.num_sequences)
+            output = RequestOutput(request_id, queued.spec.prompt, queued.spec.num_sequences)
             output.finish(CoreFinishReason.STOPPED, queued.spec.max_new_tokens)
             self.respond(queued.spec, output, True)
             return
@@ -160,12 +163,11 @@ class ExecutorFrontEnd:
             self.pending_context.update(item.request_id, _num_context_tokens(item.spec))
         return Fetched(requests, len(requests))
 
-    def admit(self, item: QueuedRequest) -> RequestSpec:
+    def admit(self, item: QueuedRequest, arrival_index: int) -> LlmRequest:
         """A generation-only request starts fetching its prompt's KV (it is scheduled once fetched)."""
-        spec = item.spec
-        if spec.resumed is not None and spec.resumed.kv is None:
-            spec = replace(spec, resumed=replace(spec.resumed, kv=self.kv_transfer.fetch(spec.resumed.source)))
-        return spec
+        resumed = item.spec.resumed
+        return LlmRequest(item.request_id, item.spec, arrival_index, exports_kv=item.exports_kv,
+                          kv_import=None if resumed is None else self.kv_transfer.fetch(resumed.source))
 
     def poll_stop_ids(self) -> list[int]:
         for request_id in self.deadlines.pop_expired():   # allotted_time_ms passed: ends as if cancelled
@@ -258,4 +260,4 @@ def _ttft_budget_ms(value) -> float | None:
 def _num_context_tokens(spec: RequestSpec) -> int:
     """The context a request computes before its first token: none for a generation-only request
     (its prompt's KV comes from the context side)."""
-    return 0 if getattr(spec, "resumed", None) is not None else len(spec.prompt)
+    return 0 if spec.resumed is not None else len(spec.prompt)

@@ -10,7 +10,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
-from ..scheduling.llm_request import RequestSpec
+from runtime.request import RequestSpec
+
 from .request import Response
 from .waits import wait_for
 
@@ -31,6 +32,7 @@ class QueueFullError(RuntimeError):
 class QueuedRequest:
     request_id: int
     spec: RequestSpec
+    exports_kv: bool = False   # context-only: leaves its prompt's KV for a generation-only request
 
 
 class RequestQueue:

@@ -92,9 +92,9 @@ class WireEventCollector:
         request = self._request_of(holder)
         lora_id = None
         if request is not None:
-            if request.spec.lora is not None:
-                lora_id = request.spec.lora.task_id
-            if not parent_key and request.spec.cache_salt is not None:
+            if request.adapter is not None:
+                lora_id = request.adapter.task_id
+            if not parent_key and request.cache_salt is not None:
                 token_ids[0] = request.spec.prompt[0]
         self._events.append({"type": "BlockStored", "block_hashes": [key for key, _ in blocks],
                              "parent_block_hash": parent_key or None, "token_ids": token_ids,

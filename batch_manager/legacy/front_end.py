@@ -8,10 +8,12 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Iterable, Protocol
 
-from ..admission import AdmissionLimits, to_spec
+from ..admission import to_spec
 from .callbacks import UserCallbacks
 from .inference_request import InferenceRequest
-from ..scheduling.llm_request import LlmRequest, RequestOutput, RequestSpec
+from runtime.request import RequestOutput, RequestSpec
+
+from ..scheduling.llm_request import LlmRequest
 from .responses import StreamCursors, response_tensors
 from ..stats import IterationStats, stats_json
 
@@ -48,9 +50,9 @@ class FrontEnd(Protocol):
     def wake(self) -> None:
         """End a `wait_for_work` (the worker is stopping)."""
 
-    def admit(self, item: Any) -> RequestSpec:
-        """A fetched item as a validated RequestSpec; raises ValueError (answered as that request's
-        error) for bad input."""
+    def admit(self, item: Any, arrival_index: int) -> LlmRequest:
+        """A fetched item as an admitted request (its spec validated, its resources resolved);
+        raises ValueError (answered as that request's error) for bad input."""
 
     def poll_stop_ids(self) -> Iterable[Any]:
         """Ids of requests to end with what they have."""
@@ -120,8 +122,8 @@ class CallbackFrontEnd:
         terminate_id = self.terminate_req_id
         return terminate_id is not None and type(request.request_id) is int and request.request_id == terminate_id
 
-    def admit(self, item: InferenceRequest) -> RequestSpec:
-        return to_spec(item, self.limits, self.normalize_log_probs)
+    def admit(self, item: InferenceRequest, arrival_index: int) -> LlmRequest:
+        return LlmRequest(item.request_id, to_spec(item, self.limits, self.normalize_log_probs), arrival_index)
 
     def poll_stop_ids(self) -> list[Any]:
         return self.callbacks.poll_stop_signals()

@@ -1,16 +1,17 @@
-"""Rendering a `RequestOutput` for a front end: `render` gives the per-sequence values both front
-ends answer with (the Executor's `Result` takes them as they are), `response_tensors` GptManager's
-six named output tensors (API.md) of a final or a streamed response. Each front end keeps its own
-cursor of the generated tokens it sent (`start`)."""
+"""Rendering a `RequestOutput` for a tensor door: `render_tensors` makes tensors of
+`runtime.request.render`'s values (the Executor's `Result` takes them as they are),
+`response_tensors` GptManager's six named output tensors (API.md) of a final or a streamed
+response. Each front end keeps its own cursor of the generated tokens it sent (`start`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 
+from runtime.request import RequestOutput, RequestSpec, render
+
 from . import tensor_names as tn
 from .inference_request import NamedTensor
-from ..scheduling.llm_request import RequestOutput, RequestSpec
 
 
 class StreamCursors:
@@ -40,8 +41,8 @@ class StreamCursors:
 
 
 @dataclass(frozen=True)
-class Rendered:
-    """One response's values, per output sequence S (1 at beam width 1)."""
+class RenderedTensors:
+    """`runtime.request.render`'s values as tensors, per output sequence S (1 at beam width 1)."""
     token_ids: list[list[int]]            # per sequence; with the prompt first when asked
     log_probs: torch.Tensor               # float32 [S, n] (zeros unless return_log_probs)
     cum_log_probs: torch.Tensor           # float32 [S]
@@ -50,40 +51,25 @@ class Rendered:
     top_log_prob_ids: torch.Tensor | None  # int32 [1, n, k]
 
 
-def render(spec: RequestSpec, output: RequestOutput, start: int, with_prompt: bool) -> Rendered:
-    """Width 1: the generated tokens from `start` on (a stream's new tokens), after the prompt when
-    `with_prompt`. Beam search and samples: every sequence whole (beams reorder between steps, so
-    "new tokens only" has no meaning for them), from 0."""
-    sequences = output.sequences
-    if len(sequences) > 1:
-        start = 0
-    prefix = spec.prompt if with_prompt else []
-    token_ids = [prefix + s.tokens[start:] for s in sequences]
-    num_generated = max(len(s.tokens) for s in sequences) - start
-    log_probs = torch.zeros(len(sequences), num_generated, dtype=torch.float32)
-    cum_log_probs = torch.zeros(len(sequences), dtype=torch.float32)
-    if spec.return_log_probs:
-        for i, s in enumerate(sequences):
-            values = s.log_probs[start:]
-            log_probs[i, :len(values)] = torch.tensor(values, dtype=torch.float32)
-            cum_log_probs[i] = s.cum_log_prob
-        if len(sequences) == 1:   # the end token has no log prob: the row is one shorter then
-            log_probs = log_probs[:, :len(sequences[0].log_probs[start:])]
+def render_tensors(spec: RequestSpec, output: RequestOutput, start: int, with_prompt: bool) -> RenderedTensors:
+    """`render` (see there), its values made tensors: the tensor doors' shared answer."""
+    rendered = render(spec, output, start, with_prompt)
     generation_logits = None
-    if spec.return_generation_logits:
-        rows = [s.generation_logits[start:] for s in sequences]
+    if rendered.generation_logits is not None:
+        rows = rendered.generation_logits
         vocab = next((r[0].shape[-1] for r in rows if r), 1)
-        generation_logits = torch.zeros(len(sequences), max(len(r) for r in rows), vocab, dtype=torch.float32)
+        generation_logits = torch.zeros(len(rows), max(len(r) for r in rows), vocab, dtype=torch.float32)
         for i, r in enumerate(rows):
             if r:
                 generation_logits[i, :len(r)] = torch.stack(r).to(torch.float32)
     top_log_probs = top_log_prob_ids = None
     k = spec.decoding.num_top_log_probs
-    if k:   # width 1 only
-        entries = sequences[0].top_log_probs[start:]
-        top_log_probs = torch.tensor([v for v, _ in entries], dtype=torch.float32).view(1, -1, k)
-        top_log_prob_ids = torch.tensor([i for _, i in entries], dtype=torch.int32).view(1, -1, k)
-    return Rendered(token_ids, log_probs, cum_log_probs, generation_logits, top_log_probs, top_log_prob_ids)
+    if rendered.top_log_probs is not None:   # width 1 only
+        top_log_probs = torch.tensor([v for v, _ in rendered.top_log_probs], dtype=torch.float32).view(1, -1, k)
+        top_log_prob_ids = torch.tensor([i for _, i in rendered.top_log_probs], dtype=torch.int32).view(1, -1, k)
+    return RenderedTensors(rendered.token_ids, torch.tensor(rendered.log_probs, dtype=torch.float32),
+                           torch.tensor(rendered.cum_log_probs, dtype=torch.float32),
+                           generation_logits, top_log_probs, top_log_prob_ids)
 
 
 def context_logits(spec: RequestSpec, output: RequestOutput) -> torch.Tensor | None:
@@ -100,7 +86,7 @@ def response_tensors(spec: RequestSpec, output: RequestOutput, start: int,
     every beam whole, rows padded with pad_id to the longest. Tensors not asked for keep their
     legacy placeholder shapes ([1, 1, 1] context logits, [1, 1, 1, 1] generation logits)."""
     with_prompt = not spec.is_streaming and not exclude_input_in_output
-    rendered = render(spec, output, start if spec.is_streaming else 0, with_prompt)
+    rendered = render_tensors(spec, output, start if spec.is_streaming else 0, with_prompt)
     rows = rendered.token_ids
     output_ids = torch.full((1, len(rows), max(len(row) for row in rows)), spec.pad_id, dtype=torch.int32)
     for b, row in enumerate(rows):

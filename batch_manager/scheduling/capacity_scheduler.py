@@ -9,7 +9,9 @@ from runtime.cache.beam_blocks import beam_holder, free_beams, max_beam_blocks, 
 from runtime.cache.kv_cache_manager import KvCacheManager
 
 from ..kv_transport.kv_handoff import import_blocks
-from .llm_request import FinishReason, LlmRequest, RequestState
+from runtime.request import FinishReason
+
+from .llm_request import LlmRequest, RequestState
 from ..options import SchedulerPolicy
 from ..adapters.peft_cache import PeftCache
 
@@ -47,39 +49,39 @@ class CapacityScheduler:
 
     def register(self, r: LlmRequest) -> str | None:
         """A newly admitted request: its adapter joins the cache. -> the error refusing it, or None."""
-        if r.spec.lora is None:
+        if r.adapter is None:
             return None
         if self.peft_cache is None:
             return "lora_task_id: this manager has no PEFT cache"
-        error = self.peft_cache.register(r.spec.lora)
+        error = self.peft_cache.register(r.adapter)
         if error is None:   # the cache holds the weights now; its blocks are keyed by the cached instance
-            instance = self.peft_cache.instance(r.spec.lora.task_id)
-            r.spec = replace(r.spec, lora=replace(r.spec.lora, payload=None),
-                             cache_salt=(r.spec.cache_salt or b"") + b"#" + instance.to_bytes(8, "little"))
+            instance = self.peft_cache.instance(r.adapter.task_id)
+            r.adapter = replace(r.adapter, payload=None)
+            r.cache_salt = (r.cache_salt or b"") + b"#" + instance.to_bytes(8, "little")
         else:
-            r.spec = replace(r.spec, lora=None)
+            r.adapter = None
         return error
 
     def release(self, r: LlmRequest) -> None:
         """`r` stops holding KV blocks (paused or ended): free them and unpin its adapter."""
         free_request_blocks(self.kv, r)
         if r.holds_adapter:
-            self.peft_cache.release(r.spec.lora.task_id)
+            self.peft_cache.release(r.adapter.task_id)
             r.holds_adapter = False
 
     def end(self, r: LlmRequest) -> None:
         """`r` ended: release it and its claim on the cached adapter."""
         self.release(r)
-        if r.spec.lora is not None:
-            self.peft_cache.unregister(r.spec.lora.task_id)
-            r.spec = replace(r.spec, lora=None)
+        if r.adapter is not None:
+            self.peft_cache.unregister(r.adapter.task_id)
+            r.adapter = None
 
     def take_adapter_changes(self) -> tuple[tuple, tuple[int, ...]]:
         """(loads, evictions) for the runtime's adapter store since the last step."""
         return self.peft_cache.take_changes() if self.peft_cache is not None else ((), ())
 
     def _can_start_adapter(self, r: LlmRequest) -> bool:
-        return r.spec.lora is None or self.peft_cache.can_acquire(r.spec.lora.task_id)
+        return r.adapter is None or self.peft_cache.can_acquire(r.adapter.task_id)
 
     def schedule(self, requests: list[LlmRequest], in_flight: frozenset[LlmRequest] = frozenset()) -> CapacityOutput:
         """`requests`: active (unfinished) requests in admission order."""
@@ -127,9 +129,9 @@ class CapacityScheduler:
     def _start(self, r: LlmRequest) -> bool:
         """Admit `r`: it starts holding blocks, beginning with its cached prefix. False: it ended
         instead (its fetched KV could not be imported) and holds nothing."""
-        if r.spec.lora is not None:
-            ok = self.peft_cache.acquire(r.spec.lora.task_id)
-            assert ok, f"request {r.request_id}: adapter {r.spec.lora.task_id} was checked resident-able"
+        if r.adapter is not None:
+            ok = self.peft_cache.acquire(r.adapter.task_id)
+            assert ok, f"request {r.request_id}: adapter {r.adapter.task_id} was checked resident-able"
             r.holds_adapter = True
         r.set_state(RequestState.CONTEXT)
         r.start_index = self._num_starts

@@ -1,6 +1,6 @@
-"""A request inside the manager: `RequestSpec` (what it asks for, frozen at admission),
-`LlmRequest` (its progress) and `RequestOutput` (what it produced). Plain Python, no tensors of
-its own. The scheduler owns the last two: only `Scheduler` (and its capacity and micro-batch
+"""A request inside the manager: `LlmRequest`, its progress, beside its `RequestSpec` (what it
+asks for, frozen at admission) and its `RequestOutput` (the one record of what it produced), both
+from runtime/request/. Plain Python, no tensors of its own. The scheduler owns the last two: only `Scheduler` (and its capacity and micro-batch
 stages) changes them; the model executor sees a request only through the frozen
 `ScheduledRequest` of a step, and the front ends read its `RequestOutput` to answer.
 
@@ -13,10 +13,15 @@ from __future__ import annotations
 
 import enum
 import hashlib
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING
 
-from runtime.token_record import BeamOutputs, TokenRecord
+from runtime.request import FinishReason, RequestOutput, RequestSpec
+
+if TYPE_CHECKING:
+    from ..adapters.peft_cache import AdapterRef
+    from ..kv_transport.kv_handoff import KvWrites
 
 
 class RequestState(enum.IntEnum):
@@ -34,124 +39,6 @@ _ALLOWED = {
 }
 
 
-class FinishReason(enum.Enum):
-    END_ID = "end_id"
-    LENGTH = "length"
-    STOP_WORDS = "stop_words"
-    STOPPED = "stopped"
-    ERROR = "error"
-
-
-@dataclass(frozen=True)
-class ResumedContext:
-    """A generation-only request's start (disaggregated context and generation): the context
-    instance's first token, and where its prompt's KV blocks are."""
-    first_token: int
-    first_log_prob: float   # the first token's log prob (cum_log_probs counts it)
-    source: Any             # executor.disaggregated.KvSource: the context instance's address and handle
-    kv: Any = None          # concurrent.futures.Future -> kv_transfer.FetchedBlocks, set when admitted
-
-
-@dataclass(frozen=True, eq=False)
-class RequestSpec:
-    """One validated request, whichever front door it came through (`admission.make_spec`)."""
-    prompt: list[int]                 # never changed after admission
-    max_new_tokens: int               # clamped so that prompt + max_new_tokens <= max_seq_len
-    decoding: Any                     # runtime.decoding.DecodingParams: sampling, beams or samples,
-                                      # stops, the external drafts' logits and threshold, the guide
-    pad_id: int = 0
-    is_streaming: bool = False
-    return_log_probs: bool = False
-    return_context_logits: bool = False
-    return_generation_logits: bool = False
-    logits_post_processor: Callable | None = None
-    use_batched_post_processor: bool = False  # the manager's batched logits post-processor applies
-    priority: float = 0.5   # in [0, 1]: admitted first when higher, paused first when lower
-    client_id: Any = None   # the Executor request's, handed to logits post-processors
-    lora: Any = None        # batch_manager.adapters.peft_cache.AdapterRef: its LoRA adapter, or None
-    prompt_table: Any = None   # float32 [T, hidden]: prompt ids vocab_size + j take row j (prompt tuning)
-    # Its cached KV differs from another request's for the same tokens (an adapter, a prompt
-    # table): block reuse keys its blocks by this too (see LlmRequest.reuse_token_slice).
-    cache_salt: bytes | None = None
-    draft_tokens: tuple[int, ...] = ()   # its own drafts, verified with its first generated token
-    # Disaggregated context and generation (kv_handoff.py): a context-only request runs to its
-    # first token (max_new_tokens 1) and, when that is not its end, leaves its prompt's KV blocks
-    # for a generation-only request, which starts after that token (`resumed`).
-    exports_kv: bool = False
-    resumed: ResumedContext | None = None
-
-    @property
-    def num_sequences(self) -> int:
-        """Its beams, or its independent samples (they share the prompt's KV like beams)."""
-        return self.decoding.num_sequences
-
-
-@dataclass
-class SequenceOutput:
-    """One output sequence (a beam, or a returned sample): its generated tokens and what was asked
-    with them."""
-    tokens: list[int] = field(default_factory=list)
-    log_probs: list[float] = field(default_factory=list)   # when return_log_probs; none for an end token
-    cum_log_prob: float = 0.0                               # includes the end token's log prob
-    top_log_probs: list[tuple] = field(default_factory=list)   # per token: (k log probs, k ids)
-    generation_logits: list[Any] = field(default_factory=list)   # float32 [V] per token, when gathered
-    finish_reason: FinishReason | None = None
-
-
-@dataclass
-class RequestOutput:
-    """What a request produced so far: the scheduler writes it after each step; front ends render
-    their responses from it and keep their own cursors of what they sent. Beam search: the
-    output beams, best first, whole after each step (beams reorder); otherwise the sequences grow
-    by appending."""
-    request_id: int
-    sequences: list[SequenceOutput]
-    num_generated: int = 0          # generation steps' tokens so far (of the first live sequence)
-    context_logits: Any = None      # float32 [prompt_len, V] when requested
-    finish_reason: FinishReason | None = None
-    error: str | None = None
-    kv_export: Any = None           # kv_handoff.ExportedKv: where an exporting request's blocks went
-
-    @classmethod
-    def empty(cls, request_id: int, num_sequences: int) -> RequestOutput:
-        return cls(request_id, [SequenceOutput() for _ in range(num_sequences)])
-
-    @property
-    def is_finished(self) -> bool:
-        return self.finish_reason is not None
-
-    def apply(self, outcome) -> None:
-        """One decoder outcome (runtime.decoding.DecodeOutcome): appended at width 1; beam search
-        and samples replace every sequence."""
-        beams: BeamOutputs | None = outcome.beams
-        if beams is None:
-            sequence = self.sequences[0]
-            sequence.tokens += outcome.tokens
-            sequence.log_probs += outcome.log_probs
-            sequence.top_log_probs += outcome.top_log_probs
-            sequence.generation_logits += outcome.logits
-            sequence.cum_log_prob = outcome.cum_log_prob
-        else:
-            logits = beams.generation_logits or [()] * len(beams.tokens)
-            self.sequences = [SequenceOutput(list(tokens), list(log_probs), cum, [], list(rows))
-                              for tokens, log_probs, cum, rows
-                              in zip(beams.tokens, beams.log_probs, beams.cum_log_probs, logits)]
-
-    def finish(self, reason: FinishReason, max_new_tokens: int, error: str | None = None) -> None:
-        """Every sequence's reason: beams shorter than max_new_tokens ended on the end id (or a
-        stop word), the others on the length; a stop or an error ends all alike."""
-        self.finish_reason, self.error = reason, error
-        per_sequence = len(self.sequences) > 1 and reason in (FinishReason.END_ID, FinishReason.STOP_WORDS,
-                                                               FinishReason.LENGTH)
-        for s in self.sequences:
-            if per_sequence and len(s.tokens) >= max_new_tokens:
-                s.finish_reason = FinishReason.LENGTH
-            elif per_sequence:
-                s.finish_reason = FinishReason.STOP_WORDS if reason == FinishReason.STOP_WORDS else FinishReason.END_ID
-            else:
-                s.finish_reason = reason
-
-
 @dataclass(eq=False)
 class LlmRequest:
     """An admitted request's progress; `spec` is what it asked for."""
@@ -167,9 +54,12 @@ class LlmRequest:
     num_reused_blocks: int = 0   # cached prefix blocks it took over, over all its starts
     has_decoder_state: bool = False  # the executor opened its decoder state (released when it ends)
     holds_adapter: bool = False      # its adapter is pinned on the device (while it holds KV blocks)
+    # Its adapter as the PEFT cache holds it (registered at admission: the weights dropped, the
+    # cache salt extended by the cached instance), None once refused or ended.
+    adapter: AdapterRef | None = field(init=False)
+    cache_salt: bytes | None = field(init=False)   # what block reuse keys its blocks by besides tokens
     # The one record of its tokens (prompt, generated tokens per live beam; `generated` is live
     # beam 0, or the best output once a beam search finished); the decoder reads it.
-    record: TokenRecord = field(init=False)
     output: RequestOutput = field(init=False)
     num_live_beams: int = 1       # KV holders of the request: beam b > 0 is (request_id, b)
     pending_block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) before its next forward
@@ -180,25 +70,23 @@ class LlmRequest:
     max_draft_len: int = field(init=False)
     num_draft_tokens_proposed: int = 0
     num_draft_tokens_accepted: int = 0
-    # Generation-only: the Future of its fetched prompt KV until its first start takes it; then
-    # the writes of its next forward (kv_handoff.KvWrites), dropped if it pauses before that.
-    kv_import: Any = None
-    pending_kv_writes: Any = None
+    # Disaggregated context and generation (kv_handoff.py): a context-only request that leaves
+    # its prompt's KV blocks for a generation-only one (unless its first token ends it); a
+    # generation-only request's fetched prompt KV (a Future of kv_transfer.FetchedBlocks) until
+    # its first start takes it, then the writes of its next forward, dropped if it pauses first.
+    exports_kv: bool = False
+    kv_import: Future | None = None
+    pending_kv_writes: KvWrites | None = None
 
     def __post_init__(self):
-        self.record = TokenRecord(self.spec.prompt)
-        self.output = RequestOutput.empty(self.request_id, self.spec.num_sequences)
+        self.adapter, self.cache_salt = self.spec.lora, self.spec.cache_salt
+        self.output = RequestOutput(self.request_id, self.spec.prompt, self.spec.num_sequences)
         self.draft_tokens = list(self.spec.draft_tokens)
         self.max_draft_len = len(self.draft_tokens)
         resumed = self.spec.resumed
         if resumed is not None:   # its first token came from the context instance: generated already
-            self.record.beams[0].append(resumed.first_token)
-            self.output.sequences[0] = SequenceOutput(
-                [resumed.first_token], [resumed.first_log_prob], resumed.first_log_prob,
-                [None] if self.spec.decoding.num_top_log_probs else [],     # never rendered (start 1)
-                [None] if self.spec.return_generation_logits else [])
-            self.output.num_generated = 1
-            self.kv_import = resumed.kv
+            self.output.start_after(resumed.first_token, resumed.first_log_prob, self.spec.decoding.num_top_log_probs,
+                                    self.spec.return_generation_logits)
 
     @property
     def prompt(self) -> list[int]:
@@ -210,7 +98,7 @@ class LlmRequest:
 
     @property
     def generated(self) -> list[int]:
-        return self.record.beams[0]
+        return self.output.beams[0]
 
     @property
     def prompt_len(self) -> int:
@@ -246,7 +134,7 @@ class LlmRequest:
         """Tokens [start, stop) of live beam `beam` (prompt + that beam's generated tokens)."""
         if self.num_live_beams == 1:
             return self.token_slice(start, stop)
-        return self.record.sequence(beam)[start:stop]
+        return self.output.sequence(beam)[start:stop]
 
     def token_slice(self, start: int, stop: int) -> list[int]:
         prompt = self.spec.prompt
@@ -262,7 +150,7 @@ class LlmRequest:
         key (real ids are >= 0) derived from the salt, so the whole chain of block hashes differs
         from any request with another salt or none."""
         tokens = self.token_slice(start, stop)
-        salt = self.spec.cache_salt
+        salt = self.cache_salt
         if salt is not None and start == 0 and tokens:
             digest = hashlib.blake2b(salt + tokens[0].to_bytes(8, "little", signed=True), digest_size=8).digest()
             tokens[0] = -1 - (int.from_bytes(digest, "little") >> 2)

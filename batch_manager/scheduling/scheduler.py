@@ -11,7 +11,9 @@ from runtime.cache.beam_blocks import beam_holder, fork_beams
 from runtime.cache.kv_cache_manager import KvCacheManager
 
 from .capacity_scheduler import CapacityScheduler
-from .llm_request import FinishReason, LlmRequest, RequestState
+from runtime.request import FinishReason
+
+from .llm_request import LlmRequest, RequestState
 from .micro_batch_scheduler import MicroBatchScheduler
 from .prompt_lookup import propose_drafts
 from .step import NewRequest, RequestResult, ScheduledRequest, ScheduledStep, StepResult
@@ -101,7 +103,7 @@ class Scheduler:
             self.kv_exports.release_due(self.kv)
         done = [r for r in self._requests.values() if r.is_finished and r.request_id not in in_flight_ids]
         for r in done:
-            if r.spec.exports_kv and r.output.finish_reason == FinishReason.LENGTH and self.kv_exports is not None:
+            if r.exports_kv and r.output.finish_reason == FinishReason.LENGTH and self.kv_exports is not None:
                 assert r.num_computed_tokens == r.prompt_len and r.num_live_beams == 1
                 r.output.kv_export = self.kv_exports.export(self.kv, r.request_id, r.prompt_len)
             self.capacity.end(r)
@@ -168,7 +170,7 @@ class Scheduler:
                 r.draft_tokens = []
             elif self._uses_drafter(r):
                 room = r.max_new_tokens - len(r.generated) - 1
-                r.draft_tokens = propose_drafts(r.record.sequence(0), min(room, self.prompt_lookup_num_tokens),
+                r.draft_tokens = propose_drafts(r.output.sequence(0), min(room, self.prompt_lookup_num_tokens),
                                                 self.max_matching_ngram_size) if room > 0 else []
 
     def _scheduled(self, r: LlmRequest) -> ScheduledRequest:
@@ -185,7 +187,7 @@ class Scheduler:
         new = None
         if not r.has_decoder_state:
             r.has_decoder_state = True
-            new = NewRequest(r.spec, r.record)
+            new = NewRequest(r.spec, r.output)
         return ScheduledRequest(
             request_id=r.request_id,
             token_ids=tuple(tuple(r.beam_token_slice(b, past, past + n)) + drafts for b in beams),
@@ -194,7 +196,7 @@ class Scheduler:
             is_last_chunk=is_last_chunk, block_copies=copies, kv_writes=kv_writes, num_draft_tokens=len(drafts),
             # Whole-prompt logits: such a request is never chunked and reuses no prefix.
             return_context_logits=r.spec.return_context_logits and r.output.context_logits is None and past == 0,
-            new=new, lora_task_id=None if r.spec.lora is None else r.spec.lora.task_id)
+            new=new, lora_task_id=None if r.adapter is None else r.adapter.task_id)
 
     def update(self, step: ScheduledStep, result: StepResult) -> None:
         """Advance each scheduled request by the tokens it computed, register its newly full
@@ -234,9 +236,7 @@ class Scheduler:
         if beams is not None and not finished:   # KV tables follow the live beams (all of one length)
             fork_beams(self.kv, r.request_id, r.num_live_beams, list(beams.parents))
             r.num_live_beams = len(beams.live_tokens)
-        r.record.apply(outcome.tokens, beams, finished)
         r.output.apply(outcome)
-        r.output.num_generated = r.record.num_generated
         if finished:
             r.finish(_FINISH_REASONS[outcome.finish_reason])
         elif r.state == RequestState.CONTEXT:

@@ -5,18 +5,24 @@ scheduler applies a result in `Scheduler.update`."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
-from runtime.token_record import TokenRecord
+from runtime.request import RequestOutput, RequestSpec
 
-from .llm_request import RequestSpec
+if TYPE_CHECKING:
+    import torch
+
+    from runtime.decoding import DecodeOutcome
+    from runtime.adapters.lora import LoraAdapter
+
+    from ..kv_transport.kv_handoff import KvWrites
 
 
 @dataclass(frozen=True)
 class NewRequest:
     """What the executor's per-request stores (decoder state) open from, on a request's first step."""
     spec: RequestSpec
-    record: TokenRecord                  # the request's tokens: the scheduler writes, the decoder reads
+    record: RequestOutput                # the request's one record: the scheduler writes, the decoder reads
 
 
 @dataclass(frozen=True)
@@ -28,7 +34,7 @@ class ScheduledRequest:
     block_tables: tuple[tuple[int, ...], ...]  # per live beam: KV block ids in token order
     is_last_chunk: bool                        # computes every token it has: a token is decoded after it
     block_copies: tuple[tuple[int, int], ...] = ()   # (src, dst) KV blocks to copy before its forward
-    kv_writes: Any = None                      # kv_handoff.KvWrites: fetched prompt KV to write into the
+    kv_writes: KvWrites | None = None          # fetched prompt KV to write into the
                                                # pool before its forward (a generation-only request)
     return_context_logits: bool = False        # the whole prompt runs in this step; its logits are wanted
     new: NewRequest | None = None              # set on the request's first step only
@@ -60,7 +66,7 @@ class ScheduledStep:
     # The PEFT cache's changes since the last step, applied before the forward: evictions (task
     # ids) first, then loads ((task id, runtime.adapters.lora.LoraAdapter): a reference, not a copy).
     adapter_evictions: tuple[int, ...] = ()
-    adapter_loads: tuple[tuple[int, Any], ...] = ()
+    adapter_loads: tuple[tuple[int, LoraAdapter], ...] = ()
 
     @property
     def requests(self) -> tuple[ScheduledRequest, ...]:
@@ -78,9 +84,9 @@ class ScheduledStep:
 class RequestResult:
     """One scheduled request's outcome; a request that ran a non-final context chunk decodes nothing."""
     request_id: int
-    outcome: Any = None                    # runtime.decoding.DecodeOutcome: what its decoder step chose
+    outcome: DecodeOutcome | None = None   # what its decoder step chose
     error: str | None = None               # the step failed for this request (or allowed it no token): it ends
-    context_logits: Any = None             # float32 [prompt_len, V] when requested
+    context_logits: torch.Tensor | None = None   # float32 [prompt_len, V] when requested
 
 
 @dataclass(frozen=True)

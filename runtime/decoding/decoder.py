@@ -1,7 +1,7 @@
 """The decoder: turns one step's last-token logits into tokens for a batch of requests with any
 mix of settings (greedy, sampling, beam search), through the kernel backend's decoding
 operations. Owns nothing across steps; each request's progress lives in its `DecodeState` and
-its tokens in its `TokenRecord` (read here; its owner applies the returned `DecodeOutcome`s).
+its tokens in its `RequestOutput` (read here; its owner applies the returned `DecodeOutcome`s).
 GptSession and the batch manager's model executor both drive it.
 
 Rows: `step(states, logits, drafts)` takes logits float32 [R, V] whose rows are the states' live
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels.interface import NO_TOKEN
-from ..token_record import BeamOutputs, TokenRecord
+from ..request.output import BeamOutputs, RequestOutput
 from .beam_search import BeamSearch, Hypothesis
 from .guided import Guide
 from .params import DecodingParams
@@ -36,10 +36,10 @@ from .speculative import DraftVerifier
 
 class DecodeState:
     """One request's decoding progress: the decayed top-p, the cumulative log prob, the
-    beam-search bank; its tokens are read from its `TokenRecord`, which its owner updates with
+    beam-search bank; its tokens are read from its `RequestOutput`, which its owner updates with
     each step's `DecodeOutcome` before the next step."""
 
-    def __init__(self, params: DecodingParams, record: TokenRecord, max_new_tokens: int,
+    def __init__(self, params: DecodingParams, record: RequestOutput, max_new_tokens: int,
                  gather_generation_logits: bool = False):
         assert max_new_tokens >= 1
         self.params = params
@@ -100,7 +100,7 @@ class DecodeState:
 
 @dataclass(frozen=True)
 class DecodeOutcome:
-    """What one step decoded for one request (apply it to the request's TokenRecord)."""
+    """What one step decoded for one request (apply it to the request's RequestOutput)."""
     tokens: tuple[int, ...] = ()        # beam width 1: tokens appended (none when the end id ended it)
     log_probs: tuple[float, ...] = ()
     logits: tuple = ()                  # raw float32 [V] rows per token (on the host), when gathered

@@ -19,7 +19,7 @@ import torch
 
 from runtime import Engine, ModelRunner
 from runtime.decoding import Decoder, DecodeState
-from runtime.token_record import TokenRecord
+from runtime.request import RequestOutput
 from runtime.decoding import DecodingParams
 from runtime.kernels import get_kernels
 from samples.microbench.runtime import step_inputs
@@ -42,7 +42,7 @@ def make_states(batch: int, vocab: int, past: int, mix: str) -> list[DecodeState
         settings = MIXES[i % len(MIXES)] if mix == "mixed" else {}
         params = DecodingParams(random_seed=i, end_id=-1, **settings)
         prompt = torch.randint(0, vocab, (past,), generator=gen).tolist()
-        states.append(DecodeState(params, TokenRecord(prompt), max_new_tokens=10_000))
+        states.append(DecodeState(params, RequestOutput(0, prompt), max_new_tokens=10_000))
     return states
 
 
@@ -59,7 +59,7 @@ def time_decoder(batch: int, vocab: int, past: int, steps: int, mix: str) -> flo
         start = time.perf_counter()
         outcomes = decoder.step(states, logits)
         for s, o in zip(states, outcomes):   # the records' owner applies what was decoded
-            s.record.apply(o.tokens, o.beams, s.is_finished)
+            s.record.apply(o)
         if step:
             timings.append((time.perf_counter() - start) * 1e3)
     return statistics.median(timings)

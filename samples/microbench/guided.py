@@ -20,7 +20,7 @@ import torch
 from runtime.decoding import Decoder, DecodeState, DecodingParams
 from runtime.decoding.guided import GrammarCompiler, make_tokenizer
 from runtime.kernels import get_kernels
-from runtime.token_record import TokenRecord
+from runtime.request import RequestOutput
 
 SCHEMA = {"type": "object",
           "properties": {"name": {"type": "string", "maxLength": 40}, "age": {"type": "integer"},
@@ -59,7 +59,7 @@ def time_steps(batch: int, vocab: int, steps: int, template) -> float:
     gen = torch.Generator().manual_seed(0)
 
     def new_state(seed: int) -> DecodeState:
-        state = DecodeState(DecodingParams(top_k=50, random_seed=seed, end_id=2), TokenRecord([1, 5, 6]), 10_000)
+        state = DecodeState(DecodingParams(top_k=50, random_seed=seed, end_id=2), RequestOutput(0, [1, 5, 6]), 10_000)
         if template is not None:
             state.guide = template.start()
         return state
@@ -74,7 +74,7 @@ def time_steps(batch: int, vocab: int, steps: int, template) -> float:
         if step:
             timings.append(elapsed * 1e3)
         for i, (s, o) in enumerate(zip(states, outcomes)):
-            s.record.apply(o.tokens, o.beams, s.is_finished)
+            s.record.apply(o)
             if s.is_finished:
                 states[i] = new_state(1000 * step + i)
     return statistics.median(timings)

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from batch_manager import InferenceRequest, NamedTensor, tensor_names
-from batch_manager.scheduling.llm_request import RequestSpec
-from batch_manager.admission import AdmissionLimits, RequestError, to_spec
+from runtime.request import RequestSpec
+from batch_manager.admission import to_spec
+from runtime.request import AdmissionLimits, RequestError
 
 VOCAB = 128
 

@@ -14,7 +14,8 @@ import torch
 from batch_manager import (DecodingConfig, GptManager, KvCacheConfig, SchedulerPolicy, TrtGptModelOptionalParams,
                            TrtGptModelType, tensor_names)
 from batch_manager.scheduling.capacity_scheduler import GuaranteedNoEvictScheduler
-from batch_manager.scheduling.llm_request import LlmRequest, RequestSpec
+from batch_manager.scheduling.llm_request import LlmRequest
+from runtime.request import RequestSpec
 from batch_manager.scheduling.micro_batch_scheduler import MicroBatchScheduler
 from batch_manager.scheduling.scheduler import Scheduler
 from batch_manager.scheduling.step import RequestResult, StepResult

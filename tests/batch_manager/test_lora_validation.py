@@ -9,7 +9,8 @@ from batch_manager import InferenceRequest
 from batch_manager.executor.conversion import to_spec as executor_request
 from batch_manager.executor.request import LoraConfig, Request
 from batch_manager.lora import PeftCacheManagerConfig
-from batch_manager.admission import AdmissionLimits, RequestError, to_spec
+from batch_manager.admission import to_spec
+from runtime.request import AdmissionLimits, RequestError
 from runtime.config import ModelConfig
 from runtime.models import model_config_from_hf
 from tests.factories import hf_config

@@ -13,7 +13,7 @@ from runtime import rng
 from runtime.decoding import Decoder, DecodeState, DecodingParams
 from runtime.kernels import get_kernels
 from runtime.kernels.torch_decoder import sample
-from runtime.token_record import TokenRecord
+from runtime.request import RequestOutput
 from tests.batch_manager.conftest import Client, make_request
 from tests.batch_manager.executor.helpers import collect
 
@@ -77,7 +77,7 @@ def test_min_p_keeps_only_tokens_above_the_threshold(tiny_engine, prompts):
 def test_min_p_draw_equals_sampling_the_filtered_distribution():
     logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(0)) * 2
     for seed in range(40):
-        state = DecodeState(DecodingParams(min_p=0.15, random_seed=seed, top_p=0.95), TokenRecord([1]), 4)
+        state = DecodeState(DecodingParams(min_p=0.15, random_seed=seed, top_p=0.95), RequestOutput(0, [1]), 4)
         (outcome,) = Decoder(get_kernels("torch")).step([state], logits.clone())
         filtered = logits.masked_fill(torch.softmax(logits, -1) < 0.15 * torch.softmax(logits, -1).max(), float("-inf"))
         u = torch.from_numpy(rng.uniforms([seed], [0], [0]))

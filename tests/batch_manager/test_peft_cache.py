@@ -3,7 +3,8 @@ residency: requests wait for room, adapters in use are never evicted, idle ones 
 from __future__ import annotations
 
 from batch_manager.scheduling.capacity_scheduler import GuaranteedNoEvictScheduler, MaxUtilizationScheduler
-from batch_manager.scheduling.llm_request import FinishReason, LlmRequest, RequestSpec, RequestState
+from batch_manager.scheduling.llm_request import LlmRequest, RequestState
+from runtime.request import FinishReason, RequestSpec
 from runtime.decoding import DecodingParams
 from batch_manager.adapters.peft_cache import AdapterRef, PeftCache
 from runtime.cache.kv_cache_manager import KvCacheManager
@@ -92,7 +93,7 @@ def test_a_paused_request_unpins_its_adapter():
         capacity.register(r)
     assert [r.request_id for r in capacity.schedule([a, b]).fitting] == [0, 1]
     assert a.holds_adapter and b.holds_adapter
-    a.record.beams[0] += [5] * 3          # a grows into a third block; b is paused for it
+    a.output.beams[0] += [5] * 3          # a grows into a third block; b is paused for it
     a.num_computed_tokens, b.num_computed_tokens = 10, 8
     a.set_state(RequestState.GENERATION)
     b.set_state(RequestState.GENERATION)

@@ -6,7 +6,8 @@ from __future__ import annotations
 from batch_manager.scheduling.capacity_scheduler import (GuaranteedNoEvictScheduler, MaxUtilizationScheduler,
                                               StaticBatchScheduler)
 from runtime.cache.kv_cache_manager import KvCacheManager
-from batch_manager.scheduling.llm_request import FinishReason, LlmRequest, RequestSpec, RequestState
+from batch_manager.scheduling.llm_request import LlmRequest, RequestState
+from runtime.request import FinishReason, RequestSpec
 from runtime.decoding import DecodingParams
 
 

@@ -8,10 +8,10 @@ from datetime import datetime, timedelta
 import pytest
 import torch
 
-from batch_manager.admission import AdmissionLimits
+from runtime.request import AdmissionLimits
 from batch_manager.legacy.callbacks import UserCallbacks
 from batch_manager.legacy.front_end import CallbackFrontEnd
-from batch_manager.scheduling.llm_request import FinishReason, RequestOutput, RequestSpec
+from runtime.request import FinishReason, RequestOutput, RequestSpec
 from batch_manager.legacy.responses import response_tensors
 from batch_manager.stats import IterationStats, stats_json
 from runtime.decoding import DecodingParams
@@ -27,7 +27,7 @@ class Answered:
 
     def __init__(self, prompt=(1, 2, 3), generated=(10, 11), finished: bool = True, **spec_fields):
         self.spec = RequestSpec(list(prompt), 8, DecodingParams(), **spec_fields)
-        self.output = RequestOutput.empty(1, 1)
+        self.output = RequestOutput(1, list(prompt), 1)
         self.sequence = self.output.sequences[0]
         self.sent = 0
         self.generate(*generated)
@@ -35,8 +35,7 @@ class Answered:
             self.finish(FinishReason.LENGTH)
 
     def generate(self, *tokens: int) -> None:
-        self.sequence.tokens += tokens
-        self.output.num_generated = len(self.sequence.tokens)
+        self.sequence.tokens += tokens   # the record's live beam: num_generated follows
 
     def finish(self, reason: FinishReason) -> None:
         self.output.finish(reason, self.spec.max_new_tokens)

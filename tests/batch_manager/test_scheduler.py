@@ -7,7 +7,8 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from batch_manager.scheduling.llm_request import FinishReason, LlmRequest, RequestSpec, RequestState
+from batch_manager.scheduling.llm_request import LlmRequest, RequestState
+from runtime.request import FinishReason, RequestSpec
 from runtime.decoding import DecodingParams
 from batch_manager.options import SchedulerPolicy
 from batch_manager.scheduling.capacity_scheduler import (GuaranteedNoEvictScheduler, MaxUtilizationScheduler,

@@ -9,14 +9,15 @@ import torch
 
 from batch_manager.scheduling.capacity_scheduler import GuaranteedNoEvictScheduler
 from runtime.cache.kv_cache_manager import KvCacheManager
-from batch_manager.scheduling.llm_request import FinishReason, LlmRequest, RequestSpec, RequestState
+from batch_manager.scheduling.llm_request import LlmRequest, RequestState
+from runtime.request import FinishReason, RequestSpec
 from batch_manager.scheduling.micro_batch_scheduler import MicroBatchScheduler
 from batch_manager.model_executor import ModelExecutor
 from batch_manager.scheduling.scheduler import Scheduler
 from batch_manager.scheduling.step import RequestResult, StepResult
 from runtime import Engine, ModelRunner
 from runtime.decoding import DecodeOutcome, DecodingParams
-from runtime.token_record import BeamOutputs
+from runtime.request import BeamOutputs
 from tests.batch_manager.conftest import NUM_NEW_TOKENS
 
 
@@ -99,7 +100,7 @@ def test_beams_fork_their_tables_after_the_first_decode():
                         log_probs=((-0.1,), (-0.2,)), cum_log_probs=(-0.1, -0.2))
     scheduler.update(step, StepResult((RequestResult(1, DecodeOutcome(beams=beams)),)))
     r = scheduler.get(1)
-    assert (r.num_live_beams, r.record.beams, r.generated) == (2, [[20], [21]], [20])
+    assert (r.num_live_beams, r.output.beams, r.generated) == (2, [[20], [21]], [20])
     step, _ = scheduler.schedule()
     (scheduled,) = step.generation_requests
     assert scheduled.token_ids == ((20,), (21,)) and scheduled.past_length == 6

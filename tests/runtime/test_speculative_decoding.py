@@ -13,7 +13,7 @@ import torch
 
 from runtime.decoding import Decoder, DecodeState, DecodingParams
 from runtime.kernels import get_kernels
-from runtime.token_record import TokenRecord
+from runtime.request import RequestOutput
 
 VOCAB = 13
 
@@ -28,7 +28,7 @@ def run(params: DecodingParams, prompt: list[int], max_new_tokens: int, propose=
     """Decode one request to the end -> (tokens, log probs, finish reason, drafts proposed, accepted).
     propose(sequence, rng) -> draft tokens for the next step (None: plain decoding)."""
     decoder = Decoder(get_kernels("torch"))
-    record = TokenRecord(list(prompt))
+    record = RequestOutput(0, list(prompt))
     state = DecodeState(params, record, max_new_tokens)
     rng = random.Random(seed)
     log_probs, proposed, accepted = [], 0, 0
@@ -38,7 +38,7 @@ def run(params: DecodingParams, prompt: list[int], max_new_tokens: int, propose=
         drafts = drafts[:max(0, max_new_tokens - record.num_generated - 1)]   # the scheduler's clip
         logits = torch.stack([fake_logits(sequence + list(drafts[:j])) for j in range(len(drafts) + 1)])
         (outcome,) = decoder.step([state], logits, [drafts])
-        record.apply(outcome.tokens, outcome.beams, state.is_finished)
+        record.apply(outcome)
         log_probs += outcome.log_probs
         proposed += len(drafts)
         accepted += outcome.num_accepted_drafts
@@ -106,7 +106,7 @@ def first_tokens(params_for_seed, drafts_for_seed, logits_row0, num_seeds, draft
     decoder = Decoder(get_kernels("torch"))
     states, drafts, rows = [], [], []
     for seed in range(num_seeds):
-        state = DecodeState(params_for_seed(seed), TokenRecord([1, 2]), 8)
+        state = DecodeState(params_for_seed(seed), RequestOutput(0, [1, 2]), 8)
         state.draft_logits = draft_logits
         state.draft_acceptance_threshold = threshold
         states.append(state)
