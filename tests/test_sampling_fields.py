@@ -19,7 +19,6 @@ from runtime.request import AdmissionLimits
 from runtime import SamplingConfig as SessionSamplingConfig
 from runtime.decoding import DecodingParams
 from runtime.decoding.fields import BY_PARAM, SAMPLING_FIELDS
-from samples.serve.executor_bridge import to_executor_request
 from samples.serve.params import parse_generate_body
 from tests.batch_manager.test_admission import make_request
 
@@ -107,13 +106,13 @@ def test_session_sampling_config(param):
 @pytest.mark.parametrize("param", [None] + [f.param for f in SAMPLING_FIELDS if f.body is not None])
 @pytest.mark.parametrize("bridge", ["manager", "executor"])
 def test_serving_body(limits, param, bridge):
-    """/generate's body through GptManager's tensors, or through the Executor bridge's Request."""
+    """/generate's body through GptManager's tensors, or straight to the Executor bridge's Request."""
     body = {"input_ids": [1, 2, 3], "max_new_tokens": 4}
     if param is not None:
         body[BY_PARAM[param].body] = VALUES[param]
-    request = parse_generate_body(body).to_request(7)
+    params = parse_generate_body(body)
     if bridge == "manager":
-        r = to_spec(request, limits)
+        r = to_spec(params.to_inference_request(7), limits)
     else:
-        r, _ = executor_to_spec(to_executor_request(request), limits, True, {}, False)
+        r, _ = executor_to_spec(params.to_executor_request(), limits, True, {}, False)
     assert settings(r.decoding) == expected(param)

@@ -15,10 +15,12 @@ from collections import Counter
 
 import torch
 
+from batch_manager import InferenceRequest, tensor_names as tn
 from batch_manager.executor import (CapacitySchedulerPolicy, Executor, ExecutorConfig, KvCacheConfig, LoraConfig,
-                                    Request, SamplingConfig, SchedulerConfig)
+                                    OutputConfig, Request, SamplingConfig, SchedulerConfig)
+from runtime.decoding import parse_word_list
+from runtime.decoding.fields import SAMPLING_FIELDS
 from samples.chaos_soak.requests import MAX_BEAM_WIDTH, make_valid
-from samples.serve.executor_bridge import to_executor_request
 
 # (the field the ValueError must name, a request that is bad in that field)
 BAD_REQUESTS = [
@@ -34,6 +36,27 @@ BAD_REQUESTS = [
     ("embedding_bias", lambda p: Request(p, 4, embedding_bias=torch.zeros(3))),
     ("lora_config", lambda p: Request(p, 4, lora_config=LoraConfig(1))),
 ]
+
+# wire tensor -> SamplingConfig field (the field table's; the seed is masked to uint64 below)
+_SAMPLING = {f.tensor: f.executor_sampling for f in SAMPLING_FIELDS
+             if f.executor_sampling is not None and f.param != "random_seed"}
+
+
+def _to_executor_request(r: InferenceRequest) -> Request:
+    """One of the soak's valid requests (GptManager's tensors) -> an Executor Request of the same settings."""
+    t = r.input_tensors
+    scalar = {name: t[name].reshape(-1)[0].item() for name in t if t[name].numel() == 1}
+    sampling = {field: scalar[name] for name, field in _SAMPLING.items() if name in scalar}
+    if tn.RANDOM_SEED in scalar:
+        sampling["seed"] = scalar[tn.RANDOM_SEED] & ((1 << 64) - 1)
+    words = {field: [list(w) for w in parse_word_list(t[name], name, 1 << 31)] if name in t else None
+             for field, name in (("stop_words", tn.STOP_WORDS_LIST), ("bad_words", tn.BAD_WORDS_LIST))}
+    return Request(t[tn.INPUT_IDS].reshape(-1).tolist(), scalar.get(tn.MAX_NEW_TOKENS), streaming=r.is_streaming,
+                   sampling_config=SamplingConfig(**sampling), end_id=scalar.get(tn.END_ID),
+                   pad_id=scalar.get(tn.PAD_ID), embedding_bias=t.get(tn.EMBEDDING_BIAS),
+                   output_config=OutputConfig(return_log_probs=bool(scalar.get(tn.RETURN_LOG_PROBS, False)),
+                                              num_top_log_probs=int(scalar.get(tn.NUM_TOP_LOG_PROBS, 0)),
+                                              exclude_input_from_output=True), **words)
 
 
 class _Tally:
@@ -68,7 +91,7 @@ def _produce(executor: Executor, tally: _Tally, seed: int, num_requests: int, ba
                 tally.count("refused_after_shutdown")
             continue
         inference_request, _ = make_valid(rng, 0)
-        request = to_executor_request(inference_request)
+        request = _to_executor_request(inference_request)
         request.priority = rng.choice([0.1, 0.5, 0.5, 0.9])
         try:
             with tally.lock:    # recorded before a response of the id can be counted

@@ -17,6 +17,7 @@ import orjson
 from batch_manager import GptManager, InferenceRequest, TrtGptModelType, tensor_names as tn
 from samples.serve.load_admission import BridgeAdmission
 from samples.serve.metrics import TritonMetrics
+from samples.serve.params import GenerateParams
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +70,8 @@ def sample_events(handler: _Handler, sequences: list[list[int]], log_probs: list
 
 
 class ManagerBridge:
+    build = staticmethod(GenerateParams.to_inference_request)   # (params, request_id) -> submit's request
+
     def __init__(self, engine_dir: str, model_type: TrtGptModelType, max_beam_width: int, scheduler_policy,
                  optional_params, metrics: TritonMetrics | None = None, max_queue_size: int | None = None,
                  max_num_queued_tokens: int | None = None, ttft_budget_ms: float | None = None):

@@ -1,7 +1,8 @@
 """The Executor bridge of samples.serve (`--api executor`): the same handler-side interface as
-`serve_bridge.ManagerBridge`, over an Executor. Requests are validated at enqueue (a bad one is a
-ValueError naming the body field: a 400, with nothing queued); one consumer thread awaits every
-response and hands each to its handler's loop; a disconnect cancels the request."""
+`serve_bridge.ManagerBridge`, over an Executor. Requests are built straight from the parsed body
+(`build`) and validated at enqueue (a bad one is a ValueError naming the body field: a 400, with
+nothing queued); one consumer thread awaits every response and hands each to its handler's loop; a
+disconnect cancels the request."""
 from __future__ import annotations
 
 import asyncio
@@ -9,41 +10,19 @@ import logging
 import threading
 from typing import Callable
 
-from batch_manager import InferenceRequest, tensor_names as tn
-from batch_manager.executor import Executor, ExecutorConfig, OutputConfig, Request, SamplingConfig
-from runtime.decoding import parse_word_list
+from batch_manager.executor import Executor, ExecutorConfig, Request
 from runtime.decoding.fields import SAMPLING_FIELDS
 from samples.serve.bridge import SHUTTING_DOWN, ManagerBridge, ResponseEvent, _Handler
 from samples.serve.metrics import TritonMetrics
+from samples.serve.params import GenerateParams
 
 logger = logging.getLogger(__name__)
 
-# wire tensor -> SamplingConfig field (the field table's; the seed is masked to uint64 below)
-_SAMPLING = {f.tensor: f.executor_sampling for f in SAMPLING_FIELDS
-             if f.executor_sampling is not None and f.param != "random_seed"}
 # the Executor's field names -> the body's, to lead its errors with the body field
 _EXECUTOR_TO_BODY = {"input_token_ids": "input_ids", "max_tokens": "max_new_tokens",
                      **{f"sampling_config.{f.executor_sampling}": f.body for f in SAMPLING_FIELDS
                         if f.executor_sampling is not None and f.body is not None},
                      **{f.executor: f.body for f in SAMPLING_FIELDS if f.executor and "." in f.executor and f.body}}
-
-
-def to_executor_request(r: InferenceRequest) -> Request:
-    """The request tensors serve_params built -> an Executor Request (the same settings)."""
-    t = r.input_tensors
-    scalar = {name: t[name].reshape(-1)[0].item() for name in t if t[name].numel() == 1}
-    sampling = {field: scalar[name] for name, field in _SAMPLING.items() if name in scalar}
-    if tn.RANDOM_SEED in scalar:
-        sampling["seed"] = scalar[tn.RANDOM_SEED] & ((1 << 64) - 1)
-    words = {field: [list(w) for w in parse_word_list(t[name], name, 1 << 31)] if name in t else None
-             for field, name in (("stop_words", tn.STOP_WORDS_LIST), ("bad_words", tn.BAD_WORDS_LIST))}
-    return Request(t[tn.INPUT_IDS].reshape(-1).tolist(), scalar.get(tn.MAX_NEW_TOKENS), streaming=r.is_streaming,
-                   sampling_config=SamplingConfig(**sampling), end_id=scalar.get(tn.END_ID),
-                   pad_id=scalar.get(tn.PAD_ID), embedding_bias=t.get(tn.EMBEDDING_BIAS),
-                   output_config=OutputConfig(return_log_probs=bool(scalar.get(tn.RETURN_LOG_PROBS, False)),
-                                              num_top_log_probs=int(scalar.get(tn.NUM_TOP_LOG_PROBS, 0)),
-                                              exclude_input_from_output=True),
-                   guided_decoding_params=getattr(r, "guided_decoding_params", None), **words)
 
 
 def name_body_field(message: str) -> str:
@@ -52,6 +31,8 @@ def name_body_field(message: str) -> str:
 
 
 class ExecutorBridge:
+    build = staticmethod(GenerateParams.to_executor_request)   # (params, request_id) -> submit's request
+
     def __init__(self, engine_dir: str, config: ExecutorConfig, metrics: TritonMetrics | None = None,
                  ttft_budget_ms: float | None = None):
         """ttft_budget_ms: every request's Request.ttft_budget_ms (None: no budget)."""
@@ -66,7 +47,7 @@ class ExecutorBridge:
 
     # -- handler side (event loop) ----------------------------------------------------------------
 
-    def submit(self, make_request: Callable[[int], InferenceRequest], return_log_probs: bool,
+    def submit(self, make_request: Callable[[int], Request], return_log_probs: bool,
                loop: asyncio.AbstractEventLoop, num_samples: int = 1) -> tuple[int, asyncio.Queue]:
         """ValueError (the body field first) for a request the Executor refuses: nothing is queued.
         RuntimeError once closed; QueueFullError for load (the ExecutorConfig's max_queue_size,
@@ -74,7 +55,7 @@ class ExecutorBridge:
         come per sample (`sequence_index`), and so do the events."""
         if self.is_closed:
             raise RuntimeError(SHUTTING_DOWN)
-        request = to_executor_request(make_request(0))
+        request = make_request(0)
         request.ttft_budget_ms = self.ttft_budget_ms
         events: asyncio.Queue = asyncio.Queue()
         with self._lock:   # registered before the consumer can see a response of the id

@@ -10,6 +10,7 @@ cancels whatever is still running (a disconnect, an error)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 from dataclasses import dataclass, field, replace
 
 from batch_manager import GuidedDecodingParams, GuideType
@@ -117,10 +118,11 @@ class ChoiceRun:
         for index, engine in enumerate(self.engine_requests):
             first = self.choices[engine.choice_indices[0]]
             try:
-                params = parse_generate_body(self.spec.engine_body(first.prompt_index, first.index % self.spec.n))
-                params.num_return_sequences, params.guided_decoding_params = len(engine.choice_indices), guide
-                engine.request_id, engine.events = self.bridge.submit(params.to_request, self.spec.logprobs, loop,
-                                                                      len(engine.choice_indices))
+                body = self.spec.engine_body(first.prompt_index, first.index % self.spec.n)
+                n = len(engine.choice_indices)
+                params = replace(parse_generate_body(body), num_return_sequences=n, guided_decoding_params=guide)
+                engine.request_id, engine.events = self.bridge.submit(functools.partial(self.bridge.build, params),
+                                                                      self.spec.logprobs, loop, n)
             except ValueError as e:
                 self.close()
                 raise self._bad_request(str(e)) from None

@@ -91,7 +91,8 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
     except RecursionError:   # repr of a deeply nested value in an error message
         return _error(400, "body: a field's value is nested too deeply")
     try:
-        request_id, events = bridge.submit(params.to_request, params.return_log_probs, asyncio.get_running_loop())
+        request_id, events = bridge.submit(functools.partial(bridge.build, params), params.return_log_probs,
+                                           asyncio.get_running_loop())
     except ValueError as e:   # the Executor validates at enqueue
         return _error(400, str(e))
     except QueueFullError as e:   # a refusal for load: when to try again
@@ -115,7 +116,7 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
             result["num_output_tokens"] = len(first.output_ids)
             return web.json_response(result)
         latency = bridge.metrics.latency if bridge.metrics is not None else None
-        timer = latency.start(int(params.tensors["input_ids"].numel())) if latency is not None else None
+        timer = latency.start(len(params.input_ids)) if latency is not None else None
         return await _stream(request, request_id, first, events, tokenizer, timer)
     finally:  # normal end: a no-op; disconnect (cancellation, reset): the request is stopped
         bridge.cancel(request_id)

@@ -14,6 +14,7 @@ from samples.serve.bridge import SHUTTING_DOWN, VALIDATION_ERROR_PREFIX, Respons
 from samples.serve.openai_choices import ChoiceRun
 from samples.serve.openai_basics import ModelInfo, OpenAIError
 from samples.serve.openai_protocol import parse_request
+from samples.serve.params import GenerateParams
 from tests.samples.scripted_model import VOCAB_SIZE, write_tokenizer
 
 
@@ -27,7 +28,9 @@ def info(tmp_path_factory):
 
 
 class ScriptedBridge:
-    """submit() hands out ids and queues; the test puts the responses; cancel() is recorded."""
+    """submit() hands out ids and queues; the test puts the responses; cancel() is recorded.
+    Requests are built as ManagerBridge builds them (GptManager's tensors)."""
+    build = staticmethod(GenerateParams.to_inference_request)
 
     def __init__(self, refuse_after: int | None = None, refusal: Exception | None = None):
         self.queues: dict[int, asyncio.Queue] = {}
