@@ -98,8 +98,8 @@ def adapter_ref(task_id, weights, config, cfg: ModelConfig, peft: PeftCacheManag
         raise ValueError(f"{missing}: missing; {w_name} and {c_name} come together")
     if weights is None:
         return AdapterRef(task_id)
-    adapter = adapter_from_tensors(weights, config, cfg, (peft or PeftCacheManagerConfig()).max_adapter_size,
-                                   (w_name, c_name))
+    peft = peft or PeftCacheManagerConfig()
+    adapter = adapter_from_tensors(weights, config, cfg, peft.max_adapter_size, (w_name, c_name))
     device_rows = sum(math.ceil(r / peft.optimal_adapter_size) for r in adapter.ranks)
     host_cost = adapter.num_rows if peft.num_host_module_layer else adapter.num_bytes
     return AdapterRef(task_id, adapter, host_cost, device_rows)
