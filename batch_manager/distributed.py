@@ -86,7 +86,7 @@ class Follower:
         self.runner, self.tp = runner, tensor_parallel
         self.fatal_error: str | None = None
         self.num_forwards = 0
-        self._thread = threading.current_thread()   # run() is called on the thread that built this
+        self.thread = threading.current_thread()   # run() is called on the thread that built this
         self._ended = threading.Event()
 
     @property
@@ -140,5 +140,5 @@ class Follower:
         self.join()
 
     def join(self) -> None:
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join()
+        if self.thread.is_alive() and threading.current_thread() is not self.thread:
+            self.thread.join()

@@ -66,17 +66,17 @@ class Worker:
         self._num_admitted = 0
         self._static_batch_size = 0
         self._stop_requested = threading.Event()
-        self._thread = threading.current_thread()  # run() is called on the thread that built this
+        self.thread = threading.current_thread()  # run() is called on the thread that built this
         self.memory_usage = executor.memory_usage()
         # Micro-batches in flight. Pipeline parallelism: one per stage, launched on this thread
         # (rank 0 runs the first stage; the others compute the earlier micro-batches meanwhile).
         # Overlap: a step executes on the one forward thread while the worker schedules, updates
         # and answers the other micro-batch (torch releases the GIL inside its kernels).
         pipeline_depth = executor.pipeline_depth
-        self._forward_pool = ThreadPoolExecutor(1, thread_name_prefix="GptManagerForward") \
+        self.forward_pool = ThreadPoolExecutor(1, thread_name_prefix="GptManagerForward") \
             if config.enable_trt_overlap and pipeline_depth == 1 else None
         self._num_in_flight = pipeline_depth if pipeline_depth > 1 else \
-            2 if self._forward_pool is not None else 1
+            2 if self.forward_pool is not None else 1
         self._in_flight: deque[_InFlight] = deque()   # oldest first
         self._finished: list[LlmRequest] = []   # answered in this iteration (request stats)
         self._last_busy_s = time.monotonic()     # when requests last came in or ran (idle polling)
@@ -88,7 +88,7 @@ class Worker:
 
     @property
     def is_running(self) -> bool:
-        return self.fatal_error is None and self._thread.is_alive() and not self._stop_requested.is_set()
+        return self.fatal_error is None and self.thread.is_alive() and not self._stop_requested.is_set()
 
     def run(self) -> None:
         """The worker loop; returns after shutdown or the terminate request id. Should the loop die
@@ -108,8 +108,8 @@ class Worker:
             self._fail_all(f"{self.fatal_error} (see the log)", wait_in_flight=not broken)
             self._serve_failed()
         finally:
-            if self._forward_pool is not None:
-                self._forward_pool.shutdown(wait=True)
+            if self.forward_pool is not None:
+                self.forward_pool.shutdown(wait=True)
             if self.kv_events is not None:
                 self.kv_events.close()
 
@@ -119,8 +119,8 @@ class Worker:
         self.join()
 
     def join(self) -> None:
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join()
+        if self.thread.is_alive() and threading.current_thread() is not self.thread:
+            self.thread.join()
 
     # -- the loop ---------------------------------------------------------------------------------
 
@@ -174,8 +174,8 @@ class Worker:
         max_batch_size = max(1, -(-self.scheduler.num_active // self._num_in_flight))
         step, num_paused = self.scheduler.schedule(self._in_flight_ids(), max_batch_size)
         if step.requests:
-            if self._forward_pool is not None:
-                result = self._forward_pool.submit(self.executor.execute, step).result
+            if self.forward_pool is not None:
+                result = self.forward_pool.submit(self.executor.execute, step).result
             else:
                 result = partial(self.executor.complete, self.executor.launch(step))
             self._in_flight.append(_InFlight(step, result))

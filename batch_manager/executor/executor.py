@@ -160,6 +160,12 @@ class Executor:
         self._check_leader()
         return self._worker.scheduler.kv
 
+    @property
+    def front_end(self) -> ExecutorFrontEnd:
+        """The request side (`requests`, `responses`, `throughput`, `pending_context`, `kv_transfer`),
+        for tests and benchmarks; the worker thread changes it."""
+        return self._front_end
+
     def get_bookkeeping_counts(self) -> dict[str, int]:
         """What the Executor still holds for requests: every count is 0 once each request has
         ended and its final response was handed over (a leak check for soak tests), except

@@ -117,7 +117,7 @@ class ExecutorFrontEnd:
     def bookkeeping_counts(self) -> dict[str, int]:
         return dict(queued=len(self.requests), result_shaping=len(self._options),
                     streams=len(self._streams) + len(self._sample_cursors),
-                    known_ids=self.responses.num_known, ready=self.responses.num_ready(),
+                    known_ids=len(self.responses.known_ids), ready=self.responses.num_ready(),
                     pending_context=len(self.pending_context), deadlines=len(self.deadlines))
 
     def close(self) -> None:

@@ -112,9 +112,18 @@ class ResponseStore:
         self.closed = False
 
     @property
-    def num_known(self) -> int:
+    def known_ids(self) -> frozenset[int]:
         with self._ready:
-            return len(self._known)
+            return frozenset(self._known)
+
+    @property
+    def abandoned_ids(self) -> frozenset[int]:
+        with self._ready:
+            return frozenset(self._abandoned)
+
+    def num_id_waits(self, request_id: int) -> int:
+        with self._ready:
+            return self._num_id_waits.get(request_id, 0)
 
     def register(self, request_id: int, listener: Callable[[], None] | None = None) -> None:
         with self._ready:

@@ -59,6 +59,13 @@ class GptManager:
         return self._worker.num_active_requests
 
     @property
+    def worker(self) -> Worker | Follower:
+        """The loop that owns the engine's state on its own `thread`: a Worker (its `scheduler`,
+        `executor`, `forward_pool`), or a Follower on a rank > 0 (its `num_forwards`). For tests
+        and benchmarks that watch or patch the loop; it changes on the worker thread."""
+        return self._worker
+
+    @property
     def kv_cache_manager(self):
         """The KV block manager (runtime.cache.KvCacheManager), for reading: free blocks, reuse,
         `check_invariants()`. Rank 0 only; it changes on the worker thread."""

@@ -90,7 +90,7 @@ class CapacityScheduler:
         num_holding = len(running)
         if self.can_admit(running):
             available = self.kv.num_free_blocks - sum(
-                max(0, self._worst_case_blocks(r) - self.kv.num_blocks_held(r.request_id)) for r in running)
+                max(0, self.worst_case_blocks(r) - self.kv.num_blocks_held(r.request_id)) for r in running)
             if self.kv.attention_window is not None:
                 available -= self.kv.num_extra_refs
             for r in waiting_by_priority(requests):
@@ -110,7 +110,7 @@ class CapacityScheduler:
     def can_admit(self, running: list[LlmRequest]) -> bool:
         return True
 
-    def _worst_case_blocks(self, r: LlmRequest) -> int:
+    def worst_case_blocks(self, r: LlmRequest) -> int:
         if r.spec.num_sequences > 1:
             return max_beam_blocks(self.kv, r.spec.num_sequences, r.max_num_tokens)
         # Drafts never take a request past max_num_tokens (the scheduler clips them); a window
@@ -120,7 +120,7 @@ class CapacityScheduler:
     def _admission_cost(self, r: LlmRequest) -> int:
         """Free blocks admitting `r` takes out of the promise: its worst case, less the cached
         prefix blocks it will share (plus the cached ones it takes off the free list)."""
-        worst = self._worst_case_blocks(r)
+        worst = self.worst_case_blocks(r)
         if self.kv.attention_window is not None:
             return worst
         prefix = self.kv.find_cached_prefix(_reusable_tokens(r))

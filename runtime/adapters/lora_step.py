@@ -150,6 +150,10 @@ class LoraStepPlan:
             cached = self._ranges[key] = self._batched(local) or self._looped(local)
         return cached
 
+    def is_batched(self, row_start: int, num_rows: int) -> bool:
+        """Rows [row_start, row_start + num_rows) run as one batched product, not one per adapter."""
+        return isinstance(self._range(row_start, num_rows), _Batched)
+
     def _batched(self, local: list[tuple[int, list[int]]]) -> _Batched | None:
         longest, total = max((len(rows) for _, rows in local), default=0), sum(len(rows) for _, rows in local)
         if len(local) < 2 or len(local) * longest > 2 * total:

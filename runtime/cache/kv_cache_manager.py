@@ -89,6 +89,11 @@ class KvCacheManager:
     def num_cached_free_blocks(self) -> int:
         return len(self._free_cached)
 
+    def free_block_ids(self, cached: bool) -> list[int]:
+        """Uncached ones in the order allocations take them (before any cached one); cached ones
+        least recently used first, the order allocations evict them in."""
+        return list(self._free_cached if cached else self._free_uncached)
+
     @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free_blocks
@@ -105,6 +110,10 @@ class KvCacheManager:
 
     def is_free(self, block_id: int) -> bool:
         return self._ref_counts[block_id] == 0
+
+    def is_cached(self, block_id: int) -> bool:
+        """Its content is findable by its key (the prefix cache), held or free."""
+        return self._block_to_hash[block_id] is not None
 
     def holds(self, holder: Hashable) -> bool:
         return holder in self._holder_to_blocks

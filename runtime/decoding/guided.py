@@ -74,9 +74,9 @@ class GrammarCompiler:
         self._waiting: collections.deque[tuple[Future, str, str]] = collections.deque()
         self._num_running = 0
         self._is_shut_down = False
-        self._threads = [threading.Thread(target=self._work, name=f"grammar-{i}", daemon=True)
-                         for i in range(max_workers)]
-        for thread in self._threads:
+        self.worker_threads = [threading.Thread(target=self._work, name=f"grammar-{i}", daemon=True)
+                               for i in range(max_workers)]
+        for thread in self.worker_threads:
             thread.start()
 
     @property

@@ -212,7 +212,7 @@ def act_quant_ops() -> ActQuantOps | None:
 
 @functools.lru_cache(maxsize=None)
 def _load() -> ActQuantOps | None:
-    if not cpu_native._cpu_supported() or not compiler_available():
+    if not cpu_native.cpu_supported() or not compiler_available():
         logger.info("act-quant kernels: unavailable (needs x86-64 AVX2/FMA and %s)", CXX)
         return None
     try:

@@ -75,10 +75,10 @@ class CpuAttention:
     def __init__(self, use_native: bool = False):
         """use_native: float32 decode attention through the native kernel when it can run here."""
         self._threads = threading.local()
-        self._native = native_ops() if use_native else None
+        self.native = native_ops() if use_native else None
         self._native_bf16 = bf16_ops() if use_native else None   # bf16 queries over a bf16 cache
 
-    def _thread_state(self) -> dict:
+    def thread_state(self) -> dict:
         return self._threads.__dict__
 
     def _workspace(self, slot: int, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -87,7 +87,7 @@ class CpuAttention:
         NOTE: the gathered keys and values of a decode step are several MB per layer; allocated
         afresh each layer they come from mmap under glibc's default malloc and page-fault on every
         write: a batch-34 step with 40-384 cached tokens took 135 ms against 54 ms with reuse."""
-        buffers = self._thread_state()
+        buffers = self.thread_state()
         key = ("workspace", slot, dtype, device)
         buffer = buffers.get(key)
         if buffer is None or buffer.numel() < numel:
@@ -116,12 +116,12 @@ class CpuAttention:
         """torch_attention.decode_attention: natively for float32 CPU caches, float32 queries over
         int8 caches and bf16 queries over bf16 caches (without ALiBi), else one call per length
         group of the step's plan."""
-        if (self._native is not None and alibi_slopes is None and q.dtype == torch.float32
+        if (self.native is not None and alibi_slopes is None and q.dtype == torch.float32
                 and q.device.type == "cpu" and k_cache.is_contiguous() and v_cache.is_contiguous()):
             if k_scales is None and k_cache.dtype == torch.float32:
-                return self._native.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, window, sink)
+                return self.native.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, window, sink)
             if k_scales is not None and k_cache.dtype == torch.int8:
-                return self._native.decode_attention_int8(q, k_cache, v_cache, k_scales, v_scales, block_tables,
+                return self.native.decode_attention_int8(q, k_cache, v_cache, k_scales, v_scales, block_tables,
                                                           seq_lens, scale, window, sink)
         if (self._native_bf16 is not None and alibi_slopes is None and k_scales is None
                 and q.dtype == k_cache.dtype == v_cache.dtype == torch.bfloat16 and q.device.type == "cpu"
@@ -145,7 +145,7 @@ class CpuAttention:
         lens = seq_lens.tolist()
         slopes = None if alibi_slopes is None else alibi_slopes.tolist()
         key = (lens, tokens_per_block, window, sink, slopes, device)
-        state = self._thread_state()
+        state = self.thread_state()
         memo = state.get("decode_plan")
         if (memo is not None and memo[0] == key and memo[1].shape == block_tables.shape
                 and torch.equal(memo[1], block_tables)):

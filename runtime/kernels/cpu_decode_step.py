@@ -101,10 +101,10 @@ def _one_openmp_runtime() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _library() -> ctypes.CDLL | None:
+def library() -> ctypes.CDLL | None:
     """cpu_native.cpp, cpu_weight_only.cpp and cpu_act_quant.cpp (each in a namespace of its own)
     then cpu_decode_step.cpp, as one translation unit; None where it cannot be built."""
-    if not cpu_native._cpu_supported() or not compiler_available():
+    if not cpu_native.cpu_supported() or not compiler_available():
         return None
     here = SOURCE.parent
     source = "".join([
@@ -118,7 +118,7 @@ def _library() -> ctypes.CDLL | None:
         SOURCE.read_text()])
     try:
         path = build_library(source, cpu_native.CXX_FLAGS, "cpu-decode-step", native_cache_dir(), "fused decode step",
-                             extra_key=cpu_native._cpu_identity())
+                             extra_key=cpu_native.cpu_identity())
     except (OSError, RuntimeError, subprocess.SubprocessError) as error:
         logger.warning("fused decode step: build failed, generation steps stay eager: %s", error)
         return None
@@ -183,7 +183,7 @@ class DecodeStep:
         prepared = [model.lm_head] + list(model.linears.values())
         if not all(_format(linear) is not None for linear in prepared):
             return None
-        lib = _library()
+        lib = library()
         if lib is None or not _one_openmp_runtime():
             return None
         ops = weight_only_ops()

@@ -46,7 +46,7 @@ _SIGNATURES = {
 _RESTYPES = {"bm_shm_all_reduce": ctypes.c_int}
 
 
-def _cpu_identity() -> str:
+def cpu_identity() -> str:
     """The CPU's model name and feature flags (-march=native compiles for them)."""
     try:
         with open("/proc/cpuinfo") as f:
@@ -56,10 +56,10 @@ def _cpu_identity() -> str:
         return platform.processor()
 
 
-def _cpu_supported() -> bool:
+def cpu_supported() -> bool:
     if platform.machine() not in ("x86_64", "AMD64"):
         return False
-    flags = _cpu_identity()
+    flags = cpu_identity()
     return " avx2" in flags and " fma" in flags
 
 
@@ -67,7 +67,7 @@ def build(directory: Path | None = None, source_path: Path = SOURCE) -> Path:
     """Compile `source_path` (default cpu_native.cpp; any C++ source of this package's native CPU
     kernels) into the cache, once per source, flags, compiler and CPU; the library's path."""
     return build_library(source_path.read_text(), CXX_FLAGS, source_path.stem.replace("_", "-"),
-                         directory or native_cache_dir(), "cpu native kernels", extra_key=_cpu_identity())
+                         directory or native_cache_dir(), "cpu native kernels", extra_key=cpu_identity())
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -216,7 +216,7 @@ def native_ops() -> NativeCpuOps | None:
 
 @functools.lru_cache(maxsize=None)
 def _load() -> NativeCpuOps | None:
-    if not _cpu_supported() or not compiler_available():
+    if not cpu_supported() or not compiler_available():
         logger.info("cpu native kernels: unavailable (needs x86-64 AVX2/FMA and %s); using torch", CXX)
         return None
     try:

@@ -165,7 +165,7 @@ def weight_only_ops() -> WeightOnlyOps | None:
 
 @functools.lru_cache(maxsize=None)
 def _load() -> WeightOnlyOps | None:
-    if not cpu_native._cpu_supported() or not compiler_available():
+    if not cpu_native.cpu_supported() or not compiler_available():
         logger.info("weight-only kernels: unavailable (needs x86-64 AVX2/FMA and %s); using torch", CXX)
         return None
     try:

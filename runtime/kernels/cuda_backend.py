@@ -81,8 +81,8 @@ class CudaKernels:
         self._reference = TorchKernels(fast_paths=True)  # the ops without a kernel; CPU tensors on fallback
         self.dtypes = tuple(dtypes)
         self._functions = self._compile_all()
-        self.launchers = KvLaunchers(self._function, self.device_type, self._stream, self.config)
-        self.decoding = DecodingLaunchers(self._function, self.device_type, self._stream, self.config, self.dtypes[0])
+        self.launchers = KvLaunchers(self.function, self.device_type, self._stream, self.config)
+        self.decoding = DecodingLaunchers(self.function, self.device_type, self._stream, self.config, self.dtypes[0])
 
     @staticmethod
     def default_config() -> LaunchConfig:
@@ -101,7 +101,7 @@ class CudaKernels:
         logger.info("cuda kernels: %d functions compiled (CuPy cache CUPY_CACHE_DIR)", len(functions))
         return functions
 
-    def _function(self, dtype: torch.dtype, name: str):
+    def function(self, dtype: torch.dtype, name: str):
         function = self._functions.get((dtype, name))
         if function is None:
             raise ValueError(f"{self.name} kernels: no {name} module for dtype {dtype} (compiled: {list(self.dtypes)})")

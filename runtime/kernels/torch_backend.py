@@ -32,15 +32,11 @@ class TorchKernels:
         workspaces, per-step plans); off, every attention and decoding op is the plain reference
         (the dense ops take their fast paths either way). native (with fast_paths): float32 decode
         attention in the native CPU kernel where it runs."""
-        self._fast = CpuAttention(use_native=native) if fast_paths else None
+        self.cpu_attention = CpuAttention(use_native=native) if fast_paths else None
         self._native = native_ops() if fast_paths and native else None   # None where it cannot run
         # dtype -> the native RMSNorm and silu * up kernels that run here (float32, bf16); None until
         # the first dense op on a CPU tensor (a model's prepare_* at its construction) captures them.
         self._dense_native: dict[torch.dtype, object] | None = None
-
-    @property
-    def has_fast_paths(self) -> bool:
-        return self._fast is not None
 
     write_kv = staticmethod(torch_attention.write_kv)
     copy_blocks = staticmethod(torch_attention.copy_blocks)
@@ -50,7 +46,7 @@ class TorchKernels:
                          block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                          window: int | None, sink: int = 0, alibi_slopes: torch.Tensor | None = None,
                          k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None) -> torch.Tensor:
-        attend = torch_attention.decode_attention if self._fast is None else self._fast.decode_attention
+        attend = (self.cpu_attention or torch_attention).decode_attention
         return attend(q, k_cache, v_cache, block_tables, seq_lens, scale, window, sink, alibi_slopes,
                       k_scales, v_scales)
 
@@ -58,20 +54,20 @@ class TorchKernels:
                           block_table: torch.Tensor, past_len: int, scale: float,
                           window: int | None, sink: int = 0, alibi_slopes: torch.Tensor | None = None,
                           k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None) -> torch.Tensor:
-        attend = torch_attention.context_attention if self._fast is None else self._fast.context_attention
+        attend = (self.cpu_attention or torch_attention).context_attention
         return attend(q, k_cache, v_cache, block_table, past_len, scale, window, sink, alibi_slopes,
                       k_scales, v_scales)
 
     def prepare_linear(self, weight: torch.Tensor, bias: torch.Tensor | None, impl: str | None = None
                        ) -> PreparedLinear:
         if weight.is_cpu:
-            self._native_dense_ops()   # captured with the weights' own kernels, when the model is built
+            self.native_dense_ops()   # captured with the weights' own kernels, when the model is built
         return Linear(weight, bias, weight.device, impl)
 
     def prepare_weight_only_linear(self, weight: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None,
                                    bias: torch.Tensor | None, act_quant: str | None = None) -> PreparedLinear:
         if weight.is_cpu:
-            self._native_dense_ops()   # captured with the weights' own kernels, when the model is built
+            self.native_dense_ops()   # captured with the weights' own kernels, when the model is built
         return QuantizedLinear(weight, scale, minimum, bias, act_quant)
 
     def prepare_decode_step(self, model, kv_pool: torch.Tensor, kv_scales: torch.Tensor | None,
@@ -89,19 +85,19 @@ class TorchKernels:
     # one row of 512); the bf16 kernels sum in float32.
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.is_cpu and x.dim() == 2 and x.stride(1) == 1:
-            native = self._native_dense_ops().get(x.dtype)
+            native = self.native_dense_ops().get(x.dtype)
             if native is not None:
                 return native.rms_norm(x, weight, eps)
         return torch_dense.rms_norm(x, weight, eps)
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cpu and x.dim() == 2 and x.stride(1) == 1:
-            native = self._native_dense_ops().get(x.dtype)
+            native = self.native_dense_ops().get(x.dtype)
             if native is not None:
                 return native.silu_mul(x)
         return torch_dense.silu_mul(x)
 
-    def _native_dense_ops(self) -> dict[torch.dtype, object]:
+    def native_dense_ops(self) -> dict[torch.dtype, object]:
         if self._dense_native is None:
             found = {torch.float32: native_ops(), torch.bfloat16: bf16_ops()}
             self._dense_native = {dtype: ops for dtype, ops in found.items() if ops is not None}

@@ -140,7 +140,7 @@ def top_k_top_p_mask(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Ten
 
 def sample(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, uniforms: torch.Tensor,
            normalize_log_probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """NOTE: the result equals `_sample_masked` (the definition) row for row; the fast paths only
+    """NOTE: the result equals `sample_masked` (the definition) row for row; the fast paths only
     avoid whole-vocabulary passes: a top-k row draws among its k candidates (exact unless
     the k-th value is tied, then it takes the masked path), a top-p row among the 1024 (else
     16384) most probable tokens when they hold at least p of the mass. A row with no allowed
@@ -187,7 +187,7 @@ def sample(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, unifo
     slow[p_rows] = True
     rest = slow.nonzero()[:, 0]
     if rest.numel():
-        t, lp = _sample_masked(logits[rest], top_k[rest], top_p[rest], uniforms[rest], normalize_log_probs[rest])
+        t, lp = sample_masked(logits[rest], top_k[rest], top_p[rest], uniforms[rest], normalize_log_probs[rest])
         tokens[rest], log_probs[rest] = t, lp
     return tokens, log_probs
 
@@ -236,8 +236,8 @@ def _fast_rows(rows, ok, sub, values, index, valid, top_p, lse, uniforms, normal
     log_probs[rows] = result
 
 
-def _sample_masked(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, uniforms: torch.Tensor,
-                   normalize_log_probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_masked(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, uniforms: torch.Tensor,
+                  normalize_log_probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The definition, over the whole vocabulary: the first token (in id order) whose
     cumulative kept weight exceeds u * total; NO_TOKEN (log prob -inf) where no token is allowed."""
     vocab = logits.shape[1]

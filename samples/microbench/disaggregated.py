@@ -156,7 +156,7 @@ def _instance(model_dir: str, threads: int, pool_tokens: int, connection) -> Non
                 params = None if result.context_phase_params is None else result.context_phase_params.to_bytes()
                 connection.send(("tokens", index, now, len(result.output_token_ids[0]), result.is_final, params))
             num_context_tokens += sum(s.num_context_tokens for s in executor.get_latest_iteration_stats())
-        transfer = executor._front_end.kv_transfer   # the cost counters of this instance's KV transfer
+        transfer = executor.front_end.kv_transfer   # the cost counters of this instance's KV transfer
         connection.send(("stats", {"context_tokens": num_context_tokens, "fetches": transfer.num_fetches,
                                    "fetched_bytes": transfer.num_fetched_bytes, "fetch_s": transfer.fetch_s,
                                    "exports": transfer.exports.num_exported, "sent": transfer.exports.num_sent}))

@@ -95,10 +95,14 @@ class StreamClient:
             return text.split(marker, 1)[1].split("]", 1)[0]
         return None
 
+    def result(self, request_id: str) -> Result:
+        """The request's result so far (the stream's thread adds to it until its final response)."""
+        return self._id_to_result[request_id]
+
     def wait(self, request_id: str, timeout_s: float = 120.0) -> Result:
         if not self._id_to_done[request_id].wait(timeout_s):
             raise TimeoutError(f"request {request_id}: no final response after {timeout_s} s")
-        return self._id_to_result[request_id]
+        return self.result(request_id)
 
     def close(self, cancel_requests: bool = False) -> None:
         self.client.stop_stream(cancel_requests=cancel_requests)

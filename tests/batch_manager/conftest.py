@@ -123,12 +123,7 @@ def wait_until(predicate, timeout_s: float = 10.0) -> bool:
     return False
 
 
-def kv_of(manager):
-    """The manager's KV block manager, read-only (the one internal tests look at: block accounting)."""
-    return manager._worker.scheduler.kv
-
-
 def inject_faults(manager, fault) -> None:
     """The executor's test hook: fault(group), called with each forward group (a tuple of
     ScheduledRequests) before its forward, fails exactly that group by raising."""
-    manager._worker.executor.fault_injector = fault
+    manager.model_executor.fault_injector = fault

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from batch_manager import GptManager, SchedulerPolicy, TrtGptModelType, tensor_names
-from tests.batch_manager.conftest import Client, make_request, inject_faults, kv_of
+from tests.batch_manager.conftest import Client, make_request, inject_faults
 from tests.batch_manager.test_gpt_manager import small_pool
 
 BEAM = dict(beam_width=torch.tensor([3], dtype=torch.int32))
@@ -30,7 +30,7 @@ def test_a_pad_id_outside_int32_is_refused_and_the_worker_lives_on(tiny_engine, 
     tensors, _, err = client.final(0)
     assert tensors == {} and "pad_id" in err
     assert client.final(1)[0][tensor_names.OUTPUT_IDS][0, 0].tolist() == references[1]
-    assert kv_of(manager).num_free_blocks == kv_of(manager).num_blocks
+    assert manager.kv_cache_manager.num_free_blocks == manager.kv_cache_manager.num_blocks
 
 
 def test_a_beam_request_stopped_before_its_first_step_still_has_every_beam(tiny_engine, prompts):
@@ -67,7 +67,7 @@ def test_a_response_that_cannot_be_built_fails_only_its_request(tiny_engine, pro
     streamed = [t for tensors, _, _ in client.responses[2] for t in tensors[tensor_names.OUTPUT_IDS][0, 0].tolist()]
     assert streamed == references[2][len(prompts[2]):]
     assert manager.get_num_active_requests() == 0
-    assert kv_of(manager).num_free_blocks == kv_of(manager).num_blocks
+    assert manager.kv_cache_manager.num_free_blocks == manager.kv_cache_manager.num_blocks
 
 
 def test_overlap_a_group_failing_while_prepared_is_completed_once(tiny_engine, prompts, references):
@@ -97,4 +97,4 @@ def test_overlap_a_group_failing_while_prepared_is_completed_once(tiny_engine, p
             assert tensors == {} and "injected fault" in err
         else:
             assert err == "" and tensors[tensor_names.OUTPUT_IDS][0, 0].tolist() == references[i]
-    assert kv_of(manager).num_free_blocks == kv_of(manager).num_blocks
+    assert manager.kv_cache_manager.num_free_blocks == manager.kv_cache_manager.num_blocks

@@ -12,7 +12,7 @@ import torch
 from batch_manager import (GptManager, SchedulerPolicy, TrtGptModelOptionalParams, TrtGptModelType, tensor_names)
 from runtime import Engine, GenerationInput, GenerationOutput, GptSession, SamplingConfig, WorldConfig
 from runtime.decoding import to_word_list
-from tests.batch_manager.conftest import NUM_NEW_TOKENS, Client, make_request, inject_faults, kv_of
+from tests.batch_manager.conftest import NUM_NEW_TOKENS, Client, make_request, inject_faults
 from tests.batch_manager.test_gpt_manager import run_to_completion, small_pool
 
 SEEDED = dict(temperature=torch.tensor([0.9]), runtime_top_k=torch.tensor([20], dtype=torch.int32),
@@ -76,7 +76,7 @@ def test_seeded_request_is_the_same_alone_and_in_a_mixed_batch_of_32(tiny_engine
     client = Client(requests, sorted(arrivals))
     manager = run_with_beams(tiny_engine[0], client, model_type, policy, small_pool(400))
     assert output_tokens(client, 100, len(prompts[3])) == seeded_alone
-    kv = kv_of(manager)
+    kv = manager.kv_cache_manager
     assert kv.num_free_blocks == kv.num_blocks
 
 
@@ -239,7 +239,7 @@ def test_beam_search_through_the_manager_equals_gpt_session(tiny_engine, prompts
         expected, cum = session_beams(engine_dir, prompts[i], k, 10, length_penalty=1.0)
         assert beam_outputs(tensors, len(prompts[i])) == expected, f"request {i}"
         torch.testing.assert_close(tensors[tensor_names.CUM_LOG_PROBS][0], torch.tensor(cum), atol=1e-4, rtol=0)
-    kv = kv_of(manager)
+    kv = manager.kv_cache_manager
     assert kv.num_free_blocks == kv.num_blocks
     kv.check_invariants()
     if policy == SchedulerPolicy.MAX_UTILIZATION:

@@ -21,7 +21,7 @@ from batch_manager.scheduling.scheduler import Scheduler
 from batch_manager.scheduling.step import RequestResult, StepResult
 from runtime.decoding import DecodeOutcome, DecodingParams
 from runtime.cache.kv_cache_manager import KvCacheManager
-from tests.batch_manager.conftest import NUM_NEW_TOKENS, Client, kv_of, make_request
+from tests.batch_manager.conftest import NUM_NEW_TOKENS, Client, make_request
 
 VOCAB = 128   # tests.factories' tiny checkpoints
 
@@ -70,7 +70,7 @@ def check_outputs(client, references, ids, manager) -> list[dict]:
         tensors, _, err = client.final(i)
         assert err == "", f"request {i}: {err}"
         assert tensors[tensor_names.OUTPUT_IDS][0, 0].tolist() == references[i], f"request {i}"
-    kv = kv_of(manager)
+    kv = manager.kv_cache_manager
     kv.check_invariants()
     assert kv.num_free_blocks == kv.num_blocks
     stats = [json.loads(s) for s in client.stats]
@@ -102,7 +102,7 @@ def test_drafts_with_streaming_block_reuse_and_chunked_context(tiny_engine, prom
     optional = params(400, enable_block_reuse=True)
     optional.enable_chunked_context, optional.max_num_tokens = True, 24
     manager = run(engine_dir, client, optional)
-    kv = kv_of(manager)
+    kv = manager.kv_cache_manager
     kv.check_invariants()
     assert kv.num_free_blocks == kv.num_blocks
     for i in ids:   # every accepted token is streamed once, in order

@@ -21,7 +21,7 @@ from batch_manager import (DecodingConfig, GptManager, GuideType, KvCacheConfig,
                            TrtGptModelOptionalParams, TrtGptModelType, load_peft_adapter)
 from batch_manager import tensor_names as tn
 from runtime import Engine, GenerationInput, GenerationOutput, GptSession, SamplingConfig, WorldConfig, build_engine
-from tests.batch_manager.conftest import Client, kv_of, make_request
+from tests.batch_manager.conftest import Client, make_request
 from tests.batch_manager.test_guided_decoding import REGEX, guided_engine, guided_request  # noqa: F401
 from tests.batch_manager.test_guided_decoding import params as guided_params
 from tests.factories import make_checkpoint
@@ -95,7 +95,7 @@ def serve(engine_dir: str, requests, params: TrtGptModelOptionalParams | None = 
                     SchedulerPolicy.GUARANTEED_NO_EVICT, *client.callbacks(),
                     optional_params=params or TrtGptModelOptionalParams()) as manager:
         client.wait(timeout_s)
-    kv = kv_of(manager)
+    kv = manager.kv_cache_manager
     kv.check_invariants()
     assert kv.num_free_blocks == kv.num_blocks
     return client

@@ -11,7 +11,7 @@ import torch
 
 from batch_manager import (GptManager, KvCacheConfig, SchedulerConfig, SchedulerPolicy, TrtGptModelOptionalParams,
                            TrtGptModelType, tensor_names)
-from tests.batch_manager.conftest import NUM_NEW_TOKENS, Client, make_request, wait_until, inject_faults, kv_of
+from tests.batch_manager.conftest import NUM_NEW_TOKENS, Client, make_request, wait_until, inject_faults
 
 
 def small_pool(max_tokens: int = 160) -> TrtGptModelOptionalParams:
@@ -43,7 +43,7 @@ def test_batching_never_changes_results(tiny_engine, prompts, references, model_
         assert err == ""
         assert tensors[tensor_names.OUTPUT_IDS][0, 0].tolist() == references[i], f"request {i}"
         assert tensors[tensor_names.SEQUENCE_LENGTH].tolist() == [[len(references[i])]]
-    kv = kv_of(manager)
+    kv = manager.kv_cache_manager
     assert kv.num_free_blocks == kv.num_blocks
     kv.check_invariants()
     stats = [json.loads(s) for s in client.stats]
@@ -127,7 +127,7 @@ def test_stop_signal_mid_stream_returns_what_was_generated(tiny_engine, prompts,
     tokens = [t for tensors, _, _ in chunks for t in tensors[tensor_names.OUTPUT_IDS][0, 0].tolist()]
     assert 3 <= len(tokens) < 80
     assert tokens[:NUM_NEW_TOKENS] == references[0][len(prompts[0]):][:len(tokens)]
-    assert kv_of(manager).num_free_blocks == kv_of(manager).num_blocks
+    assert manager.kv_cache_manager.num_free_blocks == manager.kv_cache_manager.num_blocks
 
 
 def test_bad_requests_get_one_error_and_do_not_disturb_others(tiny_engine, prompts, references):
@@ -230,7 +230,7 @@ def test_step_failure_fails_only_that_steps_requests(tiny_engine, prompts, refer
     assert tensors == {} and "injected fault" in err
     for i in (1, 2):
         assert client.final(i)[0][tensor_names.OUTPUT_IDS][0, 0].tolist() == references[i]
-    assert kv_of(manager).num_free_blocks == kv_of(manager).num_blocks
+    assert manager.kv_cache_manager.num_free_blocks == manager.kv_cache_manager.num_blocks
 
 
 def test_shutdown_drains_requests_in_flight(tiny_engine, prompts, references):
@@ -245,7 +245,7 @@ def test_shutdown_drains_requests_in_flight(tiny_engine, prompts, references):
         if i in client.responses:
             assert client.final(i)[0][tensor_names.OUTPUT_IDS][0, 0].tolist() == references[i]
     assert manager.get_num_active_requests() == 0
-    assert not manager._worker._thread.is_alive()
+    assert not manager.worker.thread.is_alive()
 
 
 def test_idle_manager_shuts_down_promptly_and_does_not_spin(tiny_engine):
@@ -349,7 +349,7 @@ def test_terminate_request_id_ends_the_loop(tiny_engine, prompts):
         assert final and "terminated" in err
     assert 10000 not in client.responses
     manager.shutdown()
-    assert kv_of(manager).num_free_blocks == kv_of(manager).num_blocks
+    assert manager.kv_cache_manager.num_free_blocks == manager.kv_cache_manager.num_blocks
 
 
 def test_logits_post_processor_forces_a_token(tiny_engine, prompts):
@@ -400,8 +400,8 @@ def test_chunking_and_overlap_are_ignored_with_a_warning_for_static_batching(tin
     params = TrtGptModelOptionalParams(enable_chunked_context=True, enable_trt_overlap=True)
     with GptManager(engine_dir, TrtGptModelType.V1, 1, SchedulerPolicy.GUARANTEED_NO_EVICT,
                     *Client([]).callbacks(), params) as manager:
-        assert not manager._worker.scheduler.micro_batch.enable_chunked_context
-        assert manager._worker._forward_pool is None
+        assert not manager.worker.scheduler.micro_batch.enable_chunked_context
+        assert manager.worker.forward_pool is None
     assert any("no effect with TrtGptModelType.V1" in rec.message for rec in caplog.records)
 
 
@@ -411,7 +411,7 @@ def test_an_unreferenced_manager_is_shut_down_when_collected(tiny_engine):
     client = Client([])
     manager = GptManager(engine_dir, TrtGptModelType.InflightFusedBatching, 1, SchedulerPolicy.GUARANTEED_NO_EVICT,
                          *client.callbacks())
-    thread = manager._worker._thread
+    thread = manager.worker.thread
     assert thread.is_alive()
     del manager
     gc.collect()
@@ -433,7 +433,7 @@ def test_the_model_is_built_and_run_on_the_worker_thread(tiny_engine, monkeypatc
     monkeypatch.setattr(model_module.Transformer, "__init__", recording_init)
     with GptManager(engine_dir, TrtGptModelType.InflightFusedBatching, 1, SchedulerPolicy.GUARANTEED_NO_EVICT,
                     *Client([]).callbacks()) as manager:
-        assert threads == [manager._worker._thread]
+        assert threads == [manager.worker.thread]
         assert threads[0] is not threading.current_thread() and threads[0].name == "GptManagerWorker"
 
 

@@ -12,7 +12,7 @@ from batch_manager import GptManager, KvCacheConfig, SchedulerPolicy, TrtGptMode
 from batch_manager import tensor_names
 from batch_manager.scheduling.kv_sizing import HOST_KV_BUDGET_ENV, num_kv_blocks
 from runtime import Engine, build_engine
-from tests.batch_manager.conftest import Client, make_request, kv_of
+from tests.batch_manager.conftest import Client, make_request
 from tests.batch_manager.test_decoding import beam_outputs, session_beams
 
 SYSTEM_PROMPT = [(5 * i + 7) % 120 + 3 for i in range(12)]   # 3 blocks of 4 tokens, shared
@@ -40,7 +40,7 @@ def test_an_int8_pool_holds_the_blocks_its_bytes_allow(tiny_engine, int8_engine_
     with GptManager(int8_engine_dir, TrtGptModelType.InflightFusedBatching, 1, SchedulerPolicy.GUARANTEED_NO_EVICT,
                     *client.callbacks(), optional_params=params) as manager:
         client.wait()
-    assert kv_of(manager).num_blocks == blocks["int8"]
+    assert manager.kv_cache_manager.num_blocks == blocks["int8"]
     assert json.loads(client.stats[-1])["Max KV cache blocks"] == blocks["int8"]
 
 
@@ -50,7 +50,7 @@ def greedy_through_the_manager(engine_dir, prompts, params) -> dict[int, list[in
     with GptManager(engine_dir, TrtGptModelType.InflightFusedBatching, 1, SchedulerPolicy.GUARANTEED_NO_EVICT,
                     *client.callbacks(), optional_params=params) as manager:
         client.wait()
-    kv = kv_of(manager)
+    kv = manager.kv_cache_manager
     assert kv.num_free_blocks == kv.num_blocks
     out = {}
     for i, p in prompts.items():

@@ -14,7 +14,7 @@ import torch
 from batch_manager import (GptManager, KvCacheConfig, SchedulerPolicy, TrtGptModelOptionalParams, TrtGptModelType,
                            tensor_names)
 from runtime.cache.kv_cache_manager import max_blocks_held
-from tests.batch_manager.conftest import NUM_NEW_TOKENS, Client, make_request, inject_faults, kv_of
+from tests.batch_manager.conftest import NUM_NEW_TOKENS, Client, make_request, inject_faults
 
 SYSTEM_PROMPT = [(7 * i + 3) % 120 + 3 for i in range(24)]   # 6 blocks of 4 tokens
 
@@ -70,7 +70,7 @@ def outputs(client: Client, ids) -> dict[int, list[int]]:
 
 
 def assert_all_blocks_free(manager: GptManager) -> None:
-    kv = kv_of(manager)
+    kv = manager.kv_cache_manager
     kv.check_invariants()
     assert kv.num_free_blocks == kv.num_blocks
 
@@ -97,7 +97,7 @@ def test_reuse_of_a_shared_system_prompt_keeps_outputs_and_skips_context(tiny_en
             last["Allocated new KV cache blocks"] + last["Reused KV cache blocks"]
         if reuse:
             assert last["Reused KV cache blocks"] >= 6 * 8      # most requests reuse the 6 system blocks
-            assert kv_of(manager).num_cached_free_blocks > 0
+            assert manager.kv_cache_manager.num_cached_free_blocks > 0
         else:
             assert last["Reused KV cache blocks"] == 0
     assert computed[True] <= computed[False] - 6 * 4 * 8
@@ -112,15 +112,15 @@ def test_a_prefix_shared_with_a_request_still_running(tiny_engine, shared_prompt
     sharing = []
     with GptManager(engine_dir, TrtGptModelType.InflightFusedBatching, 1, SchedulerPolicy.GUARANTEED_NO_EVICT,
                     *client.callbacks(), optional_params=params) as manager:
-        kv = kv_of(manager)
-        original = manager._worker.scheduler.capacity.schedule
+        kv = manager.kv_cache_manager
+        original = manager.worker.scheduler.capacity.schedule
 
         def schedule(*args):
             out = original(*args)
             if kv.holds(0) and kv.holds(1):
                 sharing.append([kv.ref_count(b) for b in kv.block_table(1)[:6]])
             return out
-        manager._worker.scheduler.capacity.schedule = schedule
+        manager.worker.scheduler.capacity.schedule = schedule
         client.wait()
     assert sharing and sharing[0] == [2] * 6            # both hold the 6 system-prompt blocks
     assert outputs(client, [0, 1]) == {0: long_reference, 1: shared_references[1]}

@@ -11,7 +11,7 @@ import torch
 from batch_manager import GptManager, KvCacheConfig, SchedulerPolicy, TrtGptModelOptionalParams, TrtGptModelType
 from batch_manager.scheduling.kv_sizing import HOST_KV_BUDGET_ENV, host_budget_bytes, num_kv_blocks
 from runtime import Engine, ModelRunner
-from tests.batch_manager.conftest import Client, make_request, inject_faults, kv_of
+from tests.batch_manager.conftest import Client, make_request, inject_faults
 
 CPU = torch.device("cpu")
 
@@ -81,7 +81,7 @@ def test_stats_report_the_pool_size(tiny_engine, prompts, monkeypatch):
                     *client.callbacks(), optional_params=params) as manager:
         client.wait()
     stats = json.loads(client.stats[0])
-    assert stats["Max KV cache blocks"] == kv_of(manager).num_blocks == min(50, math.floor(0.3 * 200 / 2)) == 30
+    assert stats["Max KV cache blocks"] == manager.kv_cache_manager.num_blocks == min(50, math.floor(0.3 * 200 / 2)) == 30
     assert stats["Tokens per KV cache block"] == 4
     assert stats["Free KV cache blocks"] + stats["Used KV cache blocks"] == 30
-    assert manager._worker.executor.runner.kv_pool.shape[2] == 30
+    assert manager.model_executor.runner.kv_pool.shape[2] == 30

@@ -10,7 +10,7 @@ import torch
 from batch_manager import GptManager, KvCacheConfig, SchedulerPolicy, TrtGptModelOptionalParams, TrtGptModelType
 from batch_manager import tensor_names as tn
 from batch_manager.executor import Executor, ExecutorConfig, ModelType, OutputConfig, Request, SamplingConfig
-from tests.batch_manager.conftest import Client, kv_of, make_request
+from tests.batch_manager.conftest import Client, make_request
 from tests.batch_manager.executor.helpers import collect
 
 NUM_TOKENS = 10
@@ -30,7 +30,7 @@ def run(engine_dir, requests, policy=SchedulerPolicy.GUARANTEED_NO_EVICT, max_to
                     optional_params=TrtGptModelOptionalParams(kv_cache_config=KvCacheConfig(max_tokens=max_tokens))) \
             as manager:
         client.wait()
-    kv = kv_of(manager)
+    kv = manager.kv_cache_manager
     kv.check_invariants()
     assert kv.num_free_blocks == kv.num_blocks
     return client

@@ -370,7 +370,7 @@ class CapacityMachine(RuleBasedStateMachine):
             return LlmRequest(self.next_id, spec, arrival_index=self.next_id)
         r = request()
         # As admission refuses a request that cannot fit the pool alone.
-        while beam_width > 1 and self.scheduler._worst_case_blocks(r) > self.num_blocks:
+        while beam_width > 1 and self.scheduler.worst_case_blocks(r) > self.num_blocks:
             max_new_tokens -= 1
             if max_new_tokens == 0:
                 prompt, max_new_tokens = prompt[:1], 1
@@ -442,7 +442,7 @@ class CapacityMachine(RuleBasedStateMachine):
         running = [r for r in self.active if r.holds_blocks]
         missing = 0
         for r in running:
-            worst, held = self.scheduler._worst_case_blocks(r), len(self._blocks_of(r))
+            worst, held = self.scheduler.worst_case_blocks(r), len(self._blocks_of(r))
             assert held <= worst
             missing += worst - held
         reserve = self.kv.num_extra_refs if self.window is not None else 0
@@ -469,7 +469,7 @@ class CapacityMachine(RuleBasedStateMachine):
         self.kv.check_invariants()
         holders = {r.request_id for r in self.active if r.holds_blocks}
         assert {i for i in range(self.next_id) if self.kv.holds(i)} == holders
-        assert all(c >= 0 for c in self.kv._ref_counts)
+        assert all(self.kv.ref_count(b) >= 0 for b in range(self.kv.num_blocks))
         assert self.kv.num_free_blocks + self.kv.num_used_blocks == self.kv.num_blocks
         owners: dict[int, set[int]] = {}
         for r in self.active:
@@ -479,7 +479,7 @@ class CapacityMachine(RuleBasedStateMachine):
             for b in self._blocks_of(r):
                 owners.setdefault(b, set()).add(r.request_id)
         for b, request_ids in owners.items():   # shared between requests only through the prefix cache
-            assert len(request_ids) == 1 or self.kv._block_to_hash[b] is not None, f"block {b} owned twice"
+            assert len(request_ids) == 1 or self.kv.is_cached(b), f"block {b} owned twice"
         for r in self.active:   # tokens only ever grow, whatever pauses and resumes happened
             tokens = r.token_slice(0, r.num_tokens)
             seen = self.tokens_seen.get(r.request_id, [])

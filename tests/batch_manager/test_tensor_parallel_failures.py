@@ -60,7 +60,7 @@ def follower_dies(engine_dir: str, pipeline: bool):
     rank = int(os.environ["RANK"])
     if rank == 1:
         manager = build_manager(engine_dir, pipeline)
-        _kill_self_after(lambda: manager._worker.num_forwards >= 3)
+        _kill_self_after(lambda: manager.worker.num_forwards >= 3)
         manager.shutdown()
         return None
     client = Client([make_request(i, p, 150) for i, p in enumerate(PROMPTS)])
@@ -114,7 +114,7 @@ def leader_crashes(engine_dir: str, pipeline: bool):
         return rank, manager.fatal_error, time.monotonic() - start
     client = Client([make_request(0, PROMPTS[0], 20), make_request(1, PROMPTS[1], 20)])
     manager = build_manager(engine_dir, pipeline, *client.callbacks())
-    scheduler = manager._worker.scheduler
+    scheduler = manager.worker.scheduler
     update = scheduler.update
 
     def broken_update(step, result):

@@ -189,7 +189,7 @@ def test_bf16_model_stays_close_to_float32(checkpoint, monkeypatch, isa):
     engine = Engine.from_dir(checkpoint, dtype="bfloat16", tokens_per_block=4)
     runner = ModelRunner(engine, num_blocks=4)
     assert runner.kv_pool.dtype == torch.bfloat16
-    assert isinstance(runner.kernels._native_dense_ops()[torch.bfloat16], cpu_native_bf16.NativeBf16Ops)
+    assert isinstance(runner.kernels.native_dense_ops()[torch.bfloat16], cpu_native_bf16.NativeBf16Ops)
     assert all(linear.native_bf16 is not None for linear in runner.model.linears.values())
     expected = context_then_generation(Engine.from_dir(checkpoint, tokens_per_block=4))
     for got, want in zip(context_then_generation(engine), expected):

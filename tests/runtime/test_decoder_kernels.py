@@ -213,7 +213,7 @@ def test_fast_sampling_paths_equal_the_masked_definition(vocab):
     u = torch.rand(rows, generator=gen)
     normalize = torch.arange(rows) % 3 != 0
     fast = KERNELS.sample(logits, top_k, top_p, u, normalize)
-    slow = torch_decoder._sample_masked(logits, top_k, top_p, u, normalize)
+    slow = torch_decoder.sample_masked(logits, top_k, top_p, u, normalize)
     assert fast[0].tolist() == slow[0].tolist()
     torch.testing.assert_close(fast[1], slow[1], atol=1e-5, rtol=0)
 
@@ -233,7 +233,7 @@ def test_top_k_rows_with_fewer_allowed_tokens_than_k_equal_the_definition(vocab)
     u = torch.rand(rows, generator=gen)
     normalize = torch.arange(rows) % 2 == 0
     fast = KERNELS.sample(logits, top_k, top_p, u, normalize)
-    slow = torch_decoder._sample_masked(logits, top_k, top_p, u, normalize)
+    slow = torch_decoder.sample_masked(logits, top_k, top_p, u, normalize)
     assert fast[0].tolist() == slow[0].tolist()
     torch.testing.assert_close(fast[1], slow[1], atol=1e-5, rtol=0)
     assert bool(allowed.gather(1, fast[0][:, None]).all())
@@ -261,7 +261,7 @@ def test_a_row_with_no_allowed_token_yields_no_token_never_token_0(vocab):
             (*KERNELS.greedy(logits), KERNELS.greedy(logits[drawn])),
             (*KERNELS.sample(logits, top_k, top_p, u, normalize),
              KERNELS.sample(logits[drawn], top_k[drawn], top_p[drawn], u[drawn], normalize[drawn])),
-            (*torch_decoder._sample_masked(logits, top_k, top_p, u, normalize),
+            (*torch_decoder.sample_masked(logits, top_k, top_p, u, normalize),
              KERNELS.sample(logits[drawn], top_k[drawn], top_p[drawn], u[drawn], normalize[drawn]))):
         assert tokens[empty].tolist() == [torch_decoder.NO_TOKEN] * 3
         assert log_probs[empty].tolist() == [float("-inf")] * 3

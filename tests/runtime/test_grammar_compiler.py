@@ -63,6 +63,6 @@ def test_shutdown_returns_with_a_compile_in_flight_and_fails_the_waiting(tokeniz
         waiting.result(0)
     with pytest.raises(RuntimeError, match="shut down"):
         compiler.compile("regex", "c+")
-    assert not in_flight.done() and all(t.daemon for t in compiler._threads)   # never holds up the exit
+    assert not in_flight.done() and all(t.daemon for t in compiler.worker_threads)   # never holds up the exit
     compiler.release.set()
     in_flight.result(30)                      # it finishes on its own thread, unused

@@ -190,7 +190,7 @@ def test_reuse_hands_out_the_cached_blocks_with_reference_counts():
     compute(kv, 2, b)
     assert kv.free(2) == 3                           # cached blocks become free but stay findable
     assert kv.num_free_blocks == 8 and kv.num_cached_free_blocks == 2
-    assert list(kv._free_cached) == [1, 0]           # the tail of a sequence is evicted first
+    assert kv.free_block_ids(cached=True) == [1, 0]  # the tail of a sequence is evicted first
     assert kv.acquire_cached_prefix(3, SYSTEM + [9]) == 8
     assert kv.block_table(3) == [0, 1]
     assert kv.num_cached_free_blocks == 0 and kv.ref_count(0) == 1
@@ -228,8 +228,8 @@ def test_cached_free_blocks_are_evicted_least_recently_used_and_only_when_needed
     assert [kv.block_table(h) for h in (1, 2, 3)] == [[0, 1], [2, 3], [4, 5]]
     for holder in (2, 1, 3):                         # freed in this order: LRU 2, 0, 4
         kv.free(holder)
-    assert list(kv._free_cached) == [2, 0, 4]
-    assert list(kv._free_uncached) == [3, 1, 5]
+    assert kv.free_block_ids(cached=True) == [2, 0, 4]
+    assert kv.free_block_ids(cached=False) == [3, 1, 5]
     assert kv.allocate(4, 12)                        # uncached blocks first: nothing evicted
     assert kv.block_table(4) == [3, 1, 5]
     assert all(kv.find_cached_prefix([f] * 4 + [1]) for f in (10, 20, 30))
@@ -239,7 +239,7 @@ def test_cached_free_blocks_are_evicted_least_recently_used_and_only_when_needed
     assert kv.find_cached_prefix([20] * 4 + [1]) == []
     assert kv.find_cached_prefix([30] * 4 + [1]) == [4]
     kv.free(5)                                       # block 0 is now the most recently used
-    assert list(kv._free_cached) == [4, 0]
+    assert kv.free_block_ids(cached=True) == [4, 0]
     assert kv.allocate(7, 4) and kv.block_table(7) == [4]
     assert kv.find_cached_prefix([10] * 4 + [1]) == [0]
     kv.check_invariants()
@@ -415,7 +415,7 @@ class BlockMachine(RuleBasedStateMachine):
     @invariant()
     def consistent(self):
         self.kv.check_invariants()
-        assert all(c >= 0 for c in self.kv._ref_counts)
+        assert all(self.kv.ref_count(b) >= 0 for b in range(self.kv.num_blocks))
         assert self.kv.num_free_blocks + self.kv.num_used_blocks == self.kv.num_blocks
         shared = [b for b in range(self.kv.num_blocks) if self.kv.ref_count(b) > 1]
         for b in shared:   # a block in several tables: only a full computed block or a fork's copy

@@ -124,5 +124,4 @@ def run(coroutine_fn, *args, timeout_s: float = 60.0):
 
 def kv_of_bridge(bridge):
     """The KV block manager behind either bridge (internal: block accounting)."""
-    worker = bridge.executor._worker if hasattr(bridge, "executor") else bridge.manager._worker
-    return worker.scheduler.kv
+    return (bridge.executor if hasattr(bridge, "executor") else bridge.manager).kv_cache_manager

@@ -130,7 +130,7 @@ def test_error_statuses_and_shape(server):
 def full_queue(server):
     """Every submit refused as the queue-full path does (the bound set to 0 for the test)."""
     if hasattr(server.bridge, "executor"):
-        queue = server.bridge.executor._front_end.requests   # internal: the Executor's bounded queue
+        queue = server.bridge.executor.front_end.requests   # the Executor's bounded queue
         saved, queue.max_size = queue.max_size, 0
         yield
         queue.max_size = saved

@@ -57,7 +57,7 @@ def llm_inputs(*args, **kwargs):
 
 def wait_for_tokens(client, request_id: str, num_tokens: int, timeout_s: float = 30.0) -> None:
     deadline_s = time.monotonic() + timeout_s
-    while len(client._id_to_result[request_id].tokens) < num_tokens:
+    while len(client.result(request_id).tokens) < num_tokens:
         assert time.monotonic() < deadline_s, f"request {request_id}: fewer than {num_tokens} tokens"
         time.sleep(0.005)
 
@@ -148,12 +148,12 @@ def test_bad_requests_get_an_error_naming_the_tensor_and_the_model_keeps_serving
         assert result.error is not None and tensor in result.error, (request_id, result.error)
     client.submit("404", llm_inputs(PROMPTS[0], LONG, True))
     wait_for_tokens(client, "404", 1)
-    duplicate = client._id_to_result["404"]
+    duplicate = client.result("404")
     client.submit("404", llm_inputs(PROMPTS[0], 4, False))      # the same id while the first lives
     assert "already in use" in client.wait("404").error
     client.send_stop("404")
     client.submit("405", good)
-    assert client.wait("405").error is None and len(client._id_to_result["405"].tokens) == 4
+    assert client.wait("405").error is None and len(client.result("405").tokens) == 4
     assert duplicate.error is None
     wait_idle(server)
 

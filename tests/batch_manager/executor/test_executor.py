@@ -25,8 +25,8 @@ def beam_request(prompt, width: int, streaming: bool, max_tokens: int = NUM_NEW_
 
 
 def kv_is_whole(executor) -> bool:
-    kv = executor._worker.scheduler.kv    # internal: the block pool is whole again
-    return kv.num_free_blocks == kv.num_blocks and executor._worker.num_active_requests == 0
+    kv = executor.kv_cache_manager    # the block pool is whole again
+    return kv.num_free_blocks == kv.num_blocks and executor.get_bookkeeping_counts()["active"] == 0
 
 
 @pytest.mark.parametrize("streaming", [False, True])
@@ -236,7 +236,7 @@ def test_bad_input_raises_at_enqueue_and_nothing_is_queued(tiny_engine, prompts,
         with pytest.raises(ValueError, match="sampling_config.temperature"):
             executor.enqueue_requests([Request(prompts[0], 4),
                                        Request(prompts[0], 4, sampling_config=SamplingConfig(temperature=-1.0))])
-        assert executor._front_end.num_pending == 0 and executor.get_num_responses_ready() == 0
+        assert executor.front_end.num_pending == 0 and executor.get_num_responses_ready() == 0
         rid = executor.enqueue_request(Request(prompts[0], NUM_NEW_TOKENS, max_new_tokens=NUM_NEW_TOKENS))
         responses = collect(executor, [rid])
     assert list(responses) == [rid]
@@ -297,7 +297,7 @@ def test_generate_async_yields_results_and_cancelling_the_task_cancels_the_reque
 
         asyncio.run(cancel_after_first())
         assert wait_until(lambda: kv_is_whole(executor))
-        assert wait_until(lambda: not executor._front_end.responses._known)
+        assert wait_until(lambda: not executor.front_end.responses.known_ids)
         assert executor.get_num_responses_ready() == 0
 
 

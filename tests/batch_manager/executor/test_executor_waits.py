@@ -64,7 +64,7 @@ def test_bad_timeouts_raise_value_errors_naming_timeout(tiny_engine, timeout):
 def test_leaving_generate_async_after_its_final_arrived_forgets_the_id(tiny_engine, prompts):
     engine_dir, _ = tiny_engine
     with executor_for(engine_dir) as executor:
-        store = executor._front_end.responses      # internal: to know that the final has arrived
+        store = executor.front_end.responses       # internal: to know that the final has arrived
 
         async def first_result_then_leave() -> None:
             async for _ in executor.generate_async(Request(prompts[1], 3, streaming=True)):
@@ -77,7 +77,7 @@ def test_leaving_generate_async_after_its_final_arrived_forgets_the_id(tiny_engi
         [unknown] = executor.await_responses(request_id, timeout=30)
         assert unknown.has_error() and "unknown" in unknown.error_msg
         assert time.monotonic() - start < 5
-        assert not store._known and not store._abandoned and executor.get_num_responses_ready() == 0
+        assert not store.known_ids and not store.abandoned_ids and executor.get_num_responses_ready() == 0
 
 
 def test_an_idle_executor_blocks_until_a_request_arrives(tiny_engine, monkeypatch):

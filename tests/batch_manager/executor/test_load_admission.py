@@ -121,7 +121,7 @@ def test_ttft_budget_refuses_at_once_once_the_rate_is_measured(tiny_engine, prom
         collect(executor, ids)
         ids = [executor.enqueue_request(Request(prompts[i], 2)) for i in range(2, 6)]   # measure the rate
         collect(executor, ids)
-        rate = executor._front_end.throughput.tokens_per_s
+        rate = executor.front_end.throughput.tokens_per_s
         assert rate is not None and rate > 0
         gate.release.clear()
         gate.began.clear()
@@ -183,7 +183,7 @@ def test_a_non_streamed_request_leaves_the_pending_context_with_its_first_token(
     from tests.batch_manager.conftest import wait_until
     engine_dir, _ = tiny_engine
     with Executor(engine_dir, executor_config=ExecutorConfig()) as executor:
-        pending = executor._front_end.pending_context
+        pending = executor.front_end.pending_context
         request_id = executor.enqueue_request(Request(prompts[0], 60))
         # empty while the request still generates (before its answer, at its end)
         assert wait_until(lambda: len(pending) == 0 and executor.get_num_active_requests() == 1, timeout_s=30)

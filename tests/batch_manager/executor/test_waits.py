@@ -40,7 +40,7 @@ class Waiter:
 
 
 def is_claimed(store: ResponseStore, request_id: int) -> bool:
-    return request_id in store._num_id_waits   # internal: a per-id wait has begun
+    return store.num_id_waits(request_id) > 0   # a per-id wait has begun
 
 
 @pytest.mark.parametrize("timeout, seconds", [(None, None), (0, 0.0), (2, 2.0), (0.25, 0.25),
@@ -72,7 +72,7 @@ def test_a_wait_by_id_has_first_claim_over_a_wait_for_any():
 def test_a_final_returned_by_one_wait_answers_the_other_waits_for_its_id_at_once():
     store = store_with(1)
     first, second = Waiter(lambda: store.await_ids([1], None)), Waiter(lambda: store.await_ids([1], None))
-    assert wait_until(lambda: store._num_id_waits.get(1) == 2)
+    assert wait_until(lambda: store.num_id_waits(1) == 2)
     store.push(response(1, True), True)
     assert first.done.wait(10) and second.done.wait(10)
     [[a]], [[b]] = first.result, second.result
@@ -102,8 +102,8 @@ def test_abandoning_an_id_after_its_final_arrived_forgets_it():
     store.abandon(1)                              # the final was among the dropped responses
     [unknown] = store.await_ids([1], 30)[0]       # at once, not after 30 s
     assert unknown.has_error() and "unknown" in unknown.error_msg
-    assert store.num_ready() == 0 and not store._known - {2} and not store._abandoned
+    assert store.num_ready() == 0 and not store.known_ids - {2} and not store.abandoned_ids
     store.abandon(2)                              # before its final: unknown now, its final dropped later
     assert store.await_ids([2], 30)[0][0].has_error()
     store.push(response(2, True), True)
-    assert store.num_ready() == 0 and not store._known and not store._abandoned
+    assert store.num_ready() == 0 and not store.known_ids and not store.abandoned_ids

@@ -148,11 +148,11 @@ def test_env_forces_a_tier(monkeypatch):
 def test_build_without_vnni_offers_avx2_and_scalar(monkeypatch):
     """The tiers' #ifdef guards: a build without VNNI runs the AVX2 path, and naming a VNNI tier
     there is a ConfigError that lists what is available."""
-    if not cpu_native._cpu_supported():
+    if not cpu_native.cpu_supported():
         pytest.skip("needs AVX2")
     flags = (*cpu_native.CXX_FLAGS, "-mno-avx512vnni", "-mno-avxvnni")
     ops = ActQuantOps(build_library(SOURCE.read_text(), flags, "cpu-act-quant-novnni", native_cache_dir(),
-                                    "act-quant kernels without VNNI", extra_key=cpu_native._cpu_identity()))
+                                    "act-quant kernels without VNNI", extra_key=cpu_native.cpu_identity()))
     assert ops.available_isas == ("scalar", "avx2")
     monkeypatch.setenv(ISA_ENV_VAR, "avx512vnni")
     packed = pack(*quantize_int8(torch.randn(OUTPUTS, 96)), None)
@@ -172,7 +172,7 @@ def test_compiles_inside_a_namespace():
               "  return (int)bm_aq::kActUnit + (int)sizeof(bm_aq::ActLinear);\n}\n")
     source = prelude + "namespace bm_aq {\n" + SOURCE.read_text() + "\n}  // namespace bm_aq\n" + caller
     library = build_library(source, cpu_native.CXX_FLAGS, "cpu-act-quant-namespaced", native_cache_dir(),
-                            "act-quant kernels in a namespace", extra_key=cpu_native._cpu_identity())
+                            "act-quant kernels in a namespace", extra_key=cpu_native.cpu_identity())
     probe = ctypes.CDLL(str(library)).bm_aq_probe
     probe.argtypes = [ctypes.c_void_p] * 4
     x = torch.randn(1, 32)

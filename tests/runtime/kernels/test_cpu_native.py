@@ -80,10 +80,10 @@ def test_the_default_torch_backend_attends_natively_and_equally():
     tables, seq_lens = torch.tensor([[3, 1, 4], [0, 2, 5]], dtype=torch.int32), torch.tensor([9, 5])
     q = torch.randn(2, 4, 16, generator=gen)
     backend = get_kernels("torch")
-    assert backend._fast._native is not None
+    assert backend.cpu_attention.native is not None
     torch.testing.assert_close(backend.decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.25, None),
                                torch_attention.decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.25, None))
-    assert "decode_plan" not in backend._fast._thread_state()  # the native kernel answered
+    assert "decode_plan" not in backend.cpu_attention.thread_state()  # the native kernel answered
 
 
 def test_linear_routes_small_row_counts_to_the_native_kernel(monkeypatch):
@@ -111,7 +111,7 @@ def test_the_switch_turns_the_native_kernels_off(monkeypatch):
     monkeypatch.setenv(cpu_native.ENV_VAR, "0")
     assert cpu_native.native_ops() is None
     assert Linear(torch.ones(4, 4), None, CPU).native is None
-    assert get_kernels("torch")._fast._native is None
+    assert get_kernels("torch").cpu_attention.native is None
     assert Linear(torch.ones(4, 4, dtype=torch.bfloat16), None, CPU).native is None
     monkeypatch.delenv(cpu_native.ENV_VAR)
     assert Linear(torch.ones(4, 4, dtype=torch.bfloat16), None, CPU).native is None  # float32 only
@@ -126,7 +126,7 @@ def test_a_model_step_equals_itself_without_the_native_kernels(tmp_path, monkeyp
     native = ModelRunner(engine, num_blocks=16)
     monkeypatch.setenv(cpu_native.ENV_VAR, "0")
     plain = ModelRunner(engine, num_blocks=16)
-    assert native.kernels._native_dense_ops() and plain.kernels._native_dense_ops() == {}
+    assert native.kernels.native_dense_ops() and plain.kernels.native_dense_ops() == {}
     gen = torch.Generator().manual_seed(5)
     vocab = engine.model_config.vocab_size
     tables = torch.arange(15, dtype=torch.int32).view(3, 5)

@@ -59,10 +59,10 @@ def test_every_module_compiles_and_loads_at_construction(fake_cupy):
         source = next(name for name, kernels in sources.KERNEL_SOURCES.items() if set(module.fetched) == set(kernels))
         assert module.code in {sources.program(source, backend.config.defines(d)) for d in DTYPE_CODES}
     stream = types.SimpleNamespace(device_id=3)
-    backend._function(torch.float16, "write_kv")((1,), (32,), (), shared_mem=0, stream=stream)
+    backend.function(torch.float16, "write_kv")((1,), (32,), (), shared_mem=0, stream=stream)
     assert fake_cupy == [3] and FakeRawModule.launches[-1][0] == "write_kv"
     with pytest.raises(ValueError, match="no write_kv module for dtype torch.float64"):
-        backend._function(torch.float64, "write_kv")
+        backend.function(torch.float64, "write_kv")
 
 
 gpu = pytest.mark.skipif(not cuda_available(), reason="needs a CUDA device and CuPy")

@@ -39,7 +39,7 @@ NUM_BLOCKS = 64
 
 
 def skip_without_kernels():
-    if cpu_decode_step._library() is None:
+    if cpu_decode_step.library() is None:
         pytest.skip("the native CPU kernels cannot be built here (x86-64 AVX2/FMA and a C++ compiler)")
 
 

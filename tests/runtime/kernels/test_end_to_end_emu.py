@@ -55,7 +55,7 @@ def run_manager(engine_dir: str, backend: str, prompts: dict[int, list[int]]) ->
     params = TrtGptModelOptionalParams(kv_cache_config=KvCacheConfig(max_tokens=96), kernel_backend=backend)
     with GptManager(engine_dir, TrtGptModelType.InflightFusedBatching, 1, SchedulerPolicy.MAX_UTILIZATION,
                     *client.callbacks(), optional_params=params) as manager:
-        assert manager._worker.executor.runner.kernels.name == backend
+        assert manager.model_executor.runner.kernels.name == backend
         client.wait(120)
     return dict(zip(prompts, client.final_output_ids(prompts)))
 

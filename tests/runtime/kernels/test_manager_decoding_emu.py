@@ -44,7 +44,7 @@ def run_manager(engine_dir: str, backend: str) -> dict[int, list[list[int]]]:
     params = TrtGptModelOptionalParams(kv_cache_config=KvCacheConfig(max_tokens=160), kernel_backend=backend)
     with GptManager(engine_dir, TrtGptModelType.InflightFusedBatching, 2, SchedulerPolicy.GUARANTEED_NO_EVICT,
                     *client.callbacks(), optional_params=params) as manager:
-        assert manager._worker.executor.runner.kernels.name == backend
+        assert manager.model_executor.runner.kernels.name == backend
         client.wait(120)
     beams = {}
     for i in PROMPTS:

@@ -147,7 +147,7 @@ def test_the_torch_backend_uses_the_fast_paths_only_when_asked():
     tables = torch.randperm(32, generator=torch.Generator().manual_seed(13))[:15].view(3, 5).int()
     q = torch.randn(3, 4, 8, generator=torch.Generator().manual_seed(14))
     fast, plain = TorchKernels(fast_paths=True), TorchKernels()
-    assert fast.has_fast_paths and not plain.has_fast_paths
+    assert fast.cpu_attention is not None and plain.cpu_attention is None
     torch.testing.assert_close(fast.decode_attention(q, k_cache, v_cache, tables, torch.tensor(lens), 0.3, None),
                                plain.decode_attention(q, k_cache, v_cache, tables, torch.tensor(lens), 0.3, None))
-    assert "decode_plan" in fast._fast._thread_state()  # the call went through the plan
+    assert "decode_plan" in fast.cpu_attention.thread_state()  # the call went through the plan
