@@ -10,13 +10,11 @@ import logging
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from runtime import ModelRunner
+from runtime import KvBlocks, ModelRunner
 from runtime.step_inputs import SequenceStep, pack_step
 from runtime.parallel.tensor_parallel import DistributedError
 
 from .distributed import StepBroadcaster
-from .kv_transport.kv_transfer import install_blocks
-
 from .request_decoder import RequestDecoder
 from .scheduling.step import RequestResult, ScheduledRequest, ScheduledStep, StepResult
 
@@ -45,14 +43,7 @@ class ModelExecutor:
 
     def memory_usage(self) -> tuple[int, int, int]:
         """Bytes of runtime memory (weights + KV pool) on the CPU, the GPU, and pinned."""
-        cpu, gpu = 0, 0
-        kv_scales = [] if self.runner.kv_scales is None else [self.runner.kv_scales]
-        for t in [*self.runner.model.weight_tensors(), self.runner.kv_pool, *kv_scales]:
-            if t.device.type == "cpu":
-                cpu += t.numel() * t.element_size()
-            else:
-                gpu += t.numel() * t.element_size()
-        return cpu, gpu, 0
+        return (*self.runner.memory_bytes(), 0)
 
     @property
     def pipeline_depth(self) -> int:
@@ -126,7 +117,9 @@ class ModelExecutor:
             self.runner.copy_blocks([src for src, _ in copies], [dst for _, dst in copies])
         for r in group:
             if r.kv_writes is not None:   # a generation-only request's prompt KV, fetched from its context instance
-                install_blocks(self.runner, r.kv_writes)
+                fetched = r.kv_writes.fetched   # kv_transfer.FetchedBlocks
+                self.runner.write_blocks(r.kv_writes.block_ids, KvBlocks(
+                    (fetched.values,), None if fetched.scales is None else (fetched.scales,)), r.kv_writes.slots)
         return self.runner.launch(inputs)
 
     def _decode_group(self, group: tuple[ScheduledRequest, ...], outputs: dict) -> list[RequestResult]:

@@ -1,4 +1,5 @@
-"""The tensor-dict runtime: owns the model on its device and the paged KV pool.
+"""The tensor-dict runtime: owns the model on its device and the paged KV pool (its block storage:
+`read_blocks` / `write_blocks` move blocks' bytes in and out for the KV transfer).
 
 `ModelRunner.forward(inputs) -> outputs`, like an engine's named I/O. Inputs (CPU or device):
 
@@ -66,6 +67,15 @@ def available_memory_bytes(device: torch.device) -> int:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return 1 << 62
+
+
+@dataclass(frozen=True)
+class KvBlocks:
+    """Some blocks of a KV pool as raw bytes on the host, per pool, in parts along the block axis
+    (their concatenation is the blocks in order): values uint8 [L, 2, n_i, tpb, H, D * element
+    size] and a quantized pool's float32 scales uint8 [L, 2, n_i, tpb, H * 4] (else None)."""
+    values: tuple[torch.Tensor, ...]
+    scales: tuple[torch.Tensor, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -246,6 +256,51 @@ class ModelRunner:
         if stage.global_rank != 0:
             return LaunchedForward(None, None)
         return launched
+
+    def _byte_pools(self) -> list[torch.Tensor | None]:
+        """uint8 views of the pools (the last dimension widened by the element size): values, scales or None."""
+        return [None if pool is None else pool.view(torch.uint8) for pool in (self.kv_pool, self.kv_scales)]
+
+    @property
+    def kv_block_byte_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
+        """Per pool, the byte shape of its blocks in `KvBlocks` less the block axis: values
+        (L, 2, tpb, H, D * element size), a quantized pool's scales (L, 2, tpb, H * 4), else None."""
+        return tuple(None if p is None else (*p.shape[:2], *p.shape[3:]) for p in self._byte_pools())
+
+    def read_blocks(self, block_ids: list[int]) -> KvBlocks:
+        """The blocks' bytes, in `block_ids` order. A CPU pool's are views of it (a part per run of
+        consecutive ids, no copy: reads see later writes; views only, no torch op that could start
+        an OpenMP pool on the caller's thread); a GPU pool's one part, gathered on the device and
+        copied to the host."""
+        pools = self._byte_pools()
+        if self.device.type != "cpu":
+            ids = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+            return KvBlocks(*[None if pool is None else (pool.index_select(2, ids).cpu(),) for pool in pools])
+        starts = [j for j, b in enumerate(block_ids) if j == 0 or b != block_ids[j - 1] + 1]   # a part per run
+        runs = [(block_ids[a], block_ids[b - 1] + 1) for a, b in zip(starts, starts[1:] + [len(block_ids)])]
+        return KvBlocks(*[None if pool is None else tuple(pool[:, :, a:b] for a, b in runs) for pool in pools])
+
+    @torch.inference_mode()
+    def write_blocks(self, block_ids: list[int], data: KvBlocks, slots: list[int] | None = None) -> None:
+        """Block block_ids[i] of each pool takes `data`'s block slots[i] (default i). ValueError, and
+        nothing written, when `data` has not this pool's byte shapes or scales."""
+        dst = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        src = torch.tensor(range(len(block_ids)) if slots is None else slots, dtype=torch.int64)
+        given = [None if parts is None else {(*p.shape[:2], *p.shape[3:]) for p in parts}
+                 for parts in (data.values, data.scales)]
+        if given != [None if shape is None else {shape} for shape in self.kv_block_byte_shapes]:
+            raise ValueError(f"KV blocks of byte shapes {given} (less the block axis) do not fit this pool's "
+                             f"{self.kv_block_byte_shapes}")
+        for pool, parts in zip(self._byte_pools(), (data.values, data.scales)):
+            if pool is not None:
+                blocks = parts[0] if len(parts) == 1 else torch.cat(parts, 2)
+                pool.index_copy_(2, dst, blocks.index_select(2, src).to(self.device))
+
+    def memory_bytes(self) -> tuple[int, int]:
+        """Bytes of the weights and the KV pool (with its scales) on the CPU and on the GPU."""
+        tensors = [*self.model.weight_tensors(), *(p for p in (self.kv_pool, self.kv_scales) if p is not None)]
+        on_cpu = [(t.device.type == "cpu", t.numel() * t.element_size()) for t in tensors]
+        return sum(n for cpu, n in on_cpu if cpu), sum(n for cpu, n in on_cpu if not cpu)
 
     @torch.inference_mode()
     def copy_blocks(self, src_block_ids: list[int], dst_block_ids: list[int]) -> None:

@@ -182,3 +182,11 @@ def test_importing_the_packages_does_not_import_cupy(tmp_path):
                           timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_batch_manager_never_names_the_runners_kv_pools():
+    """The KV pools are the runner's block storage: the manager moves blocks through
+    ModelRunner.read_blocks / write_blocks only (an import walk cannot see attribute reaches)."""
+    offenders = [m for m, path in MODULES.items() if m.split(".")[0] == "batch_manager"
+                 and any(name in path.read_text() for name in ("kv_pool", "kv_scales"))]
+    assert offenders == []

@@ -235,7 +235,7 @@ class KvTransfer:
 
     def _fetch(self, source: KvSource):
         start = time.perf_counter()
-        expect = FetchExpectation.of(self._runner, source.num_tokens)
+        expect = FetchExpectation(source.num_tokens, self._runner.tokens_per_block, self._runner.kv_block_byte_shapes)
         try:
             fetched = fetch_blocks(source.host, source.port, source.handle, self.layout, self.timeout_s, expect,
                                    self._fetch_sockets)

@@ -118,7 +118,7 @@ class KvWrites:
     """The fetched prompt KV a generation-only request's first forward writes into the pool."""
     block_ids: tuple[int, ...]      # destination blocks of this pool
     slots: tuple[int, ...]          # per destination: its block's index among the fetched blocks
-    fetched: Any                    # kv_transfer.FetchedBlocks (values float/int8 [L, 2, n, tpb, H, D])
+    fetched: Any                    # kv_transfer.FetchedBlocks (values uint8 [L, 2, n, tpb, H, D * size])
 
 
 def import_blocks(kv: KvCacheManager, request_id: int, prompt_len: int, num_computed_tokens: int,

@@ -1,7 +1,7 @@
 """KV blocks over TCP between two instances (disaggregated context and generation): the context
 side's `KvTransferServer` (a listening thread; one short connection per fetch) reads the blocks a
 `kv_handoff.KvExports` keeps; the generation side's `fetch_blocks` receives them into host memory
-and the model executor's `install_blocks` writes them into its own pool. The frames, the raw
+and the model executor writes them (ModelRunner.read_blocks / write_blocks). The frames, the raw
 bytes and `KvLayout` (what both pools must share for the bytes to mean the same) are kv_wire.py's.
 
 Wire (one connection per fetch): the client sends a frame {"version", "handle", "layout"}; the
@@ -24,6 +24,7 @@ memory either way (gloo), at similar speeds into fresh memory (samples/microbenc
 from __future__ import annotations
 
 import logging
+import math
 import socket
 import threading
 import time
@@ -34,8 +35,8 @@ import torch
 
 from runtime.cache.kv_cache_manager import RELEASED
 
-from .kv_handoff import ExportedKv, KvExports, KvWrites
-from .kv_wire import (MAX_ASK_BYTES, WIRE_VERSION, KvLayout, KvTransferError, abort, as_bytes, recv_frame, recv_tensor,
+from .kv_handoff import ExportedKv, KvExports
+from .kv_wire import (MAX_ASK_BYTES, WIRE_VERSION, KvLayout, KvTransferError, abort, recv_frame, recv_tensor,
                       send_frame, send_pool_blocks)
 
 logger = logging.getLogger(__name__)
@@ -153,15 +154,20 @@ class KvTransferServer:
     def _send_blocks(self, connection: socket.socket, exported: ExportedKv, deadline_s: float) -> None:
         indexes = [j for j, b in enumerate(exported.block_ids) if b != RELEASED]
         ids = [exported.block_ids[j] for j in indexes]
-        values = as_bytes(self.runner.kv_pool)                 # uint8 [L, 2, N, tpb, H, D * size]
-        scales = None if self.runner.kv_scales is None else as_bytes(self.runner.kv_scales)   # [L, 2, N, tpb, H * 4]
-        shape = [*values.shape[:2], len(ids), *values.shape[3:]]
-        num_bytes = lambda pool: pool[:, :, :1].numel() * len(ids)   # noqa: E731
+        blocks = self.runner.read_blocks(ids)
         send_frame(connection, {"error": None, "num_tokens": exported.num_tokens, "block_indexes": indexes,
-                                 "shape": shape, "num_value_bytes": num_bytes(values),
-                                 "num_scale_bytes": 0 if scales is None else num_bytes(scales)}, deadline_s)
-        for pool in (values,) if scales is None else (values, scales):
-            send_pool_blocks(connection, pool, ids, deadline_s)
+                                 **_answer_blocks(self.runner.kv_block_byte_shapes, len(ids))}, deadline_s)
+        for parts in (blocks.values,) if blocks.scales is None else (blocks.values, blocks.scales):
+            send_pool_blocks(connection, parts, deadline_s)
+
+
+def _answer_blocks(block_byte_shapes: tuple, num_blocks: int) -> dict:
+    """The answer's "shape", "num_value_bytes" and "num_scale_bytes" for `num_blocks` blocks of
+    pools of these byte shapes less the block axis (ModelRunner.kv_block_byte_shapes)."""
+    value_shape, scale_shape = block_byte_shapes
+    return {"shape": [*value_shape[:2], num_blocks, *value_shape[2:]],
+            "num_value_bytes": math.prod(value_shape) * num_blocks,
+            "num_scale_bytes": 0 if scale_shape is None else math.prod(scale_shape) * num_blocks}
 
 
 # -- the generation side -----------------------------------------------------------------------
@@ -180,16 +186,7 @@ class FetchExpectation:
     """What a generation-only request can take as an answer: its prompt's blocks in this pool's byte shapes."""
     num_tokens: int                          # the request's prompt length
     tokens_per_block: int
-    value_block_shape: tuple[int, ...]       # the values' byte shape less the block axis: (L, 2, tpb, H, D * size)
-    scale_block_shape: tuple[int, ...] | None  # (L, 2, tpb, H * 4) for a quantized pool, else None
-
-    @classmethod
-    def of(cls, runner, num_tokens: int) -> "FetchExpectation":
-        values = as_bytes(runner.kv_pool)
-        scales = None if runner.kv_scales is None else as_bytes(runner.kv_scales)
-        drop_blocks = lambda t: (*t.shape[:2], *t.shape[3:])   # noqa: E731
-        return cls(num_tokens, runner.tokens_per_block, drop_blocks(values),
-                   None if scales is None else drop_blocks(scales))
+    block_byte_shapes: tuple                 # ModelRunner.kv_block_byte_shapes: (values, scales or None)
 
     @property
     def num_blocks(self) -> int:
@@ -283,35 +280,11 @@ def _answer_problem(header: dict, expect: FetchExpectation) -> str | None:
             or any(b <= a for a, b in zip(indexes, indexes[1:])) or indexes[0] < 0 or indexes[-1] >= expect.num_blocks:
         return (f"block_indexes {str(indexes)[:80]}: expected increasing indexes in [0, {expect.num_blocks}) "
                 f"(the prompt's blocks)")
-    shape = [*expect.value_block_shape[:2], len(indexes), *expect.value_block_shape[2:]]
-    if header.get("shape") != shape:
-        return f"shape {str(header.get('shape'))[:80]}: expected {shape} (one block per index, this pool's layout)"
-    num_values = _product(shape)
-    num_scales = 0 if expect.scale_block_shape is None else len(indexes) * _product(expect.scale_block_shape)
-    for field, expected in (("num_value_bytes", num_values), ("num_scale_bytes", num_scales)):
-        if not _is_int(header.get(field)) or header[field] != expected:
-            return f"{field} {header.get(field)!r}: expected {expected}"
+    expected = _answer_blocks(expect.block_byte_shapes, len(indexes))
+    if header.get("shape") != expected["shape"]:
+        return (f"shape {str(header.get('shape'))[:80]}: expected {expected['shape']} (one block per index, "
+                f"this pool's layout)")
+    for field in ("num_value_bytes", "num_scale_bytes"):
+        if not _is_int(header.get(field)) or header[field] != expected[field]:
+            return f"{field} {header.get(field)!r}: expected {expected[field]}"
     return None
-
-
-def _product(values) -> int:
-    out = 1
-    for v in values:
-        out *= v
-    return out
-
-
-@torch.inference_mode()
-def install_blocks(runner, writes: KvWrites) -> None:
-    """Write the fetched blocks into `runner`'s pool (and scales) at the planned block ids."""
-    device = runner.kv_pool.device
-    dst = torch.tensor(writes.block_ids, dtype=torch.int64, device=device)
-    src = torch.tensor(writes.slots, dtype=torch.int64)
-    fetched = writes.fetched
-    pool = as_bytes(runner.kv_pool)
-    if fetched.values.shape[:2] + fetched.values.shape[3:] != pool.shape[:2] + pool.shape[3:]:
-        raise RuntimeError(f"fetched KV blocks of shape {list(fetched.values.shape)} (bytes) do not fit this pool's "
-                           f"{list(pool.shape)}")
-    pool.index_copy_(2, dst, fetched.values.index_select(2, src).to(device))
-    if runner.kv_scales is not None:
-        as_bytes(runner.kv_scales).index_copy_(2, dst, fetched.scales.index_select(2, src).to(device))

@@ -1,7 +1,7 @@
 """The KV transfer's wire (kv_transfer.py's two sides share it): `KvLayout`, what both pools must
 share for the bytes to mean the same; frames (4-byte big-endian length, msgpack) and raw bytes
 sent and received against one deadline for the whole exchange; a pool's blocks sent from where
-they lie."""
+they lie (ModelRunner.read_blocks)."""
 from __future__ import annotations
 
 import hashlib
@@ -123,14 +123,6 @@ def recv_frame(sock: socket.socket, max_bytes: int, deadline_s: float):
     return msgpack.unpackb(bytes(body), raw=False)
 
 
-def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """uint8 view of a contiguous tensor (the last dimension widened by the element size); shares
-    its memory, so writes through it land in `t`."""
-    assert t.is_contiguous()
-    return t.view(torch.uint8)
-
-
-
 def abort(connection: socket.socket) -> None:
     """Wake a thread blocked on `connection` (its recv returns at once); the thread closes it."""
     try:
@@ -139,31 +131,14 @@ def abort(connection: socket.socket) -> None:
         pass
 
 
-def _block_runs(block_ids: list[int]) -> list[tuple[int, int]]:
-    """[start, stop) of each run of consecutive ids, in order."""
-    runs: list[tuple[int, int]] = []
-    for b in block_ids:
-        if runs and runs[-1][1] == b:
-            runs[-1] = (runs[-1][0], b + 1)
-        else:
-            runs.append((b, b + 1))
-    return runs
+def send_pool_blocks(connection: socket.socket, parts: tuple[torch.Tensor, ...], deadline_s: float) -> None:
+    """The bytes of a pool's blocks [L, 2, n, ...] in that order, from `parts` along the block axis
+    (ModelRunner.read_blocks: a CPU pool's are sent from where they lie, no gathering copy), one
+    layer and K/V of each part at a time.
 
-
-def send_pool_blocks(connection: socket.socket, pool: torch.Tensor, block_ids: list[int], deadline_s: float) -> None:
-    """The bytes of `pool`'s blocks [L, 2, n, ...] in that order. A CPU pool is sent from where it
-    lies, a run of consecutive blocks per layer and K/V at a time (no gathering copy); a GPU pool
-    is gathered on the device, then copied to the host.
-
-    NOTE: numpy views for a CPU pool, not torch ops: a torch op on this thread could start an
-    OpenMP pool of its own, which slows the worker's forwards (engine_builder.start_worker)."""
-    if pool.device.type == "cpu":
-        array = pool.numpy()
-        runs = _block_runs(block_ids)
-        for layer in range(array.shape[0]):
-            for kv in range(array.shape[1]):
-                for start, stop in runs:
-                    sendall(connection, memoryview(array[layer, kv, start:stop]).cast("B"), deadline_s)
-        return
-    ids = torch.tensor(block_ids, dtype=torch.int64, device=pool.device)
-    sendall(connection, memoryview(pool.index_select(2, ids).cpu().numpy()).cast("B"), deadline_s)
+    NOTE: numpy views, not torch ops: a torch op on this thread could start an OpenMP pool of its
+    own, which slows the worker's forwards (engine_builder.start_worker)."""
+    for layer in zip(*(part.numpy() for part in parts)):
+        for plane in zip(*layer):   # K, then V
+            for blocks in plane:
+                sendall(connection, memoryview(blocks).cast("B"), deadline_s)

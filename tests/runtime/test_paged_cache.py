@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime import Engine, ModelRunner
+from runtime import Engine, KvBlocks, ModelRunner
 from runtime.kernels import TorchKernels
 from tests.factories import make_checkpoints, step_inputs
 
@@ -178,3 +178,26 @@ def test_forward_rejects_bad_inputs_and_leaves_cache_untouched(llama_engine, cas
     with pytest.raises(ValueError, match=tensor_name):
         runner.forward(inputs)
     assert torch.equal(runner.kv_pool, pool)
+
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_blocks_read_from_one_runner_and_written_into_another_continue_the_sequence(checkpoints, kv_cache_dtype):
+    """read_blocks (views of the pool, a part per run of ids) and write_blocks at other ids of
+    another runner: the same bytes, the same next logits; blocks of another pool's layout refused."""
+    engine = Engine.from_dir(checkpoints["llama"], tokens_per_block=4, kv_cache_dtype=kv_cache_dtype)
+    source, target = ModelRunner(engine, 8), ModelRunner(engine, 8)
+    source.forward(step_inputs([(random_tokens(10, seed=5), 0, [2, 3, 6])]))
+    blocks = source.read_blocks([2, 3, 6])
+    assert [part.shape[2] for part in blocks.values] == [2, 1]
+    assert blocks.values[0].data_ptr() == source.kv_pool[:, :, 2].data_ptr()
+    target.write_blocks([4, 7, 0], blocks, slots=[2, 0, 1])   # 4 <- 6, 7 <- 2, 0 <- 3
+    for pool in ("kv_pool",) if kv_cache_dtype == "auto" else ("kv_pool", "kv_scales"):
+        assert torch.equal(getattr(target, pool)[:, :, [7, 0, 4]], getattr(source, pool)[:, :, [2, 3, 6]])
+    nxt = random_tokens(1, seed=6)
+    torch.testing.assert_close(target.forward(step_inputs([(nxt, 10, [7, 0, 4])]))["logits"],
+                               source.forward(step_inputs([(nxt, 10, [2, 3, 6])]))["logits"], atol=0, rtol=0)
+    before = target.kv_pool.clone()
+    with pytest.raises(ValueError, match="do not fit this pool"):   # scales where none are, or none where they are
+        target.write_blocks([0, 1, 2], KvBlocks(blocks.values, None if blocks.scales else blocks.values))
+    assert torch.equal(target.kv_pool, before)
