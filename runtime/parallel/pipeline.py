@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .world_config import DIST_TIMEOUT_ENV, DistributedError, layer_ranges
+from .world_config import failing_as, layer_ranges
 
 # Point-to-point tags (messages of one tag between two ranks arrive in the order sent); the
 # manager's control messages use CONTROL_TAG (batch_manager.distributed).
@@ -88,17 +88,13 @@ class PendingReceive:
     def __init__(self, stage: "PipelineStage", shape: tuple[int, ...], dtype: torch.dtype, source: int, what: str):
         self.stage, self.source, self.what = stage, source, what
         self.tensor = torch.empty(shape, dtype=dtype)
-        try:
+        with stage.receiving(source, what):
             self._work = dist.irecv(_as_wire(self.tensor), src=source, group=stage.group, tag=LOGITS_TAG)
-        except (RuntimeError, ValueError) as e:
-            raise stage.receive_error(source, what, e) from e
 
     def wait(self) -> torch.Tensor:
         start = time.perf_counter()
-        try:
+        with self.stage.receiving(self.source, self.what):
             self._work.wait(datetime.timedelta(seconds=self.stage.timeout_s))
-        except (RuntimeError, ValueError) as e:
-            raise self.stage.receive_error(self.source, self.what, e) from e
         self.stage.seconds_receiving += time.perf_counter() - start
         return self.tensor
 
@@ -127,10 +123,8 @@ class PipelineStage:
 
     def send(self, tensor: torch.Tensor, to: int, what: str, tag: int = HIDDEN_TAG) -> None:
         wire = _as_wire(tensor.contiguous())
-        try:
+        with failing_as(f"rank {self.global_rank}: sending the {what} to rank {to} failed"):
             work = dist.isend(wire, dst=to, group=self.group, tag=tag)
-        except (RuntimeError, ValueError) as e:
-            raise DistributedError(f"rank {self.global_rank}: sending the {what} to rank {to} failed: {e}") from e
         self._pending_sends.append((work, wire, to, what))
         self.bytes_sent += wire.numel() * wire.element_size()
         while self._pending_sends and self._pending_sends[0][0].is_completed():
@@ -145,23 +139,17 @@ class PipelineStage:
 
     def _complete_oldest_send(self) -> None:
         work, _, to, what = self._pending_sends.popleft()
-        try:
+        with failing_as(f"rank {self.global_rank}: sending the {what} to rank {to} failed", self.timeout_s, "took"):
             work.wait(datetime.timedelta(seconds=self.timeout_s))
-        except (RuntimeError, ValueError) as e:
-            raise DistributedError(f"rank {self.global_rank}: sending the {what} to rank {to} failed ({e}); it "
-                                   f"stopped, failed, or took nothing for {DIST_TIMEOUT_ENV}={self.timeout_s:g} s") from e
 
-    def receive_error(self, source: int, what: str, e: Exception) -> DistributedError:
-        return DistributedError(f"rank {self.global_rank}: no {what} from rank {source} ({e}); it stopped, failed, "
-                                f"or sent nothing for {DIST_TIMEOUT_ENV}={self.timeout_s:g} s")
+    def receiving(self, source: int, what: str):
+        return failing_as(f"rank {self.global_rank}: no {what} from rank {source}", self.timeout_s)
 
     def receive(self, shape: tuple[int, ...], dtype: torch.dtype, source: int, what: str) -> torch.Tensor:
         tensor = torch.empty(shape, dtype=dtype)
         start = time.perf_counter()
-        try:
+        with self.receiving(source, what):
             dist.recv(_as_wire(tensor), src=source, group=self.group, tag=HIDDEN_TAG)
-        except (RuntimeError, ValueError) as e:
-            raise self.receive_error(source, what, e) from e
         self.seconds_receiving += time.perf_counter() - start
         return tensor
 
@@ -173,9 +161,6 @@ class PipelineStage:
         """The last stage's float32 `tensor` on every rank."""
         if not self.sends_logits:
             tensor = torch.empty(shape, dtype=torch.float32)
-        try:
+        with failing_as(f"rank {self.global_rank}: the logits broadcast from rank {self.logits_source} failed"):
             dist.broadcast(tensor, src=self.logits_source, group=self.group)
-        except (RuntimeError, ValueError) as e:
-            raise DistributedError(f"rank {self.global_rank}: the logits broadcast from rank {self.logits_source} "
-                                   f"failed: {e}") from e
         return tensor

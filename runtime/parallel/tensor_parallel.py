@@ -25,7 +25,8 @@ from ..config import ModelConfig
 from .pipeline import CONTROL_TAG, PipelineStage, StagePlan
 from .shm_collectives import SHM_ALL_REDUCE_ENV, SharedMemoryCollectives
 from .tensor_shard import Ranges, TensorShard, take
-from .world_config import DIST_TIMEOUT_ENV, DistributedError, WorldConfig, dist_timeout_s, launcher_world_size
+from .world_config import (DIST_TIMEOUT_ENV, DistributedError, WorldConfig, dist_timeout_s, failing_as,
+                           launcher_world_size)
 
 __all__ = ["DIST_TIMEOUT_ENV", "SHM_ALL_REDUCE_ENV", "DistributedError", "Ranges", "TensorParallel", "TensorShard",
            "WorldConfig", "init_tensor_parallel", "local_device", "take"]
@@ -154,10 +155,8 @@ class TensorParallel:
         if self._through_shared_memory(tensor):
             self.shared(tensor.view(-1))
         else:
-            try:
+            with failing_as(f"all-reduce failed on rank {self.global_rank}"):
                 dist.all_reduce(tensor, group=self.group)
-            except (RuntimeError, ValueError) as e:
-                raise DistributedError(f"all-reduce failed on rank {self.global_rank}: {e}") from e
         if self.time_all_reduce:
             self.all_reduce_seconds += time.perf_counter() - start
         return tensor
@@ -172,24 +171,20 @@ class TensorParallel:
                 return None
             rows, columns = tensor.shape
             return parts.view(self.size, rows, columns).permute(1, 0, 2).reshape(rows, self.size * columns)
-        try:
+        with failing_as(f"gathering the logits failed on rank {self.global_rank}"):
             if to_all:
                 parts = [torch.empty_like(tensor) for _ in range(self.size)]
                 dist.all_gather(parts, tensor, group=self.group)
             else:
                 parts = [torch.empty_like(tensor) for _ in range(self.size)] if self.rank == 0 else None
                 dist.gather(tensor, parts, group_dst=0, group=self.group)
-        except (RuntimeError, ValueError) as e:
-            raise DistributedError(f"gathering the logits failed on rank {self.global_rank}: {e}") from e
         return torch.cat(parts, dim=1) if parts is not None else None
 
     def min_int(self, value: int) -> int:
         """The smallest of every rank's value (ranks agreeing on a pool size)."""
         t = torch.tensor([value], dtype=torch.int64)
-        try:
+        with failing_as(f"agreeing on a value failed on rank {self.global_rank}"):
             dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control_group)
-        except (RuntimeError, ValueError) as e:
-            raise DistributedError(f"agreeing on a value failed on rank {self.global_rank}: {e}") from e
         return int(t.item())
 
     def send_object(self, obj: Any) -> None:
@@ -199,10 +194,8 @@ class TensorParallel:
         payload = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
         length = torch.tensor([payload.numel()], dtype=torch.int64)
         for rank in range(1, self.world_size):
-            try:
+            with failing_as(f"rank 0: sending a message to rank {rank} failed"):
                 works = [dist.isend(t, dst=rank, group=self.control_group, tag=CONTROL_TAG) for t in (length, payload)]
-            except (RuntimeError, ValueError) as e:
-                raise DistributedError(f"rank 0: sending a message to rank {rank} failed: {e}") from e
             self._pending_objects.append((works, length, payload, rank))
         while self._pending_objects and all(w.is_completed() for w in self._pending_objects[0][0]):
             self._pending_objects.popleft()
@@ -213,23 +206,17 @@ class TensorParallel:
         """Wait until the oldest `count` (default: every) objects sent have been taken."""
         while self._pending_objects and (count is None or count > 0):
             works, _, _, rank = self._pending_objects.popleft()
-            try:
+            with failing_as(f"rank 0: rank {rank} took no message", self.timeout_s, "took"):
                 for work in works:
                     work.wait(datetime.timedelta(seconds=self.timeout_s))
-            except (RuntimeError, ValueError) as e:
-                raise DistributedError(f"rank 0: rank {rank} took no message ({e}); it stopped, failed, or took "
-                                       f"nothing for {DIST_TIMEOUT_ENV}={self.timeout_s:g} s") from e
             count = None if count is None else count - 1
 
     def receive_object(self) -> Any:
         """The next object global rank 0 sent (`send_object`). Waits up to the timeout;
         DistributedError when rank 0 is gone or nothing came in time."""
-        try:
+        with failing_as(f"rank {self.global_rank}: no message from rank 0", self.timeout_s):
             length = torch.empty(1, dtype=torch.int64)
             dist.recv(length, src=0, group=self.control_group, tag=CONTROL_TAG)
             payload = torch.empty(int(length.item()), dtype=torch.uint8)
             dist.recv(payload, src=0, group=self.control_group, tag=CONTROL_TAG)
-        except (RuntimeError, ValueError) as e:
-            raise DistributedError(f"rank {self.global_rank}: no message from rank 0 ({e}); it stopped, failed, or sent "
-                                   f"nothing for {DIST_TIMEOUT_ENV}={self.timeout_s:g} s") from e
         return pickle.loads(payload.numpy().tobytes())

@@ -3,6 +3,7 @@ a failed one raises (plain data, no torch: the manager's options import it). The
 in runtime.parallel.tensor_parallel, the weight slices in runtime.parallel.tensor_shard."""
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 
@@ -12,6 +13,19 @@ DEFAULT_DIST_TIMEOUT_S = 60.0
 
 class DistributedError(RuntimeError):
     """A collective failed: another rank died, timed out, or ended the run with an error."""
+
+
+@contextlib.contextmanager
+def failing_as(what: str, timeout_s: float | None = None, verb: str = "sent"):
+    """A torch.distributed call's RuntimeError / ValueError as DistributedError "{what}: {error}",
+    or, given the peer's `timeout_s`, "{what} ({error}); it stopped, failed, or {verb} nothing for ..."."""
+    try:
+        yield
+    except (RuntimeError, ValueError) as e:
+        if timeout_s is None:
+            raise DistributedError(f"{what}: {e}") from e
+        raise DistributedError(f"{what} ({e}); it stopped, failed, or {verb} nothing for "
+                               f"{DIST_TIMEOUT_ENV}={timeout_s:g} s") from e
 
 
 @dataclass(frozen=True)
