@@ -19,7 +19,7 @@ a rank's slice of it, by byte offsets.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Callable, Union
+from typing import TYPE_CHECKING, Callable, Sequence, Union
 
 import torch
 
@@ -27,7 +27,7 @@ from ..config import ModelConfig
 from .tensor_files import LazyTensor, TensorSource, WeightError
 
 __all__ = ["LazyTensor", "RawWeights", "TensorSource", "WeightError", "WeightReader", "Weights", "check_weights",
-           "expected_shapes", "fused", "load_engine_weights", "load_hf_weights", "per_head_qkv"]
+           "expected_shapes", "fused", "load_engine_weights", "load_hf_weights", "per_head_qkv", "renamed"]
 
 if TYPE_CHECKING:
     from ..parallel.pipeline import StageLayers
@@ -90,6 +90,13 @@ def per_head_qkv(tensor: LazyTensor, num_heads: int, head_dim: int, name: str, d
                           f"{3 * num_heads * head_dim} rows from the config")
     blocks = [(3 * head + part) * head_dim for part in range(3) for head in range(num_heads)]
     return tensor.take_rows([(start, start + head_dim) for start in blocks])
+
+
+def renamed(get: Callable[[str], LazyTensor], ours: str, theirs: str, names: Sequence[tuple[str, str]],
+            kinds: Sequence[str] = ("weight", "bias")) -> RawWeights:
+    """{ours + a + "." + kind: get(theirs + b + "." + kind)} for each (a, b) of `names` and each kind:
+    an architecture's tensors under the canonical names (`ours`, `theirs`: the layer prefixes)."""
+    return {f"{ours}{a}.{kind}": get(f"{theirs}{b}.{kind}") for a, b in names for kind in kinds}
 
 
 def fused(src: TensorSource, name_to_shape: dict[str, tuple[int, ...]]) -> LazyTensor:

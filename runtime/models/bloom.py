@@ -6,7 +6,7 @@ from types import MappingProxyType
 from typing import Any
 
 from ..config import ConfigError, ModelConfig
-from ..loading.weights import RawWeights, TensorSource, per_head_qkv
+from ..loading.weights import RawWeights, TensorSource, per_head_qkv, renamed
 from .base import Architecture, positive_int, token_ids
 
 VARIANT = MappingProxyType(dict(
@@ -42,15 +42,12 @@ def read_weights(src: TensorSource, cfg: ModelConfig) -> RawWeights:
         return src.get(prefix + name)
 
     w: RawWeights = {"embed_tokens": get("word_embeddings.weight"),
-                     "embed_norm.weight": get("word_embeddings_layernorm.weight"),
-                     "embed_norm.bias": get("word_embeddings_layernorm.bias"),
-                     "final_norm.weight": get("ln_f.weight"), "final_norm.bias": get("ln_f.bias")}
+                     **renamed(get, "", "", (("embed_norm", "word_embeddings_layernorm"), ("final_norm", "ln_f")))}
     for layer in range(cfg.num_layers):
         p, q = f"h.{layer}.", f"layers.{layer}."
-        for ours, theirs in (("input_norm", "input_layernorm"), ("post_norm", "post_attention_layernorm"),
-                             ("out", "self_attention.dense"), ("mlp_in", "mlp.dense_h_to_4h"),
-                             ("mlp_out", "mlp.dense_4h_to_h")):
-            w[q + ours + ".weight"], w[q + ours + ".bias"] = get(p + theirs + ".weight"), get(p + theirs + ".bias")
+        w.update(renamed(get, q, p, (("input_norm", "input_layernorm"), ("post_norm", "post_attention_layernorm"),
+                                     ("out", "self_attention.dense"), ("mlp_in", "mlp.dense_h_to_4h"),
+                                     ("mlp_out", "mlp.dense_4h_to_h"))))
         for kind in ("weight", "bias"):
             name = p + "self_attention.query_key_value." + kind
             w[q + "qkv." + kind] = per_head_qkv(get(name), cfg.num_heads, cfg.head_dim, prefix + name, src.directory)

@@ -11,7 +11,7 @@ from types import MappingProxyType
 from typing import Any
 
 from ..config import ConfigError, ModelConfig
-from ..loading.weights import LazyTensor, RawWeights, TensorSource, WeightError
+from ..loading.weights import LazyTensor, RawWeights, TensorSource, WeightError, renamed
 from .base import Architecture, positive_int, rope_from_hf, token_ids
 
 VARIANT = MappingProxyType(dict(position_embedding="rope", rotary_style="neox", rotary_fraction=1.0,
@@ -65,22 +65,16 @@ def _qkv(tensor: LazyTensor, cfg: ModelConfig, name: str, directory: str) -> Laz
 def read_weights(src: TensorSource, cfg: ModelConfig) -> RawWeights:
     get = src.get
     w: RawWeights = {"embed_tokens": get("transformer.word_embeddings.weight"),
-                     "final_norm.weight": get("transformer.ln_f.weight"),
-                     "final_norm.bias": get("transformer.ln_f.bias")}
+                     **renamed(get, "", "transformer.", (("final_norm", "ln_f"),))}
     norms = {"parallel": (("input_norm", "ln_attn"), ("post_norm", "ln_mlp")),
              "parallel_shared_norm": (("input_norm", "input_layernorm"),),
              "sequential": (("input_norm", "input_layernorm"), ("post_norm", "post_attention_layernorm"))}
     linears = (("out", "self_attention.dense"), ("mlp_in", "mlp.dense_h_to_4h"), ("mlp_out", "mlp.dense_4h_to_h"))
     for layer in range(cfg.num_layers):
         p, q = f"transformer.h.{layer}.", f"layers.{layer}."
-        for ours, theirs in norms[cfg.residual]:
-            w[q + ours + ".weight"], w[q + ours + ".bias"] = get(p + theirs + ".weight"), get(p + theirs + ".bias")
-        for ours, theirs in linears:
-            w[q + ours + ".weight"] = get(p + theirs + ".weight")
-            if cfg.mlp_bias:
-                w[q + ours + ".bias"] = get(p + theirs + ".bias")
-        kinds = ("weight", "bias") if cfg.qkv_bias else ("weight",)
-        for kind in kinds:
+        w.update(renamed(get, q, p, norms[cfg.residual]))
+        w.update(renamed(get, q, p, linears, ("weight", "bias") if cfg.mlp_bias else ("weight",)))
+        for kind in ("weight", "bias") if cfg.qkv_bias else ("weight",):
             name = p + "self_attention.query_key_value." + kind
             w[q + "qkv." + kind] = _qkv(get(name), cfg, name, src.directory)
     if not cfg.tie_word_embeddings:

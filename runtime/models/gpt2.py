@@ -5,7 +5,7 @@ from types import MappingProxyType
 from typing import Any
 
 from ..config import ConfigError, ModelConfig
-from ..loading.weights import LazyTensor, RawWeights, TensorSource, WeightError
+from ..loading.weights import LazyTensor, RawWeights, TensorSource, WeightError, renamed
 from .base import Architecture, positive_int, token_ids
 
 VARIANT = MappingProxyType(dict(
@@ -47,15 +47,13 @@ def read_weights(src: TensorSource, cfg: ModelConfig) -> RawWeights:
         return tensor.t()
 
     w: RawWeights = {"embed_tokens": get("wte.weight"), "position_embeddings": get("wpe.weight"),
-                     "final_norm.weight": get("ln_f.weight"), "final_norm.bias": get("ln_f.bias")}
+                     **renamed(get, "", "", (("final_norm", "ln_f"),))}
     for layer in range(cfg.num_layers):
         p, q = f"h.{layer}.", f"layers.{layer}."
-        w[q + "input_norm.weight"], w[q + "input_norm.bias"] = get(p + "ln_1.weight"), get(p + "ln_1.bias")
-        w[q + "post_norm.weight"], w[q + "post_norm.bias"] = get(p + "ln_2.weight"), get(p + "ln_2.bias")
-        w[q + "qkv.weight"], w[q + "qkv.bias"] = conv1d(p + "attn.c_attn.weight"), get(p + "attn.c_attn.bias")
-        w[q + "out.weight"], w[q + "out.bias"] = conv1d(p + "attn.c_proj.weight"), get(p + "attn.c_proj.bias")
-        w[q + "mlp_in.weight"], w[q + "mlp_in.bias"] = conv1d(p + "mlp.c_fc.weight"), get(p + "mlp.c_fc.bias")
-        w[q + "mlp_out.weight"], w[q + "mlp_out.bias"] = conv1d(p + "mlp.c_proj.weight"), get(p + "mlp.c_proj.bias")
+        w.update(renamed(get, q, p, (("input_norm", "ln_1"), ("post_norm", "ln_2"))))
+        for ours, theirs in (("qkv", "attn.c_attn"), ("out", "attn.c_proj"), ("mlp_in", "mlp.c_fc"),
+                             ("mlp_out", "mlp.c_proj")):
+            w[q + ours + ".weight"], w[q + ours + ".bias"] = conv1d(p + theirs + ".weight"), get(p + theirs + ".bias")
     if not cfg.tie_word_embeddings:
         w["lm_head"] = src.get("lm_head.weight")
     return w

@@ -7,7 +7,7 @@ from types import MappingProxyType
 from typing import Any
 
 from ..config import ModelConfig
-from ..loading.weights import RawWeights, TensorSource, per_head_qkv
+from ..loading.weights import RawWeights, TensorSource, per_head_qkv, renamed
 from .base import Architecture, positive_int, rope_from_hf, rotary_fraction_from_hf, token_ids
 
 VARIANT = MappingProxyType(dict(position_embedding="rope", rotary_style="neox", norm_type="layernorm",
@@ -35,16 +35,12 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
 def read_weights(src: TensorSource, cfg: ModelConfig) -> RawWeights:
     get = src.get
     w: RawWeights = {"embed_tokens": get("gpt_neox.embed_in.weight"),
-                     "final_norm.weight": get("gpt_neox.final_layer_norm.weight"),
-                     "final_norm.bias": get("gpt_neox.final_layer_norm.bias")}
+                     **renamed(get, "", "gpt_neox.", (("final_norm", "final_layer_norm"),))}
     for layer in range(cfg.num_layers):
         p, q = f"gpt_neox.layers.{layer}.", f"layers.{layer}."
-        for ours, theirs in (("input_norm", "input_layernorm"), ("post_norm", "post_attention_layernorm"),
-                             ("out", "attention.dense"), ("mlp_in", "mlp.dense_h_to_4h"),
-                             ("mlp_out", "mlp.dense_4h_to_h")):
-            w[q + ours + ".weight"] = get(p + theirs + ".weight")
-            if ours != "out" or cfg.out_bias:
-                w[q + ours + ".bias"] = get(p + theirs + ".bias")
+        w.update(renamed(get, q, p, (("input_norm", "input_layernorm"), ("post_norm", "post_attention_layernorm"),
+                                     ("mlp_in", "mlp.dense_h_to_4h"), ("mlp_out", "mlp.dense_4h_to_h"))))
+        w.update(renamed(get, q, p, (("out", "attention.dense"),), ("weight", "bias") if cfg.out_bias else ("weight",)))
         qkv = p + "attention.query_key_value."
         w[q + "qkv.weight"] = per_head_qkv(get(qkv + "weight"), cfg.num_heads, cfg.head_dim, qkv + "weight",
                                            src.directory)

@@ -6,7 +6,7 @@ from types import MappingProxyType
 from typing import Any
 
 from ..config import ModelConfig, RopeConfig
-from ..loading.weights import RawWeights, TensorSource, fused
+from ..loading.weights import RawWeights, TensorSource, fused, renamed
 from .base import Architecture, positive_int, token_ids
 
 VARIANT = MappingProxyType(dict(
@@ -35,16 +35,13 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
 
 def read_weights(src: TensorSource, cfg: ModelConfig) -> RawWeights:
     get, h = src.get, cfg.hidden_size
-    w: RawWeights = {"embed_tokens": get("transformer.wte.weight"),
-                     "final_norm.weight": get("transformer.ln_f.weight"),
-                     "final_norm.bias": get("transformer.ln_f.bias"), "lm_head.bias": get("lm_head.bias")}
+    w: RawWeights = {"embed_tokens": get("transformer.wte.weight"), "lm_head.bias": get("lm_head.bias"),
+                     **renamed(get, "", "transformer.", (("final_norm", "ln_f"),))}
     for layer in range(cfg.num_layers):
         p, q = f"transformer.h.{layer}.", f"layers.{layer}."
-        w[q + "input_norm.weight"], w[q + "input_norm.bias"] = get(p + "ln_1.weight"), get(p + "ln_1.bias")
+        w.update(renamed(get, q, p, (("input_norm", "ln_1"), ("mlp_in", "mlp.fc_in"), ("mlp_out", "mlp.fc_out"))))
         w[q + "qkv.weight"] = fused(src, {p + f"attn.{x}_proj.weight": (h, h) for x in "qkv"})
         w[q + "out.weight"] = get(p + "attn.out_proj.weight")
-        w[q + "mlp_in.weight"], w[q + "mlp_in.bias"] = get(p + "mlp.fc_in.weight"), get(p + "mlp.fc_in.bias")
-        w[q + "mlp_out.weight"], w[q + "mlp_out.bias"] = get(p + "mlp.fc_out.weight"), get(p + "mlp.fc_out.bias")
     if not cfg.tie_word_embeddings:
         w["lm_head"] = get("lm_head.weight")
     return w

@@ -8,7 +8,7 @@ from types import MappingProxyType
 from typing import Any
 
 from ..config import ConfigError, ModelConfig
-from ..loading.weights import RawWeights, TensorSource, fused
+from ..loading.weights import RawWeights, TensorSource, fused, renamed
 from . import llama
 from .base import Architecture, positive_int, rope_from_hf, rotary_fraction_from_hf, token_ids
 
@@ -36,15 +36,13 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
 
 def read_weights(src: TensorSource, cfg: ModelConfig) -> RawWeights:
     get, h = src.get, cfg.hidden_size
-    w: RawWeights = {"embed_tokens": get("model.embed_tokens.weight"),
-                     "final_norm.weight": get("model.final_layernorm.weight"),
-                     "final_norm.bias": get("model.final_layernorm.bias"), "lm_head.bias": get("lm_head.bias")}
+    w: RawWeights = {"embed_tokens": get("model.embed_tokens.weight"), "lm_head.bias": get("lm_head.bias"),
+                     **renamed(get, "", "model.", (("final_norm", "final_layernorm"),))}
     qkv_rows = {"q": cfg.q_size, "k": cfg.kv_size, "v": cfg.kv_size}
     for layer in range(cfg.num_layers):
         p, q = f"model.layers.{layer}.", f"layers.{layer}."
-        for ours, theirs in (("input_norm", "input_layernorm"), ("out", "self_attn.dense"), ("mlp_in", "mlp.fc1"),
-                             ("mlp_out", "mlp.fc2")):
-            w[q + ours + ".weight"], w[q + ours + ".bias"] = get(p + theirs + ".weight"), get(p + theirs + ".bias")
+        w.update(renamed(get, q, p, (("input_norm", "input_layernorm"), ("out", "self_attn.dense"),
+                                     ("mlp_in", "mlp.fc1"), ("mlp_out", "mlp.fc2"))))
         w[q + "qkv.weight"] = fused(src, {p + f"self_attn.{x}_proj.weight": (n, h) for x, n in qkv_rows.items()})
         w[q + "qkv.bias"] = fused(src, {p + f"self_attn.{x}_proj.bias": (n,) for x, n in qkv_rows.items()})
     if not cfg.tie_word_embeddings:
@@ -62,10 +60,9 @@ def phi3_read_weights(src: TensorSource, cfg: ModelConfig) -> RawWeights:
     w: RawWeights = {"embed_tokens": get("model.embed_tokens.weight"), "final_norm.weight": get("model.norm.weight")}
     for layer in range(cfg.num_layers):
         p, q = f"model.layers.{layer}.", f"layers.{layer}."
-        for ours, theirs in (("input_norm", "input_layernorm"), ("post_norm", "post_attention_layernorm"),
-                             ("qkv", "self_attn.qkv_proj"), ("out", "self_attn.o_proj"),
-                             ("mlp_in", "mlp.gate_up_proj"), ("mlp_out", "mlp.down_proj")):
-            w[q + ours + ".weight"] = get(p + theirs + ".weight")
+        w.update(renamed(get, q, p, (("input_norm", "input_layernorm"), ("post_norm", "post_attention_layernorm"),
+                                     ("qkv", "self_attn.qkv_proj"), ("out", "self_attn.o_proj"),
+                                     ("mlp_in", "mlp.gate_up_proj"), ("mlp_out", "mlp.down_proj")), ("weight",)))
     if not cfg.tie_word_embeddings:
         w["lm_head"] = get("lm_head.weight")
     return w
