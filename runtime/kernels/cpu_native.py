@@ -130,11 +130,6 @@ class NativeCpuOps:
         for name, argtypes in _SIGNATURES.items():
             fn = getattr(self._lib, name)
             fn.argtypes, fn.restype = argtypes, _RESTYPES.get(name)
-        self._linear, self._rms_norm, self._silu_mul = self._lib.bm_linear, self._lib.bm_rms_norm, self._lib.bm_silu_mul
-        self._decode_attention = self._lib.bm_decode_attention
-        self._decode_attention_int8 = self._lib.bm_decode_attention_int8
-        self._token_bitmask = self._lib.bm_token_bitmask
-        self._shm_all_reduce = self._lib.bm_shm_all_reduce
 
     def shm_all_reduce(self, data: torch.Tensor, region: torch.Tensor, capacity: int, rank: int, size: int,
                        seq: int, timeout_s: float, gathered: torch.Tensor | None = None) -> int:
@@ -145,8 +140,9 @@ class NativeCpuOps:
         assert data.dtype == torch.float32 and data.is_contiguous() and data.numel() <= capacity
         if gathered is not None:
             assert gathered.dtype == torch.float32 and gathered.shape[0] == size and gathered.stride(1) == 1
-        return self._shm_all_reduce(data.data_ptr(), data.numel(), region.data_ptr(), capacity, rank, size, seq,
-                                    int(timeout_s * 1e9), _ptr(gathered), 0 if gathered is None else gathered.stride(0))
+        return self._lib.bm_shm_all_reduce(data.data_ptr(), data.numel(), region.data_ptr(), capacity, rank, size, seq,
+                                           int(timeout_s * 1e9), _ptr(gathered),
+                                           0 if gathered is None else gathered.stride(0))
 
     def apply_token_bitmask(self, logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
         """interface.KernelBackend.apply_token_bitmask for float32 logits with contiguous columns."""
@@ -156,8 +152,8 @@ class NativeCpuOps:
         n, vocab = rows.shape[0], logits.shape[1]
         assert bitmask.shape[0] == n and bitmask.shape[1] * 32 >= vocab
         if n and vocab:
-            self._token_bitmask(logits.data_ptr(), rows.data_ptr(), bitmask.data_ptr(), n, bitmask.shape[1], vocab,
-                                logits.stride(0), torch.get_num_threads())
+            self._lib.bm_token_bitmask(logits.data_ptr(), rows.data_ptr(), bitmask.data_ptr(), n, bitmask.shape[1],
+                                       vocab, logits.stride(0), torch.get_num_threads())
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                out: torch.Tensor | None = None) -> torch.Tensor:
@@ -169,23 +165,23 @@ class NativeCpuOps:
         if out is None:
             out = torch.empty(rows, n, dtype=torch.float32)
         assert out.shape == (rows, n) and out.stride(1) == 1 and x.shape[1] == k
-        self._linear(x.data_ptr(), rows, x.stride(0), weight.data_ptr(), n, k, _ptr(bias), out.data_ptr(),
-                     out.stride(0), int(accumulate), torch.get_num_threads())
+        self._lib.bm_linear(x.data_ptr(), rows, x.stride(0), weight.data_ptr(), n, k, _ptr(bias), out.data_ptr(),
+                            out.stride(0), int(accumulate), torch.get_num_threads())
         return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x [rows, h] (rows contiguous), weight [h] -> x * rsqrt(mean(x^2) + eps) * weight."""
-        return call_rms_norm(self._rms_norm, x, weight, eps, torch.float32)
+        return call_rms_norm(self._lib.bm_rms_norm, x, weight, eps, torch.float32)
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, 2n] (gate | up, rows contiguous) -> silu(gate) * up [rows, n]: the gated MLP's hidden."""
-        return call_silu_mul(self._silu_mul, x, torch.float32)
+        return call_silu_mul(self._lib.bm_silu_mul, x, torch.float32)
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                          window: int | None, sink: int = 0) -> torch.Tensor:
         """interface.KernelBackend.decode_attention for float32 caches, reading the blocks in place."""
-        return call_decode_attention(self._decode_attention, q, k_cache, v_cache, block_tables, seq_lens, scale,
+        return call_decode_attention(self._lib.bm_decode_attention, q, k_cache, v_cache, block_tables, seq_lens, scale,
                                      window, sink, torch.float32)
 
     def decode_attention_int8(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -199,10 +195,11 @@ class NativeCpuOps:
         assert k_scales.is_contiguous() and v_scales.is_contiguous() and v_scales.shape == k_scales.shape
         q, tables, lens, out, (batch, num_heads, num_kv_heads, head_dim, tokens_per_block) = decode_arguments(
             q, k_cache, block_tables, seq_lens)
-        self._decode_attention_int8(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_scales.data_ptr(),
-                                    v_scales.data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(), batch,
-                                    num_heads, num_kv_heads, head_dim, tokens_per_block, scale,
-                                    -1 if window is None else window, sink, out.data_ptr(), torch.get_num_threads())
+        self._lib.bm_decode_attention_int8(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_scales.data_ptr(),
+                                           v_scales.data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(),
+                                           batch, num_heads, num_kv_heads, head_dim, tokens_per_block, scale,
+                                           -1 if window is None else window, sink, out.data_ptr(),
+                                           torch.get_num_threads())
         return out
 
 

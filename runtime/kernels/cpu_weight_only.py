@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from . import cpu_native
+from .cpu_native import _ptr
 from .native_build import CXX, compiler_available
 
 logger = logging.getLogger(__name__)
@@ -35,10 +36,6 @@ _SIGNATURES = {
     "bm_wo_dequant_int4": [_P, _P, _P, _I64, _I64, _I64, _I64, _P, _I32],
     "bm_wo_max_isa": [],
 }
-
-
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
 
 
 class WeightOnlyOps:

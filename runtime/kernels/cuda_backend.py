@@ -215,15 +215,11 @@ class CudaKernels:
             return self._reference.apply_penalties(logits, rows, token_ids, token_lengths, embedding_bias,
                                                    temperature, repetition_penalty, presence_penalty,
                                                    frequency_penalty, min_lengths, num_generated, end_ids)
-        _check_logits(logits)
-        target = _columns_contiguous(logits)
-        self.decoding.apply_penalties(
+        _in_place(logits, lambda target: self.decoding.apply_penalties(
             target, _int64(rows), _int64(token_ids), _int64(token_lengths),
             None if embedding_bias is None else _float32(embedding_bias), _float32(temperature),
             _float32(repetition_penalty), _float32(presence_penalty), _float32(frequency_penalty),
-            _int64(min_lengths), _int64(num_generated), _int64(end_ids))
-        if target is not logits:
-            logits.copy_(target)
+            _int64(min_lengths), _int64(num_generated), _int64(end_ids)))
 
     def ban_tokens(self, logits, row_ids, token_ids) -> None:
         if self._use_reference(logits):
@@ -236,10 +232,7 @@ class CudaKernels:
     def greedy(self, logits):
         if self._use_reference(logits):
             return self._reference.greedy(logits)
-        _check_logits(logits)
-        logits = _columns_contiguous(logits)
-        tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
-        log_probs = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+        logits, tokens, log_probs = _token_outputs(logits)
         self.decoding.greedy(logits, tokens, log_probs)
         return tokens, log_probs
 
@@ -258,10 +251,7 @@ class CudaKernels:
     def sample(self, logits, top_k, top_p, uniforms, normalize_log_probs):
         if self._use_reference(logits):
             return self._reference.sample(logits, top_k, top_p, uniforms, normalize_log_probs)
-        _check_logits(logits)
-        logits = _columns_contiguous(logits)
-        tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
-        log_probs = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+        logits, tokens, log_probs = _token_outputs(logits)
         self.decoding.sample(logits, _int64(top_k), _float32(top_p), _float32(uniforms),
                              normalize_log_probs.to(torch.bool).contiguous(), tokens, log_probs)
         return tokens, log_probs
@@ -337,6 +327,14 @@ def _in_place(logits: torch.Tensor, launch) -> None:
     launch(target)
     if target is not logits:
         logits.copy_(target)
+
+
+def _token_outputs(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(checked logits with contiguous columns, tokens int64 [R] and log_probs float32 [R] to fill)."""
+    _check_logits(logits)
+    rows = logits.shape[0]
+    return (_columns_contiguous(logits), torch.empty(rows, dtype=torch.int64, device=logits.device),
+            torch.empty(rows, dtype=torch.float32, device=logits.device))
 
 
 def _int64(t: torch.Tensor) -> torch.Tensor:

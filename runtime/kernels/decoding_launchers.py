@@ -46,6 +46,12 @@ class DecodingLaunchers:
         self._check(name, logits, torch.float32, 2)
         assert logits.stride(1) == 1 or logits.shape[1] <= 1, f"{name}: columns must be contiguous"
 
+    def _rows(self, name: str, num_rows: int, vocab: int, args: tuple, device: torch.device) -> None:
+        """One CTA per row, decoding_block(vocab) threads (nothing for empty work)."""
+        if num_rows and vocab:
+            self._kernel(name)((num_rows,), (decoding_block(vocab, self.config),), args, shared_mem=0,
+                               stream=self._stream(device))
+
     def _elementwise(self, name: str, n: int, args: tuple, device: torch.device) -> None:
         threads = self.config.copy_threads
         self._kernel(name)((-(-n // threads),), (threads,), args, shared_mem=0, stream=self._stream(device))
@@ -86,17 +92,13 @@ class DecodingLaunchers:
         if embedding_bias is not None:
             self._check("embedding_bias", embedding_bias, torch.float32, 2)
             assert embedding_bias.shape == (n, vocab) and embedding_bias.is_contiguous()
-        if n == 0 or vocab == 0:
-            return
         # NOTE: n x vocab int32 of histogram workspace, freed on return (torch's allocator is stream-ordered)
         counts = torch.empty(n, vocab, dtype=torch.int32, device=logits.device)
-        kernel = self._kernel("apply_penalties")
-        kernel((n,), (decoding_block(vocab, self.config),),
-               (c_ptr(logits), c_ptr(counts), c_ptr(rows), c_ptr(token_ids), c_ptr(token_lengths),
-                c_ptr(embedding_bias), c_ptr(temperature), c_ptr(repetition), c_ptr(presence), c_ptr(frequency),
-                c_ptr(min_lengths), c_ptr(num_generated), c_ptr(end_ids), c_int(vocab),
-                c_long_long(logits.stride(0)), c_int(token_ids.shape[1])),
-               shared_mem=0, stream=self._stream(logits.device))
+        self._rows("apply_penalties", n, vocab,
+                   (c_ptr(logits), c_ptr(counts), c_ptr(rows), c_ptr(token_ids), c_ptr(token_lengths),
+                    c_ptr(embedding_bias), c_ptr(temperature), c_ptr(repetition), c_ptr(presence), c_ptr(frequency),
+                    c_ptr(min_lengths), c_ptr(num_generated), c_ptr(end_ids), c_int(vocab),
+                    c_long_long(logits.stride(0)), c_int(token_ids.shape[1])), logits.device)
 
     def ban_tokens(self, logits: torch.Tensor, row_ids: torch.Tensor, token_ids: torch.Tensor) -> None:
         """logits float32 [R, V][row_ids[i], token_ids[i]] = -inf; int64 [m] each (out-of-range pairs skipped)."""
@@ -111,13 +113,9 @@ class DecodingLaunchers:
 
     def _per_row(self, name: str, logits: torch.Tensor, outputs: tuple, inputs: tuple = ()) -> None:
         num_rows, vocab = logits.shape
-        if num_rows == 0:
-            return
-        assert vocab > 0, "an empty vocabulary has no token to pick"
-        self._kernel(name)((num_rows,), (decoding_block(vocab, self.config),),
-                           (*(c_ptr(t) for t in outputs), c_ptr(logits), *(c_ptr(t) for t in inputs), c_int(vocab),
-                            c_long_long(logits.stride(0))),
-                           shared_mem=0, stream=self._stream(logits.device))
+        assert vocab > 0 or num_rows == 0, "an empty vocabulary has no token to pick"
+        self._rows(name, num_rows, vocab, (*(c_ptr(t) for t in outputs), c_ptr(logits), *(c_ptr(t) for t in inputs),
+                                           c_int(vocab), c_long_long(logits.stride(0))), logits.device)
 
     def greedy(self, logits: torch.Tensor, tokens: torch.Tensor, log_probs: torch.Tensor) -> None:
         """logits float32 [R, V] -> tokens int64 [R] (first maximum; NO_TOKEN for a row with no
@@ -153,11 +151,9 @@ class DecodingLaunchers:
         self._check("bitmask", bitmask, torch.int32, 2)
         assert bitmask.shape[0] == n and bitmask.shape[1] * 32 >= vocab and bitmask.is_contiguous(), \
             f"bitmask: shape {list(bitmask.shape)} for {n} rows of {vocab} tokens"
-        if n and vocab:
-            self._kernel("apply_token_bitmask")(
-                (n,), (decoding_block(vocab, self.config),),
-                (c_ptr(logits), c_ptr(rows), c_ptr(bitmask), c_int(bitmask.shape[1]), c_int(vocab),
-                 c_long_long(logits.stride(0))), shared_mem=0, stream=self._stream(logits.device))
+        self._rows("apply_token_bitmask", n, vocab, (c_ptr(logits), c_ptr(rows), c_ptr(bitmask),
+                                                     c_int(bitmask.shape[1]), c_int(vocab),
+                                                     c_long_long(logits.stride(0))), logits.device)
 
     def apply_min_p(self, logits: torch.Tensor, rows: torch.Tensor, min_p: torch.Tensor) -> None:
         """logits float32 [R, V] in place: rows int64 [n], min_p float32 [n]."""
@@ -165,11 +161,8 @@ class DecodingLaunchers:
         n, vocab = rows.shape[0], logits.shape[1]
         self._vectors(n, torch.int64, rows=rows)
         self._vectors(n, torch.float32, min_p=min_p)
-        if n and vocab:
-            self._kernel("apply_min_p")(
-                (n,), (decoding_block(vocab, self.config),),
-                (c_ptr(logits), c_ptr(rows), c_ptr(min_p), c_int(vocab), c_long_long(logits.stride(0))),
-                shared_mem=0, stream=self._stream(logits.device))
+        self._rows("apply_min_p", n, vocab, (c_ptr(logits), c_ptr(rows), c_ptr(min_p), c_int(vocab),
+                                             c_long_long(logits.stride(0))), logits.device)
 
     def top_log_probs(self, logits: torch.Tensor, k: int, values: torch.Tensor, ids: torch.Tensor) -> None:
         """logits float32 [R, V] -> values float32 [R, k], ids int64 [R, k] (contiguous), 1 <= k <= V."""
@@ -179,11 +172,8 @@ class DecodingLaunchers:
         self._check("values", values, torch.float32, 2)
         self._check("ids", ids, torch.int64, 2)
         assert values.shape == ids.shape == (num_rows, k) and values.is_contiguous() and ids.is_contiguous()
-        if num_rows:
-            self._kernel("top_log_probs")(
-                (num_rows,), (decoding_block(vocab, self.config),),
-                (c_ptr(values), c_ptr(ids), c_ptr(logits), c_int(k), c_int(vocab), c_long_long(logits.stride(0))),
-                shared_mem=0, stream=self._stream(logits.device))
+        self._rows("top_log_probs", num_rows, vocab, (c_ptr(values), c_ptr(ids), c_ptr(logits), c_int(k), c_int(vocab),
+                                                      c_long_long(logits.stride(0))), logits.device)
 
     def beam_candidates(self, log_probs: torch.Tensor, running_scores: torch.Tensor, num_candidates: int,
                         diversity_rate: float, scores: torch.Tensor, parents: torch.Tensor,
@@ -203,12 +193,9 @@ class DecodingLaunchers:
         # NOTE: freed on return; safe, torch's allocator is ordered on this stream
         cand_scores = torch.empty(num_beams, per_beam, dtype=torch.float32, device=log_probs.device)
         cand_tokens = torch.empty(num_beams, per_beam, dtype=torch.int32, device=log_probs.device)
-        stream = self._stream(log_probs.device)
-        self._kernel("beam_topk_per_beam")(
-            (num_beams,), (decoding_block(vocab, self.config),),
-            (c_ptr(cand_scores), c_ptr(cand_tokens), c_ptr(log_probs), c_ptr(running_scores), c_int(vocab),
-             c_int(per_beam)), shared_mem=0, stream=stream)
-        self._kernel("beam_select")(
-            (1,), (decoding_block(num_beams * per_beam, self.config),),
-            (c_ptr(scores), c_ptr(parents), c_ptr(tokens), c_ptr(cand_scores), c_ptr(cand_tokens), c_int(num_beams),
-             c_int(per_beam), c_int(num_candidates), c_float(diversity_rate)), shared_mem=0, stream=stream)
+        self._rows("beam_topk_per_beam", num_beams, vocab, (c_ptr(cand_scores), c_ptr(cand_tokens), c_ptr(log_probs),
+                                                            c_ptr(running_scores), c_int(vocab), c_int(per_beam)),
+                   log_probs.device)
+        self._rows("beam_select", 1, num_beams * per_beam,
+                   (c_ptr(scores), c_ptr(parents), c_ptr(tokens), c_ptr(cand_scores), c_ptr(cand_tokens),
+                    c_int(num_beams), c_int(per_beam), c_int(num_candidates), c_float(diversity_rate)), log_probs.device)

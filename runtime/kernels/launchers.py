@@ -34,17 +34,14 @@ class LaunchConfig:
     decoding_threads: int = 1024     # largest block of the per-row decoding kernels (see decoding_block)
 
     def __post_init__(self):
-        if self.attention_threads % 32 or not 32 <= self.attention_threads <= 1024:
-            raise ValueError(f"attention_threads: must be a multiple of 32 in [32, 1024], got {self.attention_threads}")
+        for name in ("attention_threads", "copy_threads", "decoding_threads"):
+            if getattr(self, name) % 32 or not 32 <= getattr(self, name) <= 1024:
+                raise ValueError(f"{name}: must be a multiple of 32 in [32, 1024], got {getattr(self, name)}")
         if self.threads_per_key not in (1, 2, 4, 8, 16, 32):
             raise ValueError(f"threads_per_key: must be a power of two <= 32, got {self.threads_per_key}")
         for name in ("partition_size", "max_partitions", "tile_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")
-        if self.copy_threads % 32 or not 32 <= self.copy_threads <= 1024:
-            raise ValueError(f"copy_threads: must be a multiple of 32 in [32, 1024], got {self.copy_threads}")
-        if self.decoding_threads % 32 or not 32 <= self.decoding_threads <= 1024:
-            raise ValueError(f"decoding_threads: must be a multiple of 32 in [32, 1024], got {self.decoding_threads}")
 
     def defines(self, dtype: torch.dtype) -> dict[str, int]:
         """The `#define`s that specialise every module for `dtype`."""
