@@ -76,11 +76,15 @@ class Keys:
                                   f"(expected {head_dim})")
         return head_dim
 
-    def rotary_fraction(self, head_dim: int) -> float:
+    def rotary_fraction(self, head_dim: int, whole: bool = False) -> float:
+        """The rotated share of the head; `whole`: ConfigError unless all of it rotates."""
         rotary_dim = self.count("rope.dimension_count", required=False) or head_dim
         if rotary_dim > head_dim:
             raise ConfigError(f"{self.file.path}: metadata {self.key('rope.dimension_count')!r}: {rotary_dim} "
                               f"exceeds the head dim {head_dim}")
+        if whole and rotary_dim != head_dim:
+            raise ConfigError(f"{self.file.path}: metadata {self.key('rope.dimension_count')!r}: rotating part of "
+                              f"the head is not supported for {self.arch}")
         return rotary_dim / head_dim
 
     def vocab_size(self) -> int:
@@ -127,9 +131,7 @@ class Keys:
 
 def _llama_like(k: Keys, model_type: str) -> dict[str, Any]:
     head_dim = k.head_dim(free=True)
-    if k.rotary_fraction(head_dim) != 1.0:
-        raise ConfigError(f"{k.file.path}: metadata {k.key('rope.dimension_count')!r}: rotating part of the "
-                          f"head is not supported for {k.arch}")
+    k.rotary_fraction(head_dim, whole=True)
     window = k.count("attention.sliding_window", required=False)
     return {"model_type": model_type, "hidden_size": k.hidden, "num_hidden_layers": k.count("block_count"),
             "num_attention_heads": k.heads, "num_key_value_heads": k.count("attention.head_count_kv", False),
@@ -169,10 +171,7 @@ def _gpt2(k: Keys) -> dict[str, Any]:
 
 def _gptj(k: Keys) -> dict[str, Any]:
     head_dim = k.head_dim(free=False)
-    return {"model_type": "gptj", "n_embd": k.hidden, "n_layer": k.count("block_count"), "n_head": k.heads,
-            "n_inner": k.count("feed_forward_length", required=False), "n_positions": k.count("context_length"),
-            "layer_norm_epsilon": k.layer_norm_eps(), "rotary_dim": round(k.rotary_fraction(head_dim) * head_dim),
-            **k.common()}
+    return {**_gpt2(k), "model_type": "gptj", "rotary_dim": round(k.rotary_fraction(head_dim) * head_dim)}
 
 
 def _gpt_neox(k: Keys) -> dict[str, Any]:
@@ -187,10 +186,7 @@ def _gpt_neox(k: Keys) -> dict[str, Any]:
 
 def _falcon(k: Keys) -> dict[str, Any]:
     """llama.cpp's Falcon: a parallel residual, one norm (7B: attn_norm) or two (40B: attn_norm_2 too)."""
-    head_dim = k.head_dim(free=False)
-    if k.rotary_fraction(head_dim) != 1.0:
-        raise ConfigError(f"{k.file.path}: metadata {k.key('rope.dimension_count')!r}: rotating part of the "
-                          "head is not supported for falcon")
+    k.rotary_fraction(k.head_dim(free=False), whole=True)
     return {"model_type": "falcon", "hidden_size": k.hidden, "num_hidden_layers": k.count("block_count"),
             "num_attention_heads": k.heads, "num_kv_heads": k.count("attention.head_count_kv", False) or 1,
             "new_decoder_architecture": True, "parallel_attn": True,
