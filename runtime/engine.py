@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 from safetensors.torch import save_file
 
-from .config import BuildConfig, ConfigError, ModelConfig, default_build_config, normalize_dtype, read_json
+from .config import BuildConfig, ConfigError, ModelConfig, default_build_config, read_json
 from .kernels.kv_quant import KV_STORAGE_DTYPES, is_quantized_kv
 from .models import lookup_hf, model_config_from_dict
 from .precision import QuantMode, resolve_dtype
@@ -164,13 +164,13 @@ def with_kv_cache_scale(build: BuildConfig) -> BuildConfig:
     return dataclasses.replace(build, kv_cache_scale=KV_CACHE_SCALE)
 
 
-def _settled(model: ModelConfig, build: BuildConfig, shard: TensorShard | tuple[int, int] | None
-             ) -> tuple[ModelConfig, BuildConfig, TensorShard | None]:
+def _settled(model: ModelConfig, build: BuildConfig, shard: TensorShard | tuple[int, int] | None,
+             plan: StagePlan | None) -> tuple[ModelConfig, BuildConfig, TensorShard | None, StageLayers | None]:
     """Every loader's last step before reading weights: the KV scale layout recorded, what runs
-    here resolved into the model config, the shard checked against both."""
+    here resolved into the model config, the shard checked against both, the stage's layers."""
     build = with_kv_cache_scale(build)
     model = resolved(model, build)
-    return model, build, _checked_shard(shard, model, build)
+    return model, build, _checked_shard(shard, model, build), None if plan is None else plan.layers(model.num_layers)
 
 
 def _load_engine_dir(directory: str, overrides: dict, shard: TensorShard | tuple[int, int] | None,
@@ -188,8 +188,7 @@ def _load_engine_dir(directory: str, overrides: dict, shard: TensorShard | tuple
     except TypeError as e:
         raise ConfigError(f"{ENGINE_CONFIG_FILE}: {e}") from None
     build.validated(model)
-    model, build, shard = _settled(model, build, shard)
-    stage = None if plan is None else plan.layers(model.num_layers)
+    model, build, shard, stage = _settled(model, build, shard, plan)
     stored = _stored_weight_only(data["build"], build, model)
     path, dtype = os.path.join(directory, ENGINE_WEIGHTS_FILE), TORCH_DTYPES[model.dtype]
     if stored:   # built quantized: the rank's slices of the stored tensors, as they are
@@ -219,9 +218,7 @@ def _load_hf_dir(directory: str, overrides: dict, shard: TensorShard | tuple[int
     hf = read_json(os.path.join(directory, "config.json"), "config.json")
     arch = lookup_hf(hf)
     model = arch.config_from_hf(hf)
-    build = default_build_config(model, **overrides)
-    model, build, shard = _settled(model, build, shard)
-    stage = None if plan is None else plan.layers(model.num_layers)
+    model, build, shard, stage = _settled(model, default_build_config(model, **overrides), shard, plan)
     weights, num_bytes_read = _read_quantized(
         lambda s: load_hf_weights(directory, model, TORCH_DTYPES[model.dtype], arch.read_weights, s, stage), model,
         build, shard)
@@ -262,9 +259,7 @@ def _load_gguf(checkpoint: GgufCheckpoint, source: str, overrides: dict,
                shard: TensorShard | tuple[int, int] | None, plan: StagePlan | None) -> Engine:
     """The weights de-quantized to the build dtype; `source`: the path the caller gave."""
     model = checkpoint.model_config
-    build = default_build_config(model, **overrides)
-    model, build, shard = _settled(model, build, shard)
-    stage = None if plan is None else plan.layers(model.num_layers)
+    model, build, shard, stage = _settled(model, default_build_config(model, **overrides), shard, plan)
     dtype = TORCH_DTYPES[model.dtype]
     weights, num_bytes_read = _read_quantized(
         lambda s: (check_weights(checkpoint.read_weights(dtype), model, dtype, checkpoint.path, s, stage),
@@ -304,8 +299,6 @@ def on_own_thread(fn: Callable[..., T], *args, **kwargs) -> T:
 
 
 def _build_engine(checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike, **build_fields) -> Engine:
-    if "dtype" in build_fields:
-        build_fields["dtype"] = normalize_dtype(build_fields["dtype"], allow_auto=True)
     source = os.fspath(checkpoint_dir)
     gguf_path = _gguf_source(source)
     if gguf_path is None:

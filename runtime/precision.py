@@ -46,9 +46,6 @@ class QuantMode(enum.IntFlag):
     def has_fp8_kv_cache(self) -> bool:
         return bool(self & QuantMode.FP8_KV_CACHE)
 
-    def has_kv_cache_quant(self) -> bool:
-        return self.has_int8_kv_cache() or self.has_fp8_kv_cache()
-
     def act_quant(self) -> str | None:
         """The BuildConfig.act_quant value these bits record (ACTIVATIONS: the one mode there is)."""
         return ACT_QUANT_MODES[0] if self & QuantMode.ACTIVATIONS else None
@@ -97,24 +94,19 @@ def check_precision_fields(weight_only, weight_formats: tuple[str, ...], group_s
                            kv_cache_scale, error: type[ValueError], act_quant: str | None = None) -> None:
     """`error(message naming the field)` for a value outside the modes above; `weight_formats`: the
     weight_only values (runtime.quantization's entries)."""
-    if act_quant is not None:
-        if act_quant not in ACT_QUANT_MODES:
-            raise error(f"act_quant: unsupported value {act_quant!r}; supported: None, "
-                        f"{', '.join(map(repr, ACT_QUANT_MODES))}")
-        if weight_only is None:
-            raise error(f"act_quant: {act_quant!r} quantizes the activations of weight-only matmuls; set "
-                        f"weight_only ({', '.join(map(repr, weight_formats))}) too")
-    if weight_only is not None and weight_only not in weight_formats:
-        raise error(f"weight_only: unsupported value {weight_only!r}; supported: None, "
-                    f"{', '.join(map(repr, weight_formats))}")
+    def one_of(name: str, value, supported: tuple, optional: bool = True) -> None:
+        if value not in supported and not (optional and value is None):
+            raise error(f"{name}: unsupported value {value!r}; supported: {'None, ' if optional else ''}"
+                        f"{', '.join(map(repr, supported))}")
+    one_of("act_quant", act_quant, ACT_QUANT_MODES)
+    if act_quant is not None and weight_only is None:
+        raise error(f"act_quant: {act_quant!r} quantizes the activations of weight-only matmuls; set "
+                    f"weight_only ({', '.join(map(repr, weight_formats))}) too")
+    one_of("weight_only", weight_only, weight_formats)
     if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size not in GROUP_SIZES:
         raise error(f"group_size: must be one of {', '.join(map(str, GROUP_SIZES))}, got {group_size!r}")
     if not isinstance(weight_only_skip, tuple) or any(name not in WEIGHT_ONLY_SKIPPABLE for name in weight_only_skip):
         raise error(f"weight_only_skip: must be a tuple of {', '.join(map(repr, WEIGHT_ONLY_SKIPPABLE))}, "
                     f"got {weight_only_skip!r}")
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise error(f"kv_cache_dtype: unsupported value {kv_cache_dtype!r}; supported: "
-                    f"{', '.join(map(repr, KV_CACHE_DTYPES))}")
-    if kv_cache_scale is not None and kv_cache_scale not in KV_CACHE_SCALES:
-        raise error(f"kv_cache_scale: unsupported value {kv_cache_scale!r}; supported: "
-                    f"{', '.join(map(repr, KV_CACHE_SCALES))}")
+    one_of("kv_cache_dtype", kv_cache_dtype, KV_CACHE_DTYPES, optional=False)
+    one_of("kv_cache_scale", kv_cache_scale, KV_CACHE_SCALES)
