@@ -81,6 +81,11 @@ def test_an_answer_that_is_not_the_prompts_blocks_fails_its_request_only(tiny_en
         assert response.has_error()
         assert response.error_msg.startswith("context_phase_params: "), response.error_msg
         assert field in response.error_msg, response.error_msg
+        # The context side marks its send done on the server thread, which may be after this
+        # response: the worker releases the export at its next iteration (at most IDLE_BLOCK_S idle).
+        deadline = time.monotonic() + 10
+        while executor.get_bookkeeping_counts()["kv_exports"] and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert executor.get_bookkeeping_counts()["kv_exports"] == 0   # the proxied fetch took them
         assert_still_serves(executor)
 
