@@ -9,27 +9,22 @@ the `isa` argument or BATCH_MANAGER_ACT_QUANT_ISA names another that is availabl
 from __future__ import annotations
 
 import ctypes
-import functools
-import logging
 import os
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..config import ConfigError
+from ..quantization import INT4, INT8
 from . import cpu_native
-from .native_build import CXX, compiler_available
-
-logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_act_quant.cpp")
 ISA_ENV_VAR = "BATCH_MANAGER_ACT_QUANT_ISA"
 ISAS = {"scalar": 0, "avx2": 1, "avxvnni": 2, "avx512vnni": 3}
 BLOCK = 32          # activation columns per quantization block
 UNIT = 16           # output rows per packed unit (kActUnit)
-FORMAT_INT8, FORMAT_INT4 = 2, 3
+FORMAT_INT8, FORMAT_INT4 = INT8.native_code, INT4.native_code   # the fused step's codes (+ 2 with int8 activations)
 
 
 # ---- the torch reference ----------------------------------------------------------------------
@@ -205,21 +200,7 @@ class ActQuantOps:
 
 def act_quant_ops() -> ActQuantOps | None:
     """The kernels (built and loaded once per process), or None where they cannot run here."""
-    if os.environ.get(cpu_native.ENV_VAR, "").strip() == "0":
-        return None
-    return _load()
-
-
-@functools.lru_cache(maxsize=None)
-def _load() -> ActQuantOps | None:
-    if not cpu_native.cpu_supported() or not compiler_available():
-        logger.info("act-quant kernels: unavailable (needs x86-64 AVX2/FMA and %s)", CXX)
-        return None
-    try:
-        return ActQuantOps(cpu_native.build(source_path=SOURCE))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as error:
-        logger.warning("act-quant kernels: build failed: %s", error)
-        return None
+    return cpu_native.load_ops(ActQuantOps, SOURCE, "act-quant kernels")
 
 
 def act_linear(x: torch.Tensor, packed: PackedActWeight, bias: torch.Tensor | None = None,

@@ -206,18 +206,25 @@ class NativeCpuOps:
 def native_ops() -> NativeCpuOps | None:
     """The kernels (built and loaded once per process); None where they cannot run here or while
     BATCH_MANAGER_CPU_NATIVE=0. Callers capture the answer when they are built."""
+    return load_ops(NativeCpuOps, SOURCE, "cpu native kernels")
+
+
+def load_ops(ops_class, source_path: Path, what: str):
+    """`ops_class(library)` over the native library of `source_path`, built and loaded once per
+    process; None where the kernels cannot run here (no x86-64 AVX2/FMA, no compiler, the build
+    failed) or while BATCH_MANAGER_CPU_NATIVE=0 (callers stay on torch)."""
     if os.environ.get(ENV_VAR, "").strip() == "0":
         return None
-    return _load()
+    return _load(ops_class, source_path, what)
 
 
 @functools.lru_cache(maxsize=None)
-def _load() -> NativeCpuOps | None:
+def _load(ops_class, source_path: Path, what: str):
     if not cpu_supported() or not compiler_available():
-        logger.info("cpu native kernels: unavailable (needs x86-64 AVX2/FMA and %s); using torch", CXX)
+        logger.info("%s: unavailable (needs x86-64 AVX2/FMA and %s); using torch", what, CXX)
         return None
     try:
-        return NativeCpuOps(build())
+        return ops_class(build(source_path=source_path))
     except (OSError, RuntimeError, subprocess.SubprocessError) as error:
-        logger.warning("cpu native kernels: build failed, using torch: %s", error)
+        logger.warning("%s: build failed, using torch: %s", what, error)
         return None

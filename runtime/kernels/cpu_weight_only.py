@@ -10,19 +10,13 @@ a lower one, so the AVX2 and scalar paths are tested on any CPU.
 from __future__ import annotations
 
 import ctypes
-import functools
-import logging
 import os
-import subprocess
 from pathlib import Path
 
 import torch
 
 from . import cpu_native
 from .cpu_native import _ptr
-from .native_build import CXX, compiler_available
-
-logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_weight_only.cpp")
 ISA_ENV_VAR = "BATCH_MANAGER_WEIGHT_ONLY_ISA"
@@ -130,11 +124,10 @@ class WeightOnlyOps:
             return y
         return linear
 
-    def dequantize(self, weight_format, weight: torch.Tensor, *parts_start_stop_out) -> torch.Tensor:
+    def dequantize_kernel(self, weight_format):
         """The de-quantization kernel of `weight_format` (runtime.quantization; this library runs
-        int8 and int4): float32 rows [start, stop) into out, as dequant_int8 / dequant_int4."""
-        kernel = {"int8": self.dequant_int8, "int4": self.dequant_int4}[weight_format.name]
-        return kernel(weight, *parts_start_stop_out)
+        int8 and int4): dequant_int8 or dequant_int4, taken once when a linear is prepared."""
+        return {"int8": self.dequant_int8, "int4": self.dequant_int4}[weight_format.name]
 
     def dequant_int8(self, weight: torch.Tensor, scale: torch.Tensor, start: int, stop: int,
                      out: torch.Tensor) -> torch.Tensor:
@@ -155,18 +148,4 @@ class WeightOnlyOps:
 
 def weight_only_ops() -> WeightOnlyOps | None:
     """The kernels (built and loaded once per process), or None where they cannot run here."""
-    if os.environ.get(cpu_native.ENV_VAR, "").strip() == "0":
-        return None
-    return _load()
-
-
-@functools.lru_cache(maxsize=None)
-def _load() -> WeightOnlyOps | None:
-    if not cpu_native.cpu_supported() or not compiler_available():
-        logger.info("weight-only kernels: unavailable (needs x86-64 AVX2/FMA and %s); using torch", CXX)
-        return None
-    try:
-        return WeightOnlyOps(cpu_native.build(source_path=SOURCE))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as error:
-        logger.warning("weight-only kernels: build failed, using torch: %s", error)
-        return None
+    return cpu_native.load_ops(WeightOnlyOps, SOURCE, "weight-only kernels")

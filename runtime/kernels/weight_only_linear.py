@@ -44,6 +44,7 @@ class QuantizedLinear:
         self.num_outputs = self.weight.shape[0]
         self.kernel = (None if self.ops is None
                        else self.ops.bind(self.weight, self.scale, self.minimum, self.bias_f32))
+        self.dequantize_kernel = None if self.ops is None else self.ops.dequantize_kernel(self.format)
         self.max_native_rows = self.format.native_max_rows
 
     def _native(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -54,7 +55,7 @@ class QuantizedLinear:
         if self.ops is None:
             return self.format.dequantize(*(t[start:stop] for t in (self.weight, *self.parts)))
         tile = torch.empty(stop - start, self.format.input_width(self.weight))
-        return self.ops.dequantize(self.format, self.weight, *self.parts, start, stop, tile)
+        return self.dequantize_kernel(self.weight, *self.parts, start, stop, tile)
 
     def _tiled(self, x: torch.Tensor) -> torch.Tensor:
         """[rows, in] -> [rows, out] as a transposed view of [out, rows] (consumers take strided inputs)."""
