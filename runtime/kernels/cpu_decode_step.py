@@ -37,7 +37,6 @@ from .cpu_weight_only import weight_only_ops
 from .linear import Linear
 from .native_build import build_library, compiler_available, native_cache_dir
 from .weight_only_linear import QuantizedLinear
-from ..precision import GROUP_SIZES
 
 logger = logging.getLogger(__name__)
 
@@ -256,13 +255,8 @@ def _format(linear) -> int | None:
     """The weight format code of a prepared linear the fused step can read in place, else None."""
     if isinstance(linear, QuantizedLinear) and linear.act_quant is not None:
         return None if linear.act_kernel is None else linear.format.native_code + 2
-    if isinstance(linear, QuantizedLinear):
-        if linear.ops is None:
-            return None
-        if not linear.format.is_grouped:
-            return linear.format.native_code
-        groups, k = linear.scale.shape[1], linear.format.input_width(linear.weight)
-        return linear.format.native_code if k % groups == 0 and k // groups in GROUP_SIZES else None
+    if isinstance(linear, QuantizedLinear):   # its kernel was bound: the group size is one the kernels run
+        return None if linear.kernel is None else linear.format.native_code
     if isinstance(linear, Linear) and linear.plain is not None and linear.plain.dtype in (torch.float32,
                                                                                            torch.bfloat16):
         return _FORMATS[linear.plain.dtype]

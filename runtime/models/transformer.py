@@ -24,7 +24,8 @@ from .rope import apply_rope, rope_cos_sin, rope_inv_freq
 from ..parallel.pipeline import StageLayers
 from ..parallel.tensor_parallel import TensorParallel
 from ..parallel.tensor_shard import TensorShard
-from ..quantization.stored import is_quantized, lookup_rows, padded_rows, stored_parts
+from ..quantization.registry import lookup_stored
+from ..quantization.stored import is_quantized, padded_rows, stored_parts
 from ..loading.weights import Weights
 
 _ACTIVATIONS = {
@@ -89,6 +90,9 @@ class Transformer:
         self.is_last_stage = stage is None or stage.is_last
         # the compute dtype (a weight-only table may be int8)
         self.dtype = self.w[f"layers.{self.layers.start}.input_norm.weight"].dtype
+        # A tied weight-only table: its format and stored parts, read de-quantized a row at a time
+        self.embed_format = lookup_stored(self.w, "embed_tokens") if "embed_tokens" in self.w else None
+        self.embed_parts = stored_parts(self.w, "embed_tokens") if self.embed_format is not None else None
         self.scale = 1.0 / math.sqrt(config.head_dim)
         act = _ACTIVATIONS.get(config.activation)
         if act is None:
@@ -211,10 +215,10 @@ class Transformer:
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """int64 [T] -> [T, H]. Under TP a rank holds the rows of its vocabulary range: the others
         look up zeros, and an all-reduce sums them."""
-        table = self.w["embed_tokens"]
-        if is_quantized(self.w, "embed_tokens"):   # a tied weight-only table: de-quantize the rows read
+        table, weight_format = self.w["embed_tokens"], self.embed_format
+        if weight_format is not None:
             def rows(ids: torch.Tensor) -> torch.Tensor:
-                return lookup_rows(self.w, "embed_tokens", ids, self.dtype)
+                return weight_format.dequantize(*(part[ids] for part in self.embed_parts)).to(self.dtype)
         else:
             def rows(ids: torch.Tensor) -> torch.Tensor:
                 return table[ids]

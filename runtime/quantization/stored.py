@@ -60,7 +60,3 @@ def padded_rows(weights: Weights, name: str, num_rows: int) -> Weights:
     parts = [name] + ([] if weight_format is None else [name + suffix for suffix in weight_format.suffixes])
     return {part: F.pad(weights[part], (0, 0) * (weights[part].dim() - 1) + (0, num_rows)) for part in parts}
 
-
-def lookup_rows(weights: Weights, name: str, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Rows `ids` of the quantized table `name`, de-quantized to `dtype`: [len(ids), in]."""
-    return lookup_stored(weights, name).dequantize(*(part[ids] for part in stored_parts(weights, name))).to(dtype)
