@@ -16,7 +16,7 @@ from typing import Any
 
 import msgpack
 
-from runtime.request import AdmissionLimits, RequestError, RequestOutput, ResumedContext
+from runtime.request import AdmissionLimits, RequestError, RequestOutput, ResumedContext, clamped_new_tokens
 
 from ..kv_transport.kv_handoff import KvExports
 from ..kv_transport.kv_transfer import FetchExpectation, KvTransferServer, OpenSockets, fetch_blocks
@@ -168,7 +168,7 @@ def _resumed(request: Request, params, limits: AdmissionLimits, transfer: "KvTra
     if request.max_tokens != state["max_tokens"]:
         raise RequestError(f"max_tokens: {request.max_tokens!r}, but context_phase_params record "
                            f"{state['max_tokens']} (the total, the first token included)")
-    if min(request.max_tokens, limits.max_seq_len - len(prompt)) < 2:   # an engine of another max_seq_len
+    if clamped_new_tokens(limits, len(prompt), request.max_tokens) < 2:   # an engine of another max_seq_len
         raise RequestError(f"max_tokens: {request.max_tokens} with a prompt of {len(prompt)} tokens leaves this "
                            f"engine (max_seq_len {limits.max_seq_len}) no token after the first")
     if isinstance(request.sampling_config, SamplingConfig):

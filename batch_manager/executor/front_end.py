@@ -9,7 +9,7 @@ import threading
 import time
 from typing import Callable
 
-from runtime.request import AdmissionLimits, RequestOutput, RequestSpec
+from runtime.request import AdmissionLimits, RequestOutput, RequestSpec, clamped_new_tokens
 from runtime.request import FinishReason as CoreFinishReason
 
 from ..legacy.front_end import Fetched
@@ -99,7 +99,7 @@ class ExecutorFrontEnd:
     def _exports_kv(self, spec: RequestSpec, context_only: ContextOnly | None) -> bool:
         """A context-only request leaves its prompt's KV unless its first token ends it (the length
         it asked for, clamped to max_seq_len, is one)."""
-        return context_only is not None and min(context_only.max_tokens, self.limits.max_seq_len - len(spec.prompt)) > 1
+        return context_only is not None and clamped_new_tokens(self.limits, len(spec.prompt), context_only.max_tokens) > 1
 
     def _check_ttft(self, specs: list[RequestSpec], budgets_ms: list[float | None]) -> None:
         """QueueFullError for the first request whose predicted first token is later than its budget

@@ -64,6 +64,11 @@ def check_range(name: str, value, low, high, low_inclusive=True, high_inclusive=
         raise RequestError(f"{name}: {value} outside {lb}{low}, {high}{hb}")
 
 
+def clamped_new_tokens(limits: AdmissionLimits, prompt_len: int, max_new_tokens: int) -> int:
+    """The new tokens a request may have: what it asked, within max_seq_len."""
+    return min(max_new_tokens, limits.max_seq_len - prompt_len)
+
+
 def check_decoding(params: DecodingParams, limits: AdmissionLimits, names: dict[str, str]) -> DecodingParams:
     """The one validator (DecodingParams.validate) against the engine; `names` maps a field to
     the name the user knows."""
@@ -102,8 +107,8 @@ def make_spec(prompt: list[int], max_new_tokens: int, limits: AdmissionLimits, d
     `fields`: the other RequestSpec fields; `request_id` only names the request in the log."""
     if max_new_tokens <= 0:
         raise RequestError(f"{names['max_new_tokens']}: must be positive, got {max_new_tokens}")
-    if len(prompt) + max_new_tokens > limits.max_seq_len:
-        clamped = limits.max_seq_len - len(prompt)
+    clamped = clamped_new_tokens(limits, len(prompt), max_new_tokens)
+    if clamped < max_new_tokens:
         logger.warning("request %s: prompt %d + %s %d exceeds max_seq_len %d; clamped to %d new tokens",
                        request_id, len(prompt), names['max_new_tokens'], max_new_tokens, limits.max_seq_len,
                        clamped)
