@@ -112,8 +112,11 @@ def test_fused_step_equals_the_eager_model(checkpoints, arch, mode):
         assert worst < TOLERANCE[mode]
         if mode not in ACT_MODES:
             assert fused_tokens == eager_tokens
-            assert torch.allclose(fused.kv_pool.float(), eager.kv_pool.float(), atol=1e-5, rtol=1e-5) or \
-                mode.endswith("int8_kv")
+            if mode.endswith("int8_kv"):   # a key's last bit may round an int8 value to the neighbouring step
+                assert (fused.kv_pool.int() - eager.kv_pool.int()).abs().max() <= 1
+                assert torch.allclose(fused.kv_scales, eager.kv_scales, atol=1e-6, rtol=1e-4)
+            else:
+                assert torch.allclose(fused.kv_pool.float(), eager.kv_pool.float(), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8])
