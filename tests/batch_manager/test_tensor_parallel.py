@@ -239,17 +239,19 @@ def spinning_share(wall_s: float = 1.0) -> float:
 
 def idle_then_serve(engine_dir: str, idle_s: float) -> tuple[float, float, str | None]:
     """Every rank builds a manager; rank 0 idles `idle_s`, then serves one request. -> (the share of
-    a core this process used while idle, the share a spinning thread got here right after, rank 0's
-    output ids as a list, or None)."""
+    a core this process used while idle, the larger share a spinning thread got here right before
+    and right after (load that changes across the window lowers one of them), rank 0's output ids
+    as a list, or None)."""
     rank = int(os.environ["RANK"])
     client = Client([make_request(0, PROMPTS[0], 4)], [1 << 30])   # arrives when released below
     callbacks = client.callbacks() if rank == 0 else (None, None, None, None)
     manager = GptManager(engine_dir, TrtGptModelType.InflightFusedBatching, 1, SchedulerPolicy.GUARANTEED_NO_EVICT,
                          *callbacks)
+    spin_before = spinning_share()
     cpu, start = time.process_time(), time.monotonic()
     time.sleep(idle_s)
     idle_share = (time.process_time() - cpu) / (time.monotonic() - start)
-    spin_share = spinning_share()
+    spin_share = max(spin_before, spinning_share())
     if rank != 0:
         manager.shutdown()
         assert manager.fatal_error is None, manager.fatal_error
@@ -264,7 +266,7 @@ def idle_then_serve(engine_dir: str, idle_s: float) -> tuple[float, float, str |
 # An idle rank uses under this fraction of what a spinning thread gets on the same machine at the
 # same time (a ratio, not a share of a core: a busy machine slows both). Measured on 2 shared cores
 # (samples/microbench/idle_cost.py --part tp): leader 0.009-0.016 of a core, follower 0.003-0.005,
-# a spinning thread 0.12-0.34 (ratios under 0.1); a leader once took 0.052 on a 2-core EPYC.
+# a spinning thread 0.12-0.34 (ratios 0.01-0.13); a leader once took 0.052 on a 2-core EPYC.
 MAX_IDLE_TO_SPIN = 0.3
 
 

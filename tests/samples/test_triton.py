@@ -3,6 +3,7 @@ streaming, on a tiny random-weight engine: greedy tokens against the GptManager 
 concurrent streams, stop and client cancellation, bad requests, and the metric families."""
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -192,12 +193,15 @@ def test_the_command_serves_until_sigint_then_ends_live_requests_and_exits_clean
          "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port)],
         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    watchdog = threading.Timer(300, process.kill)   # a server that never says it serves fails, never hangs the run
+    watchdog.start()
     try:
         lines = []
         for line in process.stdout:
             lines.append(line)
             if line.startswith("serving:"):
                 break
+        watchdog.cancel()
         assert f"127.0.0.1:{grpc_port}" in lines[-1], lines
         assert sorted(os.listdir(tmp_path)) == ["tensorrt_llm"]   # no tokenizer: no text models
         stream = StreamClient(f"127.0.0.1:{grpc_port}")
@@ -209,6 +213,7 @@ def test_the_command_serves_until_sigint_then_ends_live_requests_and_exits_clean
         stream.close()   # NOTE: Triton keeps its models loaded for a stream still open, up to its exit timeout
         assert process.wait(60) == 0
     finally:
+        watchdog.cancel()
         if process.poll() is None:
             process.kill()
             process.wait()
