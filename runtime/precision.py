@@ -63,18 +63,20 @@ class QuantMode(enum.IntFlag):
         return mode
 
 
-@functools.lru_cache(maxsize=1)
-def cpu_flags() -> frozenset[str]:
-    """The feature flags of this machine's CPU (/proc/cpuinfo's `flags`; empty where unreadable).
-    Read at run time, never assumed from the build machine."""
+@functools.lru_cache(maxsize=None)
+def cpu_info(key: str) -> str:
+    """The first value of `key` in /proc/cpuinfo ("flags", "model name", "vendor_id"; "" where
+    unreadable). Read at run time, never assumed from the build machine."""
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
+            return next((line.split(":", 1)[1].strip() for line in f if line.split(":", 1)[0].strip() == key), "")
     except OSError:
-        pass
-    return frozenset()
+        return ""
+
+
+def cpu_flags() -> frozenset[str]:
+    """The feature flags of this machine's CPU (empty where unreadable)."""
+    return frozenset(cpu_info("flags").split())
 
 
 def has_fast_bf16(flags: frozenset[str] | None = None) -> bool:

@@ -35,14 +35,9 @@ def preferred_dtype(flags: frozenset[str] | None = None, vendor: str | None = No
       - AVX512-BF16 on an Intel CPU without AMX: float32 (W64 0.81-1.01x: its many-row bf16 GEMMs
         run at half the fp32 rate; one stream alone gains);
       - otherwise float32 (no fast bf16 dot product)."""
-    from runtime.precision import cpu_flags
+    from runtime.precision import cpu_flags, cpu_info
     flags = cpu_flags() if flags is None else flags
-    if vendor is None:
-        try:
-            with open("/proc/cpuinfo") as f:
-                vendor = next((line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")), "")
-        except OSError:
-            vendor = ""
+    vendor = cpu_info("vendor_id") if vendor is None else vendor
     if "amx_bf16" in flags:
         return "bfloat16", "AMX-BF16"
     if "avx512_bf16" in flags and vendor == "AuthenticAMD":

@@ -20,14 +20,10 @@ from runtime.kernels.act_quant import act_quant_ops, pack
 from runtime.kernels.cpu_weight_only import weight_only_ops
 from runtime.quantization.int4 import quantize_int4
 from runtime.quantization.int8 import quantize_int8
+from samples.microbench.weight_only import cpu_description
 
 SHAPES = [(576, 1728), (576, 576), (576, 3072), (1536, 576), (576, 49152)]   # (k, n): qkv, o, gate|up, down, lm_head
 STREAM_BYTES = 64 << 20
-
-
-def cpu_model() -> str:
-    with open("/proc/cpuinfo") as f:
-        return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown CPU")
 
 
 def best_ms(fns: list, x: torch.Tensor, reps: int) -> float:
@@ -67,7 +63,7 @@ def main() -> None:
     args = parser.parse_args()
     threads_list = [int(t) for t in args.threads.split(",")]
     rows_list = [int(r) for r in args.rows.split(",")]
-    print(f"CPU: {cpu_model()}; ms per call, best of {args.reps} passes over >= 64 MB of weight copies")
+    print(f"CPU: {cpu_description()}; ms per call, best of {args.reps} passes over >= 64 MB of weight copies")
     for k, n in SHAPES:
         fns = linears(k, n, args.scalar)
         header = f"{k:>5} -> {n:<6}" + "".join(f"{f'{t}thr r{r}':>11}" for t in threads_list for r in rows_list)

@@ -29,14 +29,6 @@ MODES = {"fp32": {}, "bf16": {"dtype": "bfloat16"}, "int8": {"weight_only": "int
          "int4+a8": {"weight_only": "int4", "group_size": 32, "act_quant": "int8"}}
 
 
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return "unknown CPU"
-
-
 def _build(source: str, directory: str, overrides: dict) -> None:
     from runtime import build_engine
     build_engine(source, directory, **overrides)
@@ -72,8 +64,9 @@ def main(argv: list[str] | None = None) -> dict:
     from runtime import Engine, ModelRunner
     from samples.default_model import real_model_gguf
     from samples.microbench.llama_cpp_compare import in_fresh_process
+    from samples.microbench.weight_only import cpu_description
     source = args.model or real_model_gguf()
-    print(f"{cpu_name()}, {torch.get_num_threads()} threads; ms per generation step "
+    print(f"{cpu_description()}, {torch.get_num_threads()} threads; ms per generation step "
           f"(median of {args.steps}), {args.prompt}-token context")
     results = {}
     with tempfile.TemporaryDirectory() as work:

@@ -22,7 +22,7 @@ import time
 import numpy as np
 import torch
 
-from samples.microbench.decode_step import cpu_name
+from samples.microbench.weight_only import cpu_description
 
 PROMPT = "Here is part of Python's documentation. Explain what a generator is, in a few sentences."
 LLAMA_CPP_TYPES = ("F32", "Q8_0", "Q4_0")
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> dict:
                     row["ours"][mode] = f"refused: {e}"
             results[type_name] = row
     fp32 = results["F32"]["ours"].get("float32")
-    print(f"{cpu_name()}; one stream, {args.new_tokens} new tokens, {args.threads} threads, best of {args.repeats}:")
+    print(f"{cpu_description()}; one stream, {args.new_tokens} new tokens, {args.threads} threads, best of {args.repeats}:")
     for type_name, row in results.items():
         print(f"  {type_name:5s} llama.cpp {row['llama_cpp_tok_s']:.1f} tok/s")
         for mode, rate in row["ours"].items():

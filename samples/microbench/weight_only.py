@@ -19,7 +19,7 @@ import torch
 
 from runtime import Engine, ModelRunner
 from runtime.kernels.linear import Linear
-from runtime.precision import cpu_flags
+from runtime.precision import cpu_flags, cpu_info
 from runtime.kernels.weight_only_linear import QuantizedLinear
 from samples.default_model import default_model_dir
 from tests.factories import step_inputs
@@ -30,14 +30,9 @@ LINEARS = ("qkv", "out", "mlp_in", "mlp_out")
 
 
 def cpu_description() -> str:
-    name = "unknown CPU"
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
+    """The CPU's model name and the vector features the kernels choose by."""
     flags = sorted(f for f in cpu_flags() if f.startswith(("avx2", "avx512", "amx", "avx_vnni")))
-    return f"{name}; {', '.join(flags)}"
+    return f"{cpu_info('model name') or 'unknown CPU'}; {', '.join(flags)}"
 
 
 def generation_step_ms(runners: dict[str, ModelRunner], reps: int) -> dict[str, list[float]]:
