@@ -1,7 +1,10 @@
 """One stream, ours against llama.cpp on the same weights at the same precision, in one run.
 
-The weights: the real default model's GGUF (SmolLM2-135M-Instruct, Q4_1), de-quantized and written
-again with the `gguf` package as F32, Q8_0 and Q4_0 files. llama.cpp (the `xllamacpp` wheel, its
+The weights (--model): `smollm2`, the real default model's GGUF (SmolLM2-135M-Instruct, Q4_1),
+de-quantized and written again with the `gguf` package as F32, Q8_0 and Q4_0 files; or `llama-1b`, a
+random-weight ~1.1B LLaMA (samples.microbench.random_llama: hidden 2048, 16 layers, intermediate 8192)
+written in each format from the same draws, where memory bandwidth rather than the fixed cost per
+token decides (fed token ids: its vocabulary is synthetic). llama.cpp (the `xllamacpp` wheel, its
 server embedded in this process; `pip install --no-deps xllamacpp`) generates from each file; ours
 generates from engines built from the F32 file in float32 and in the matching weight-only modes
 (int8 for Q8_0, int4 group 32 for Q4_0), each exact and with int8 activations (act_quant). Each side: greedy, one request, the same prompt, N new
@@ -9,7 +12,8 @@ tokens, the generation rate (tokens after the first / their time), best of --rep
 measurement runs in a fresh process: llama.cpp's threads and a thread pool left by an engine build
 would otherwise share the cores with the side being timed (runtime.engine.build_engine's NOTE).
 
-    python -m samples.microbench.llama_cpp_compare [--new-tokens 64] [--repeats 3] [--threads 2]
+    python -m samples.microbench.llama_cpp_compare [--model smollm2|llama-1b] [--new-tokens 64] [--repeats 3]
+        [--threads 2] [--formats F32 Q8_0 Q4_0]
 """
 from __future__ import annotations
 
@@ -67,8 +71,9 @@ def in_fresh_process(fn, *args):
         return pool.submit(fn, *args).result()
 
 
-def llama_cpp_rate(path: str, prompt: str, new_tokens: int, threads: int) -> float:
-    """llama.cpp's generation tokens/s for one greedy request (its own timings)."""
+def llama_cpp_rate(path: str, prompt: str | list[int], new_tokens: int, threads: int) -> float:
+    """llama.cpp's generation tokens/s for one greedy request (its own timings); `prompt` as text or
+    token ids."""
     import xllamacpp
     params = xllamacpp.CommonParams()
     params.model.path = path
@@ -103,38 +108,68 @@ def our_rate(engine_dir: str, prompt_ids: list[int], new_tokens: int, threads: i
     return (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
 
+RANDOM_PROMPT_IDS = list(range(300, 332))   # the random model's prompt: 32 token ids
+
+
+def model_files(model: str, work: str, type_names: list[str]) -> tuple[dict[str, str], str | list[int]]:
+    """({format: GGUF path}, the prompt llama.cpp is given) of `model` in each format; files already
+    in `work` are reused."""
+    files = {t: os.path.join(work, f"{model}-{t}.gguf") for t in dict.fromkeys(type_names)}
+    missing = {t: path for t, path in files.items() if not os.path.exists(path)}
+    if model == "llama-1b":
+        from samples.microbench.random_llama import write_random_llama
+        for type_name, path in missing.items():
+            write_random_llama(path + ".tmp", type_name)
+            os.replace(path + ".tmp", path)
+        return files, RANDOM_PROMPT_IDS
+    from samples.default_model import real_model_gguf
+    for type_name, path in missing.items():
+        os.replace(rewrite_gguf(real_model_gguf(), path + ".tmp", type_name), path)
+    return files, PROMPT
+
+
+def tokenize(gguf_path: str, text: str, work: str) -> list[int]:
+    """`text` as token ids of the GGUF file's own tokenizer."""
+    from runtime.loading.gguf_tokenizer import save_gguf_tokenizer
+    from samples.real_text import load_tokenizer
+    tokenizer_dir = os.path.join(work, "tokenizer")
+    save_gguf_tokenizer(gguf_path, tokenizer_dir)
+    return load_tokenizer(tokenizer_dir)(text)["input_ids"]
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--model", choices=("smollm2", "llama-1b"), default="smollm2")
+    p.add_argument("--formats", nargs="+", choices=LLAMA_CPP_TYPES, default=list(LLAMA_CPP_TYPES))
+    p.add_argument("--work-dir", help="keep the files and engines here (default: a temporary directory)")
     p.add_argument("--json", help="write the figures here")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     from runtime import ConfigError, build_engine
-    from samples.default_model import real_model_gguf
-    from samples.real_text import load_tokenizer
-    source = real_model_gguf()
     results: dict = {}
-    with tempfile.TemporaryDirectory() as work:
-        files = {t: rewrite_gguf(source, os.path.join(work, f"model-{t}.gguf"), t) for t in LLAMA_CPP_TYPES}
-        tokenizer_dir = os.path.join(work, "f32-engine")
-        build_engine(files["F32"], tokenizer_dir)
-        prompt_ids = load_tokenizer(tokenizer_dir)(PROMPT)["input_ids"]
-        for type_name in LLAMA_CPP_TYPES:
-            row = {"llama_cpp_tok_s": max(in_fresh_process(llama_cpp_rate, files[type_name], PROMPT, args.new_tokens,
+    with tempfile.TemporaryDirectory() as scratch:
+        work = args.work_dir or scratch
+        os.makedirs(work, exist_ok=True)
+        files, prompt = model_files(args.model, work, ["F32", *args.formats])
+        prompt_ids = prompt if isinstance(prompt, list) else tokenize(files["F32"], prompt, work)
+        for type_name in args.formats:
+            row = {"llama_cpp_tok_s": max(in_fresh_process(llama_cpp_rate, files[type_name], prompt, args.new_tokens,
                                                            args.threads) for _ in range(args.repeats)), "ours": {}}
             for mode, fields in OUR_MODES[type_name].items():
-                engine_dir = os.path.join(work, f"ours-{type_name}-{len(row['ours'])}")
+                engine_dir = os.path.join(work, f"ours-{args.model}-{type_name}-{len(row['ours'])}")
                 try:
-                    build_engine(files["F32"], engine_dir, **fields)
+                    if not os.path.exists(os.path.join(engine_dir, "engine.json")):
+                        build_engine(files["F32"], engine_dir, **fields)
                     row["ours"][mode] = max(in_fresh_process(our_rate, engine_dir, prompt_ids, args.new_tokens,
                                                              args.threads) for _ in range(args.repeats))
                 except ConfigError as e:
                     row["ours"][mode] = f"refused: {e}"
             results[type_name] = row
-    fp32 = results["F32"]["ours"].get("float32")
-    print(f"{cpu_description()}; one stream, {args.new_tokens} new tokens, {args.threads} threads, best of {args.repeats}:")
+    fp32 = results.get("F32", {}).get("ours", {}).get("float32")
+    print(f"{cpu_description()}; {args.model}, one stream, {args.new_tokens} new tokens, {args.threads} threads, best of {args.repeats}:")
     for type_name, row in results.items():
         print(f"  {type_name:5s} llama.cpp {row['llama_cpp_tok_s']:.1f} tok/s")
         for mode, rate in row["ours"].items():
