@@ -78,8 +78,11 @@ def byte_pair_vocabulary(size: int) -> tuple[list[str], list[int], list[str]]:
 
 def write_random_llama(path: str, type_name: str = "F32", shape: LlamaShape = LlamaShape(), seed: int = 0) -> str:
     """Write the model as one GGUF file with every 2-D weight stored as `type_name` (F32, F16 or a
-    type the gguf package quantizes: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1); 1-D tensors stay F32."""
+    block format runtime.quantization.k_quants writes: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K,
+    Q6_K); 1-D tensors stay F32."""
     import gguf
+
+    from runtime.quantization.k_quants import quantize
     qtype = gguf.GGMLQuantizationType[type_name]
     writer = gguf.GGUFWriter(path, "llama")
     writer.add_name(f"random-llama-{shape.num_parameters() / 1e9:.1f}B")
@@ -93,8 +96,9 @@ def write_random_llama(path: str, type_name: str = "F32", shape: LlamaShape = Ll
     writer.add_rope_freq_base(shape.rope_theta)
     writer.add_layer_norm_rms_eps(shape.rms_norm_eps)
     writer.add_vocab_size(shape.vocab_size)
-    writer.add_file_type(int(gguf.LlamaFileType.ALL_F32) if qtype == gguf.GGMLQuantizationType.F32
-                         else int(getattr(gguf.LlamaFileType, f"MOSTLY_{type_name}")))
+    file_types = gguf.LlamaFileType.__members__   # Q4_K / Q5_K alone are llama.cpp's *_K_S recipes
+    writer.add_file_type(int(file_types["ALL_F32"] if qtype == gguf.GGMLQuantizationType.F32 else
+                             file_types.get(f"MOSTLY_{type_name}") or file_types[f"MOSTLY_{type_name}_S"]))
     tokens, types, merges = byte_pair_vocabulary(shape.vocab_size)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
@@ -109,7 +113,7 @@ def write_random_llama(path: str, type_name: str = "F32", shape: LlamaShape = Ll
             return values, None
         if qtype == gguf.GGMLQuantizationType.F16:
             return values.astype(np.float16), None
-        return gguf.quants.quantize(values, qtype), qtype
+        return quantize(values, type_name), qtype
 
     # The header lists every tensor's type and byte size before any data: one pass computes them
     # from the shapes (no values), the second writes each tensor as it is drawn.
