@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from .engine import Engine
+from .loading.weights import weights_fingerprint
 from .kernels import get_kernels
 from .kernels.kv_quant import check_kv_storage, is_quantized_kv
 from .adapters.lora_step import LoraWeightStore
@@ -109,8 +110,12 @@ class ModelRunner:
                 raise ValueError(f"{name}: must be an integer >= {low}, got {value!r}")
         self.attention_window = effective_window(cfg.sliding_window, max_attention_window)
         self.sink_token_length = (sink_token_length or 0) if self.attention_window is not None else 0
-        self.engine = engine
+        # NOTE: the runner keeps no reference to the Engine: once the model has prepared its
+        # matmul weights (a reordered or repacked copy on a CPU), the engine's own tensors (a mapped
+        # weights file's pages) are freed with it unless the caller keeps it.
         self.model_config = cfg
+        self.build_config = engine.build_config
+        self.dtype, self.kv_storage_dtype = engine.dtype, engine.kv_storage_dtype
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.kernels = kernels if kernels is not None and not isinstance(kernels, str) else get_kernels(kernels)
         check_kv_storage(self.kernels, engine.build_config.kv_cache_dtype, engine.kv_storage_dtype)
@@ -130,6 +135,8 @@ class ModelRunner:
         self.gather_logits_to_all = gather_logits_to_all
         self.shard = self._shard(engine, tensor_parallel)
         weights = self._stage_weights(engine)
+        # of the weights as loaded (before any preparation), so that peers compare what they read
+        self.weights_fingerprint = weights_fingerprint(engine.weights)
         if self.shard is not None and engine.shard is None:
             shapes = {name: tuple(t.shape) for name, t in weights.items()}
             weights = {name: self.shard.slice(name, t, shapes) for name, t in weights.items()}

@@ -4,7 +4,6 @@ sent and received against one deadline for the whole exchange; a pool's blocks s
 they lie (ModelRunner.read_blocks)."""
 from __future__ import annotations
 
-import hashlib
 import socket
 import struct
 import time
@@ -37,14 +36,14 @@ class KvLayout:
 
     @classmethod
     def of(cls, runner) -> "KvLayout":
-        cfg, engine = runner.model_config, runner.engine
+        cfg = runner.model_config
         tp = runner.tensor_parallel
         tp_size = 1 if tp is None else tp.size
         world_size = 1 if tp is None else tp.world_size
         model = (f"{cfg.architecture} layers={cfg.num_layers} hidden={cfg.hidden_size} heads={cfg.num_heads} "
                  f"kv_heads={cfg.num_kv_heads} head_dim={cfg.head_dim} vocab={cfg.vocab_size}")
-        return cls(model, weights_digest(engine.weights), str(engine.dtype).removeprefix("torch."),
-                   str(engine.kv_storage_dtype).removeprefix("torch."), runner.tokens_per_block, tp_size,
+        return cls(model, runner.weights_fingerprint, str(runner.dtype).removeprefix("torch."),
+                   str(runner.kv_storage_dtype).removeprefix("torch."), runner.tokens_per_block, tp_size,
                    world_size // tp_size)
 
     def to_dict(self) -> dict:
@@ -57,21 +56,6 @@ class KvLayout:
             if theirs != getattr(self, f.name):
                 return f"{f.name}: {theirs!r} there, {getattr(self, f.name)!r} here"
         return None
-
-
-def weights_digest(weights: dict) -> str:
-    """blake2b over each weight's name, shape, dtype and its first and last 32 elements' bytes."""
-    digest = hashlib.blake2b(digest_size=8)
-    for name in sorted(weights):
-        t = weights[name]
-        digest.update(f"{name}{tuple(t.shape)}{t.dtype}".encode())
-        try:
-            flat = t.detach().reshape(-1)
-            for part in (flat[:32], flat[-32:]):
-                digest.update(part.cpu().contiguous().view(torch.uint8).numpy().tobytes())
-        except (RuntimeError, TypeError):   # an opaque (reordered) tensor: its name and shape only
-            pass
-    return digest.hexdigest()
 
 
 # -- frames ------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ Generation steps of a few sequences are a matrix-vector product bound by reading
 there, wherever cpu_native.py can run (float32; BATCH_MANAGER_CPU_NATIVE=0 turns it off), inputs
 of at most NATIVE_MAX_ROWS rows go to the native kernel, which multiplies by the [out, in] weight
 as stored; larger ones to the impl above. NOTE: that [out, in] weight is the
-engine's own tensor (the runner keeps the engine), so the native path adds no copy. Measured
+engine's own tensor (held as `Linear.plain`), so the native path adds no copy. Measured
 (samples.microbench.linear, every weight of the default model per pass, 2 threads, best of 15,
 ms native / oneDNN): 1 row 6.6 / 7.9, 4 rows 7.8 / 9.3, 8 rows 9.5 / 10.9, 12 rows 12.0 / 12.7,
 16 rows 13.8 / 14.8, 64 rows 40.5 / 38.9: the kernel is a dot product per (row, output) tile,

@@ -189,3 +189,18 @@ def load_engine_weights(path: str, cfg: ModelConfig, dtype: torch.dtype, shard: 
         names = {**expected_shapes(cfg), **(stored or {})}
         raw = {name: src.get(name) for name in names if name in src.names()}
         return _checked(raw, cfg, dtype, path, src, shard, stored, stage), src.num_bytes_read
+
+
+def weights_fingerprint(weights: dict[str, torch.Tensor]) -> str:
+    """blake2b over each weight's name, shape, dtype and its first and last 32 elements' bytes: two
+    instances whose fingerprints differ hold different weights (a different checkpoint of the same
+    shape is caught with near certainty; equal fingerprints do not prove equal weights)."""
+    import hashlib
+    digest = hashlib.blake2b(digest_size=8)
+    for name in sorted(weights):
+        t = weights[name]
+        digest.update(f"{name}{tuple(t.shape)}{t.dtype}".encode())
+        flat = t.detach().reshape(-1)
+        for part in (flat[:32], flat[-32:]):
+            digest.update(part.cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()

@@ -131,7 +131,7 @@ def bench_batch(runner: ModelRunner, batch: int, args) -> list[dict]:
     new_tokens = torch.randint(3, cfg.vocab_size, (batch, 1), generator=gen, dtype=torch.int32)
     generation = (time_step(runner, step_inputs(new_tokens, args.past_len, block_tables), args.warmup,
                             args.iters * 4), step_flops(cfg, batch, 1, args.past_len), batch)
-    itemsize = runner.engine.dtype.itemsize
+    itemsize = runner.dtype.itemsize
     streamed = (step_bytes(cfg, batch, args.prompt_len, 0, itemsize), step_bytes(cfg, batch, 1, args.past_len, itemsize))
     for phase, (seconds, flops, tokens), nbytes in zip(("context", "generation"), (context, generation), streamed):
         gflops = flops / seconds / 1e9
