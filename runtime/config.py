@@ -32,6 +32,7 @@ VARIANT_VALUES: dict[str, tuple[Any, ...]] = {
     "residual": ("sequential", "parallel", "parallel_shared_norm"),
     "embedding_norm": (False, True),
     "lm_head_bias": (False, True),
+    "qk_norm": (False, True),
 }
 
 
@@ -51,11 +52,14 @@ def normalize_dtype(name: str, allow_auto: bool = False) -> str:
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float = 10000.0
-    scaling_type: str = "default"  # default | linear | llama3
+    scaling_type: str = "default"  # default | linear | llama3 | freq_factors
     factor: float = 1.0
     low_freq_factor: float = 1.0        # llama3
     high_freq_factor: float = 4.0       # llama3
     original_max_position_embeddings: int = 8192  # llama3
+    # freq_factors: one divisor per rotated pair [rotary_dim / 2] (llama.cpp's `rope_freqs` tensor:
+    # how a GGUF file carries LLaMA 3's scaling, already evaluated per frequency)
+    freq_factors: tuple[float, ...] | None = None
 
     def validated(self) -> "RopeConfig":
         """ConfigError naming the field unless every number is finite and > 0 (a theta or factor of
@@ -65,6 +69,13 @@ class RopeConfig:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
                     or value <= 0:
                 raise ConfigError(f"rope.{name}: must be a finite number > 0, got {value!r}")
+        if (self.freq_factors is not None) != (self.scaling_type == "freq_factors"):
+            raise ConfigError(f"rope.freq_factors: must be set exactly with scaling_type 'freq_factors', got "
+                              f"{self.freq_factors is not None} with {self.scaling_type!r}")
+        for value in self.freq_factors or ():
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or value <= 0:
+                raise ConfigError(f"rope.freq_factors: every factor must be a finite number > 0, got {value!r}")
         return self
 
 
@@ -102,6 +113,8 @@ class ModelConfig:
     eos_token_id: int | None = None
     pad_token_id: int | None = None
     embedding_norm: bool = False    # a LayerNorm right after the token embedding
+    qk_norm: bool = False           # an RMSNorm over each query and key head ([head_dim] weights
+                                    # q_norm / k_norm), before the rotation (Qwen3)
     lm_head_bias: bool = False      # the output projection has a bias [V] (also when tied)
     # What runs, set by the engine loader from the BuildConfig on the loading machine: the compute
     # dtype (never "auto") and runtime.precision.QuantMode's bits (weight-only mode, KV cache dtype).
@@ -150,6 +163,8 @@ class ModelConfig:
         field existed: runtime.models.model_config_from_dict fills it from the architecture."""
         d = dict(d)
         rope = d.get("rope")
+        if rope is not None and rope.get("freq_factors") is not None:
+            rope = {**rope, "freq_factors": tuple(rope["freq_factors"])}
         d["rope"] = RopeConfig(**rope) if rope is not None else None
         fields = {f.name for f in dataclasses.fields(ModelConfig)}
         unknown = set(d) - fields
@@ -180,6 +195,10 @@ class ModelConfig:
                                   f"{self.head_dim} head dims, got {fraction!r}")
         if is_rotary:
             self.rope.validated()
+            factors = self.rope.freq_factors
+            if factors is not None and len(factors) != self.rotary_dim // 2:
+                raise ConfigError(f"rope.freq_factors: {len(factors)} factors for {self.rotary_dim // 2} rotated "
+                                  "pairs")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"num_key_value_heads: {self.num_kv_heads} does not divide "
                               f"num_attention_heads {self.num_heads}")

@@ -176,7 +176,7 @@ class DecodeStep:
                 or not model.is_first_stage or not model.is_last_stage or cfg.norm_type != "rmsnorm"
                 or cfg.mlp_type != "gated" or cfg.activation not in ("silu", "swish")
                 or cfg.position_embedding != "rope" or cfg.rotary_style != "neox" or cfg.residual != "sequential"
-                or cfg.embedding_norm or model.alibi_slopes is not None or kv_pool.dtype not in _KV_FORMATS
+                or cfg.embedding_norm or cfg.qk_norm or model.alibi_slopes is not None or kv_pool.dtype not in _KV_FORMATS
                 or model.dtype not in (torch.float32, torch.bfloat16)):
             return None
         prepared = [model.lm_head] + list(model.linears.values())

@@ -11,13 +11,17 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
+import torch
+
 from ..config import ConfigError, ModelConfig
 from .gguf_file import GgufFile
 from ..models import lookup
 
 # Tensors that change what the model computes in ways the runtime does not implement.
-UNSUPPORTED_TENSORS = {"rope_freqs.weight": "per-dimension rotary frequency factors (LLaMA 3 rope scaling)",
-                       "rope_factors_long.weight": "LongRoPE factors", "rope_factors_short.weight": "LongRoPE factors"}
+UNSUPPORTED_TENSORS = {"rope_factors_long.weight": "LongRoPE factors", "rope_factors_short.weight": "LongRoPE factors"}
+# Tensors that are part of the config, not weights: llama.cpp's converter writes LLaMA 3's rope
+# scaling as one divisor per rotated pair of dims (read by Keys.rope).
+ROPE_FREQS = "rope_freqs.weight"
 
 
 class Keys:
@@ -99,7 +103,8 @@ class Keys:
         return value
 
     def rope(self) -> dict[str, Any]:
-        """rope_theta, and rope_scaling where the file scales positions linearly."""
+        """rope_theta, and rope_scaling where the file scales positions linearly or by per-pair
+        frequency factors (the `rope_freqs` tensor: LLaMA 3's scaling; each factor finite and > 0)."""
         out: dict[str, Any] = {"rope_theta": self.positive_number("rope.freq_base", 10000.0)}
         kind = self.file.get_str(self.key("rope.scaling.type"))
         factor = self.positive_number("rope.scaling.factor")
@@ -107,7 +112,16 @@ class Keys:
             kind, factor = "linear", self.number("rope.scale_linear")
         if kind == "linear" and factor is None:
             raise ConfigError(f"{self.file.path}: metadata {self.key('rope.scaling.factor')!r}: missing")
-        if kind == "linear" and factor != 1.0:
+        if ROPE_FREQS in self.file.tensors:
+            if kind == "linear" and factor != 1.0:
+                raise ConfigError(f"{self.file.path}: tensor {ROPE_FREQS!r} with metadata "
+                                  f"{self.key('rope.scaling.type')!r} 'linear': two rope scalings at once")
+            factors = self.file.read(ROPE_FREQS).reshape(-1)
+            if not bool(torch.isfinite(factors).all()) or not bool((factors > 0).all()):
+                raise ConfigError(f"{self.file.path}: tensor {ROPE_FREQS!r}: every factor must be a finite number "
+                                  "> 0")
+            out["rope_scaling"] = {"rope_type": "freq_factors", "factors": factors.tolist()}
+        elif kind == "linear" and factor != 1.0:
             out["rope_scaling"] = {"rope_type": "linear", "factor": factor}
         elif kind not in (None, "none", "linear"):
             raise ConfigError(f"{self.file.path}: metadata {self.key('rope.scaling.type')!r}: unsupported "
@@ -151,6 +165,10 @@ def _llama(k: Keys) -> dict[str, Any]:
 
 def _qwen2(k: Keys) -> dict[str, Any]:
     return _llama_like(k, "qwen2")
+
+
+def _qwen3(k: Keys) -> dict[str, Any]:
+    return _llama_like(k, "qwen3")
 
 
 def _phi3(k: Keys) -> dict[str, Any]:
@@ -234,7 +252,7 @@ FALCON_NORMS = MappingProxyType({"input_norm": (("attn_norm_2",), ("attn_norm",)
 
 # general.architecture -> entry
 GGUF_ARCHITECTURES = {
-    "llama": GgufArch(_llama, permuted_qk=True), "qwen2": GgufArch(_qwen2), "phi3": GgufArch(_phi3),
+    "llama": GgufArch(_llama, permuted_qk=True), "qwen2": GgufArch(_qwen2), "qwen3": GgufArch(_qwen3), "phi3": GgufArch(_phi3),
     "gpt2": GgufArch(_gpt2), "gptj": GgufArch(_gptj), "gptneox": GgufArch(_gpt_neox),
     "falcon": GgufArch(_falcon, layer_to_gguf=FALCON_NORMS), "phi2": GgufArch(_phi2), "bloom": GgufArch(_bloom),
 }

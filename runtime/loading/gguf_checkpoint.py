@@ -11,7 +11,7 @@ import os
 import torch
 
 from ..config import ConfigError
-from .gguf_archs import model_config_from_gguf
+from .gguf_archs import ROPE_FREQS, model_config_from_gguf
 from .gguf_file import GgufFile
 from .tensor_files import WeightError
 from .weights import expected_shapes
@@ -31,6 +31,8 @@ LAYER_TO_GGUF = {
     "post_norm": (("ffn_norm",),),
     "qkv": (("attn_qkv",), ("attn_q", "attn_k", "attn_v")),  # llama.cpp stores fused QKV as [q, k, v]
     "out": (("attn_output",),),
+    "q_norm": (("attn_q_norm",),),
+    "k_norm": (("attn_k_norm",),),
     "mlp_in": (("ffn_gate", "ffn_up"), ("ffn_up",)),         # ffn_up alone: fused gate-up (Phi-3) or no gate
     "mlp_out": (("ffn_down",),),
 }
@@ -83,7 +85,7 @@ class GgufCheckpoint:
             tensors = [self._read_part(gguf_name, part_shape, name, dtype) for gguf_name, part_shape in parts]
             weights[name] = tensors[0] if len(tensors) == 1 else torch.cat(tensors)
             used.update(gguf_name for gguf_name, _ in parts)
-        unused = sorted(set(self.file.tensors) - used)
+        unused = sorted(set(self.file.tensors) - used - {ROPE_FREQS})
         if unused:
             logger.warning("%s: %d tensors not used by the %s model: %s", self.path, len(unused), cfg.architecture,
                            ", ".join(unused[:8]) + (", ..." if len(unused) > 8 else ""))

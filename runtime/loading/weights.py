@@ -68,6 +68,8 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             if has_norm_bias:
                 shapes[p + norm + ".bias"] = (h,)
         shapes[p + "qkv.weight"] = (qkv, h)
+        if cfg.qk_norm:
+            shapes[p + "q_norm.weight"] = shapes[p + "k_norm.weight"] = (cfg.head_dim,)
         shapes[p + "out.weight"] = (h, cfg.q_size)
         shapes[p + "mlp_in.weight"] = (mlp_in, h)
         shapes[p + "mlp_out.weight"] = (h, i)

@@ -97,6 +97,8 @@ def rope_from_hf(hf: dict[str, Any], *legacy_theta_keys: str) -> RopeConfig:
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
         return RopeConfig(theta=theta)
+    if kind == "freq_factors":   # not a transformers type: what runtime.loading.gguf_archs maps rope_freqs to
+        return RopeConfig(theta=theta, scaling_type="freq_factors", freq_factors=tuple(map(float, scaling["factors"])))
     factor = positive_number(scaling.get("factor", 1.0), f"{section}.factor")
     if kind == "linear":
         return RopeConfig(theta=theta, scaling_type="linear", factor=factor)

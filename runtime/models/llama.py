@@ -1,6 +1,7 @@
 """The LLaMA family: rotary positions (half-split), RMSNorm, gated SiLU MLP, GQA, optional biases and
 sliding window. LLaMA and Mistral share one mapping; Qwen2 always has q/k/v biases and its window only
-where `use_sliding_window` says so (on every layer)."""
+where `use_sliding_window` says so (on every layer); Qwen3 drops the biases (unless `attention_bias`)
+and normalizes each query and key head (q_norm / k_norm) before the rotation."""
 from __future__ import annotations
 
 from types import MappingProxyType
@@ -12,7 +13,8 @@ from .base import Architecture, positive_int, rope_from_hf, rotary_fraction_from
 
 VARIANT = MappingProxyType(dict(position_embedding="rope", rotary_style="neox", rotary_fraction=1.0,
                                 norm_type="rmsnorm", mlp_type="gated", residual="sequential", embedding_norm=False,
-                                lm_head_bias=False))
+                                lm_head_bias=False, qk_norm=False))
+QWEN3_VARIANT = MappingProxyType({**VARIANT, "qk_norm": True})
 
 
 def config_from_hf(hf: dict[str, Any], architecture: str = "llama", **fields: Any) -> ModelConfig:
@@ -49,6 +51,8 @@ def read_weights(src: TensorSource, cfg: ModelConfig) -> RawWeights:
         w[q + "post_norm.weight"] = get(p + "post_attention_layernorm.weight")
         attn = p + "self_attn."
         w[q + "qkv.weight"] = fused(src, {attn + f"{x}_proj.weight": (n, h) for x, n in qkv_rows.items()})
+        if cfg.qk_norm:
+            w[q + "q_norm.weight"], w[q + "k_norm.weight"] = get(attn + "q_norm.weight"), get(attn + "k_norm.weight")
         if cfg.qkv_bias:
             w[q + "qkv.bias"] = fused(src, {attn + f"{x}_proj.bias": (n,) for x, n in qkv_rows.items()})
         w[q + "out.weight"] = get(attn + "o_proj.weight")
@@ -68,14 +72,24 @@ def _mistral_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     return config_from_hf(hf, "mistral")
 
 
-def _qwen2_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
+def _qwen_window(hf: dict[str, Any], family: str) -> int | None:
+    """The window of every layer where `use_sliding_window` says so (None otherwise); a window on a
+    subset of the layers is a ConfigError."""
     window = hf.get("sliding_window") if hf.get("use_sliding_window", False) else None
     if window is not None:
         max_window_layers = hf.get("max_window_layers", hf.get("num_hidden_layers"))
         if max_window_layers is not None and int(max_window_layers) < positive_int(hf, "num_hidden_layers"):
-            raise ConfigError("config.json: Qwen2 sliding window on a subset of layers "
+            raise ConfigError(f"config.json: {family} sliding window on a subset of layers "
                               f"(max_window_layers={max_window_layers}) is not supported")
-    return config_from_hf(hf, "qwen2", qkv_bias=True, sliding_window=int(window) if window is not None else None)
+    return int(window) if window is not None else None
+
+
+def _qwen2_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
+    return config_from_hf(hf, "qwen2", qkv_bias=True, sliding_window=_qwen_window(hf, "Qwen2"))
+
+
+def _qwen3_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
+    return config_from_hf(hf, "qwen3", qk_norm=True, sliding_window=_qwen_window(hf, "Qwen3"))
 
 
 LLAMA = Architecture(name="llama", hf_class_names=("LlamaForCausalLM",), variant=VARIANT,
@@ -84,3 +98,5 @@ MISTRAL = Architecture(name="mistral", hf_class_names=("MistralForCausalLM",), v
                        config_from_hf=_mistral_config_from_hf, read_weights=read_weights)
 QWEN2 = Architecture(name="qwen2", hf_class_names=("Qwen2ForCausalLM",), variant=VARIANT,
                      config_from_hf=_qwen2_config_from_hf, read_weights=read_weights)
+QWEN3 = Architecture(name="qwen3", hf_class_names=("Qwen3ForCausalLM",), variant=QWEN3_VARIANT,
+                     config_from_hf=_qwen3_config_from_hf, read_weights=read_weights)

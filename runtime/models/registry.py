@@ -15,7 +15,7 @@ from .falcon import FALCON
 from .gpt2 import GPT2
 from .gpt_neox import GPT_NEOX
 from .gptj import GPTJ
-from .llama import LLAMA, MISTRAL, QWEN2
+from .llama import LLAMA, MISTRAL, QWEN2, QWEN3
 from .phi import PHI, PHI3
 
 _NAME_TO_ARCHITECTURE: dict[str, Architecture] = {}
@@ -75,5 +75,5 @@ def model_config_from_dict(d: dict[str, Any]) -> ModelConfig:
     return ModelConfig.from_dict({**lookup(d.get("architecture")).variant, **d})
 
 
-for _arch in (GPT2, LLAMA, MISTRAL, QWEN2, GPTJ, GPT_NEOX, BLOOM, FALCON, PHI, PHI3):
+for _arch in (GPT2, LLAMA, MISTRAL, QWEN2, QWEN3, GPTJ, GPT_NEOX, BLOOM, FALCON, PHI, PHI3):
     register(_arch)

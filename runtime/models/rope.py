@@ -21,6 +21,8 @@ def rope_inv_freq(rope: RopeConfig, rotary_dim: int) -> torch.Tensor:
         return inv_freq
     if rope.scaling_type == "linear":
         return inv_freq / rope.factor
+    if rope.scaling_type == "freq_factors":
+        return inv_freq / torch.tensor(rope.freq_factors, dtype=torch.float32)
     if rope.scaling_type == "llama3":
         old_len = rope.original_max_position_embeddings
         low_wavelen = old_len / rope.low_freq_factor

@@ -192,7 +192,7 @@ class Transformer:
             qkv = self._linear(h, p + "qkv", step.lora)
             i = layer - first
             scales = None if kv_scales is None else (kv_scales[i, 0], kv_scales[i, 1])
-            attn = self._attention(qkv, cos, sin, step, kv_pool[i, 0], kv_pool[i, 1], scales)
+            attn = self._attention(qkv, cos, sin, step, kv_pool[i, 0], kv_pool[i, 1], scales, p)
             # Under TP the row-parallel outputs are partial sums: rank 0 adds the residual (and the
             # biases), the others only their partials, and one all-reduce makes the sum everywhere.
             residual = x if self.is_reducing_rank else None
@@ -287,17 +287,28 @@ class Transformer:
             return self.act(gate).mul_(up)
         return self.act(up)
 
+    def _qk_norm(self, qk: torch.Tensor, prefix: str) -> torch.Tensor:
+        """[T, q heads + kv heads, head_dim] with every query head RMS-normalized by the layer's
+        q_norm weight and every key head by its k_norm weight (Qwen3)."""
+        num_tokens, _, head_dim = qk.shape
+        num_q_heads, eps = self.local.num_heads, self.config.norm_eps
+        q = self.kernels.rms_norm(qk[:, :num_q_heads].reshape(-1, head_dim), self.w[prefix + "q_norm.weight"], eps)
+        k = self.kernels.rms_norm(qk[:, num_q_heads:].reshape(-1, head_dim), self.w[prefix + "k_norm.weight"], eps)
+        return torch.cat((q.view(num_tokens, num_q_heads, head_dim), k.view(num_tokens, -1, head_dim)), dim=1)
+
     def _attention(self, qkv: torch.Tensor, cos, sin, step: StepLayout, k_cache: torch.Tensor,
-                   v_cache: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None = None
-                   ) -> torch.Tensor:
+                   v_cache: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   prefix: str = "") -> torch.Tensor:
         """qkv [T, q + 2 kv] -> attention output [T, q] (this rank's heads under TP). scales: the
-        layer's (K, V) scales of a quantized cache."""
+        layer's (K, V) scales of a quantized cache; prefix: the layer's weight names' ("layers.{i}.")."""
         cfg, kernels = self.local, self.kernels
         num_tokens = qkv.shape[0]
         num_qk_heads = cfg.num_heads + cfg.num_kv_heads
         # Queries and keys rotate together: one rope pass instead of two (per-op overhead is a
         # visible share of a small generation step on CPU).
         qk = qkv[:, :cfg.q_size + cfg.kv_size].view(num_tokens, num_qk_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            qk = self._qk_norm(qk, prefix)
         if cos is not None:
             qk = apply_rope(qk, cos, sin, cfg.rotary_style)
         q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)

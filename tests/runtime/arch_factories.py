@@ -1,4 +1,4 @@
-"""Tiny random-weight checkpoints of the architectures beyond GPT-2 and the LLaMA family, saved
+"""Tiny random-weight checkpoints of the architectures beyond GPT-2 and LLaMA / Mistral / Qwen2, saved
 through transformers' real save path. A case names a config class and its variant options; the
 sizes are tests.factories.TINY's (hidden 64, 4 heads of 16 dims, 2 layers, vocab 128) under each
 class's own keys."""
@@ -20,6 +20,7 @@ SIZES = {
                          ffn_hidden_size=96, max_position_embeddings=256),
     "PhiConfig": dict(TINY, resid_pdrop=0.0, embd_pdrop=0.0),
     "Phi3Config": dict(TINY),
+    "Qwen3Config": dict(TINY, head_dim=16),
 }
 # case -> (transformers config class, the case's options on top of SIZES)
 CASES = {
@@ -37,6 +38,7 @@ CASES = {
     "falcon_sequential": ("FalconConfig", dict(multi_query=False, parallel_attn=False, bias=True)),
     "phi": ("PhiConfig", dict(partial_rotary_factor=0.5)),
     "phi3": ("Phi3Config", dict(num_key_value_heads=2, partial_rotary_factor=0.5, sliding_window=8, pad_token_id=0)),
+    "qwen3": ("Qwen3Config", dict(num_key_value_heads=2, tie_word_embeddings=False)),
 }
 
 

@@ -13,13 +13,35 @@ import torch
 
 Q = gguf.GGMLQuantizationType
 # our case name -> (llama.cpp architecture, transformers model_type it was made from)
-GGUF_ARCH = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "gpt2": gguf.MODEL_ARCH.GPT2,
+GGUF_ARCH = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3,
+             "gpt2": gguf.MODEL_ARCH.GPT2,
              "gpt_neox": gguf.MODEL_ARCH.GPTNEOX, "falcon": gguf.MODEL_ARCH.FALCON, "phi": gguf.MODEL_ARCH.PHI2,
              "phi3": gguf.MODEL_ARCH.PHI3, "bloom": gguf.MODEL_ARCH.BLOOM, "gptj": gguf.MODEL_ARCH.GPTJ}
 CHAT_TEMPLATE = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
 
 
 # -- llama.cpp's layouts -------------------------------------------------------------------------
+
+def llama3_rope_freqs(config) -> np.ndarray:
+    """float32 [head_dim / 2]: LLaMA 3's rope scaling as llama.cpp's converter writes it (the
+    `rope_freqs` tensor, one divisor of each pair's frequency)."""
+    rope = getattr(config, "rope_parameters", None) or config.rope_scaling
+    head_dim = config.hidden_size // config.num_attention_heads
+    factor, low, high = rope["factor"], rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+    old_len = rope["original_max_position_embeddings"]
+    freqs = 1.0 / (rope["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * np.pi / freq
+        if wavelen < old_len / high:
+            factors.append(1.0)
+        elif wavelen > old_len / low:
+            factors.append(factor)
+        else:
+            smooth = (old_len / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
 
 def llama_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
     """llama.cpp's LlamaModel.permute: halves-rotary rows -> adjacent-pair rows, per head."""
@@ -74,10 +96,13 @@ def _metadata(writer: gguf.GGUFWriter, case: str, config) -> None:
           "llama": config.num_key_value_heads if case == "llama" else None}.get(case)
     kv = kv or _get(config, "num_key_value_heads", default=heads)
     writer.add_head_count_kv(kv)
-    if case in ("llama", "qwen2", "phi3"):
+    if case in ("llama", "qwen2", "qwen3", "phi3"):
         writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     else:
         writer.add_layer_norm_eps(_get(config, "layer_norm_eps", "layer_norm_epsilon"))
+    if case == "qwen3":   # llama.cpp's converter writes a config's explicit head_dim (Qwen3's is free)
+        writer.add_key_length(config.head_dim)
+        writer.add_value_length(config.head_dim)
     rope = getattr(config, "rope_parameters", None) or {}
     if "rope_theta" in rope:
         writer.add_rope_freq_base(rope["rope_theta"])

@@ -48,6 +48,7 @@ SOURCE_CASES = {
     "llama": ("llama", "llama", {}),
     "llama_tied_biased": ("llama", "llama", dict(tie_word_embeddings=True, attention_bias=True, mlp_bias=True)),
     "qwen2": ("qwen2", "qwen2", {}),
+    "qwen3": ("qwen3", "qwen3", {}),
     "gpt2": ("gpt2", "gpt2", {}),
     "gpt_neox": ("gpt_neox", "gpt_neox", {}),
     "gpt_neox_sequential": ("gpt_neox", "gpt_neox_sequential", {}),
@@ -117,6 +118,8 @@ def assert_matches_transformers(tmp_path, family: str, model, matmul_type=Q.F32,
 TRANSFORMERS_CASES = {
     "llama": ("llama", "llama", {}, ()),
     "qwen2": ("qwen2", "qwen2", {}, ()),
+    # transformers reads no head_dim from a Qwen3 file (its default, 128, is real Qwen3's)
+    "qwen3": ("qwen3", "qwen3", dict(head_dim=128), ()),
     "gpt2": ("gpt2", "gpt2", dict(n_inner=None, n_positions=1024), ()),
     "falcon_7b": ("falcon", "falcon_7b", dict(ffn_hidden_size=256), ("norm_eps",)),
     "phi3": ("phi3", "phi3", dict(partial_rotary_factor=1.0, sliding_window=None), ()),

@@ -169,8 +169,9 @@ def test_a_bad_alignment_is_refused(tmp_path):
 
 def test_unsupported_rope_tensors_split_files_and_bad_token_ids_are_named(tmp_path):
     model = factories.hf_model("llama", seed=1, num_hidden_layers=1)
-    path = write_gguf(tmp_path / "rope.gguf", "llama", model, extra={"rope_freqs.weight": np.ones(8, np.float32)})
-    with pytest.raises(ConfigError, match="'rope_freqs.weight'"):
+    # (LLaMA 3's rope_freqs is read: tests/runtime/test_gguf_llama3.py)
+    path = write_gguf(tmp_path / "rope.gguf", "llama", model, extra={"rope_factors_long.weight": np.ones(8, np.float32)})
+    with pytest.raises(ConfigError, match="'rope_factors_long.weight'"):
         Engine.from_dir(path)
     path = write_gguf(tmp_path / "split.gguf", "llama", model, extra_keys={"split.count": 2})
     with pytest.raises(ConfigError, match="'split.count'"):

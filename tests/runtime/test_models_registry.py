@@ -74,7 +74,7 @@ def hf_config(directory) -> dict:
 
 
 def test_builtin_entries_are_the_supported_architectures():
-    assert SUPPORTED_ARCHITECTURES == ("gpt2", "llama", "mistral", "qwen2", "gptj", "gpt_neox", "bloom", "falcon",
+    assert SUPPORTED_ARCHITECTURES == ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gptj", "gpt_neox", "bloom", "falcon",
                                        "phi", "phi3") == supported_architectures()
     assert set(EXPECTED) == set(FACTORY_ARCHS)
     from tests.runtime.arch_factories import hf_config
@@ -113,7 +113,7 @@ def test_lookup_by_hf_class_name_when_model_type_is_absent(checkpoints):
 
 def test_unknown_architecture_is_a_config_error_naming_it():
     with pytest.raises(ConfigError, match=r"model_type='mamba'.*\['MambaForCausalLM'\].*"
-                                          r"supported: gpt2, llama, mistral, qwen2, gptj, gpt_neox, bloom, falcon, "
+                                          r"supported: gpt2, llama, mistral, qwen2, qwen3, gptj, gpt_neox, bloom, falcon, "
                                           r"phi, phi3"):
         model_config_from_hf({"model_type": "mamba", "architectures": ["MambaForCausalLM"]})
     with pytest.raises(ConfigError, match="architecture: unsupported 'mamba'; supported: gpt2, llama"):

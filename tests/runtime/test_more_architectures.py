@@ -1,5 +1,5 @@
 """GPT-J, GPT-NeoX, BLOOM, Falcon (7B style, new decoder architecture with two norms or one,
-sequential), Phi and Phi-3 against transformers on tiny random checkpoints (fp32): config mapping
+sequential), Phi, Phi-3 and Qwen3 against transformers on tiny random checkpoints (fp32): config mapping
 and weight tables, a packed mixed step's logits, greedy GptSession and GptManager tokens equal to
 `generate`, incremental and chunked decoding over shuffled paged blocks equal to a one-shot step,
 fp16 / bf16 engines and checkpoints, and the config options that are refused by name."""
@@ -46,6 +46,8 @@ EXPECTED = {
                 norm_type="layernorm"),
     "phi3": dict(architecture="phi3", residual="sequential", norm_type="rmsnorm", mlp_type="gated",
                  rotary_fraction=0.5, num_kv_heads=2, sliding_window=8),
+    "qwen3": dict(architecture="qwen3", qk_norm=True, qkv_bias=False, num_kv_heads=2, sliding_window=None,
+                  tie_word_embeddings=False),
 }
 PROMPT_LENGTHS = (5, 13, 1, 9)
 
@@ -79,7 +81,7 @@ def hf_greedy(checkpoints, prompts):
 def test_every_case_has_its_expectations_and_every_new_entry_a_case():
     assert set(EXPECTED) == set(CASES)
     assert {fields["architecture"] for fields in EXPECTED.values()} == {"gptj", "gpt_neox", "bloom", "falcon",
-                                                                        "phi", "phi3"}
+                                                                        "phi", "phi3", "qwen3"}
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -247,3 +249,14 @@ def test_legacy_neox_and_phi_fields_read_like_rope_parameters(checkpoints):
         new_style = model_config_from_hf(hf)
         del hf["rope_parameters"]
         assert model_config_from_hf({**hf, **legacy}) == new_style
+
+
+def test_the_fused_step_leaves_qwen3_to_the_eager_path(checkpoints, tmp_path):
+    """The fused decode step has no per-head q/k norm: it must decline Qwen3 (whose greedy tokens the
+    tests above hold to transformers), where it takes a LLaMA model of the same block."""
+    from tests.factories import make_checkpoint as make_llama
+    make_llama(tmp_path, "llama", seed=1, num_key_value_heads=2)
+    if ModelRunner(Engine.from_dir(tmp_path), num_blocks=8).decode_step is None:
+        pytest.skip("no fused decode step on this machine")
+    qwen3 = Engine.from_dir(checkpoints["qwen3"][0])
+    assert ModelRunner(qwen3, num_blocks=8).decode_step is None
