@@ -14,6 +14,7 @@ import stat
 from dataclasses import dataclass
 from typing import Any
 
+from .errors import ConfigError
 from .precision import BUILD_DTYPES, check_precision_fields
 
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")   # what runs; a build may also say "auto"
@@ -34,10 +35,6 @@ VARIANT_VALUES: dict[str, tuple[Any, ...]] = {
     "lm_head_bias": (False, True),
     "qk_norm": (False, True),
 }
-
-
-class ConfigError(ValueError):
-    """A config file or value that the runtime cannot use; the message names the field."""
 
 
 def normalize_dtype(name: str, allow_auto: bool = False) -> str:
@@ -237,7 +234,7 @@ class BuildConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"{name}: must be a positive integer, got {value!r}")
         normalize_dtype(self.dtype, allow_auto=True)
-        from .quantization.registry import lookup_build, supported_formats   # NOTE: lazy: its entries import this module
+        from .quantization.registry import lookup_build, supported_formats   # NOTE: lazy: keeps this module torch-free
         check_precision_fields(self.weight_only, supported_formats(), self.group_size, self.weight_only_skip,
                                self.kv_cache_dtype, self.kv_cache_scale, ConfigError, self.act_quant)
         if self.max_input_len > self.max_seq_len:

@@ -1,6 +1,7 @@
 """`WeightFormat`: what one weight-only format declares (its registry entry's interface); int8.py and
-int4.py hold instances, registry.py looks them up. Torch, config and precision only: the kernel
-backends import the entries, never the other way round.
+int4.py hold instances, registry.py looks them up. Torch and precision only: the kernel
+backends import the entries, never the other way round; the config is read here, never imported (it
+asks the registry).
 
 A quantized canonical weight `W` is stored as `W` (`weight_dtype`) plus one tensor per suffix
 (`W_scale`, ...); code takes them as (W, *parts), the parts in `suffixes` order.
@@ -9,11 +10,14 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from ..config import ModelConfig
 from ..precision import QuantMode
+
+if TYPE_CHECKING:
+    from ..config import ModelConfig
 
 Ranges = tuple[tuple[int, int], ...]   # [start, stop) spans, ascending (runtime.parallel.tensor_shard)
 PartLayout = dict[str, tuple[torch.dtype, tuple[int, ...]]]   # suffix ("" for W) -> (stored dtype, shape)

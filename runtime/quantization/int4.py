@@ -9,12 +9,16 @@ never straddles two ranks.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from ..config import ConfigError, ModelConfig
+from ..errors import ConfigError
 from ..precision import QuantMode
 from .format import PartLayout, Ranges, WeightFormat
+
+if TYPE_CHECKING:
+    from ..config import ModelConfig
 
 
 def check_group_alignment(spans: Ranges, group_size: int, what: str, size: int) -> None:

@@ -14,7 +14,7 @@ from collections.abc import Container
 
 import torch
 
-from ..config import ConfigError
+from ..errors import ConfigError
 from .format import WeightFormat
 from .int4 import INT4
 from .int8 import INT8
