@@ -3,7 +3,7 @@ from .legacy import tensor_names
 from .legacy.gpt_manager import GptManager
 from .legacy.inference_request import InferenceRequest, NamedTensor
 from .scheduling.llm_request import LlmRequest, RequestState
-from .lora import PeftCacheManagerConfig, load_peft_adapter
+from .adapters.lora import PeftCacheManagerConfig, load_peft_adapter
 from .options import (CapacitySchedulerPolicy, DecodingConfig, KvCacheConfig, KvEventsConfig, KVEventsConfig,
                       SchedulerConfig, SchedulerPolicy, TrtGptModelOptionalParams, TrtGptModelType)
 from .guided_decoding import GuidedDecodingConfig, GuidedDecodingParams, GuideType

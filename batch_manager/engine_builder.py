@@ -25,7 +25,7 @@ from .distributed import Follower
 from .guided_decoding import GuidedDecodingConfig
 from .kv_transport.kv_events_publisher import KvEventPublisher, check_kv_events_config, make_publisher
 from .scheduling.kv_sizing import host_budget_bytes, num_kv_blocks
-from .lora import PeftCacheManagerConfig, make_peft_cache
+from .adapters.lora import PeftCacheManagerConfig, make_peft_cache
 from .scheduling.micro_batch_scheduler import MicroBatchScheduler
 from .model_executor import ModelExecutor
 from .options import DecodingConfig, KvCacheConfig, SchedulerPolicy, TrtGptModelOptionalParams, TrtGptModelType

@@ -97,7 +97,7 @@ class TrtGptModelOptionalParams:
     # per beam: list of ints], stream, client_ids), once per step for the requests that set
     # InferenceRequest.use_batched_logits_post_processor; applied before sampling.
     logits_post_processor_batched: Callable | None = None
-    # batch_manager.lora.PeftCacheManagerConfig: bounds of the LoRA adapter cache (None: defaults)
+    # batch_manager.adapters.lora.PeftCacheManagerConfig: bounds of the LoRA adapter cache (None: defaults)
     peft_cache_manager_config: Any = None
     max_draft_tokens: int = 0              # longest draft_input_ids a request may bring (0: drafts refused)
     decoding_config: DecodingConfig | None = None

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Callable
 
-from .legacy.front_end import TERMINATED, FrontEnd
 from runtime.request import FinishReason, RequestError
 
+from .doors.front_end import TERMINATED, FrontEnd
 from .scheduling.llm_request import LlmRequest
 from .model_executor import DistributedError, ModelExecutor
 from .options import TrtGptModelType

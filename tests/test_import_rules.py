@@ -16,15 +16,18 @@ REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("batch_manager", "runtime", "cuda_src", "samples")
 
 RUNTIME_USERS = {"batch_manager.model_executor", "batch_manager.scheduling.kv_sizing", "batch_manager.legacy.gpt_manager",
-                 "batch_manager.admission", "batch_manager.request_decoder", "batch_manager.engine_builder",
-                 "batch_manager.executor.conversion", "batch_manager.guided_decoding", "batch_manager.lora",
-                 "batch_manager.distributed", "batch_manager.executor.request"}
+                 "batch_manager.legacy.admission", "batch_manager.request_decoder", "batch_manager.engine_builder",
+                 "batch_manager.executor.conversion", "batch_manager.guided_decoding", "batch_manager.adapters.lora",
+                 "batch_manager.distributed", "batch_manager.executor.request", "batch_manager.doors.tensor_checks"}
+# The front doors: each imports the shared pieces (batch_manager.doors, the worker, the scheduler), never
+# another door, and nothing of the manager imports a door but the package's public re-exports.
+DOORS = ("batch_manager.legacy", "batch_manager.executor")
 # Pure-Python runtime modules that batch_manager's pure modules may import (block bookkeeping).
 RUNTIME_LEAVES = {"runtime.cache.kv_cache_manager", "runtime.cache.beam_blocks", "runtime.request", "runtime.parallel.world_config"}
 PURE_MODULES = {"batch_manager.scheduling.scheduler", "batch_manager.scheduling.llm_request", "batch_manager.stats",
                 "batch_manager.options", "batch_manager.legacy.tensor_names", "batch_manager.scheduling.capacity_scheduler",
                 "batch_manager.scheduling.micro_batch_scheduler", "batch_manager.scheduling.step", "batch_manager.legacy.callbacks",
-                "batch_manager.adapters.peft_cache", "batch_manager.kv_transport.kv_handoff"}
+                "batch_manager.adapters.peft_cache", "batch_manager.kv_transport.kv_handoff", "batch_manager.doors.front_end"}
 HEAVY = ("torch", "numpy")
 
 
@@ -143,6 +146,20 @@ def test_bookkeeping_modules_import_no_torch_numpy_or_runtime_beyond_its_leaves(
     names = project_closure(module)
     assert [top for top in HEAVY if touches(names, top)] == []
     assert non_leaf_runtime(names) == set()
+
+
+def test_no_arrow_runs_up_into_a_front_door():
+    """The worker, the scheduler and the doors' shared pieces (batch_manager.doors) serve every door:
+    importing one door from them (or one door from another) ties the others to it."""
+    offenders = {(m, door) for m in MODULES if m.split(".")[0] == "batch_manager" and m != "batch_manager"
+                 for door in DOORS if not touches({m}, door) and touches(imports(m), door)}
+    assert offenders == set()
+
+
+def test_the_shared_door_pieces_are_where_the_doors_import_them():
+    assert "batch_manager.doors.front_end" in imports("batch_manager.worker")
+    assert "batch_manager.doors.front_end" in imports("batch_manager.executor.front_end")
+    assert "batch_manager.doors.rendering" in imports("batch_manager.legacy.responses")
 
 
 def module_dependencies(module: str) -> set[str]:

@@ -14,7 +14,7 @@ import torch
 from batch_manager import tensor_names as tn
 from batch_manager.executor import OutputConfig, Request, SamplingConfig
 from batch_manager.executor.conversion import to_spec as executor_to_spec
-from batch_manager.admission import to_spec
+from batch_manager.legacy.admission import to_spec
 from runtime.request import AdmissionLimits
 from runtime import SamplingConfig as SessionSamplingConfig
 from runtime.decoding import DecodingParams

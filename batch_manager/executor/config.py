@@ -10,7 +10,7 @@ from typing import Any, Callable
 from runtime.parallel.world_config import WorldConfig
 
 from ..options import KvCacheConfig as _CoreKvCacheConfig
-from ..lora import PeftCacheManagerConfig
+from ..adapters.lora import PeftCacheManagerConfig
 from ..options import DecodingConfig, SchedulerConfig, SchedulerPolicy, TrtGptModelOptionalParams, TrtGptModelType
 
 CapacitySchedulerPolicy = SchedulerPolicy
@@ -47,7 +47,7 @@ class ParallelConfig:
 
 @dataclass
 class PeftCacheConfig(PeftCacheManagerConfig):
-    """The LoRA adapter cache's bounds: batch_manager.lora.PeftCacheManagerConfig's fields."""
+    """The LoRA adapter cache's bounds: batch_manager.adapters.lora.PeftCacheManagerConfig's fields."""
 
 
 @dataclass

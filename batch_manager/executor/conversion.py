@@ -1,7 +1,7 @@
 """The Executor's two conversions: a `Request` into a `RequestSpec` (on the caller's thread,
 parsed here, then checked as GptManager's tensors are: `runtime.request.make_spec`), and a
 request's `RequestOutput` into a `Result` (on the worker thread, rendered as GptManager's
-responses are: `responses.render_tensors`)."""
+responses are: `batch_manager.doors.rendering.render_tensors`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,10 +18,10 @@ from runtime.request import AdmissionLimits, RequestError, RequestOutput, Reques
 from runtime.request import FinishReason as CoreFinishReason
 from runtime.request import check_prompt, make_spec
 
-from ..admission import INT_DTYPES, cache_salt, finite_rows
+from ..adapters.lora import adapter_ref
+from ..doors.rendering import context_logits, render_tensors
+from ..doors.tensor_checks import INT_DTYPES, cache_salt, finite_rows
 from ..guided_decoding import parse_guide
-from ..legacy.responses import context_logits, render_tensors
-from ..lora import adapter_ref
 from .request import (ExternalDraftTokensConfig, FinishReason, LoraConfig, OutputConfig, PromptTuningConfig, Request,
                       Result, SamplingConfig)
 

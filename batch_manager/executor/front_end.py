@@ -1,4 +1,4 @@
-"""The Executor's adapter to the worker (`batch_manager.legacy.front_end.FrontEnd`): requests validated
+"""The Executor's adapter to the worker (`batch_manager.doors.front_end.FrontEnd`): requests validated
 on the caller's thread wait in a priority queue, stop ids in a set, results in the response
 store, stats in their rings. The caller-side methods are thread-safe; the protocol's methods run
 on the worker thread. Admission by load (queue bounds, the time-to-first-token budget) happens at
@@ -12,8 +12,8 @@ from typing import Callable
 from runtime.request import AdmissionLimits, RequestOutput, RequestSpec, clamped_new_tokens
 from runtime.request import FinishReason as CoreFinishReason
 
-from ..legacy.front_end import Fetched
-from ..legacy.responses import StreamCursors
+from ..doors.front_end import Fetched
+from ..doors.rendering import StreamCursors
 from ..scheduling.llm_request import LlmRequest
 from ..stats import IterationStats as CoreIterationStats
 from .conversion import OutputOptions, is_samples, to_result, to_sequence_results, to_spec

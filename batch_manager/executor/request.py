@@ -83,7 +83,7 @@ class PromptTuningConfig:
 @dataclass
 class LoraConfig:
     """task_id in [0, 2**63); weights [N, W] float and config int32 [N, 3] (TensorRT-LLM's format,
-    batch_manager.lora.load_peft_adapter makes them) with a task's first request, the id alone later."""
+    batch_manager.load_peft_adapter makes them) with a task's first request, the id alone later."""
     task_id: int
     weights: Any = None
     config: Any = None

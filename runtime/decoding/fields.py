@@ -1,6 +1,6 @@
 """The one table of a request's scalar sampling settings and the name each front door gives them.
 
-Every front door converts through it: GptManager's request tensors (batch_manager.admission),
+Every front door converts through it: GptManager's request tensors (batch_manager.legacy.admission),
 the Executor's `SamplingConfig` / `OutputConfig` (batch_manager.executor.conversion), GptSession's
 `SamplingConfig` (runtime.session) and the serving sample's JSON body (samples.serve). A value
 left unset (None, or a tensor not sent) is the field's default, written once: `DecodingParams`'.

@@ -9,7 +9,7 @@ import torch
 
 from batch_manager import InferenceRequest, NamedTensor, tensor_names
 from runtime.request import RequestSpec
-from batch_manager.admission import to_spec
+from batch_manager.legacy.admission import to_spec
 from runtime.request import AdmissionLimits, RequestError
 
 VOCAB = 128
@@ -186,7 +186,7 @@ def test_unsigned_input_ids_are_accepted_or_refused_by_name(limits, dtype):
 # -- accepted requests -----------------------------------------------------------------------------
 
 def test_prompt_plus_output_len_above_max_seq_len_is_clamped_with_a_warning(limits, caplog):
-    with caplog.at_level(logging.WARNING, logger="batch_manager.admission"):
+    with caplog.at_level(logging.WARNING, logger="runtime.request.checks"):
         r = to_spec(make_request(prompt=[1] * 10, max_new_tokens=60), limits)
     assert r.max_new_tokens == 54
     [record] = [rec for rec in caplog.records if rec.levelno == logging.WARNING]
@@ -194,7 +194,7 @@ def test_prompt_plus_output_len_above_max_seq_len_is_clamped_with_a_warning(limi
 
 
 def test_prompt_plus_output_len_at_max_seq_len_is_not_clamped(limits, caplog):
-    with caplog.at_level(logging.WARNING, logger="batch_manager.admission"):
+    with caplog.at_level(logging.WARNING, logger="runtime.request.checks"):
         r = to_spec(make_request(prompt=[1] * 10, max_new_tokens=54), limits)
     assert r.max_new_tokens == 54
     assert caplog.records == []

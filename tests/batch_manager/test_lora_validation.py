@@ -8,8 +8,8 @@ import torch
 from batch_manager import InferenceRequest
 from batch_manager.executor.conversion import to_spec as executor_request
 from batch_manager.executor.request import LoraConfig, Request
-from batch_manager.lora import PeftCacheManagerConfig
-from batch_manager.admission import to_spec
+from batch_manager import PeftCacheManagerConfig
+from batch_manager.legacy.admission import to_spec
 from runtime.request import AdmissionLimits, RequestError
 from runtime.config import ModelConfig
 from runtime.models import model_config_from_hf

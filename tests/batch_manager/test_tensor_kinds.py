@@ -8,7 +8,7 @@ import torch
 
 from batch_manager.executor.conversion import to_spec as executor_request
 from batch_manager.executor.request import ExternalDraftTokensConfig, PromptTuningConfig, Request
-from batch_manager.admission import to_spec
+from batch_manager.legacy.admission import to_spec
 from runtime.request import RequestError
 from runtime.adapters.prompt_tuning import virtual_tokens
 from tests.batch_manager.test_lora_validation import limits, request

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from batch_manager.admission import to_spec
+from batch_manager.legacy.admission import to_spec
 from runtime.request import AdmissionLimits, RequestError
 from runtime.models import model_config_from_hf
 from samples.default_model import llama_hf_config

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from batch_manager import GuidedDecodingParams, GuideType
-from batch_manager.admission import AdmissionLimits, to_spec
+from batch_manager.legacy.admission import to_spec
+from runtime.request import AdmissionLimits
 from batch_manager.executor import OutputConfig, Request, SamplingConfig
 from batch_manager.executor.conversion import to_spec as executor_to_spec
 from samples.serve import params as serve_params

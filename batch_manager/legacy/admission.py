@@ -1,25 +1,25 @@
-"""The tensor doors' parsing: GptManager's door, an InferenceRequest's tensors (`to_spec`), and
-the tensor checks the Executor's `Request` parser (executor/conversion.py) shares. Each door
-parses, then `runtime.request.make_spec` checks. A bad request is a RequestError (a ValueError)
-that names the field and the value; nothing is changed for a rejected request."""
+"""GptManager's parsing: an InferenceRequest's tensors into a RequestSpec (`to_spec`), with the checks
+the tensor doors share (`batch_manager.doors.tensor_checks`). The door parses, then
+`runtime.request.make_spec` checks. A bad request is a RequestError (a ValueError) that names the
+field and the value; nothing is changed for a rejected request."""
 from __future__ import annotations
 
 import math
 
 import torch
 
-from runtime.adapters.prompt_tuning import check_prompt_table, table_digest
+from runtime.adapters.prompt_tuning import check_prompt_table
 from runtime.decoding import DecodingParams, parse_word_list
 from runtime.decoding.fields import SAMPLING_FIELDS
 from runtime.request import AdmissionLimits, RequestError, RequestSpec, check_prompt, check_range, make_spec
 
-from .adapters.peft_cache import AdapterRef
-from .guided_decoding import parse_guide
-from .legacy import tensor_names as tn
-from .legacy.inference_request import InferenceRequest
-from .lora import adapter_ref, tensor_int
+from ..adapters.lora import adapter_ref, tensor_int
+from ..adapters.peft_cache import AdapterRef
+from ..doors.tensor_checks import INT_DTYPES, cache_salt, finite_rows
+from ..guided_decoding import parse_guide
+from . import tensor_names as tn
+from .inference_request import InferenceRequest
 
-INT_DTYPES = (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8, torch.uint32, torch.uint64)
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 # Accepted and validated, but not implemented by this version: a request that sets them is refused.
@@ -186,14 +186,6 @@ def _prompt_table(tensors: dict, limits: AdmissionLimits):
     return table
 
 
-def cache_salt(lora: AdapterRef | None, table) -> bytes | None:
-    """What keys a request's cached KV besides its tokens: its adapter and its prompt table."""
-    if lora is None and table is None:
-        return None
-    task = b"" if lora is None else lora.task_id.to_bytes(8, "little")
-    return task + b"|" + (b"" if table is None else table_digest(table))
-
-
 def _drafts(tensors: dict) -> tuple[list[int] | None, torch.Tensor | None]:
     """draft_input_ids int [1, D] or [D] and the optional draft_logits float [D, V] or [1, D, V]."""
     if tn.DRAFT_INPUT_IDS not in tensors:
@@ -208,14 +200,6 @@ def _drafts(tensors: dict) -> tuple[list[int] | None, torch.Tensor | None]:
         raise RequestError(f"{tn.DRAFT_LOGITS}: expected a float32 tensor, got {draft_logits.dtype}")
     return drafts, finite_rows(tn.DRAFT_LOGITS, draft_logits[0] if draft_logits.dim() == 3 and
                                draft_logits.shape[0] == 1 else draft_logits)
-
-
-def finite_rows(name: str, logits: torch.Tensor) -> torch.Tensor:
-    """Draft logits as the decoder takes them: float32 on the CPU, a copy, finite."""
-    logits = logits.detach().to("cpu", torch.float32).clone()
-    if not bool(torch.isfinite(logits).all()):
-        raise RequestError(f"{name}: must be finite (NaN or inf found)")
-    return logits
 
 
 _FIELD_NAMES = {"max_new_tokens": tn.MAX_NEW_TOKENS, "pad_id": tn.PAD_ID, "draft_input_ids": tn.DRAFT_INPUT_IDS,

@@ -7,11 +7,11 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.config import ModelConfig
 from runtime.adapters.lora import adapter_from_tensors, lora_modules
 from runtime.adapters.peft_adapter import load_peft_adapter
+from runtime.config import ModelConfig
 
-from .adapters.peft_cache import AdapterRef, PeftCache
+from .peft_cache import AdapterRef, PeftCache
 
 __all__ = ["PeftCacheManagerConfig", "load_peft_adapter", "make_peft_cache", "adapter_ref", "MAX_TASK_ID"]
 
