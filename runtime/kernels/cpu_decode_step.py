@@ -18,7 +18,7 @@ and nothing changes the forward (no LoRA, prompt tables, context logits or draft
 
 Numerics: activations stay float32 from the embedding to the logits (the eager model's in a
 float32 engine; a bf16 engine's eager path rounds them to bf16 between ops, so there the two
-agree to bf16 rounding). BATCH_MANAGER_FUSED_DECODE=0 turns it off (A/B runs, tests).
+agree to bf16 rounding). BATCH_MANAGER_FUSED_DECODE=0 (or false / off / no) turns it off (A/B runs, tests).
 """
 from __future__ import annotations
 
@@ -40,7 +40,8 @@ from .weight_only_linear import QuantizedLinear
 
 logger = logging.getLogger(__name__)
 
-ENV_VAR = "BATCH_MANAGER_FUSED_DECODE"   # "0": generation steps take the eager path
+ENV_VAR = "BATCH_MANAGER_FUSED_DECODE"   # off (0/false/off/no): generation steps take the eager path
+_SWITCH_VALUES = {"0": False, "false": False, "off": False, "no": False, "1": True, "true": True, "on": True, "yes": True}
 SOURCE = Path(__file__).with_name("cpu_decode_step.cpp")
 # Sequences per fused step: the GEMVs reuse each weight load across the rows of a small batch; above
 # this many rows the eager path's blocked GEMMs (oneDNN, de-quantized tiles) are the better kernels.
@@ -71,7 +72,15 @@ class _Model(ctypes.Structure):
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV_VAR, "").strip() != "0"
+    """BATCH_MANAGER_FUSED_DECODE: unset or empty: on; 0/false/off/no or 1/true/on/yes in any case;
+    ValueError naming the variable for anything else."""
+    value = os.environ.get(ENV_VAR, "")
+    if not value.strip():
+        return True
+    switch = _SWITCH_VALUES.get(value.strip().lower())
+    if switch is None:
+        raise ValueError(f"{ENV_VAR}: expected 0/false/off/no or 1/true/on/yes, got {value!r}")
+    return switch
 
 
 def openmp_runtimes() -> set[str]:

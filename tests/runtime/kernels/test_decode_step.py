@@ -164,8 +164,22 @@ def test_models_and_switch_it_does_not_cover(checkpoints, tmp_path, monkeypatch)
     skip_without_kernels()
     make_checkpoint(tmp_path / "gpt2", "gpt2")
     assert ModelRunner(Engine.from_dir(tmp_path / "gpt2"), 8).decode_step is None   # LayerNorm, GELU, learned positions
-    monkeypatch.setenv(cpu_decode_step.ENV_VAR, "0")
+    monkeypatch.setenv(cpu_decode_step.ENV_VAR, "off")
     assert ModelRunner(Engine.from_dir(checkpoints["llama"]), 8).decode_step is None
+
+
+@pytest.mark.parametrize("value, expected", [("0", False), ("false", False), ("OFF", False), (" No ", False),
+                                             ("1", True), ("True", True), ("on", True), ("YES", True), ("", True)])
+def test_the_switch_takes_the_usual_spellings(monkeypatch, value, expected):
+    monkeypatch.setenv(cpu_decode_step.ENV_VAR, value)
+    assert cpu_decode_step.enabled() is expected
+
+
+@pytest.mark.parametrize("value", ["2", "disable", "nope", "0x0"])
+def test_the_switch_refuses_other_values_naming_the_variable(monkeypatch, value):
+    monkeypatch.setenv(cpu_decode_step.ENV_VAR, value)
+    with pytest.raises(ValueError, match=f"BATCH_MANAGER_FUSED_DECODE: .*got {value!r}"):
+        cpu_decode_step.enabled()
 
 
 def test_one_openmp_runtime_is_mapped(checkpoints):
