@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import ConfigError
-from .precision import BUILD_DTYPES, check_precision_fields
+from .precision import ACT_QUANT_BLOCK, BUILD_DTYPES, check_precision_fields
 
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")   # what runs; a build may also say "auto"
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16",
@@ -245,7 +245,19 @@ class BuildConfig:
                               f"{model.max_position_embeddings} learned positions")
         if model is not None and self.weight_only is not None:
             lookup_build(self.weight_only).check_model(model, self.group_size)
+        if model is not None and self.act_quant is not None:
+            self._check_act_quant_widths(model)
         return self
+
+    def _check_act_quant_widths(self, model: ModelConfig) -> None:
+        """ConfigError naming act_quant and the model's field unless every input width of the weight-only
+        matmuls divides into blocks of ACT_QUANT_BLOCK columns (the kernels take no partial block)."""
+        for name, width in (("hidden_size", model.hidden_size), ("intermediate_size", model.intermediate_size),
+                            ("query width (num_heads * head_dim)", model.q_size)):
+            if width % ACT_QUANT_BLOCK:
+                raise ConfigError(f"act_quant: {self.act_quant!r} quantizes activations per block of "
+                                  f"{ACT_QUANT_BLOCK} columns; the model's {name} {width} is not a multiple of "
+                                  f"{ACT_QUANT_BLOCK}")
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -40,6 +40,18 @@ def test_the_build_command_refuses_act_quant_without_weight_only(checkpoint, tmp
     assert "act_quant" in capsys.readouterr().err
 
 
+def test_the_build_refuses_widths_that_are_not_whole_blocks(tmp_path, capsys):
+    """An intermediate size of 80 (not a multiple of 32): refused when the engine is built, naming the
+    field, instead of writing an engine whose every load fails (int4 refuses it too, naming group_size)."""
+    make_checkpoint(tmp_path / "ckpt", "llama", intermediate_size=80)
+    argv = ["--checkpoint", str(tmp_path / "ckpt"), "--output", str(tmp_path / "e"), "--weight-only", "int8"]
+    assert build_main(argv + ["--act-quant", "int8"]) == 2
+    assert "act_quant: 'int8' quantizes activations per block of 32 columns; the model's intermediate_size 80" \
+        in capsys.readouterr().err
+    assert not (tmp_path / "e" / "engine.json").exists()
+    assert build_main(argv) == 0   # exact activations: the same model builds
+
+
 def test_recorded_in_engine_json_and_older_engines_load(checkpoint, tmp_path):
     build_engine(checkpoint, tmp_path / "act", weight_only="int4", act_quant="int8")
     engine = Engine.from_dir(tmp_path / "act")
