@@ -1,6 +1,6 @@
 """What users hand the Executor (`Request`, `SamplingConfig`, `OutputConfig` and the feature
-configs) and what they get back (`Response`, `Result`, `FinishReason`). Plain values: checked by
-`conversion.to_llm_request` at `Executor.enqueue_request`."""
+configs) and what they get back (`Response`, `Result`, `FinishReason`). Plain values: parsed by
+`conversion.to_spec` and checked by `runtime.request.make_spec` at `Executor.enqueue_request`."""
 from __future__ import annotations
 
 import enum

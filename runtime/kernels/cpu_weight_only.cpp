@@ -1,5 +1,6 @@
 // Weight-only int8 / int4 linears for few-row steps (the bandwidth-bound generation step), built at
-// run time by cpu_weight_only.py (through cpu_native.build, -march=native) and called via ctypes.
+// run time by cpu_weight_only.py (through cpu_native.build, -march=native) and called via ctypes;
+// also compiled into the fused decode step's library (cpu_decode_step.py, namespace bm_wo).
 // Activations and outputs are float32; the weights are de-quantized a register tile at a time.
 //
 // Contracts (rows are contiguous along their last dimension):
@@ -14,8 +15,9 @@
 //       out [n1 - n0, k] contiguous (the many-row path multiplies them with torch's GEMM).
 //   isa: 0 scalar, 1 AVX2 + FMA, 2 AVX-512 where compiled in (else AVX2; int4 there de-quantizes
 //       through a 16-entry table per group, int4_tile_lut). The caller passes the best one the CPU
-//       has; tests force the lower ones on any CPU. No VNNI path: it needs int8 activations, and
-//       activations stay in the compute dtype (API.md "Numerical precision").
+//       has; tests force the lower ones on any CPU. No VNNI path here: these kernels take float32
+//       activations; the int8-activation mode's integer dot products (BuildConfig.act_quant) are
+//       cpu_act_quant.cpp's.
 // OpenMP over units of output channels, num_threads threads (torch's pool, as cpu_native.cpp).
 #include <immintrin.h>
 #include <omp.h>

@@ -1,5 +1,7 @@
 """The one builder of this package's native libraries: the CPU kernels (cpu_native.cpp,
-cpu_weight_only.cpp) and the emulation backend's translation units (cuda_src/ with the shim).
+cpu_weight_only.cpp, cpu_act_quant.cpp, a library each; the fused decode step, one translation unit
+of all three and cpu_decode_step.cpp) and the emulation backend's translation units (cuda_src/ with
+the shim).
 
 A library is compiled once per sha256 of (source text, flags, `$CXX --version`, and whatever the
 caller adds to the key, e.g. the CPU model and flags for -march=native), written under a

@@ -1,8 +1,9 @@
 """The Executor bridge of samples.serve (`--api executor`): the same handler-side interface as
-`serve_bridge.ManagerBridge`, over an Executor. Requests are built straight from the parsed body
-(`build`) and validated at enqueue (a bad one is a ValueError naming the body field: a 400, with
-nothing queued); one consumer thread awaits every response and hands each to its handler's loop; a
-disconnect cancels the request."""
+`samples.serve.bridge.ManagerBridge`, over an Executor. Requests are built straight from the parsed
+body (`build`: `GenerateParams.to_executor_request`) and validated at enqueue (a bad one is a
+ValueError naming the body field: a 400, with nothing queued; load beyond the ExecutorConfig's queue
+bounds or the TTFT budget is the Executor's QueueFullError); one consumer thread awaits every
+response and hands each to its handler's loop; a disconnect cancels the request."""
 from __future__ import annotations
 
 import asyncio
