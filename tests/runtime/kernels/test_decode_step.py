@@ -33,6 +33,12 @@ TOLERANCE = {"fp32": 1e-5, "int8": 1e-5, "int4": 1e-5, "int8_kv": 2e-3, "int4_in
 # int8 activations: a 1-ulp difference upstream (rotary, the norm's sum) can round an activation to
 # the next of its block's 255 steps, moving the logits by up to ~1 %: no token equality there.
 ACT_MODES = {"int8_act", "int4_act", "int4_act_int8_kv"}
+# NOTE: bf16 is not "bf16 rounding" of one answer: the eager path rounds every activation to bf16
+# between ops and the fused one does not, so the two are two different bf16 approximations. On these
+# tiny models they differ by 3-5 % of the largest logit (both 2-6 % off float32); on larger random
+# shapes (hidden 512, 4 layers) by 12 %, and outside probes saw up to 22 % with both 8-32 % off
+# float32. This bound holds for the shapes here only; what holds everywhere is that the fused step is
+# no farther from float32 than the eager bf16 path (test_bf16_fused_is_no_farther_from_float32_...).
 BF16_TOLERANCE = 8e-2
 TOKENS_PER_BLOCK = 4
 NUM_BLOCKS = 64
@@ -117,6 +123,27 @@ def test_fused_step_equals_the_eager_model(checkpoints, arch, mode):
                 assert torch.allclose(fused.kv_scales, eager.kv_scales, atol=1e-6, rtol=1e-4)
             else:
                 assert torch.allclose(fused.kv_pool.float(), eager.kv_pool.float(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+def test_bf16_fused_is_no_farther_from_float32_than_the_eager_bf16(checkpoints, arch):
+    """Both bf16 paths against the float32 model fed the same tokens: the fused step (float32
+    activations) is within 1.25x of the eager bf16 path's error (measured: 0.6-0.7x)."""
+    skip_without_kernels()
+    fused, eager = runners(checkpoints[arch], "bf16")
+    exact = ModelRunner(Engine.from_dir(checkpoints[arch], tokens_per_block=TOKENS_PER_BLOCK), NUM_BLOCKS,
+                        fused_decode=False)
+    for runner in (fused, eager, exact):
+        runner.forward(step_inputs([(p, 0, t) for p, t in zip(PROMPTS, TABLES)]))
+    tokens, past = [p[-1] for p in PROMPTS], [len(p) for p in PROMPTS]
+    fused_error = eager_error = 0.0
+    for _ in range(12):
+        inputs = step_inputs([([tk], pa, t) for tk, pa, t in zip(tokens, past, TABLES)])
+        reference = exact.forward(inputs)["logits"]
+        fused_error = max(fused_error, relative_error(fused.forward(inputs)["logits"], reference))
+        eager_error = max(eager_error, relative_error(eager.forward(inputs)["logits"], reference))
+        tokens, past = reference.argmax(-1).tolist(), [p + 1 for p in past]
+    assert 0 < eager_error and fused_error <= 1.25 * eager_error, (fused_error, eager_error)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8])
