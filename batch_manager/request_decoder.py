@@ -12,6 +12,7 @@ from typing import Any, Callable
 import torch
 
 from runtime.decoding import Decoder, DecodeState
+from runtime.request import FinishReason
 
 from .scheduling.step import NewRequest, RequestResult, ScheduledRequest
 
@@ -67,7 +68,7 @@ class RequestDecoder:
                 logits = logits[[row for i in keep for row in range(*spans[i])]]
             outcomes = self.decoder.step([entries[i].state for i in keep], logits, [requests[i].drafts for i in keep])
             for i, o in zip(keep, outcomes):
-                if o.finish_reason == "no_token":
+                if o.finish_reason == FinishReason.NO_TOKEN:
                     state, (lo, hi) = entries[i].state, spans[i]
                     is_nan = bool(torch.isnan(all_logits[lo:hi]).any())
                     results[requests[i].request_id] = RequestResult(requests[i].request_id, error=_no_token_error(

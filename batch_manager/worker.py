@@ -253,7 +253,7 @@ class Worker:
         """-> the error when its response cannot be built (nothing was sent then): one bad request
         must not take the worker down."""
         try:
-            self.front_end.respond(r.spec, r.output, is_final)
+            self.front_end.respond(r.spec, r.output, is_final, r.kv_export)
             return None
         except Exception as e:  # noqa: BLE001
             logger.exception("building the response of request %s failed", r.request_id)

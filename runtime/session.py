@@ -25,7 +25,7 @@ from .model_runner import ModelRunner
 from .adapters.prompt_tuning import per_sequence_tables
 from .step_inputs import SequenceStep, pack_step
 from .parallel.tensor_parallel import WorldConfig, init_tensor_parallel, local_device
-from .request import Rendered, RequestOutput, RequestSpec, render
+from .request import AdmissionLimits, Rendered, RequestOutput, check_prompt, make_spec, render
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +47,14 @@ def _per_sequence(name: str, value, batch_size: int, default):
 
 # DecodingParams field -> SamplingConfig field, for error messages.
 _SAMPLING_CONFIG_NAMES = {f.param: f.session for f in SAMPLING_FIELDS if f.session is not None}
+# What make_spec names, as GptSession's user knows it: the fields of GenerationInput and SamplingConfig.
+_SPEC_NAMES = {"max_new_tokens": "GenerationInput.max_new_tokens", "pad_id": "GenerationInput.pad_id",
+               "draft_input_ids": "GenerationInput.draft_input_ids", "draft_logits": "GenerationInput.draft_logits",
+               "num_return_sequences": "SamplingConfig.num_return_sequences", "beam_width": "SamplingConfig.beam_width",
+               "return_context_logits": "gather_context_logits", "return_generation_logits": "gather_generation_logits"}
+_DECODING_NAMES = {**{param: f"SamplingConfig.{name}" for param, name in _SAMPLING_CONFIG_NAMES.items()},
+                   "end_id": "GenerationInput.end_id", "embedding_bias": "GenerationInput.embedding_bias",
+                   "bad_words": "GenerationInput.bad_words_list", "stop_words": "GenerationInput.stop_words_list"}
 
 
 @dataclass
@@ -193,23 +201,21 @@ class GptSession:
         if max_seq_len > self.config.max_sequence_length:
             raise ValueError(f"GenerationInput: max input length {max_input_len} + max_new_tokens {max_new_tokens} "
                              f"exceeds max_sequence_length {self.config.max_sequence_length}")
-        if max_input_len > self.engine.build_config.max_input_len:
-            raise ValueError(f"GenerationInput.lengths: {max_input_len} exceeds the engine's max_input_len "
-                             f"{self.engine.build_config.max_input_len}")
+        limits = self._limits()
         vocab = self.engine.model_config.vocab_size
         tables = per_sequence_tables(inputs.prompt_embedding_table, batch, self.engine.model_config.hidden_size)
         for p, table in zip(prompts, tables):
-            limit = vocab + (0 if table is None else table.shape[0])
-            if min(p) < 0 or max(p) >= limit:
-                raise ValueError(f"GenerationInput.ids: token ids must be in [0, {limit}), got {min(p)}..{max(p)}")
+            check_prompt(p, limits, "GenerationInput.ids", 0 if table is None else table.shape[0])
         if not -1 <= inputs.end_id < vocab:
             raise ValueError(f"GenerationInput.end_id: must be -1 or in [0, {vocab}), got {inputs.end_id}")
         params = self._with_inputs(sampling.decoding_params(batch, inputs.end_id, vocab), inputs, vocab)
 
         build = self.engine.build_config
-        # Each sequence a request of the core: its spec, its one record, rendered at the end.
-        specs = [RequestSpec(p, max_new_tokens, params[i], pad_id=inputs.pad_id, return_log_probs=True,
-                             return_generation_logits=build.gather_generation_logits) for i, p in enumerate(prompts)]
+        # Each sequence a request of the core: its spec (checked as every door's), its one record,
+        # rendered at the end. The whole batch fits max_sequence_length (above): nothing is clamped.
+        specs = [make_spec(p, max_new_tokens, limits, params[i], names=_SPEC_NAMES, decoding_names=_DECODING_NAMES,
+                           request_id=i, pad_id=inputs.pad_id, return_log_probs=True,
+                           return_generation_logits=build.gather_generation_logits) for i, p in enumerate(prompts)]
         records = [RequestOutput(i, p, params[i].num_sequences) for i, p in enumerate(prompts)]
         states = [DecodeState(params[i], records[i], max_new_tokens, build.gather_generation_logits)
                   for i in range(batch)]
@@ -260,16 +266,20 @@ class GptSession:
         stop = per_sequence("stop_words_list", inputs.stop_words_list, 2)
         result = []
         for p, bias, bad_words, stop_words in zip(params, biases, bad, stop):
-            p = dataclasses.replace(
+            result.append(dataclasses.replace(
                 p, embedding_bias=None if bias is None else bias.float(),
                 bad_words=parse_word_list(bad_words, "GenerationInput.bad_words_list", vocab),
-                stop_words=parse_word_list(stop_words, "GenerationInput.stop_words_list", vocab))
-            try:
-                p.validate(vocab, self.config.max_beam_width)
-            except ValueError as e:
-                raise ValueError(f"GenerationInput.{e}") from None
-            result.append(p)
-        return result
+                stop_words=parse_word_list(stop_words, "GenerationInput.stop_words_list", vocab)))
+        return result   # validated with the rest of each spec (make_spec)
+
+    def _limits(self) -> AdmissionLimits:
+        """The engine's limits, as the manager admits against them, with this session's sequence length."""
+        build, model = self.engine.build_config, self.engine.model_config
+        return AdmissionLimits(vocab_size=model.vocab_size, max_input_len=build.max_input_len,
+                               max_seq_len=self.config.max_sequence_length, max_beam_width=self.config.max_beam_width,
+                               max_num_blocks=self.runner.num_blocks, tokens_per_block=build.tokens_per_block,
+                               gather_context_logits=build.gather_context_logits,
+                               gather_generation_logits=build.gather_generation_logits, model_config=model)
 
     def _generation_step(self, states: list[DecodeState], running: list[int], kv: KvCacheManager) -> torch.Tensor:
         """One forward over every live beam of the running sequences -> logits [rows, V]."""

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any, Iterable, Protocol
+from typing import TYPE_CHECKING, Any, Iterable, Protocol
 
 from runtime.request import RequestOutput, RequestSpec
 
 from ..scheduling.llm_request import LlmRequest
 from ..stats import IterationStats
+
+if TYPE_CHECKING:
+    from ..kv_transport.kv_handoff import ExportedKv
 
 TERMINATED = "terminated: the terminate request id was received"
 
@@ -51,10 +54,13 @@ class FrontEnd(Protocol):
     def poll_stop_ids(self) -> Iterable[Any]:
         """Ids of requests to end with what they have."""
 
-    def respond(self, spec: RequestSpec, output: RequestOutput, is_final: bool) -> None:
+    def respond(self, spec: RequestSpec, output: RequestOutput, is_final: bool,
+                kv_export: ExportedKv | None = None) -> None:
         """Answer a request from its output: its final response, or (streaming) the tokens
-        generated since its last response, if any. May raise while building the response, before
-        anything is sent: the worker then fails the request."""
+        generated since its last response, if any. `kv_export`: where a context-only request's KV
+        blocks were kept for a generation instance (its final response says so), else None. May
+        raise while building the response, before anything is sent: the worker then fails the
+        request."""
 
     def respond_error(self, request_id: Any, message: str) -> None:
         """A final error response: the request ends (what the front end keeps of it goes)."""

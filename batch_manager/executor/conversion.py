@@ -16,7 +16,7 @@ from runtime.adapters.prompt_tuning import check_prompt_table
 
 from runtime.request import AdmissionLimits, RequestError, RequestOutput, RequestSpec, ResumedContext
 from runtime.request import FinishReason as CoreFinishReason
-from runtime.request import check_prompt, make_spec
+from runtime.request import check_prompt, check_range, make_spec
 
 from ..adapters.lora import adapter_ref
 from ..doors.rendering import context_logits, render_tensors
@@ -81,7 +81,7 @@ def to_spec(request: Request, limits: AdmissionLimits, normalize_log_probs: bool
         **{name: bool(getattr(output, name)) for name in
            ("return_log_probs", "return_context_logits", "return_generation_logits")},
         is_streaming=bool(request.streaming), logits_post_processor=post_processor,
-        use_batched_post_processor=use_batched, priority=float(priority), client_id=request.client_id,
+        use_batched_post_processor=use_batched, priority=float(priority), client_id=_client_id(request.client_id),
         lora=lora, prompt_table=table, cache_salt=cache_salt(lora, table), resumed=resumed)
     _claim_adapter(spec.lora, limits)   # last: a refused request leaves no claim behind
     return spec, OutputOptions(bool(output.exclude_input_from_output), bool(request.return_all_generated_tokens))
@@ -139,6 +139,14 @@ def _prompt_table(config, limits: AdmissionLimits):
 def _int(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise RequestError(f"{name}: expected an integer, got {value!r}")
+    return value
+
+
+def _client_id(value) -> int | None:
+    """TensorRT-LLM's client id: None or a uint64 (handed back with every response)."""
+    if value is None:
+        return None
+    check_range("client_id", _int("client_id", value), 0, (1 << 64) - 1)
     return value
 
 
@@ -226,8 +234,10 @@ _FINISH_REASONS = {CoreFinishReason.END_ID: FinishReason.END_ID, CoreFinishReaso
                    CoreFinishReason.LENGTH: FinishReason.LENGTH, CoreFinishReason.STOPPED: FinishReason.CANCELLED}
 
 
-def to_result(spec: RequestSpec, output: RequestOutput, start: int, is_final: bool, options: OutputOptions) -> Result:
-    """The next result of a request (streamed or final): generated tokens from `start` on."""
+def to_result(spec: RequestSpec, output: RequestOutput, start: int, is_final: bool, options: OutputOptions,
+              has_exported_kv: bool = False) -> Result:
+    """The next result of a request (streamed or final): generated tokens from `start` on.
+    `has_exported_kv`: a context-only request whose KV blocks were kept for a generation instance."""
     if options.return_all_generated_tokens:
         start = 0   # every generated token so far, not only the new ones
     with_prompt = not spec.is_streaming and not options.exclude_input_from_output
@@ -238,7 +248,7 @@ def to_result(spec: RequestSpec, output: RequestOutput, start: int, is_final: bo
     token_ids = rendered.token_ids
     if with_prompt and num_first:
         token_ids = [spec.prompt + output.sequences[0].tokens[:num_first] + row for row in token_ids]
-    if is_final and output.kv_export is None:   # a context-only request that left its KV is not finished
+    if is_final and not has_exported_kv:   # a context-only request that left its KV is not finished
         reasons = [_FINISH_REASONS.get(s.finish_reason, FinishReason.NOT_FINISHED) for s in output.sequences]
     else:
         reasons = [FinishReason.NOT_FINISHED] * len(output.sequences)

@@ -18,7 +18,7 @@ import msgpack
 
 from runtime.request import AdmissionLimits, RequestError, RequestOutput, ResumedContext, clamped_new_tokens
 
-from ..kv_transport.kv_handoff import KvExports
+from ..kv_transport.kv_handoff import ExportedKv, KvExports
 from ..kv_transport.kv_transfer import FetchExpectation, KvTransferServer, OpenSockets, fetch_blocks
 from ..kv_transport.kv_wire import KvLayout
 from .conversion import _token_ids
@@ -53,12 +53,13 @@ class ContextOnly:
     sampling: dict[str, Any]
     lora_task_id: int | None
 
-    def params(self, request_id: int, output: RequestOutput, transfer: "KvTransfer") -> ContextPhaseParams:
-        """After its final result: the params of its exported blocks (output.kv_export)."""
+    def params(self, request_id: int, output: RequestOutput, exported: ExportedKv,
+               transfer: "KvTransfer") -> ContextPhaseParams:
+        """After its final result: the params of its exported blocks."""
         sequence = output.sequences[0]
         host, port = transfer.serve()
-        state = {"version": _STATE_VERSION, "host": host, "port": port, "handle": output.kv_export.handle,
-                 "num_tokens": output.kv_export.num_tokens, "prompt_len": self.prompt_len,
+        state = {"version": _STATE_VERSION, "host": host, "port": port, "handle": exported.handle,
+                 "num_tokens": exported.num_tokens, "prompt_len": self.prompt_len,
                  "prompt_digest": self.prompt_digest, "max_tokens": self.max_tokens, "sampling": self.sampling,
                  "lora_task_id": self.lora_task_id, "first_log_prob": float(sequence.cum_log_prob),
                  "layout": transfer.layout.to_dict()}

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from runtime.request import AdmissionLimits, RequestOutput, RequestSpec, clamped_new_tokens
 from runtime.request import FinishReason as CoreFinishReason
@@ -23,6 +23,9 @@ from .queues import QueuedRequest, QueueFullError, RequestQueue, ResponseStore
 from .request import FinishReason, Request, Response, Result
 from .stats import IterationStats, RequestStatsPerIteration, StatsRings, queued_stats, request_stats
 from .ttft import ContextThroughput, PendingContext, ttft_refusal
+
+if TYPE_CHECKING:
+    from ..kv_transport.kv_handoff import ExportedKv
 
 
 # The longest an idle worker blocks without news: the heartbeat to the other ranks and timed
@@ -176,7 +179,8 @@ class ExecutorFrontEnd:
             ids, self._stop_ids = list(self._stop_ids), set()
         return ids
 
-    def respond(self, spec: RequestSpec, output: RequestOutput, is_final: bool) -> None:
+    def respond(self, spec: RequestSpec, output: RequestOutput, is_final: bool,
+                kv_export: ExportedKv | None = None) -> None:
         request_id = output.request_id
         if is_final or output.num_generated:
             self.pending_context.remove(request_id)
@@ -186,9 +190,10 @@ class ExecutorFrontEnd:
         start = self._streams.start(output, is_final)
         if start is None:
             return
-        result = to_result(spec, output, start, is_final, self._options[request_id])
-        if is_final and output.kv_export is not None:
-            result.context_phase_params = self._context_only[request_id].params(request_id, output, self.kv_transfer)
+        result = to_result(spec, output, start, is_final, self._options[request_id], kv_export is not None)
+        if is_final and kv_export is not None:
+            result.context_phase_params = self._context_only[request_id].params(request_id, output, kv_export,
+                                                                                self.kv_transfer)
         self._streams.advance(output, is_final)
         if is_final:
             self._options.pop(request_id, None)

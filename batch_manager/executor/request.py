@@ -220,7 +220,7 @@ class Response:
     request_id: int
     result: Result | None = None
     error_msg: str = ""
-    client_id: Any = None
+    client_id: int | None = None
 
     def has_error(self) -> bool:
         return self.result is None

@@ -72,7 +72,8 @@ class CallbackFrontEnd:
     def poll_stop_ids(self) -> list[Any]:
         return self.callbacks.poll_stop_signals()
 
-    def respond(self, spec: RequestSpec, output: RequestOutput, is_final: bool) -> None:
+    def respond(self, spec: RequestSpec, output: RequestOutput, is_final: bool, kv_export=None) -> None:
+        """GptManager has no disaggregated requests: `kv_export` is always None."""
         start = self._streams.start(output, is_final)
         if start is None:
             return

@@ -21,7 +21,7 @@ from runtime.request import FinishReason, RequestOutput, RequestSpec
 
 if TYPE_CHECKING:
     from ..adapters.peft_cache import AdapterRef
-    from ..kv_transport.kv_handoff import KvWrites
+    from ..kv_transport.kv_handoff import ExportedKv, KvWrites
 
 
 class RequestState(enum.IntEnum):
@@ -77,6 +77,9 @@ class LlmRequest:
     exports_kv: bool = False
     kv_import: Future | None = None
     pending_kv_writes: KvWrites | None = None
+    # Where a context-only request's blocks went when it ended (set by the scheduler as it releases
+    # the request; its final response hands them over): None when nothing was kept.
+    kv_export: ExportedKv | None = None
 
     def __post_init__(self):
         self.adapter, self.cache_salt = self.spec.lora, self.spec.cache_salt

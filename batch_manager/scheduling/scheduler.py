@@ -18,9 +18,6 @@ from .micro_batch_scheduler import MicroBatchScheduler
 from .prompt_lookup import propose_drafts
 from .step import NewRequest, RequestResult, ScheduledRequest, ScheduledStep, StepResult
 
-_FINISH_REASONS = {"end_id": FinishReason.END_ID, "stop_words": FinishReason.STOP_WORDS,
-                   "length": FinishReason.LENGTH}
-
 
 class Scheduler:
     def __init__(self, kv_cache_manager: KvCacheManager, capacity: CapacityScheduler,
@@ -105,7 +102,7 @@ class Scheduler:
         for r in done:
             if r.exports_kv and r.output.finish_reason == FinishReason.LENGTH and self.kv_exports is not None:
                 assert r.num_computed_tokens == r.prompt_len and r.num_live_beams == 1
-                r.output.kv_export = self.kv_exports.export(self.kv, r.request_id, r.prompt_len)
+                r.kv_export = self.kv_exports.export(self.kv, r.request_id, r.prompt_len)
             self.capacity.end(r)
             del self._requests[r.request_id]
             if r.has_decoder_state:
@@ -238,6 +235,6 @@ class Scheduler:
             r.num_live_beams = len(beams.live_tokens)
         r.output.apply(outcome)
         if finished:
-            r.finish(_FINISH_REASONS[outcome.finish_reason])
+            r.finish(outcome.finish_reason)
         elif r.state == RequestState.CONTEXT:
             r.set_state(RequestState.GENERATION)

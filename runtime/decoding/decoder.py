@@ -14,7 +14,7 @@ Randomness: the draw for a request's token t of beam b is `rng.uniforms(seed, t,
 acceptance tests draw from stream `ACCEPT_STREAM` at the draft's position.
 No token allowed: a token whose processed logit is -inf is never chosen. Where a request's row
 (every beam's, for beam search; any sample's) has none left, it ends with finish reason
-"no_token" and nothing from that row; its owner reports the step.
+NO_TOKEN and nothing from that row; its owner reports the step.
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ import torch
 
 from ..kernels.interface import NO_TOKEN
 from ..request.output import BeamOutputs, RequestOutput
+from ..request.spec import FinishReason
 from .beam_search import BeamSearch, Hypothesis
 from .guided import Guide
 from .params import DecodingParams
@@ -54,8 +55,8 @@ class DecodeState:
         # Beam search: the live hypotheses (log probs, scores, gathered logits) of the bank.
         self.live = [Hypothesis([], [], 0.0, 0.0, [] if gather_generation_logits else None)]
         self.top_p = params.top_p
-        # "end_id" | "stop_words" | "length" | "no_token" (no token was allowed: every logit -inf)
-        self.finish_reason: str | None = None
+        # END_ID | STOP_WORDS | LENGTH | NO_TOKEN (no token was allowed: every logit -inf)
+        self.finish_reason: FinishReason | None = None
         # External drafts (params.draft_logits): dropped once their step is decoded.
         self.draft_logits: torch.Tensor | None = params.draft_logits
         self.draft_acceptance_threshold: float | None = params.draft_acceptance_threshold
@@ -87,14 +88,14 @@ class DecodeState:
     def num_generated(self) -> int:
         return self.record.num_generated
 
-    def ends_beam(self, tokens: list[int], token: int) -> str | None:
+    def ends_beam(self, tokens: list[int], token: int) -> FinishReason | None:
         """Why appending `token` to generated `tokens` ends the beam, or None."""
         if token == self.params.end_id:
-            return "end_id"
+            return FinishReason.END_ID
         for word in self.params.stop_words:
             n = len(word)
             if word[-1] == token and len(tokens) >= n - 1 and tuple(tokens[len(tokens) - n + 1:]) == word[:-1]:
-                return "stop_words"
+                return FinishReason.STOP_WORDS
         return None
 
 
@@ -106,7 +107,7 @@ class DecodeOutcome:
     logits: tuple = ()                  # raw float32 [V] rows per token (on the host), when gathered
     cum_log_prob: float = 0.0           # includes an end token's log prob
     beams: BeamOutputs | None = None    # beam search
-    finish_reason: str | None = None    # as DecodeState.finish_reason ("no_token": nothing was allowed)
+    finish_reason: FinishReason | None = None   # as DecodeState.finish_reason (NO_TOKEN: nothing was allowed)
     num_accepted_drafts: int = 0        # drafts among `tokens` (their KV, computed this step, is kept)
     # num_top_log_probs k: per token of `tokens`, (k log probs, descending; their k token ids)
     top_log_probs: tuple[tuple[tuple[float, ...], tuple[int, ...]], ...] = ()
@@ -209,13 +210,13 @@ class Decoder:
         logits: list[torch.Tensor] = []
         for j, (token, log_prob, is_accepted_draft) in enumerate(picks):
             if token == NO_TOKEN:   # the guide and the bans left nothing: the request ends here
-                state.finish_reason = "no_token"
+                state.finish_reason = FinishReason.NO_TOKEN
                 break
             reason = state.ends_beam(generated + tokens if tokens else generated, token)
             if state.guide is not None and state.guide.ends(0, token):
-                reason = "end_id"   # the grammar is complete: its stop token ends the request
+                reason = FinishReason.END_ID   # the grammar is complete: its stop token ends the request
             state.cum_log_prob += log_prob
-            if reason == "end_id":
+            if reason == FinishReason.END_ID:
                 state.finish_reason = reason
                 break
             tokens.append(token)
@@ -226,7 +227,7 @@ class Decoder:
                 logits.append(raw[first_row + j].cpu())
             state.advance_top_p(token)
             if reason is None and len(generated) + len(tokens) >= state.max_new_tokens:
-                reason = "length"
+                reason = FinishReason.LENGTH
             state.finish_reason = reason
             if reason is not None or not is_accepted_draft:
                 break
@@ -246,7 +247,7 @@ class Decoder:
         candidates = self.kernels.beam_candidates(log_probs, running, search.num_candidates, search.diversity_rate)
         allowed = candidates[0] > float("-inf")   # best first: the masked continuations come last
         if not bool(allowed.any()):
-            state.finish_reason = "no_token"
+            state.finish_reason = FinishReason.NO_TOKEN
             return DecodeOutcome(finish_reason=state.finish_reason)
         candidates = tuple(c[allowed] for c in candidates)
         step_log_probs = log_probs[candidates[1], candidates[2]].tolist()
@@ -262,7 +263,7 @@ class Decoder:
         if search.done:
             best = search.final(state.live)[0]
             state.finish_reason = (state.ends_beam(best.tokens[:-1], best.tokens[-1]) if best.tokens else None) \
-                or "length"
+                or FinishReason.LENGTH
         outputs = [_without_end(h, state.params.end_id)
                    for h in (search.final(state.live) if state.is_finished else state.live)]
         return DecodeOutcome(beams=_beam_outputs(parents, state.live, outputs, state.is_finished),
@@ -272,8 +273,8 @@ class Decoder:
         """num_return_sequences: each live sequence draws its own token (samples.py)."""
         samples = state.samples
         parents = samples.step(self.kernels, state, logits, raw, first_row)
-        if "no_token" in samples.reasons:   # one sequence had no token allowed: the request ends
-            state.finish_reason = "no_token"
+        if FinishReason.NO_TOKEN in samples.reasons:   # one sequence had no token allowed: the request ends
+            state.finish_reason = FinishReason.NO_TOKEN
             return DecodeOutcome(finish_reason=state.finish_reason)
         if samples.done:
             state.finish_reason = next(r for r in reversed(samples.reasons) if r is not None)

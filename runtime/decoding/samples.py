@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.interface import NO_TOKEN
+from ..request.spec import FinishReason
 from .beam_search import Hypothesis
 
 
@@ -21,7 +22,7 @@ class Samples:
         self.seeds = [(random_seed + i) % (1 << 64) for i in range(num_sequences)]
         self.top_p = [top_p] * num_sequences
         self.outputs = [Hypothesis([], [], 0.0, 0.0, [] if gather_logits else None) for _ in range(num_sequences)]
-        self.reasons: list[str | None] = [None] * num_sequences
+        self.reasons: list[FinishReason | None] = [None] * num_sequences
         self.live: list[int] = []    # sequence index of each live row; empty before the first step
 
     def rows(self) -> tuple[list[int], list[int]]:
@@ -63,20 +64,20 @@ class Samples:
         for i, row, token, log_prob in zip(sequences, rows, tokens.tolist(), log_probs.tolist()):
             self.reasons[i] = self._append(state, i, row, token, log_prob, raw, first_row)
         parents = self.finish_step(sequences, rows)
-        if state.guide is not None and parents and "no_token" not in self.reasons:
+        if state.guide is not None and parents and FinishReason.NO_TOKEN not in self.reasons:
             state.guide.fork(parents, [self.outputs[i].tokens[-1] for i in self.live])
         return parents
 
-    def _append(self, state, i: int, row: int, token: int, log_prob: float, raw, first_row: int) -> str | None:
+    def _append(self, state, i: int, row: int, token: int, log_prob: float, raw, first_row: int) -> FinishReason | None:
         """Sequence i's token, as a single request's (end id not output) -> why it ends, or None."""
         p, h = state.params, self.outputs[i]
         if token == NO_TOKEN:   # every logit -inf: nothing to draw
-            return "no_token"
+            return FinishReason.NO_TOKEN
         reason = state.ends_beam(h.tokens, token)
         if state.guide is not None and state.guide.ends(row, token):
-            reason = "end_id"
+            reason = FinishReason.END_ID
         h.cum_log_prob += log_prob
-        if reason == "end_id":
+        if reason == FinishReason.END_ID:
             return reason
         h.tokens.append(token)
         h.log_probs.append(log_prob)
@@ -85,5 +86,5 @@ class Samples:
         if p.top_p_decay != 1.0 or p.top_p_reset_id >= 0:
             self.top_p[i] = p.top_p if token == p.top_p_reset_id else max(self.top_p[i] * p.top_p_decay, p.top_p_min)
         if reason is None and len(h.tokens) >= state.max_new_tokens:
-            reason = "length"
+            reason = FinishReason.LENGTH
         return reason

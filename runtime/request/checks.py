@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .spec import RequestSpec
 
 if TYPE_CHECKING:
+    from ..config import ModelConfig
+    from ..decoding.guided import GrammarCompiler
     from ..decoding.params import DecodingParams
+    from .seams import AdapterCacheBounds, AdapterWeightClaims
 
 logger = logging.getLogger(__name__)
 
@@ -29,11 +32,11 @@ class AdmissionLimits:
     tokens_per_block: int
     gather_context_logits: bool
     gather_generation_logits: bool
-    model_config: Any = None     # runtime ModelConfig: LoRA modules and the prompt table's hidden size
-    peft_cache_config: Any = None   # the manager's PeftCacheManagerConfig (None: its defaults)
+    model_config: ModelConfig | None = None   # LoRA modules and the prompt table's hidden size
+    peft_cache_config: AdapterCacheBounds | None = None   # the manager's PeftCacheManagerConfig (None: its defaults)
     max_draft_tokens: int = 0    # longest draft a request may bring (0: drafts refused)
-    guides: Any = None           # the engine's GrammarCompiler when guided decoding is configured
-    adapter_weights: Any = None  # the PEFT cache's AdapterWeights (thread-safe): the Executor checks re-sent weights
+    guides: GrammarCompiler | None = None   # the engine's, when guided decoding is configured
+    adapter_weights: AdapterWeightClaims | None = None   # the PEFT cache's AdapterWeights: the Executor checks re-sent weights
     max_batch_size: int = 1 << 30    # sequences one step may run: a request's beams or samples must fit
 
 

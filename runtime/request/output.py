@@ -50,7 +50,6 @@ class RequestOutput:
         self.context_logits: Any = None      # float32 [prompt_len, V] when requested
         self.finish_reason: FinishReason | None = None
         self.error: str | None = None
-        self.kv_export: Any = None           # the manager's ExportedKv: where an exporting request's blocks went
 
     @property
     def num_generated(self) -> int:

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
+    import torch
+
     from ..decoding.params import DecodingParams
+    from .seams import AdapterHandle, KvSourceAddress
 
 
 class FinishReason(enum.Enum):
@@ -16,6 +19,9 @@ class FinishReason(enum.Enum):
     STOP_WORDS = "stop_words"
     STOPPED = "stopped"
     ERROR = "error"
+    # The decoder's only: no token was allowed (every logit -inf). Its owner ends the request with an
+    # error naming the step, so no RequestOutput records it.
+    NO_TOKEN = "no_token"
 
 
 @dataclass(frozen=True)
@@ -24,7 +30,7 @@ class ResumedContext:
     instance's first token, and where its prompt's KV blocks are."""
     first_token: int
     first_log_prob: float   # the first token's log prob (cum_log_probs counts it)
-    source: Any             # the Executor's KvSource: the context instance's address and handle
+    source: KvSourceAddress   # the Executor's KvSource: the context instance's address and handle
 
 
 @dataclass(frozen=True, eq=False)
@@ -42,9 +48,9 @@ class RequestSpec:
     logits_post_processor: Callable | None = None
     use_batched_post_processor: bool = False  # the manager's batched logits post-processor applies
     priority: float = 0.5   # in [0, 1]: admitted first when higher, paused first when lower
-    client_id: Any = None   # the Executor request's, handed to logits post-processors
-    lora: Any = None        # the manager's AdapterRef (task id, and weights when sent): its LoRA adapter
-    prompt_table: Any = None   # float32 [T, hidden]: prompt ids vocab_size + j take row j (prompt tuning)
+    client_id: int | None = None   # the Executor request's (uint64), handed to logits post-processors
+    lora: AdapterHandle | None = None   # the manager's AdapterRef (task id, and weights when sent)
+    prompt_table: torch.Tensor | None = None   # float32 [T, hidden]: prompt ids vocab_size + j take row j
     # Its cached KV differs from another request's for the same tokens (an adapter, a prompt
     # table): block reuse keys its blocks by this too.
     cache_salt: bytes | None = None

@@ -68,7 +68,7 @@ def test_finished_requests_free_their_blocks_and_their_store_in_the_next_step():
     scheduler.add(request(1, [3, 4, 5]))
     scheduler.add(request(2, [6, 7]))
     step, _ = scheduler.schedule()
-    scheduler.update(step, StepResult((RequestResult(1, DecodeOutcome((9,), finish_reason="end_id")),
+    scheduler.update(step, StepResult((RequestResult(1, DecodeOutcome((9,), finish_reason=FinishReason.END_ID)),
                                        RequestResult(2, error="boom"))))
     assert [r.output.finish_reason for r in (scheduler.get(1), scheduler.get(2))] == [FinishReason.END_ID, FinishReason.ERROR]
     done = scheduler.pop_finished()

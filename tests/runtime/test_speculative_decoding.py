@@ -13,7 +13,7 @@ import torch
 
 from runtime.decoding import Decoder, DecodeState, DecodingParams
 from runtime.kernels import get_kernels
-from runtime.request import RequestOutput
+from runtime.request import FinishReason, RequestOutput
 
 VOCAB = 13
 
@@ -98,7 +98,7 @@ def test_a_stop_word_completed_inside_an_accepted_run_ends_there():
     params = DecodingParams(stop_words=(stop,))
     tokens, _, reason, *_ = run(params, [1, 2, 3], 12,
                                true_continuation(DecodingParams(), [1, 2, 3], 12))
-    assert (tokens, reason) == (plain[:4], "stop_words")
+    assert (tokens, reason) == (plain[:4], FinishReason.STOP_WORDS)
 
 
 def first_tokens(params_for_seed, drafts_for_seed, logits_row0, num_seeds, draft_logits=None, threshold=None):

@@ -37,7 +37,7 @@ def test_beam_search_takes_the_live_beams_then_the_best_output():
     record.apply(DecodeOutcome(beams=live))
     assert (record.beams, [s.tokens for s in record.sequences]) == ([[4], [5]], [[5], [4]])
     done = dataclasses.replace(live, live_tokens=(), tokens=((5, 9), (4, 8)))
-    record.apply(DecodeOutcome(beams=done, finish_reason="end_id"))
+    record.apply(DecodeOutcome(beams=done, finish_reason=FinishReason.END_ID))
     assert record.beams == [[5, 9]]
     record.finish(FinishReason.END_ID, max_new_tokens=2)
     assert [s.finish_reason for s in record.sequences] == [FinishReason.LENGTH, FinishReason.LENGTH]
