@@ -114,7 +114,8 @@ class ModelConfig:
                                     # q_norm / k_norm), before the rotation (Qwen3)
     lm_head_bias: bool = False      # the output projection has a bias [V] (also when tied)
     # What runs, set by the engine loader from the BuildConfig on the loading machine: the compute
-    # dtype (never "auto") and runtime.precision.QuantMode's bits (weight-only mode, KV cache dtype).
+    # dtype (never "auto") and runtime.precision.QuantMode's bits (weight-only mode, int8 activations,
+    # KV cache dtype): a record for users and tools; the model reads the BuildConfig's fields.
     dtype: str = "float32"
     quant_mode: int = 0
 

@@ -143,7 +143,8 @@ class ModelRunner:
         model_tp = tensor_parallel if tensor_parallel is not None and tensor_parallel.size > 1 else None
         self.model = Transformer(cfg, weights, self.device, self.kernels, self.attention_window,
                                  self.sink_token_length, linear_impl, model_tp, self.shard,
-                                 gather_logits_to_all, None if self.stage is None else self.stage.layers)
+                                 gather_logits_to_all, None if self.stage is None else self.stage.layers,
+                                 act_quant=engine.build_config.act_quant)
         # [num_layers, K/V, num_blocks, tokens_per_block, num_kv_heads, head_dim]: this rank's KV heads
         # of its stage's layers
         kv_dtype = engine.kv_storage_dtype

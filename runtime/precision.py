@@ -22,7 +22,9 @@ KV_CACHE_SCALES = ("block_head", "token_head")
 
 
 class QuantMode(enum.IntFlag):
-    """TensorRT-LLM's QuantMode bits (the ones this runtime implements keep its values)."""
+    """TensorRT-LLM's QuantMode bits (the ones this runtime implements keep its values): the public
+    record of a build's precision (ModelConfig.quant_mode, engine.json, runtime.build's summary). The
+    runtime itself reads the BuildConfig's fields, never these bits back."""
     INT4_WEIGHTS = 1 << 0
     INT8_WEIGHTS = 1 << 1
     ACTIVATIONS = 1 << 2
@@ -46,10 +48,6 @@ class QuantMode(enum.IntFlag):
 
     def has_fp8_kv_cache(self) -> bool:
         return bool(self & QuantMode.FP8_KV_CACHE)
-
-    def act_quant(self) -> str | None:
-        """The BuildConfig.act_quant value these bits record (ACTIVATIONS: the one mode there is)."""
-        return ACT_QUANT_MODES[0] if self & QuantMode.ACTIVATIONS else None
 
     @staticmethod
     def from_build(weight_bits: "QuantMode", kv_cache_dtype: str, act_quant: str | None = None) -> "QuantMode":

@@ -16,7 +16,6 @@ import torch.nn.functional as F
 
 from .alibi import alibi_slopes
 from ..config import ModelConfig
-from ..precision import QuantMode
 from ..kernels.interface import KernelBackend, PreparedLinear
 from ..kernels.kv_quant import round_trip
 from ..adapters.lora_step import LoraStepPlan
@@ -64,7 +63,7 @@ class Transformer:
                  attention_window: int | None = None, sink_token_length: int = 0,
                  linear_impl: str | None = None, tensor_parallel: TensorParallel | None = None,
                  shard: TensorShard | None = None, gather_logits_to_all: bool = True,
-                 stage: StageLayers | None = None):
+                 stage: StageLayers | None = None, act_quant: str | None = None):
         """kernels: the backend of every op the model runs (its matmul weights are prepared by it
         here, once). attention_window: the window every layer uses (None = full causal attention);
         the caller folds the model's own sliding window in. sink_token_length: keys at positions
@@ -72,7 +71,9 @@ class Transformer:
         matmul kernel (one of runtime.kernels.linear.CPU_IMPLS; default: the fastest available).
         tensor_parallel, shard: this rank's world and the slices `weights` hold (TensorShard);
         gather_logits_to_all: every rank gets the logits (else rank 0 only, the others None).
-        stage: the pipeline stage's layers `weights` hold (runtime.parallel.pipeline); None: all."""
+        stage: the pipeline stage's layers `weights` hold (runtime.parallel.pipeline); None: all.
+        act_quant: the build's BuildConfig.act_quant: the weight-only matmuls quantize their
+        activations ("int8"), or None (exact)."""
         self.config = config
         self.kernels = kernels
         self.tp, self.shard = tensor_parallel, shard
@@ -111,8 +112,7 @@ class Transformer:
         if config.position_embedding == "alibi":   # a rank's heads take their own slopes
             slopes = alibi_slopes(config.num_heads)
             self.alibi_slopes = (slopes[shard.head_index()] if shard is not None else slopes).to(device)
-        # BuildConfig.act_quant: the weight-only matmuls quantize their activations (None: exact)
-        self.act_quant = QuantMode(config.quant_mode).act_quant()
+        self.act_quant = act_quant
         self.linears: dict[str, PreparedLinear] = {}
         for name in [n for n in self.w if n.endswith((".qkv.weight", ".out.weight", ".mlp_in.weight",
                                                        ".mlp_out.weight"))]:
