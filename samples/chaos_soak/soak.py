@@ -23,7 +23,9 @@ The model is a tiny random-weight LLaMA (vocab 128, hidden 64, 2 layers, 4 heads
 written through samples.default_model, so that 10,000 requests run in minutes on 2 CPU cores.
 Exit status 1 when an invariant broke. The short mode (the default, a few hundred requests)
 runs in the test suite; the long mode is `--requests 10000`. The KV-events round
-(samples.chaos_soak.kv_events_round) serves requests while hostile peers attack the events endpoint.
+(samples.chaos_soak.kv_events_round) serves requests while hostile peers attack the events endpoint;
+the fused-step round (samples.chaos_soak.fused_step_round) serves mixed rows through the fused
+native generation step and compares their tokens with the eager path's.
 """
 from __future__ import annotations
 
@@ -49,6 +51,7 @@ from runtime import Engine, GenerationInput, GenerationOutput, GptSession, Sampl
 
 from .disaggregated_round import disaggregated_violations, run_disaggregated_round
 from .executor_round import executor_violations, run_executor_round
+from .fused_step_round import fused_step_violations, run_fused_step_round
 from .kv_events_round import kv_events_violations, run_kv_events_round
 from . import requests as chaos_requests
 from .requests import MAX_BEAM_WIDTH, make_bad, make_valid
@@ -74,6 +77,7 @@ GREEDY_CHECKS_PER_ROUND = 8   # at least; one per 40 requests of the round beyon
 LORA_RANKS = {1: 2, 2: 4, 3: 8}
 PEFT_CACHE = PeftCacheManagerConfig(num_device_module_layer=28, num_host_module_layer=28)
 DRAIN_TIMEOUT_S = 120.0
+FUSED_ROUND_MIN_REQUESTS = 40
 
 
 @dataclass(frozen=True)
@@ -271,11 +275,14 @@ def run_soak(num_requests: int = 300, num_producers: int = 4, seed: int = 0, wor
         kv_events_round = run_kv_events_round(engine_dir, POOL_TOKENS, per_round, seed * 100 + 97)
         disaggregated_round = run_disaggregated_round(engine_dir, POOL_TOKENS, per_round, num_producers,
                                                       seed * 100 + 98)
+        fused_step_round = run_fused_step_round(engine_dir, POOL_TOKENS, max(per_round, FUSED_ROUND_MIN_REQUESTS),
+                                                seed * 100 + 96)
     found = [f"round {i} ({r['config']['model_type']}, {r['config']['policy']}): {v}"
              for i, r in enumerate(rounds) for v in violations(r)]
     found += [f"executor round: {v}" for v in executor_violations(executor_round)]
     found += [f"KV-events round: {v}" for v in kv_events_violations(kv_events_round)]
     found += [f"disaggregated round: {v}" for v in disaggregated_violations(disaggregated_round)]
+    found += [f"fused-step round: {v}" for v in fused_step_violations(fused_step_round)]
     growth = round(memory[-1] - memory[0], 1)
     if growth > RSS_TOLERANCE_MIB:
         found.append(f"RSS grew {growth} MiB across three identical rounds (tolerance {RSS_TOLERANCE_MIB})")
@@ -291,7 +298,8 @@ def run_soak(num_requests: int = 300, num_producers: int = 4, seed: int = 0, wor
                 slowest_shutdown_after_last_step_s=max(r["shutdown_after_last_step_s"] for r in rounds),
                 wall_s=round(time.monotonic() - start, 1), violations=found, rounds=rounds,
                 kv_events_round=kv_events_round,
-                executor_round=executor_round, disaggregated_round=disaggregated_round)
+                executor_round=executor_round, disaggregated_round=disaggregated_round,
+                fused_step_round=fused_step_round)
 
 
 def main(argv: list[str] | None = None) -> int:

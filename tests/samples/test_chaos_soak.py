@@ -14,6 +14,8 @@ from samples.default_model import llama_hf_config
 from samples.chaos_soak.requests import BAD_KINDS, MAX_BEAM_WIDTH, make_bad
 from samples.chaos_soak.disaggregated_round import BAD_KINDS as BAD_PEERS
 from samples.chaos_soak.disaggregated_round import disaggregated_violations, run_disaggregated_round
+from samples.chaos_soak.fused_step_round import fused_step_violations, run_fused_step_round
+from runtime.kernels import cpu_decode_step
 from samples.chaos_soak.soak import (BUILD, MODEL, POOL_TOKENS, RSS_TOLERANCE_MIB, SHUTDOWN_BOUND_S, main, make_engine,
                                      run_soak)
 
@@ -53,6 +55,17 @@ def test_short_soak_keeps_every_invariant(tmp_path):
     assert e["served"] > 10 and e["bad"] > 0 and e["cancels"] > 0 and e["refused_after_shutdown"] > 0
     assert report["kv_events_round"]["served"] == report["kv_events_round"]["submitted"] > 0   # checks in violations
     assert report["disaggregated_round"]["honest_served"] > 0
+    f = report["fused_step_round"]   # its violations are in report["violations"]
+    assert f["answered"] == f["submitted"] >= 40 and f["greedy_compared"] > 10
+
+
+def test_fused_step_round_serves_mixed_rows_and_matches_the_eager_path(tmp_path):
+    report = run_fused_step_round(make_engine(str(tmp_path)), POOL_TOKENS, 40, seed=3)
+    assert fused_step_violations(report) == [], report
+    assert report["answered"] == 40 and report["greedy_compared"] > 10 and report["stopped"] >= 0
+    if cpu_decode_step.library() is None:
+        pytest.skip("the native CPU kernels cannot be built here: the round ran on the eager path only")
+    assert report["has_fused_step"] and report["fused_calls"] > 0 and len(report["fused_rows"]) >= 2
 
 
 def test_disaggregated_round_serves_the_honest_and_answers_the_dead_and_slow(tmp_path):
