@@ -2,29 +2,22 @@
 
 `WireEventCollector` is the KV manager's event sink on the worker thread: it turns stores and
 evictions into vLLM's event maps. Once per iteration the worker calls `KvEventPublisher.publish`,
-which numbers the iteration's events as one message, keeps it for replay and hands it to the PUB
-endpoint (zmtp_publisher, its own thread) without ever waiting (a subscriber that cannot take it
-loses it; the drop is counted). A thread answers replay requests. engine_builder makes one on
-rank 0 when `kv_events_config` is set.
+which numbers the iteration's events as one message, keeps it for replay (kv_events_replay answers
+replay requests on its own thread) and hands it to the PUB endpoint (zmtp_publisher, its own
+thread) without ever waiting (a subscriber that cannot take it loses it; the drop is counted).
+engine_builder makes one on rank 0 when `kv_events_config` is set.
 """
 from __future__ import annotations
 
-import logging
-import threading
 import time
-from collections import deque
 from typing import Callable, Hashable
 
 import msgpack
-import zmq
 
 from ..options import KvCacheConfig, KvEventsConfig
+from .kv_events_replay import ReplayBuffer, ZmtpReplayServer
 from .zmtp_publisher import ZmtpPublisher
 
-logger = logging.getLogger(__name__)
-
-END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
-REPLAY_POLL_MS = 50          # how soon the replay thread sees a close
 SEND_HWM = 10_000            # messages queued per subscriber before it misses one (dropped, counted)
 ALL_BLOCKS_CLEARED = {"type": "AllBlocksCleared"}
 
@@ -110,60 +103,44 @@ class WireEventCollector:
 
 
 class KvEventPublisher:
-    """Binds the PUB endpoint (and the replay ROUTER) of `config`. `publish` and `close` run on
-    the worker thread; the PUB endpoint and the replay socket each live on their own thread.
+    """Binds the PUB endpoint (and the replay socket) of `config`. `publish` and `close` run on
+    the worker thread; the PUB endpoint and the replay socket each serve on their own thread.
 
-    NOTE: the PUB side is zmtp_publisher, not a libzmq PUB or XPUB socket: those keep every
-    prefix a peer subscribes to and process the subscriptions inside `send`, so one peer could
-    stall the worker and grow the engine without bound. Subscribers cannot tell it from a PUB."""
+    NOTE: both are ZMTP endpoints of ours (zmtp_publisher, kv_events_replay), not libzmq sockets:
+    those keep every prefix a peer subscribes to and process the subscriptions inside `send`, and
+    cap neither peers nor the bytes queued for one, so one peer could stall the worker or grow the
+    engine without bound. Subscribers and replay clients cannot tell them from a PUB and a ROUTER."""
 
     def __init__(self, config: KvEventsConfig, collector: WireEventCollector, send_hwm: int = SEND_HWM):
         self.collector = collector
         self._topic = _check_fields(config)
-        self._next_sequence = 0
-        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)   # (sequence, payload)
-        self._lock = threading.Lock()   # the buffer: appended here, read by the replay thread
-        self._context = zmq.Context()
-        self._replay_thread, self._pub = None, None
+        self._buffer = ReplayBuffer(config.buffer_steps)
+        self._pub, self._replay = None, None
+        self._closed = False
         try:
-            try:
-                self._pub = ZmtpPublisher(endpoint_address(config.endpoint, "endpoint"), send_hwm)
-            except OSError as e:
-                raise ValueError(f"kv_events_config.endpoint: cannot bind {config.endpoint!r}: {e}") from None
+            self._pub = _bind(lambda address: ZmtpPublisher(address, send_hwm), config.endpoint, "endpoint")
             if config.replay_endpoint is not None:
-                replay = self._bind(zmq.ROUTER, config.replay_endpoint, "replay_endpoint",
-                                    config.buffer_steps + 1)
-                self._stop = threading.Event()
-                self._replay_thread = threading.Thread(target=self._serve_replay, args=(replay,),
-                                                       name="KvEventsReplay", daemon=True)
-                self._replay_thread.start()
+                self._replay = _bind(lambda address: ZmtpReplayServer(address, self._topic, self._buffer),
+                                     config.replay_endpoint, "replay_endpoint")
         except BaseException:
             if self._pub is not None:
                 self._pub.close()
-            self._context.destroy(linger=0)
             raise
         self._send([ALL_BLOCKS_CLEARED])   # message 0: routers forget what an earlier engine held
 
     @property
     def num_published(self) -> int:
         """Messages numbered and handed to the endpoint so far (message 0 included), taken or not."""
-        return self._next_sequence
+        return self._buffer.next_sequence
 
     @property
     def num_dropped(self) -> int:
         """Messages a subscriber could not take (it may replay them)."""
         return self._pub.num_dropped
 
-    def _bind(self, kind: int, endpoint: str, field: str, send_hwm: int | None = None) -> zmq.Socket:
-        socket = self._context.socket(kind)
-        socket.setsockopt(zmq.LINGER, 0)
-        if send_hwm is not None:
-            socket.setsockopt(zmq.SNDHWM, send_hwm)
-        try:
-            socket.bind(endpoint)
-        except zmq.ZMQError as e:
-            raise ValueError(f"kv_events_config.{field}: cannot bind {endpoint!r}: {e}") from None
-        return socket
+    @property
+    def replay_server(self) -> ZmtpReplayServer | None:
+        return self._replay
 
     # -- worker thread ------------------------------------------------------------------------------
 
@@ -174,49 +151,27 @@ class KvEventPublisher:
             self._send(events)
 
     def _send(self, events: list[dict]) -> None:
-        sequence, self._next_sequence = self._next_sequence, self._next_sequence + 1
+        sequence = self._buffer.next_sequence
         payload = msgpack.packb([time.time(), events, 0], use_bin_type=True)
-        with self._lock:
-            self._buffer.append((sequence, payload))
+        self._buffer.append(sequence, payload)
         self._pub.send([self._topic, sequence.to_bytes(8, "big"), payload])
 
     def close(self) -> None:
-        """Publish what is left, stop the replay thread, close the sockets. Idempotent."""
-        if self._context.closed:
+        """Publish what is left, close both endpoints. Idempotent."""
+        if self._closed:
             return
         self.publish()
-        if self._replay_thread is not None:
-            self._stop.set()
-            self._replay_thread.join()
+        self._closed = True
+        if self._replay is not None:
+            self._replay.close()
         self._pub.close()
-        self._context.destroy(linger=0)
 
-    # -- replay thread ------------------------------------------------------------------------------
 
-    def _serve_replay(self, socket: zmq.Socket) -> None:
-        """A request [identity, b"", start sequence (8 bytes, big-endian)] gets [identity, b"",
-        topic, sequence, payload] per buffered message from `start` on, then [identity, b"", b"",
-        -1 (8 signed bytes), b""].
-
-        NOTE: the topic frame is current vLLM's reply and what vllm-router 0.1.17 reads: it takes
-        the sequence from the second-last frame and drops, silently, a reply of fewer frames."""
-        try:
-            while not self._stop.is_set():
-                if not socket.poll(REPLAY_POLL_MS, zmq.POLLIN):
-                    continue
-                frames = socket.recv_multipart()
-                if len(frames) != 3 or len(frames[2]) != 8:
-                    logger.warning("KV events replay: ignored a request of %d frames (expected [identity, "
-                                   "b\"\", 8-byte start sequence])", len(frames))
-                    continue
-                identity, start = frames[0], int.from_bytes(frames[2], "big")
-                with self._lock:
-                    messages = [(s, p) for s, p in self._buffer if s >= start]
-                for sequence, payload in messages:
-                    socket.send_multipart([identity, b"", self._topic, sequence.to_bytes(8, "big"), payload])
-                socket.send_multipart([identity, b"", b"", END_OF_REPLAY, b""])
-        finally:
-            socket.close(linger=0)
+def _bind(make, endpoint: str, field: str):
+    try:
+        return make(endpoint_address(endpoint, field))
+    except OSError as e:
+        raise ValueError(f"kv_events_config.{field}: cannot bind {endpoint!r}: {e}") from None
 
 
 def make_publisher(config: KvEventsConfig, tokens_per_block: int, is_cuda_pool: bool,

@@ -14,7 +14,7 @@ import pytest
 import zmq
 
 from batch_manager.executor import KvEventsConfig
-from batch_manager.kv_transport import zmtp_publisher
+from batch_manager.kv_transport import zmtp_endpoint, zmtp_publisher, zmtp_wire
 from batch_manager.kv_transport.kv_events_publisher import KvEventPublisher
 
 FLOOD_S = 6.0
@@ -158,8 +158,8 @@ def test_a_subscriber_that_never_reads_holds_a_bounded_queue():
 
 
 def test_garbage_and_half_done_handshakes_are_cut_off_and_honest_subscribers_served(monkeypatch):
-    monkeypatch.setattr(zmtp_publisher, "HANDSHAKE_TIMEOUT_S", 0.5)
-    monkeypatch.setattr(zmtp_publisher, "MAX_SUBSCRIBERS", 4)
+    monkeypatch.setattr(zmtp_endpoint, "HANDSHAKE_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(zmtp_publisher.ZmtpPublisher, "max_peers", 4)
     endpoint = free_tcp_endpoint()
     host, port = endpoint[len("tcp://"):].split(":")
     stub = _Stub()
@@ -168,8 +168,7 @@ def test_garbage_and_half_done_handshakes_are_cut_off_and_honest_subscribers_ser
     raw = [socket.create_connection((host, int(port))) for _ in range(6)]   # 4 slots, 2 closed at once
     try:
         raw[0].sendall(b"GET / HTTP/1.1\r\n\r\n")                            # not ZMTP: closed
-        raw[1].sendall(zmtp_publisher.GREETING + zmtp_publisher.encode_frames(   # a PUB is no subscriber
-            [b"\x05READY\x0bSocket-Type\x00\x00\x00\x03PUB"], zmtp_publisher.COMMAND))
+        raw[1].sendall(zmtp_wire.GREETING + zmtp_wire.ready_command(b"PUB"))   # a PUB is no subscriber
         for s in raw:
             s.settimeout(10)
         for s in raw:                                   # every one is closed: by protocol, cap or timeout
