@@ -14,8 +14,10 @@ import pytest
 import zmq
 
 from batch_manager.executor import KvEventsConfig
-from batch_manager.kv_transport import zmtp_endpoint, zmtp_publisher, zmtp_wire
+from batch_manager.kv_transport import kv_events_replay, zmtp_endpoint, zmtp_publisher, zmtp_wire
 from batch_manager.kv_transport.kv_events_publisher import KvEventPublisher
+from samples.chaos_soak import hostile_subscriber
+from samples.chaos_soak.kv_events_round import PROJECT_ROOT
 
 FLOOD_S = 6.0
 # A hostile peer in its own process: an XSUB writing subscription frames as fast as it can.
@@ -165,14 +167,17 @@ def test_garbage_and_half_done_handshakes_are_cut_off_and_honest_subscribers_ser
     stub = _Stub()
     publisher = KvEventPublisher(KvEventsConfig(endpoint), stub)
     context = zmq.Context()
-    raw = [socket.create_connection((host, int(port))) for _ in range(6)]   # 4 slots, 2 closed at once
+    raw = [socket.create_connection((host, int(port))) for _ in range(6)]   # 4 slots: 2 evicted at once
     try:
         raw[0].sendall(b"GET / HTTP/1.1\r\n\r\n")                            # not ZMTP: closed
         raw[1].sendall(zmtp_wire.GREETING + zmtp_wire.ready_command(b"PUB"))   # a PUB is no subscriber
         for s in raw:
             s.settimeout(10)
-        for s in raw:                                   # every one is closed: by protocol, cap or timeout
-            while s.recv(4096):
+        for s in raw:                                   # every one is closed: by protocol, eviction or timeout
+            try:
+                while s.recv(4096):
+                    pass
+            except ConnectionResetError:                # closed with what it sent unread
                 pass
         sub = honest_subscriber(context, endpoint)
         disconnects = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
@@ -187,3 +192,110 @@ def test_garbage_and_half_done_handshakes_are_cut_off_and_honest_subscribers_ser
             s.close()
         context.destroy(linger=0)
         publisher.close()
+
+
+def replay_all(context: zmq.Context, replay_endpoint: str, timeout_s: float = 60.0) -> list[int]:
+    """An honest replay client: the sequences of a replay from 0 (a DEALER, as vllm-router asks)."""
+    dealer = context.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(replay_endpoint)
+    dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+    got, deadline = [], time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if dealer.poll(100):
+            _, _, sequence, _ = dealer.recv_multipart()
+            if sequence == kv_events_replay.END_OF_REPLAY:
+                break
+            got.append(int.from_bytes(sequence, "big"))
+    dealer.close()
+    return got
+
+
+def test_replay_clients_that_never_read_hold_bounded_memory_and_an_honest_replay_completes():
+    """300 clients ask for the whole replay (1,000 messages of ~3 KiB) and never read. Before: a
+    libzmq ROUTER queued every reply whole per client with no cap on clients (+126 MiB in 8 s,
+    kept after they left); now at most 16 clients, each with at most 256 KiB queued."""
+    endpoint, replay_endpoint = free_tcp_endpoint(), free_tcp_endpoint()
+    stub = _Stub()
+    publisher = KvEventPublisher(KvEventsConfig(endpoint, replay_endpoint), stub)
+    for i in range(1000):
+        stub.events = [dict(removed(i), token_ids=list(range(1024)))]
+        publisher.publish()
+    context = zmq.Context()
+    flood = None
+    try:
+        rss_before = rss_mib()
+        flood = hostile_subscriber.start(replay_endpoint, "replay", 60, PROJECT_ROOT)
+        time.sleep(1.0)
+        honest = replay_all(context, replay_endpoint)
+        assert flood.poll() is None, "the honest replay was served only once the attack ended"
+        peak = rss_mib() - rss_before
+        flood.kill()
+        flood.wait(60)
+        time.sleep(1.0)                # the attackers' connections are closed
+        left = rss_mib() - rss_before
+    finally:
+        if flood is not None and flood.poll() is None:
+            flood.kill()
+        context.destroy(linger=0)
+        publisher.close()
+    assert honest == list(range(1001)), "the honest replay is incomplete"
+    assert peak < 32, f"RSS grew {peak:.0f} MiB under the replay flood"
+    assert left < 16, f"RSS {left:.0f} MiB above its start after the flood"
+
+
+def _slow_greeters(endpoint: str, count: int) -> list[socket.socket]:
+    """Connections that send the greeting's first byte and nothing more."""
+    host, port = endpoint[len("tcp://"):].split(":")
+    peers = [socket.create_connection((host, int(port))) for _ in range(count)]
+    for peer in peers:
+        peer.sendall(zmtp_wire.GREETING[:1])
+    return peers
+
+
+def _is_open(peer: socket.socket) -> bool:
+    """Whether the endpoint has kept `peer` open (what it sent read and discarded)."""
+    peer.setblocking(False)
+    try:
+        while peer.recv(4096):
+            pass
+        return False
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("squatters", ["handshaken, never subscribing", "greeting slowly"])
+def test_connections_that_never_subscribe_cannot_lock_a_subscriber_out(squatters):
+    """80 connections take every one of the 64 subscriber slots first. Before: the 65th connection
+    was closed at once for as long as they stayed, so a real subscriber got nothing; now it evicts
+    one of them."""
+    endpoint = free_tcp_endpoint()
+    stub = _Stub()
+    publisher = KvEventPublisher(KvEventsConfig(endpoint), stub)
+    context = zmq.Context()
+    flood, raw = None, []
+    try:
+        if squatters == "greeting slowly":
+            raw = _slow_greeters(endpoint, hostile_subscriber.NUM_IDLE)
+        else:
+            flood = hostile_subscriber.start(endpoint, "idle", FLOOD_S, PROJECT_ROOT)
+        time.sleep(1.0)                  # the slots are taken
+        sub = honest_subscriber(context, endpoint)
+        first = wait_joined(publisher, stub, sub)
+        stub.events = [removed(1)]
+        publisher.publish()
+        got = received_sequences(sub, first)
+        # Not joined by waiting them out: they are still there (less the one evicted).
+        assert flood is None or flood.poll() is None, "the subscriber joined only after the squatters left"
+        assert sum(map(_is_open, raw)) >= (zmtp_publisher.MAX_SUBSCRIBERS - 1 if raw else 0), \
+            "the subscriber joined only after the squatters' handshakes timed out"
+    finally:
+        for peer in raw:
+            peer.close()
+        if flood is not None:
+            flood.kill()
+        context.destroy(linger=0)
+        publisher.close()
+    assert got == [first]
