@@ -20,6 +20,8 @@ logger = logging.getLogger(__name__)
 HANDSHAKE_TIMEOUT_S = 10.0
 READ_CHUNK_BYTES = 4096
 READ_PAUSE_S = 0.25               # a peer that filled a chunk is not read for this long: <= 16 KiB/s each
+EVICTION_GRACE_S = 1.0            # a peer is never evicted this soon after its accept (a storm of newcomers
+                                  # would otherwise evict each other, an honest one among them, mid-handshake)
 
 
 class ZmtpEndpoint:
@@ -66,7 +68,8 @@ class ZmtpEndpoint:
         return True
 
     def _eviction_rank(self, peer: ZmtpPeer, now: float) -> tuple | None:
-        """Lower ranks are evicted first for a newcomer; None: this peer keeps its slot."""
+        """Lower ranks are evicted first for a newcomer (of the peers accepted EVICTION_GRACE_S ago
+        or more); None: this peer keeps its slot."""
         return (0, peer.accepted_at) if peer.stage != "open" else None
 
     def _on_turn(self, now: float) -> None:
@@ -131,8 +134,8 @@ class ZmtpEndpoint:
             self._update_events(peer)
 
     def _evict_one(self, now: float) -> bool:
-        ranked = [(rank, i) for i, peer in enumerate(self.peers)
-                  if (rank := self._eviction_rank(peer, now)) is not None]
+        ranked = [(rank, i) for i, peer in enumerate(self.peers) if now - peer.accepted_at > EVICTION_GRACE_S
+                  and (rank := self._eviction_rank(peer, now)) is not None]
         if not ranked:
             return False
         self.drop(self.peers[min(ranked)[1]])

@@ -170,7 +170,10 @@ def test_the_router_fills_a_gap_from_the_replay_socket(tmp_path):
                                   stderr=subprocess.STDOUT, env={**os.environ, "NO_COLOR": "1"})
     try:
         store(0)                 # message 1, before the router: it catches up by replay
-        time.sleep(3)
+        deadline = time.monotonic() + 60
+        while publisher._pub.num_subscribers == 0:   # the router has started and subscribed (seconds)
+            assert time.monotonic() < deadline and router.poll() is None, "the router never subscribed"
+            time.sleep(0.1)
         store(1)                 # message 2
         send = publisher._pub.send
         publisher._pub.send = _full_queue(publisher._pub)
