@@ -116,3 +116,41 @@ class DrippingPeer(_Peer):
                 return
             connection.sendall(frame[i:i + 1])
             time.sleep(self.interval_s)
+
+
+class PoisoningProxy(TamperingProxy):
+    """Forwards a fetch to the real server at `target` with its header intact and every byte of the
+    KV that follows replaced by 0xFF: the right shape, every element NaN (float pools, scales)."""
+
+    def __init__(self, target: tuple[str, int]):
+        super().__init__(target, lambda header: header)
+
+    def handle(self, connection: socket.socket) -> None:
+        with socket.create_connection(self.target, timeout=30) as upstream:
+            _send_frame(upstream, _recv_frame(connection))
+            _send_frame(connection, _recv_frame(upstream))
+            while data := upstream.recv(1 << 16):
+                connection.sendall(b"\xff" * len(data))
+
+
+def nested(depth: int, leaf=0):
+    """A list `depth` levels deep around `leaf`."""
+    value = leaf
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+class DeepHeaderPeer(_Peer):
+    """Reads the ask and answers a header with one field nested `depth` levels deep."""
+
+    def __init__(self, field: str, depth: int):
+        self.field, self.depth = field, depth
+        super().__init__()
+
+    def handle(self, connection: socket.socket) -> None:
+        _recv_frame(connection)
+        header = {"error": None, "num_tokens": 18, "block_indexes": [0], "shape": [1], "num_value_bytes": 1,
+                  "num_scale_bytes": 0}
+        _send_frame(connection, dict(header, **{self.field: nested(self.depth)}))
+        connection.recv(1)

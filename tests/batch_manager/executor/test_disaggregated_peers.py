@@ -19,7 +19,8 @@ from batch_manager.kv_transport.kv_handoff import import_blocks
 from runtime.cache.kv_cache_manager import KvCacheManager
 from tests.batch_manager.conftest import NUM_NEW_TOKENS
 from tests.batch_manager.executor.helpers import collect, executor_for
-from tests.batch_manager.executor.kv_peers import DrippingPeer, TamperingProxy, params_to
+from tests.batch_manager.executor.kv_peers import (DeepHeaderPeer, DrippingPeer, PoisoningProxy, TamperingProxy, nested,
+                                                  params_to)
 
 POOL = 400   # KV tokens
 CONTEXT_ONLY, GENERATION_ONLY = RequestType.REQUEST_TYPE_CONTEXT_ONLY, RequestType.REQUEST_TYPE_GENERATION_ONLY
@@ -87,6 +88,49 @@ def test_an_answer_that_is_not_the_prompts_blocks_fails_its_request_only(tiny_en
         while executor.get_bookkeeping_counts()["kv_exports"] and time.monotonic() < deadline:
             time.sleep(0.05)
         assert executor.get_bookkeeping_counts()["kv_exports"] == 0   # the proxied fetch took them
+        assert_still_serves(executor)
+
+
+def test_kv_bytes_holding_nan_fail_the_request_naming_the_context_instance(tiny_engine):
+    """The right shape, every element NaN. Before: the request ran and failed as "the logits are
+    NaN (a model that computes NaN ...)", which blames this instance's model."""
+    with executor_for(tiny_engine[0], kv_cache_config=KvCacheConfig(max_tokens=POOL)) as executor:
+        params = context_params(executor)
+        state = state_of(params)
+        with PoisoningProxy((state["host"], state["port"])) as proxy:
+            [response] = generate(executor, params_to(params, proxy.address))
+        assert response.has_error()
+        message = response.error_msg
+        assert message.startswith("context_phase_params: ") and f"{proxy.address[0]}:{proxy.address[1]}" in message
+        assert "NaN or infinite float32 elements" in message, message
+        assert_still_serves(executor)
+
+
+def test_a_deeply_nested_answer_fails_the_request_naming_the_context_instance(tiny_engine):
+    """A header with a field 900 lists deep (within the header's byte limit). Before: Python's
+    recursion limit, "maximum recursion depth exceeded", naming no peer."""
+    with executor_for(tiny_engine[0], kv_cache_config=KvCacheConfig(max_tokens=POOL)) as executor:
+        params = context_params(executor)
+        with DeepHeaderPeer("error", 900) as peer:
+            [response] = generate(executor, params_to(params, peer.address))
+        message = response.error_msg
+        assert message.startswith("context_phase_params: ") and f"{peer.address[0]}:{peer.address[1]}" in message
+        assert "nested deeper than" in message, message
+        assert not generate(executor, params)[-1].has_error()   # the blocks kept for it, fetched honestly
+        assert_still_serves(executor)
+
+
+@pytest.mark.parametrize("field", ["sampling", "layout", "host"])
+def test_deeply_nested_params_are_refused_naming_them(tiny_engine, field):
+    """opaque_state with a field 1,000 lists deep. Before: enqueue raised RecursionError."""
+    with executor_for(tiny_engine[0], kv_cache_config=KvCacheConfig(max_tokens=POOL)) as executor:
+        params = context_params(executor)
+        bad = msgpack.packb(dict(state_of(params), **{field: nested(1000)}))
+        with pytest.raises(ValueError, match=r"^context_phase_params: opaque_state nests deeper than"):
+            executor.enqueue_request(Request(PROMPT, NUM_NEW_TOKENS, request_type=GENERATION_ONLY,
+                                             context_phase_params=ContextPhaseParams(params.first_gen_tokens,
+                                                                                     params.req_id, bad)))
+        assert not generate(executor, params)[-1].has_error()
         assert_still_serves(executor)
 
 
