@@ -64,11 +64,18 @@ def attack(endpoint: str, mode: str, seconds: float) -> None:
 
 def start(endpoint: str, mode: str, seconds: float, cwd) -> "subprocess.Popen":
     """The peer in its own process, returned once it is connected and attacking."""
-    import subprocess
-    peer = subprocess.Popen([sys.executable, "-m", "samples.chaos_soak.hostile_subscriber", endpoint, mode,
-                             str(seconds)], cwd=cwd, stdout=subprocess.PIPE, text=True)
-    peer.stdout.readline()
+    [peer] = start_all([(endpoint, mode)], seconds, cwd)
     return peer
+
+
+def start_all(attacks: list[tuple[str, str]], seconds: float, cwd) -> list["subprocess.Popen"]:
+    """One peer per (endpoint, mode), started together, returned once each is attacking."""
+    import subprocess
+    peers = [subprocess.Popen([sys.executable, "-m", "samples.chaos_soak.hostile_subscriber", endpoint, mode,
+                               str(seconds)], cwd=cwd, stdout=subprocess.PIPE, text=True) for endpoint, mode in attacks]
+    for peer in peers:
+        peer.stdout.readline()
+    return peers
 
 
 if __name__ == "__main__":

@@ -1,11 +1,14 @@
 """The KV-events round of samples.chaos_soak: an Executor publishing its KV-cache events (block
-reuse on, a replay socket) serves honest requests in waves while hostile peers, each its own
-process (samples.chaos_soak.hostile_subscriber), attack the events endpoint: a subscribe /
-unsubscribe flood, a flood of unique 200-byte prefixes, and a subscriber that never reads. An
-honest subscriber listens throughout.
+reuse on, a replay socket) serves honest requests in waves while hostile ZMTP peers, each its own
+process (samples.chaos_soak.hostile_subscriber), attack both endpoints: a subscribe / unsubscribe
+flood, a flood of unique 200-byte prefixes, a subscriber that never reads, 80 connections taking
+the subscriber slots and never subscribing, and 300 replay clients that never read. An honest
+subscriber listens throughout; a second one joins once the attack is on, and an honest client
+replays during it.
 Checked: every request served without error, the engine's RSS bounded during the attack, the
 honest subscriber received messages in order and, with the replay socket, every message the
-engine published; the thread count back to its start.
+engine published; the late subscriber received messages while the slots' squatters stayed; the
+replay during the attack was complete; the thread count back to its start.
 """
 from __future__ import annotations
 
@@ -102,13 +105,22 @@ def run_kv_events_round(engine_dir: str, pool_tokens: int, num_requests: int, se
     executor = Executor(engine_dir, executor_config=config)
     honest = _HonestSubscriber(endpoint)
     served, errors = _serve_wave(executor, rng, prefixes)   # warm-up, before the RSS baseline
-    peers = [hostile_subscriber.start(endpoint, mode, attack_s, PROJECT_ROOT) for mode in HOSTILE_MODES]
+    peers = hostile_subscriber.start_all([(replay_endpoint if mode == "replay" else endpoint, mode)
+                                          for mode in HOSTILE_MODES], attack_s, PROJECT_ROOT)
+    squatters = peers[HOSTILE_MODES.index("idle")]
     rss_before = rss_max = _rss_mib()
-    submitted = WAVE
+    late = _HonestSubscriber(endpoint)   # after the slots' squatters
+    submitted, replayed_under_attack, late_received_under_attack = WAVE, [], 0
+    replaying = threading.Thread(target=lambda: replayed_under_attack.extend(honest.replay(replay_endpoint, 0)),
+                                 name="chaos-kv-events-replay")
+    replaying.start()
     while submitted < num_requests or any(p.poll() is None for p in peers):
         s, e = _serve_wave(executor, rng, prefixes)
         served, errors, submitted = served + s, errors + e, submitted + WAVE
         rss_max = max(rss_max, _rss_mib())
+        if squatters.poll() is None:   # the slots' squatters still there
+            late_received_under_attack = len(late.sequences)
+    replaying.join()
     peer_codes = [p.wait(60) for p in peers]
     stats = executor.get_latest_iteration_stats()[-1]
     time.sleep(0.2)   # the last messages reach the honest subscriber
@@ -116,6 +128,8 @@ def run_kv_events_round(engine_dir: str, pool_tokens: int, num_requests: int, se
     executor.shutdown()
     received = list(honest.sequences)
     honest.close()
+    late.close()
+    under_attack = replayed_under_attack
     del executor
     threads_after = threading.active_count()
     return dict(submitted=submitted, served=served, errors=errors, hostile_exit_codes=peer_codes,
@@ -125,6 +139,8 @@ def run_kv_events_round(engine_dir: str, pool_tokens: int, num_requests: int, se
                 first_received=received[0] if received else None,
                 missed_live=len(set(range(received[0], received[-1] + 1)) - set(received)) if received else None,
                 replay_complete=replayed == list(range(len(replayed))) and set(received) <= set(replayed),
+                replay_under_attack_complete=bool(under_attack) and under_attack == list(range(len(under_attack))),
+                late_received_under_attack=late_received_under_attack,
                 threads_before=threads_before,
                 threads_after=threads_after, wall_s=round(time.monotonic() - start, 2))
 
@@ -140,6 +156,10 @@ def kv_events_violations(r: dict) -> list[str]:
     if r["missed_live"] or not r["replay_complete"]:
         found.append(f"the honest subscriber missed {r['missed_live']} messages live; replay complete: "
                      f"{r['replay_complete']}")
+    if not r["late_received_under_attack"]:
+        found.append("a subscriber joining during the attack received nothing while it lasted")
+    if not r["replay_under_attack_complete"]:
+        found.append("a replay during the attack was empty or had gaps")
     if any(r["hostile_exit_codes"]):
         found.append(f"a hostile peer failed: {r['hostile_exit_codes']}")
     if r["threads_after"] != r["threads_before"]:
