@@ -20,7 +20,7 @@ from runtime.request import AdmissionLimits, RequestError, RequestOutput, Resume
 
 from ..kv_transport.kv_handoff import ExportedKv, KvExports
 from ..kv_transport.kv_transfer import FetchExpectation, KvTransferServer, OpenSockets, fetch_blocks
-from ..kv_transport.kv_wire import KvLayout
+from ..kv_transport.kv_wire import KvLayout, is_nested_deeper
 from .conversion import _token_ids
 from .request import ContextPhaseParams, Request, RequestType, SamplingConfig
 
@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 
 _STATE_VERSION = 1
 _MAX_FETCHES = 4   # concurrent fetches of one Executor
+_MAX_STATE_DEPTH = 4   # containers in containers in opaque_state (a context-only result's has 2)
 
 
 def prompt_digest(token_ids: list[int]) -> bytes:
@@ -153,6 +154,9 @@ def _resumed(request: Request, params, limits: AdmissionLimits, transfer: "KvTra
         state = msgpack.unpackb(params.opaque_state or b"", raw=False)
     except (TypeError, ValueError, msgpack.UnpackException):
         state = None
+    if is_nested_deeper(state, _MAX_STATE_DEPTH):
+        raise RequestError(f"context_phase_params: opaque_state nests deeper than {_MAX_STATE_DEPTH} levels (not "
+                           f"that of a context-only result)")
     if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
         raise RequestError("context_phase_params: opaque_state is not that of a context-only result of this version")
     _check_state_fields(state)
@@ -236,7 +240,8 @@ class KvTransfer:
 
     def _fetch(self, source: KvSource):
         start = time.perf_counter()
-        expect = FetchExpectation(source.num_tokens, self._runner.tokens_per_block, self._runner.kv_block_byte_shapes)
+        expect = FetchExpectation(source.num_tokens, self._runner.tokens_per_block, self._runner.kv_block_byte_shapes,
+                                  self.layout.kv_cache_dtype)
         try:
             fetched = fetch_blocks(source.host, source.port, source.handle, self.layout, self.timeout_s, expect,
                                    self._fetch_sockets)

@@ -36,8 +36,8 @@ import torch
 from runtime.cache.kv_cache_manager import RELEASED
 
 from .kv_handoff import ExportedKv, KvExports
-from .kv_wire import (MAX_ASK_BYTES, WIRE_VERSION, KvLayout, KvTransferError, abort, recv_frame, recv_tensor,
-                      send_frame, send_pool_blocks)
+from .kv_wire import (MAX_ASK_BYTES, WIRE_VERSION, KvLayout, KvTransferError, abort, count_nonfinite, recv_frame,
+                      recv_tensor, send_frame, send_pool_blocks)
 
 logger = logging.getLogger(__name__)
 
@@ -187,6 +187,7 @@ class FetchExpectation:
     num_tokens: int                          # the request's prompt length
     tokens_per_block: int
     block_byte_shapes: tuple                 # ModelRunner.kv_block_byte_shapes: (values, scales or None)
+    kv_dtype: str = "float32"                # the pool's element dtype (KvLayout.kv_cache_dtype): what the values hold
 
     @property
     def num_blocks(self) -> int:
@@ -264,6 +265,11 @@ def _fetch_over(sock: socket.socket, handle: int, layout: KvLayout, expect: Fetc
         raise KvTransferError(f"the context instance at {where} answered {problem}")
     values = recv_tensor(sock, header["num_value_bytes"], deadline_s)
     scales = recv_tensor(sock, header["num_scale_bytes"], deadline_s) if header["num_scale_bytes"] else None
+    for name, data, dtype in (("values", values, expect.kv_dtype), ("scales", scales, "float32")):
+        num_bad = 0 if data is None else count_nonfinite(data, dtype)
+        if num_bad:
+            raise KvTransferError(f"the context instance at {where} sent KV {name} holding {num_bad} NaN or "
+                                  f"infinite {dtype} elements")
     return header, values, scales
 
 

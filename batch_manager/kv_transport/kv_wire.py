@@ -10,11 +10,18 @@ import time
 from dataclasses import asdict, dataclass, fields
 
 import msgpack
+import numpy
 import torch
 
 WIRE_VERSION = 1
 _LENGTH = struct.Struct(">I")
 MAX_ASK_BYTES = 1 << 16       # the ask is ~300 bytes (version, handle, layout)
+MAX_FRAME_DEPTH = 8           # containers within containers in a frame (the ask and answer have 2)
+# KV storage dtype -> (the unsigned view of one element, its bits less the sign, the least such
+# bits of a NaN or an infinity: every bit of the exponent set)
+_NONFINITE_BITS = {"float32": (numpy.uint32, 0x7FFFFFFF, 0x7F800000), "float16": (numpy.uint16, 0x7FFF, 0x7C00),
+                   "bfloat16": (numpy.uint16, 0x7FFF, 0x7F80), "float8_e4m3fn": (numpy.uint8, 0x7F, 0x7F)}
+_CHECK_CHUNK = 1 << 22        # elements per pass of the non-finite check (bounds its temporaries)
 
 
 class KvTransferError(RuntimeError):
@@ -104,7 +111,49 @@ def recv_frame(sock: socket.socket, max_bytes: int, deadline_s: float):
         raise ValueError(f"a frame of {length} bytes (at most {max_bytes} here)")
     body = bytearray(length)
     _recv_into(sock, memoryview(body), deadline_s)
-    return msgpack.unpackb(bytes(body), raw=False)
+    value = msgpack.unpackb(bytes(body), raw=False)
+    if is_nested_deeper(value, MAX_FRAME_DEPTH):
+        raise ValueError(f"a frame nested deeper than {MAX_FRAME_DEPTH} levels")
+    return value
+
+
+def is_nested_deeper(value, max_depth: int) -> bool:
+    """Whether lists and dicts in `value` nest more than `max_depth` levels (checked without
+    recursion: a peer's 1,000-deep value would exhaust Python's stack in a repr or a compare)."""
+    level = [value]
+    for _ in range(max_depth):
+        inner = []
+        for item in level:
+            if isinstance(item, dict):
+                inner.extend(item.keys())
+                inner.extend(item.values())
+            elif isinstance(item, (list, tuple)):
+                inner.extend(item)
+        if not inner:
+            return False
+        level = inner
+    return any(isinstance(item, (dict, list, tuple)) for item in level)
+
+
+def count_nonfinite(data: torch.Tensor, dtype: str) -> int:
+    """NaN and infinite elements in `data` (uint8 bytes of `dtype` elements; 0 for integer dtypes):
+    per chunk, the largest magnitude's bits against the exponent's (two vector passes; counted
+    only when some are there).
+
+    NOTE: numpy on the bits, not a torch op: it runs on a fetch thread, where a torch op could start
+    an OpenMP pool of its own (send_pool_blocks' note); and numpy has no bfloat16."""
+    if dtype not in _NONFINITE_BITS:
+        return 0
+    view, magnitude, nonfinite = _NONFINITE_BITS[dtype]
+    elements = data.numpy().view(view)
+    scratch = numpy.empty(min(elements.size, _CHECK_CHUNK), view)
+    count = 0
+    for i in range(0, elements.size, _CHECK_CHUNK):
+        part = elements[i:i + _CHECK_CHUNK]
+        chunk = numpy.bitwise_and(part, magnitude, out=scratch[:part.size])
+        if chunk.max() >= nonfinite:
+            count += int(numpy.count_nonzero(chunk >= nonfinite))
+    return count
 
 
 def abort(connection: socket.socket) -> None:
