@@ -18,6 +18,8 @@ def test_nonfinite_elements_are_counted_from_the_bits(name, monkeypatch):
     monkeypatch.setattr(kv_wire, "_CHECK_CHUNK", 64)    # several chunks, the last one partial
     dtype = DTYPES[name]
     values = (torch.randn(1000, generator=torch.Generator().manual_seed(0)) * 100).to(dtype)
+    largest = torch.finfo(dtype).max                    # finite, the bits just below the exponent's
+    values[[10, 11]] = torch.tensor([largest, -largest]).to(dtype)
     assert count_nonfinite(values.view(torch.uint8), name) == 0
     values[[0, 63, 64, 999]] = float("nan")
     if dtype != torch.float8_e4m3fn:                    # e4m3fn has no infinity
