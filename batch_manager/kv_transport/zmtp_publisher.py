@@ -5,8 +5,10 @@ returns; the endpoint's own thread (zmtp_endpoint) accepts subscribers and write
 
 NOTE: libzmq's PUB and XPUB keep a trie of every distinct prefix each peer subscribes to and
 update it inside `send`: one peer flooding unique prefixes stalled the sender for seconds and
-grew the process by gigabytes; an XPUB with ZMQ_XPUB_MANUAL keeps no trie but has no cap on
-peers or on the bytes queued for one (README, "Replicas behind vllm-router"). Here a peer that
+grew the process by gigabytes. An XPUB with ZMQ_XPUB_MANUAL keeps no trie, but queues every
+subscription message without bound before the application reads it (+300 MiB in 5 s of unique
+prefixes) and caps neither peers nor the bytes queued for one (samples/microbench/xpub_manual.py;
+README, "Replicas behind vllm-router"). Here a peer that
 has subscribed once gets every message (a SUB socket filters by topic itself) and what a peer
 sends after its handshake is read at a bounded rate and discarded, PINGs answered. State per
 subscriber: its socket and at most `send_hwm` queued messages (MAX_QUEUED_BYTES).

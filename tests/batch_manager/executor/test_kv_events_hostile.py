@@ -227,6 +227,7 @@ def test_replay_clients_that_never_read_hold_bounded_memory_and_an_honest_replay
         rss_before = rss_mib()
         flood = hostile_subscriber.start(replay_endpoint, "replay", 60, PROJECT_ROOT)
         time.sleep(1.0)
+        assert publisher.replay_server.num_clients <= kv_events_replay.MAX_REPLAY_CLIENTS
         honest = replay_all(context, replay_endpoint)
         assert flood.poll() is None, "the honest replay was served only once the attack ended"
         peak = rss_mib() - rss_before
