@@ -55,11 +55,16 @@ class KvEventsConfig:
     routers in other processes. Needs KvCacheConfig.enable_block_reuse; only rank 0 publishes.
     endpoint: where the ZMQ PUB socket binds ("tcp://HOST:PORT" or "ipc://PATH"); subscribers
     connect. replay_endpoint: a ROUTER socket that resends the newest `buffer_steps` messages
-    from a given sequence number (None: no replay). topic: the first frame of every message."""
+    from a given sequence number (None: no replay). topic: the first frame of every message.
+    block_hash_form: how a block hash goes on the wire: "bytes16", the 16-byte block key (the
+    default), or "int64", its first 8 bytes as a signed big-endian integer (what vLLM sends and
+    NVIDIA Dynamo 1.6.1's listener decodes; two different prefixes share one with probability
+    about n**2 / 2**65 among n cached blocks)."""
     endpoint: str
     replay_endpoint: str | None = None
     topic: str = ""
     buffer_steps: int = 10000
+    block_hash_form: str = "bytes16"
 
 
 KVEventsConfig = KvEventsConfig   # vLLM's spelling

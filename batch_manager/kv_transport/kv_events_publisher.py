@@ -20,6 +20,10 @@ from .zmtp_publisher import ZmtpPublisher
 
 SEND_HWM = 10_000            # messages queued per subscriber before it misses one (dropped, counted)
 ALL_BLOCKS_CLEARED = {"type": "AllBlocksCleared"}
+# KvEventsConfig.block_hash_form -> a block key (16 bytes) as it goes on the wire
+BLOCK_HASH_FORMS: dict[str, Callable[[bytes], bytes | int]] = {
+    "bytes16": lambda key: key,
+    "int64": lambda key: int.from_bytes(key[:8], "big", signed=True)}
 
 
 def check_kv_events_config(config, kv_cache_config: KvCacheConfig) -> None:
@@ -48,6 +52,9 @@ def _check_fields(config: KvEventsConfig) -> bytes:
     steps = config.buffer_steps
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise ValueError(f"kv_events_config.buffer_steps: expected an integer >= 1, got {steps!r}")
+    if not isinstance(config.block_hash_form, str) or config.block_hash_form not in BLOCK_HASH_FORMS:
+        raise ValueError(f"kv_events_config.block_hash_form: expected one of {sorted(BLOCK_HASH_FORMS)}, "
+                         f"got {config.block_hash_form!r}")
     return topic
 
 
@@ -75,9 +82,11 @@ class WireEventCollector:
     names its request's adapter and carries the token ids the request gave: the KV manager's
     keys salt the first token of a chain at the root (cache_salt), which is put back here."""
 
-    def __init__(self, tokens_per_block: int, medium: str, request_of: Callable[[Hashable], object]):
+    def __init__(self, tokens_per_block: int, medium: str, request_of: Callable[[Hashable], object],
+                 block_hash_form: str = "bytes16"):
         self.tokens_per_block, self.medium = tokens_per_block, medium
         self._request_of = request_of   # holder -> its LlmRequest, or None
+        self._wire_hash = BLOCK_HASH_FORMS[block_hash_form]
         self._events: list[dict] = []
 
     def stored(self, parent_key: bytes, blocks: list[tuple[bytes, list[int]]], holder=None) -> None:
@@ -89,13 +98,15 @@ class WireEventCollector:
                 lora_id = request.adapter.task_id
             if not parent_key and request.cache_salt is not None:
                 token_ids[0] = request.spec.prompt[0]
-        self._events.append({"type": "BlockStored", "block_hashes": [key for key, _ in blocks],
-                             "parent_block_hash": parent_key or None, "token_ids": token_ids,
+        self._events.append({"type": "BlockStored", "block_hashes": [self._wire_hash(key) for key, _ in blocks],
+                             "parent_block_hash": self._wire_hash(parent_key) if parent_key else None,
+                             "token_ids": token_ids,
                              "block_size": self.tokens_per_block, "lora_id": lora_id, "medium": self.medium,
                              "lora_name": None if lora_id is None else str(lora_id)})
 
     def removed(self, keys: list[bytes]) -> None:
-        self._events.append({"type": "BlockRemoved", "block_hashes": list(keys), "medium": self.medium})
+        self._events.append({"type": "BlockRemoved", "block_hashes": [self._wire_hash(key) for key in keys],
+                             "medium": self.medium})
 
     def take(self) -> list[dict]:
         events, self._events = self._events, []
@@ -177,5 +188,6 @@ def _bind(make, endpoint: str, field: str):
 def make_publisher(config: KvEventsConfig, tokens_per_block: int, is_cuda_pool: bool,
                    request_of: Callable[[Hashable], object]) -> KvEventPublisher:
     """The publisher and its collector; medium "GPU" for a CUDA pool, "CPU" for a host one."""
-    collector = WireEventCollector(tokens_per_block, "GPU" if is_cuda_pool else "CPU", request_of)
+    collector = WireEventCollector(tokens_per_block, "GPU" if is_cuda_pool else "CPU", request_of,
+                                   config.block_hash_form)
     return KvEventPublisher(config, collector)
