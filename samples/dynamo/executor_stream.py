@@ -25,7 +25,10 @@ class ResultQueue:
         self.queue: asyncio.Queue = asyncio.Queue()
 
     def put(self, item: Result | str) -> None:   # any thread
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:   # its loop is closed: nobody is left to read it
+            logger.debug("a result for a closed event loop dropped")
 
     async def get(self) -> Result | str:
         return await self.queue.get()

@@ -330,3 +330,48 @@ def test_collector_without_a_request_keeps_the_tokens():
     assert collector.take() == [{**stored([b"k" * 16], None, [1, 2, 3, 4]), "medium": "GPU"},
                                 {**removed(b"k" * 16), "medium": "GPU"}]
     assert collector.take() == []
+
+
+def test_int64_hash_form_sends_each_key_as_its_first_8_bytes_signed(tiny_engine, endpoints):
+    """block_hash_form="int64" (what vLLM sends and Dynamo 1.6.1 decodes): the same events, each
+    hash (and parent) the key's first 8 bytes as a signed big-endian integer; msgpack carries
+    them as integers, never bytes."""
+    endpoint, replay_endpoint = endpoints
+    subscriber = Subscriber(endpoint, replay_endpoint)
+    prompt = list(range(3, 13))
+    config = KvCacheConfig(enable_block_reuse=True, max_tokens=32)
+    try:
+        with executor_for(tiny_engine[0], kv_cache_config=config, kv_events_config=KvEventsConfig(
+                endpoint, replay_endpoint, block_hash_form="int64")) as executor:
+            generated = run_to_end(executor, Request(prompt, 3, output_config=OutputConfig(
+                exclude_input_from_output=True)))
+            replayed = subscriber.replay(0)
+    finally:
+        subscriber.close()
+
+    def wire(key: bytes) -> int:
+        return int.from_bytes(key[:8], "big", signed=True)
+
+    keys = chain(prompt + generated[:2])
+    events = [decode(payload) for _, payload in replayed]
+    assert events[1] == [stored([wire(k) for k in keys[:2]], None, prompt[:8])]
+    assert events[2] == [stored([wire(keys[2])], wire(keys[1]), prompt[8:] + generated[:2])]
+    assert all(type(h) is int and -(1 << 63) <= h < (1 << 63) for e in events[1:] for h in e[0]["block_hashes"])
+
+
+def test_collector_hash_forms_and_a_bad_form_named():
+    key, parent = bytes(range(0x80, 0x90)), bytes(range(16))
+    collector = WireEventCollector(TPB, "GPU", lambda holder: None, "int64")
+    collector.stored(parent, [(key, [1, 2, 3, 4])])
+    collector.removed([key])
+    stored_event, removed_event = collector.take()
+    assert stored_event["block_hashes"] == [int.from_bytes(key[:8], "big", signed=True)] and \
+        stored_event["block_hashes"][0] < 0
+    assert stored_event["parent_block_hash"] == int.from_bytes(parent[:8], "big", signed=True)
+    assert removed_event["block_hashes"] == stored_event["block_hashes"]
+    default = WireEventCollector(TPB, "GPU", lambda holder: None)
+    default.stored(parent, [(key, [1, 2, 3, 4])])
+    assert default.take()[0]["block_hashes"] == [key]
+    with pytest.raises(ValueError, match="kv_events_config.block_hash_form: .*'int32'"):
+        check_kv_events_config(KvEventsConfig("tcp://127.0.0.1:5557", block_hash_form="int32"),
+                               CoreKvCacheConfig(enable_block_reuse=True))
