@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import socket
 from dataclasses import dataclass
 
@@ -23,10 +24,20 @@ class WorkerOptions:
     max_kv_tokens: int | None          # the KV pool's size in tokens (None: the engine's default)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(below: int | None = None) -> int:
+    """A port free on 127.0.0.1 now; `below`: under that bound (the OS picks from its high range)."""
+    if below is None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    for port in random.sample(range(20000, below), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise OSError(f"no free port found in 20000..{below - 1}")
 
 
 def _port(text: str) -> int:

@@ -1,0 +1,5 @@
+import sys
+
+from samples.dynamo.launch import main
+
+sys.exit(main())
