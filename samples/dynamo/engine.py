@@ -18,6 +18,7 @@ from dynamo.llm.exceptions import EngineShutdown, InvalidArgument, Unknown
 
 from batch_manager.executor import ExecutorConfig, KvCacheConfig, KvEventsConfig, QueueFullError
 from samples.dynamo.chunks import result_chunk, usage
+from samples.dynamo.disagg import as_context_only, as_generation_only, handoff
 from samples.dynamo.executor_stream import SHUT_DOWN, ExecutorStream
 from samples.dynamo.metrics import RequestClock, WorkerMetrics
 from samples.dynamo.model_card import end_ids_of, write_model_card
@@ -91,6 +92,7 @@ class ExecutorEngine(LLMEngine):
         normalize_request_token_ids(request)
         try:
             mapped = to_executor_request(request, self.limits)
+            first_tokens = self._apply_role(mapped.request, request)
             request_id, results = self.stream.submit(mapped.request, asyncio.get_running_loop())
         except ValueError as e:
             raise InvalidArgument(name_dynamo_field(str(e))) from None
@@ -102,7 +104,10 @@ class ExecutorEngine(LLMEngine):
         watcher = asyncio.ensure_future(self._cancel_when_stopped(context, request_id))
         clock = RequestClock(self.metrics)
         try:
-            async for chunk in self._chunks(results, mapped, clock):
+            if first_tokens:   # a decode worker: the prefill's first token leads the stream
+                clock.on_tokens(len(first_tokens))
+                yield {"token_ids": first_tokens, "index": 0}
+            async for chunk in self._chunks(results, mapped, clock, len(first_tokens)):
                 yield chunk
         finally:
             watcher.cancel()
@@ -110,8 +115,16 @@ class ExecutorEngine(LLMEngine):
             self.stream.forget(request_id)   # a no-op after the final result; else (consumer gone) a cancel
             self._publish_snapshot()
 
-    async def _chunks(self, results, mapped, clock: RequestClock):
-        num_prompt_tokens, num_generated = len(mapped.request.input_token_ids), 0
+    def _apply_role(self, request, dynamo_request: dict) -> list[int]:
+        """The prefill / decode roles' request types (disagg); -> the tokens a decode stream leads with."""
+        if self.options.role == "prefill":
+            as_context_only(request)
+        elif self.options.role == "decode":
+            return as_generation_only(request, dynamo_request)
+        return []
+
+    async def _chunks(self, results, mapped, clock: RequestClock, num_generated: int = 0):
+        num_prompt_tokens = len(mapped.request.input_token_ids)
         while True:
             item = await results.get()
             if isinstance(item, str):
@@ -121,6 +134,9 @@ class ExecutorEngine(LLMEngine):
             clock.on_tokens(len(chunk["token_ids"]))
             if item.is_final:
                 chunk["completion_usage"] = usage(num_prompt_tokens, num_generated)
+                params = handoff(item) if self.options.role == "prefill" else None
+                if params is not None:
+                    chunk["disaggregated_params"] = params
                 clock.finish(chunk.get("finish_reason", "length"))
                 yield chunk
                 return

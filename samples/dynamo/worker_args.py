@@ -1,7 +1,6 @@
-"""The Dynamo worker's command line -> (`WorkerOptions`, Dynamo's `WorkerConfig`). Only the
-aggregated role is served: Dynamo 1.6.1's prefill / decode roles need a KV hand-off the unified
-backend does not carry for this engine (README, "Disaggregated under Dynamo"), so asking for one is
-an error that says so, never a silent aggregated worker."""
+"""The Dynamo worker's command line -> (`WorkerOptions`, Dynamo's `WorkerConfig`): the engine,
+the served name and model card, discovery and planes, KV events, and the role (aggregated, or
+Dynamo's prefill / decode over the engine's context-only / generation-only requests: disagg)."""
 from __future__ import annotations
 
 import argparse
@@ -22,6 +21,7 @@ class WorkerOptions:
     kv_events_port: int | None         # where the KV events publisher binds on 127.0.0.1 (None: off)
     max_batch_size: int | None
     max_kv_tokens: int | None          # the KV pool's size in tokens (None: the engine's default)
+    role: str = "agg"                  # "agg", "prefill" (context-only) or "decode" (generation-only)
 
 
 def free_port(below: int | None = None) -> int:
@@ -63,21 +63,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-events-port", type=_port, default=0,
                    help="the KV events publisher's port on 127.0.0.1 (0: a free one)")
     p.add_argument("--disable-kv-routing", action="store_true", help="publish no KV events or load snapshots")
-    p.add_argument("--disaggregation-mode", default="agg", choices=["agg", "aggregated", "prefill", "decode"])
+    p.add_argument("--disaggregation-mode", default="agg", choices=["agg", "aggregated", "prefill", "decode"],
+                   help="prefill: context-only requests whose KV a decode worker fetches; decode: generation-only")
     p.add_argument("--max-batch-size", type=int)
     p.add_argument("--max-tokens-in-paged-kvcache", type=int, dest="max_kv_tokens")
     return p
 
 
 def parse_worker_args(argv: list[str] | None = None):
-    """-> (WorkerOptions, dynamo WorkerConfig). SystemExit for a role this worker cannot take."""
+    """-> (WorkerOptions, dynamo WorkerConfig); SystemExit (argparse) for bad arguments."""
     from dynamo.common.backend import WorkerConfig
-    p = build_parser()
-    args = p.parse_args(argv)
-    if args.disaggregation_mode in ("prefill", "decode"):
-        p.error(f"--disaggregation-mode {args.disaggregation_mode}: not supported under Dynamo 1.6.1 by this "
-                "engine (its context-only / generation-only hand-off is not carried by Dynamo's unified backend; "
-                "see the README's Dynamo section); run aggregated workers")
+    from dynamo.common.constants import DisaggregationMode
+    args = build_parser().parse_args(argv)
+    role = "agg" if args.disaggregation_mode == "aggregated" else args.disaggregation_mode
     engine_dir = os.path.abspath(args.engine_dir)
     name = args.served_model_name or os.path.basename(engine_dir.rstrip("/"))
     card_dir = args.card_dir or os.path.join(os.environ.get("BATCH_MANAGER_CACHE", DEFAULT_CACHE_DIR),
@@ -86,9 +84,10 @@ def parse_worker_args(argv: list[str] | None = None):
     if not args.disable_kv_routing:
         kv_port = args.kv_events_port or free_port()
     options = WorkerOptions(engine_dir, name, card_dir, args.tokenizer_dir, kv_port, args.max_batch_size,
-                            args.max_kv_tokens)
+                            args.max_kv_tokens, role)
     config = WorkerConfig(namespace=args.namespace, component=args.component, endpoint=args.endpoint,
                           model_name=card_dir, served_model_name=name, discovery_backend=args.discovery_backend,
                           request_plane=args.request_plane, event_plane=args.event_plane,
-                          enable_kv_routing=not args.disable_kv_routing)
+                          enable_kv_routing=not args.disable_kv_routing,
+                          disaggregation_mode=DisaggregationMode(role))
     return options, config

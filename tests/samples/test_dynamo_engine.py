@@ -6,6 +6,7 @@ naming the field; the load snapshot and the trtllm_ metrics follow the requests.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -197,3 +198,52 @@ def test_metrics_and_load_snapshot_follow_the_requests(engine, loop):
                  if s.name.endswith("_total")}
     assert successes["length"] >= 1
     engine._snapshot_publisher = None
+
+
+@pytest.fixture(scope="module")
+def role_engines(tiny_model_dirs, tokenizer_dir, tmp_path_factory, loop):
+    """A prefill and a decode engine on the tiny model (Dynamo's roles)."""
+    _, engine_dir, _ = tiny_model_dirs
+    engines = []
+    for role in ("prefill", "decode"):
+        options, config = parse_worker_args(["--engine-dir", engine_dir, "--tokenizer-dir", tokenizer_dir, "--card-dir",
+                                             str(tmp_path_factory.mktemp(role) / "tiny"), "--disable-kv-routing",
+                                             "--disaggregation-mode", role])
+        assert config.disaggregation_mode.value == role
+        engines.append(ExecutorEngine(options))
+        loop.run_until_complete(engines[-1].start(0))
+    yield engines
+    for engine in engines:
+        loop.run_until_complete(engine.cleanup())
+
+
+def test_prefill_then_decode_equals_one_aggregated_request_with_the_kv_moved(engine, role_engines, loop):
+    """The prefill worker's terminal chunk (its first token and the hand-off) given to the decode
+    worker as Dynamo's PrefillRouter does: the decode stream leads with that token and the whole
+    equals the aggregated greedy tokens; the decode side computed no prompt block itself."""
+    prefill, decode = role_engines
+    expected = tokens(collect(loop, engine, greedy(10)))
+    prefill_chunks = collect(loop, prefill, greedy(10))
+    [terminal] = prefill_chunks
+    assert terminal["token_ids"] == expected[:1] and terminal["finish_reason"] == "length"
+    assert set(terminal["disaggregated_params"]) == {"context_phase_params"}
+    decoded = collect(loop, decode, {**greedy(10), "prefill_result": {
+        "disaggregated_params": terminal["disaggregated_params"]}})
+    assert tokens(decoded) == expected
+    assert decoded[0]["token_ids"] == expected[:1]
+    assert decoded[-1]["finish_reason"] == "length" and decoded[-1]["completion_usage"]["completion_tokens"] == 10
+    deadline = time.monotonic() + 30   # fetched, so released (on the prefill engine's worker thread)
+    while prefill.stream.executor.get_bookkeeping_counts()["kv_exports"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert prefill.stream.executor.get_bookkeeping_counts()["kv_exports"] == 0
+
+
+@pytest.mark.parametrize("prefill_result, problem", [
+    (None, "missing"), ({"disaggregated_params": {}}, "missing"),
+    ({"disaggregated_params": {"context_phase_params": "@@@"}}, "not base64"),
+    ({"disaggregated_params": {"context_phase_params": "AAAA"}}, "not the bytes of a ContextPhaseParams")])
+def test_a_decode_request_without_a_good_hand_off_is_invalid_argument(role_engines, loop, prefill_result, problem):
+    _, decode = role_engines
+    request = {**greedy(4), **({"prefill_result": prefill_result} if prefill_result is not None else {})}
+    with pytest.raises(InvalidArgument, match=f"(prefill_result.disaggregated_params.)?context_phase_params: .*{problem}"):
+        collect(loop, decode, request)
