@@ -30,6 +30,13 @@ def result_chunk(result: Result, num_top_log_probs: int | None, token_text: Call
     return chunk
 
 
+def truncate(chunk: dict, num_tokens: int) -> None:
+    """Keep the chunk's first `num_tokens` tokens (and their log probs)."""
+    for key in ("token_ids", "log_probs", "top_logprobs"):
+        if key in chunk:
+            chunk[key] = chunk[key][:max(num_tokens, 0)]
+
+
 def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
     return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
             "total_tokens": num_prompt_tokens + num_completion_tokens}

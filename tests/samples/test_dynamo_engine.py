@@ -223,7 +223,7 @@ def test_prefill_then_decode_equals_one_aggregated_request_with_the_kv_moved(eng
     equals the aggregated greedy tokens; the decode side computed no prompt block itself."""
     prefill, decode = role_engines
     expected = tokens(collect(loop, engine, greedy(10)))
-    prefill_chunks = collect(loop, prefill, greedy(10))
+    prefill_chunks = collect(loop, prefill, greedy(1))   # the PrefillRouter asks the prefill worker for 1 token
     [terminal] = prefill_chunks
     assert terminal["token_ids"] == expected[:1] and terminal["finish_reason"] == "length"
     assert set(terminal["disaggregated_params"]) == {"context_phase_params"}
@@ -236,6 +236,21 @@ def test_prefill_then_decode_equals_one_aggregated_request_with_the_kv_moved(eng
     while prefill.stream.executor.get_bookkeeping_counts()["kv_exports"] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert prefill.stream.executor.get_bookkeeping_counts()["kv_exports"] == 0
+
+
+def test_a_request_the_prefill_ended_or_a_max_tokens_of_1_ends_on_the_decode_worker_without_generating(
+        engine, role_engines, loop):
+    prefill, decode = role_engines
+    expected = tokens(collect(loop, engine, greedy(10)))
+    [terminal] = collect(loop, prefill, greedy(1, stop_token_ids_hidden=[expected[0]], ignore_eos=False))
+    assert terminal["disaggregated_params"] == {"finish_reason": "stop", "first_gen_tokens": []}
+    [ended] = collect(loop, decode, {**greedy(10), "prefill_result": {"disaggregated_params": terminal[
+        "disaggregated_params"]}})
+    assert ended["token_ids"] == [] and ended["finish_reason"] == "stop"
+    [terminal] = collect(loop, prefill, greedy(1))
+    [one] = collect(loop, decode, {**greedy(1), "prefill_result": {"disaggregated_params": terminal[
+        "disaggregated_params"]}})
+    assert one["token_ids"] == expected[:1] and one["finish_reason"] == "length"
 
 
 @pytest.mark.parametrize("prefill_result, problem", [
