@@ -51,7 +51,8 @@ def _max_batch_size(model_dir: str) -> int:
 def make_bridge(args, model_dir: str, guided_config=None):
     """guided_config: the engine's GuidedDecodingConfig (tools), or None."""
     model_type = MODEL_TYPES[args.type]
-    metrics = TritonMetrics(model_type == TrtGptModelType.V1, model=args.model_name)
+    metrics = TritonMetrics(model_type == TrtGptModelType.V1, model=args.model_name,
+                            served_model_name=args.served_model_name or os.path.basename(os.path.normpath(model_dir)))
     if args.api == "executor":
         from samples.benchmark.executor import executor_config
         from samples.serve.executor_bridge import ExecutorBridge

@@ -2,13 +2,16 @@
 metric families and label names of the legacy Triton TensorRT-LLM backend (`nv_trt_llm_*_metrics`,
 labels `model`, `version` and one type label per family), updated on the worker thread, with
 counters of what the stats count (reused KV blocks, context tokens computed, dropped KV events); and
-request latency histograms and token counters (`LatencyMetrics`), observed by the HTTP handlers."""
+request latency histograms and token counters (`LatencyMetrics`), observed by the HTTP handlers.
+vLLM's names for the same (vllm_metrics, the fleet protocol) live in the same registry."""
 from __future__ import annotations
 
 import time
 
 import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from samples.serve.vllm_metrics import VllmMetrics
 
 # family -> (help, type label, {label value: stats JSON key})
 REQUEST = ("nv_trt_llm_request_metrics", "TRT LLM request metrics", "request_type",
@@ -48,8 +51,10 @@ class TritonMetrics:
     """One gauge family per legacy family; `update(stats_json)` sets every gauge whose key is present."""
 
     def __init__(self, is_static_batching: bool, model: str = "tensorrt_llm", version: str = "1",
-                 registry: CollectorRegistry | None = None):
+                 registry: CollectorRegistry | None = None, served_model_name: str | None = None):
+        """served_model_name: the `model_name` label of vLLM's metrics (default: `model`)."""
         self.registry = registry if registry is not None else CollectorRegistry()
+        self.vllm = VllmMetrics(self.registry, served_model_name or model)
         self.labels = {"model": model, "version": version}
         families = (REQUEST, MEMORY, KV_CACHE, V1 if is_static_batching else INFLIGHT, GENERAL)
         self._key_to_gauges: dict[str, list] = {}
@@ -63,11 +68,12 @@ class TritonMetrics:
                                 .labels(**self.labels)
                                 for key, (name, help_text) in {**CUMULATIVE_COUNTERS, **PER_ITERATION_COUNTERS}.items()}
         self._cumulative: dict[str, float] = {}   # key -> the value last seen
-        self.latency = LatencyMetrics(self.registry, self.labels)
+        self.latency = LatencyMetrics(self.registry, self.labels, self.vllm)
 
     def update(self, stats_json: str | bytes) -> None:
         stats = orjson.loads(stats_json)
         self.last_stats = stats
+        self.vllm.update(stats)
         for key, value in stats.items():
             if key == "Timestamp":
                 value = time.mktime(time.strptime(value, TIMESTAMP_FORMAT))
@@ -87,6 +93,7 @@ class TritonMetrics:
         if "Max KV cache blocks" in self.last_stats:
             for child in self._key_to_gauges["Free KV cache blocks"]:
                 child.set(self.last_stats["Max KV cache blocks"])
+        self.vllm.update({**IDLE_VALUES, "Max KV cache blocks": self.last_stats.get("Max KV cache blocks", 0)})
 
 
 # Buckets in seconds (vLLM's, for dashboards that compare the two).
@@ -103,7 +110,9 @@ class LatencyMetrics:
     endpoints always do; /generate when "stream" is true). Times are taken on the handler's event
     loop as each response arrives there: what a client sees, less the network."""
 
-    def __init__(self, registry: CollectorRegistry, labels: dict[str, str]):
+    def __init__(self, registry: CollectorRegistry, labels: dict[str, str], vllm: VllmMetrics | None = None):
+        """vllm: vLLM's histograms and counters, observed alongside."""
+        self.vllm = vllm
         names = list(labels)
         self.ttft_s = Histogram("nv_trt_llm_time_to_first_token_seconds", "Time to first token (s)", names,
                                 buckets=TTFT_BUCKETS_S, registry=registry).labels(**labels)
@@ -133,15 +142,25 @@ class RequestTimer:
         if num_tokens <= 0:
             return
         now_s = time.perf_counter()
+        vllm = self.metrics.vllm
         if self.last_token_s is None:
             self.metrics.ttft_s.observe(now_s - self.start_s)
             self.metrics.prompt_tokens.inc(self.num_prompt_tokens)
+            if vllm is not None:
+                vllm.ttft_s.observe(now_s - self.start_s)
+                vllm.prompt_tokens.inc(self.num_prompt_tokens)
         else:   # a response with several tokens (draft tokens accepted): the gap split evenly
             gap_s = (now_s - self.last_token_s) / num_tokens
             for _ in range(num_tokens):
                 self.metrics.itl_s.observe(gap_s)
+                if vllm is not None:
+                    vllm.itl_s.observe(gap_s)
         self.metrics.generated_tokens.inc(num_tokens)
+        if vllm is not None:
+            vllm.generation_tokens.inc(num_tokens)
         self.last_token_s = now_s
 
     def finish(self) -> None:
         self.metrics.e2e_s.observe(time.perf_counter() - self.start_s)
+        if self.metrics.vllm is not None:
+            self.metrics.vllm.e2e_s.observe(time.perf_counter() - self.start_s)

@@ -164,8 +164,11 @@ async def handle_metrics(request: web.Request) -> web.Response:
     bridge = request.app[BRIDGE]
     if bridge.metrics is None:
         return _error(404, "metrics: this server was started without metrics")
-    if bridge.num_active_requests() == 0:
+    num_active = bridge.num_active_requests()
+    if num_active == 0:
         bridge.metrics.mark_idle()
+    else:   # the engine's stats miss what waits before it: the requests it holds, less what runs
+        bridge.metrics.vllm.set_waiting(max(0, num_active - bridge.metrics.vllm.last_num_running))
     return web.Response(body=generate_latest(bridge.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
