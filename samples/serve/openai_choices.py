@@ -80,7 +80,10 @@ class _Advance:
 
 
 class ChoiceRun:
-    def __init__(self, bridge, spec: CompletionSpec, info: ModelInfo, metrics: LatencyMetrics | None):
+    def __init__(self, bridge, spec: CompletionSpec, info: ModelInfo, metrics: LatencyMetrics | None,
+                 lora=None):
+        """lora: the loaded LoRA adapter (lora_routes.LoadedAdapter) every choice runs with, or None."""
+        self.lora = lora
         self.bridge, self.spec, self.info = bridge, spec, info
         calls = spec.tools is not None and spec.tools.parses_calls
         self.choices = [Choice(i * spec.n + j, i, spec.max_tokens[i], TextStream(info.tokenizer, spec.stop),
@@ -120,7 +123,8 @@ class ChoiceRun:
             try:
                 body = self.spec.engine_body(first.prompt_index, first.index % self.spec.n)
                 n = len(engine.choice_indices)
-                params = replace(parse_generate_body(body), num_return_sequences=n, guided_decoding_params=guide)
+                params = replace(parse_generate_body(body), num_return_sequences=n, guided_decoding_params=guide,
+                                 lora=self.lora)
                 engine.request_id, engine.events = self.bridge.submit(functools.partial(self.bridge.build, params),
                                                                       self.spec.logprobs, loop, n)
             except ValueError as e:

@@ -56,6 +56,7 @@ class CompletionSpec:
     echo_texts: tuple[str, ...] = ()       # completions' echo: per prompt, its text (each choice begins with it)
     tools: ToolChoice | None = None        # chat with tools
     grammar: str | None = None             # Lark text the replies are held to (tool_calls.tool_grammar)
+    lora_name: str | None = None           # `model` named a loaded LoRA adapter (lora_routes)
 
     def engine_body(self, prompt_index: int, j: int) -> dict:
         """The /generate body of choice j of a prompt: always streamed (text deltas, stop strings,
@@ -230,8 +231,9 @@ def _router_fields(body: dict, is_chat: bool) -> None:
         _boolean(field, body[field])
 
 
-def parse_request(body, is_chat: bool, info: ModelInfo) -> CompletionSpec:
-    """Check an OpenAI request body; raise OpenAIError (400 naming the field, 404 for another model)."""
+def parse_request(body, is_chat: bool, info: ModelInfo, adapter_names: frozenset[str] = frozenset()) -> CompletionSpec:
+    """Check an OpenAI request body; raise OpenAIError (400 naming the field, 404 for another model).
+    adapter_names: the loaded LoRA adapters, which `model` may name too."""
     if not isinstance(body, dict):
         raise bad("body", f"expected a JSON object, got {type(body).__name__}")
     accepted = CHAT_FIELDS | set(ROUTER_CHAT_DEFAULTS) | REASONING_FIELDS if is_chat \
@@ -241,7 +243,7 @@ def parse_request(body, is_chat: bool, info: ModelInfo) -> CompletionSpec:
         raise bad(min(unknown), f"unknown field; accepted: {sorted(accepted)}")
     _router_fields(body, is_chat)
     model = text_field("model", body.get("model"))
-    if model != info.name:
+    if model != info.name and model not in adapter_names:
         raise OpenAIError(404, f"model: {short_repr(model)} is not served here; this server serves {info.name!r}",
                           "model", "model_not_found")
     n = _integer("n", body.get("n", 1), 1, MAX_CHOICES)
@@ -274,7 +276,8 @@ def parse_request(body, is_chat: bool, info: ModelInfo) -> CompletionSpec:
     return CompletionSpec(is_chat, tuple(map(tuple, prompts)), n, _max_tokens(body, is_chat, prompts, info), stream,
                           include_usage, _stop(body.get("stop")), *_log_probs(body, is_chat), seed,
                           _sampling(body, info), _echo_texts(prompts, info) if echo else (), tools,
-                          tool_grammar(tools) if tools is not None else None)
+                          tool_grammar(tools) if tools is not None else None,
+                          model if model != info.name else None)
 
 
 def _echo_texts(prompts: list[list[int]], info: ModelInfo) -> tuple[str, ...]:

@@ -15,6 +15,7 @@ import orjson
 from aiohttp import web
 
 from samples.serve.openai_choices import ChoiceRun, ChoiceUpdate, TokenLogProb
+from samples.serve.lora_routes import ADAPTERS, DEFAULT_MAX_LORAS, LoraAdapters, add_routes as add_lora_routes
 from samples.serve.openai_basics import ModelInfo, OpenAIError, bad
 from samples.serve.openai_protocol import parse_request
 
@@ -54,22 +55,29 @@ async def read_json(request: web.Request):
         raise bad("body", f"not valid JSON ({e})") from None
 
 
-def _model_card(info: ModelInfo, created: int) -> dict:
+def _model_card(info: ModelInfo, created: int, adapter=None) -> dict:
+    """The base model's card, or (vLLM's shape) a loaded LoRA adapter's: its root, its parent."""
+    if adapter is not None:
+        return {"id": adapter.name, "object": "model", "created": created, "owned_by": OWNED_BY,
+                "root": adapter.path, "parent": info.name, "max_model_len": info.max_seq_len}
     return {"id": info.name, "object": "model", "created": created, "owned_by": OWNED_BY,
             "max_model_len": info.max_seq_len}
 
 
 async def handle_models(request: web.Request) -> web.Response:
-    context = request.app[CONTEXT]
-    return json_response({"object": "list", "data": [_model_card(context.info, context.created_s)]})
+    context, adapters = request.app[CONTEXT], request.app[ADAPTERS]
+    cards = [_model_card(context.info, context.created_s)] + [
+        _model_card(context.info, context.created_s, adapters.get(name)) for name in adapters.names()]
+    return json_response({"object": "list", "data": cards})
 
 
 async def handle_model(request: web.Request) -> web.Response:
     context, model = request.app[CONTEXT], request.match_info["model"]
-    if model != context.info.name:
+    adapter = request.app[ADAPTERS].get(model)
+    if model != context.info.name and adapter is None:
         raise OpenAIError(404, f"model: {model!r:.80} is not served here; this server serves "
                                f"{context.info.name!r}", "model", "model_not_found")
-    return json_response(_model_card(context.info, context.created_s))
+    return json_response(_model_card(context.info, context.created_s, adapter))
 
 
 async def handle_completions(request: web.Request) -> web.StreamResponse:
@@ -81,15 +89,21 @@ async def handle_chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def _complete(request: web.Request, is_chat: bool) -> web.StreamResponse:
-    context = request.app[CONTEXT]
+    context, adapters = request.app[CONTEXT], request.app[ADAPTERS]
     info, bridge = context.info, context.bridge
     body = await read_json(request)
     # NOTE: off the loop, so tokenizing (bounded by info.max_text_chars) never stalls other clients
-    spec = await asyncio.get_running_loop().run_in_executor(None, parse_request, body, is_chat, info)
+    spec = await asyncio.get_running_loop().run_in_executor(None, parse_request, body, is_chat, info,
+                                                            frozenset(adapters.names()))
+    adapter = adapters.get(spec.lora_name) if spec.lora_name is not None else None
+    if spec.lora_name is not None and adapter is None:   # unloaded while the body was parsed
+        raise OpenAIError(404, f"model: {spec.lora_name!r} is not served here", "model", "model_not_found")
     latency = bridge.metrics.latency if bridge.metrics is not None else None
-    run = ChoiceRun(bridge, spec, info, latency)
-    shape = _Shape(is_chat, ("chatcmpl-" if is_chat else "cmpl-") + uuid.uuid4().hex, int(time.time()), info.name,
-                   spec.top_logprobs)
+    run = ChoiceRun(bridge, spec, info, latency, adapter)
+    shape = _Shape(is_chat, ("chatcmpl-" if is_chat else "cmpl-") + uuid.uuid4().hex, int(time.time()),
+                   spec.lora_name or info.name, spec.top_logprobs)
+    if adapter is not None:
+        adapters.acquire(adapter.name)
     try:
         run.submit()
         first = await run.next_update()   # an error before the first token is still an HTTP status
@@ -99,6 +113,8 @@ async def _complete(request: web.Request, is_chat: bool) -> web.StreamResponse:
         return json_response(shape.full(run))
     finally:   # done: a no-op; a disconnect (handler cancelled) or an error: the engine requests stop
         run.close()
+        if adapter is not None:
+            adapters.release(adapter.name)
 
 
 async def _stream(request: web.Request, run: ChoiceRun, update: ChoiceUpdate, shape: "_Shape") -> web.StreamResponse:
@@ -190,8 +206,11 @@ class _Shape:
             "choices": choices, "usage": _usage(run)}
 
 
-def add_routes(app: web.Application, info: ModelInfo, bridge) -> None:
+def add_routes(app: web.Application, info: ModelInfo, bridge, max_loras: int = DEFAULT_MAX_LORAS) -> None:
+    """The OpenAI routes, and the LoRA adapters' (lora_routes: at most max_loras loaded)."""
     app[CONTEXT] = OpenAIContext(info, bridge, int(time.time()))
+    metrics = getattr(getattr(bridge, "metrics", None), "vllm", None)
+    add_lora_routes(app, LoraAdapters(info.name, max_loras, metrics))
     app.add_routes([web.get("/v1/models", handle_models), web.get("/v1/models/{model}", handle_model),
                     web.post("/v1/completions", handle_completions),
                     web.post("/v1/chat/completions", handle_chat_completions)])

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from batch_manager import InferenceRequest, tensor_names as tn
-from batch_manager.executor import OutputConfig, Request, SamplingConfig
+from batch_manager.executor import LoraConfig, OutputConfig, Request, SamplingConfig
 from runtime.decoding import to_word_list
 from runtime.decoding.fields import BY_PARAM, SAMPLING_FIELDS
 from samples.serve.value_repr import short_repr, some_sorted
@@ -63,6 +63,9 @@ class GenerateParams:
     # and a grammar (batch_manager.GuidedDecodingParams) the output is held to.
     num_return_sequences: int = 1
     guided_decoding_params: object = None
+    # Set by the OpenAI endpoints for a `model` naming a loaded LoRA adapter (lora_routes.LoadedAdapter:
+    # task_id, weights, config), sent with every request
+    lora: object = None
 
     @property
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -85,6 +88,9 @@ class GenerateParams:
             tensors[tn.EMBEDDING_BIAS] = torch.tensor([self.embedding_bias], dtype=torch.float32)
         if self.num_return_sequences > 1:
             tensors[tn.NUM_RETURN_SEQUENCES] = torch.tensor([[self.num_return_sequences]], dtype=torch.int32)
+        if self.lora is not None:
+            tensors[tn.LORA_TASK_ID] = torch.tensor([self.lora.task_id], dtype=torch.uint64)
+            tensors[tn.LORA_WEIGHTS], tensors[tn.LORA_CONFIG] = self.lora.weights, self.lora.config
         return tensors
 
     def to_inference_request(self, request_id: int) -> InferenceRequest:
@@ -107,7 +113,9 @@ class GenerateParams:
         return Request(list(self.input_ids), self.max_new_tokens, streaming=self.is_streaming,
                        sampling_config=SamplingConfig(**sampling), output_config=OutputConfig(**output),
                        end_id=self.end_id, pad_id=self.pad_id, embedding_bias=bias,
-                       guided_decoding_params=self.guided_decoding_params, **words)
+                       guided_decoding_params=self.guided_decoding_params, **words,
+                       lora_config=None if self.lora is None else LoraConfig(self.lora.task_id, self.lora.weights,
+                                                                              self.lora.config))
 
 
 def _int(field: str, value, low: int, high: int) -> int:
