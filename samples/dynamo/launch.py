@@ -125,7 +125,8 @@ class Fleet:
                  f"logs in {self.log_dir}", f"frontend pid {self.processes[0].pid}"]
         for i, process in enumerate(self.processes[1:]):
             events = f"tcp://127.0.0.1:{self.kv_events_ports[i]}" if self.router_mode == "kv" else "off"
-            lines.append(f"worker{i} ({self.roles[i]}) pid {process.pid} metrics http://127.0.0.1:{self.system_ports[i]}/metrics "
+            metrics = f"http://127.0.0.1:{self.system_ports[i]}/metrics"
+            lines.append(f"worker{i} ({self.roles[i]}) pid {process.pid} metrics {metrics} "
                          f"kv events {events}")
         return "\n".join(lines)
 

@@ -44,7 +44,8 @@ def write_model_card(engine_dir: str, tokenizer_dir: str | None, card_dir: str) 
     os.makedirs(card_dir, exist_ok=True)
     for name in CARD_FILES:
         if os.path.isfile(os.path.join(source, name)):
-            _replace(os.path.join(card_dir, name), lambda tmp, name=name: shutil.copyfile(os.path.join(source, name), tmp))
+            copy = lambda tmp, name=name: shutil.copyfile(os.path.join(source, name), tmp)   # noqa: E731
+            _replace(os.path.join(card_dir, name), copy)
     config = hf_config(read_engine_config(engine_dir))
     _replace(os.path.join(card_dir, "config.json"), lambda tmp: _write_json(tmp, config))
     return card_dir

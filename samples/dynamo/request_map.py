@@ -26,7 +26,8 @@ MAX_TOP_LOG_PROBS = 20   # OpenAI's bound on top_logprobs
 
 # Executor field (the start of its ValueError) -> the Dynamo field the user set
 _EXECUTOR_TO_DYNAMO = {"input_token_ids": "token_ids", "max_tokens": "stop_conditions.max_tokens",
-                       "stop_words": "stop_conditions.stop_token_ids", "end_id": "stop_conditions.stop_token_ids_hidden",
+                       "stop_words": "stop_conditions.stop_token_ids",
+                       "end_id": "stop_conditions.stop_token_ids_hidden",
                        "output_config.num_top_log_probs": "output_options.logprobs",
                        "sampling_config.min_tokens": "stop_conditions.min_tokens",
                        "sampling_config.num_return_sequences": "sampling_options.n",

@@ -152,6 +152,14 @@ def test_a_request_past_max_seq_len_and_an_unsupported_option_are_400s_naming_th
     assert c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2).usage.completion_tokens == 2
 
 
+def test_stop_strings_are_cut_by_the_frontend(fleet, serve_texts):
+    completion_text = serve_texts[1]
+    word = completion_text.split()[1]   # a word the greedy answer has after its first
+    cut = fleet.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stop=[word])
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == completion_text[:completion_text.index(word)]
+
+
 def test_repeats_of_a_long_prompt_land_on_one_worker_whose_prefix_hits_rise(fleet):
     before = fleet.worker_metrics()
     c = fleet.client

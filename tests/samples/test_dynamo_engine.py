@@ -260,5 +260,6 @@ def test_a_request_the_prefill_ended_or_a_max_tokens_of_1_ends_on_the_decode_wor
 def test_a_decode_request_without_a_good_hand_off_is_invalid_argument(role_engines, loop, prefill_result, problem):
     _, decode = role_engines
     request = {**greedy(4), **({"prefill_result": prefill_result} if prefill_result is not None else {})}
-    with pytest.raises(InvalidArgument, match=f"(prefill_result.disaggregated_params.)?context_phase_params: .*{problem}"):
+    field = "(prefill_result.disaggregated_params.)?context_phase_params"
+    with pytest.raises(InvalidArgument, match=f"{field}: .*{problem}"):
         collect(loop, decode, request)
