@@ -78,7 +78,7 @@ def parse_word_list(value, name: str, vocab_size: int) -> WordList:
         if offset < 0:
             break
         ends.append(offset)
-    if offsets[len(ends):] and any(o >= 0 for o in offsets[len(ends):]):
+    if any(o != -1 for o in offsets[len(ends):]):   # -1 is the only padding: [-7, -1] is no word list
         raise ValueError(f"{name}: offsets must be a prefix of non-negative values then -1 padding, got {offsets}")
     words, start = [], 0
     for end in ends:

@@ -173,6 +173,8 @@ def test_nan_logits_are_named_in_the_no_token_error_not_blamed_on_bad_words(tiny
 
 @pytest.mark.parametrize("tensors, message", [
     (dict(stop_words_list=torch.tensor([[1, 2], [3, -1]], dtype=torch.int32)), "stop_words_list"),
+    (dict(stop_words_list=torch.tensor([[5, 6, 7], [-7, -1, -1]], dtype=torch.int32)), "stop_words_list: offsets"),
+    (dict(bad_words_list=torch.tensor([[5, 6, 7], [1, -2, -1]], dtype=torch.int32)), "bad_words_list: offsets"),
     (dict(bad_words_list=torch.tensor([[[500], [1]]], dtype=torch.int32)), "bad_words_list: token id 500"),
     (dict(embedding_bias=torch.zeros(1, 5)), "embedding_bias"),
     (dict(embedding_bias=torch.full((128,), float("nan"))), "embedding_bias"),

@@ -221,3 +221,9 @@ def test_word_list_format_round_trips():
     assert encoded.tolist() == [[5, 6, 7, 1, 2, 3], [2, 3, 6, -1, -1, -1]]
     assert parse_word_list(encoded, "w", 128) == words
     assert parse_word_list(to_word_list(words, width=9)[None], "w", 128) == words
+
+
+@pytest.mark.parametrize("offsets", [[-7, -1, -1], [1, -2, -1], [2, -1, -3]])
+def test_negative_offsets_other_than_the_padding_are_refused(offsets):
+    with pytest.raises(ValueError, match="stop_words_list: offsets"):
+        parse_word_list(torch.tensor([[5, 6, 7], offsets]), "stop_words_list", 128)
