@@ -1,11 +1,11 @@
 """The `tensorrt_llm` model: one GptManager per model instance, driven only through its four
-callbacks. `execute` (Triton's thread) queues requests and stop signals; the callbacks (the
-manager's worker thread) hand them over, answer through each request's decoupled response
-sender, turn client cancellations into stop signals and the stats into metrics."""
+callbacks. `execute` (Triton's thread) queues requests and stop signals in the request book; the
+callbacks (the manager's worker thread) hand them over, answer through each request's decoupled
+response sender, return the stop signals and turn the stats into metrics. A watcher thread turns
+client cancellations and the launcher's drain into stops. Every request gets exactly one final
+response: its own, or an empty one (stopped before it started) or an error."""
 from __future__ import annotations
 
-import collections
-import dataclasses
 import logging
 import os
 import threading
@@ -13,7 +13,8 @@ import threading
 import numpy as np
 
 from batch_manager import (GptManager, KvCacheConfig, SchedulerPolicy, TrtGptModelOptionalParams, TrtGptModelType)
-from samples.triton.llm_requests import BadRequest, RequestIds, input_names, make_request, parse_inputs
+from samples.triton.llm_requests import BadRequest, input_names, make_request, parse_inputs
+from samples.triton.request_book import NOT_STARTED, LiveRequest, RequestBook
 from samples.triton.stats_metrics import StatsMetrics
 
 logger = logging.getLogger(__name__)
@@ -50,13 +51,6 @@ def manager_options(parameters: dict[str, str]) -> TrtGptModelOptionalParams:
                                      enable_chunked_context=_bool(parameters, "enable_chunked_context"))
 
 
-@dataclasses.dataclass
-class LiveRequest:
-    triton_id: str
-    request: object   # the Triton request: its cancellation flag
-    sender: object    # its decoupled response sender
-
-
 class LlmModel:
     def __init__(self, pb_utils, model_config: dict, model_name: str, model_version: str):
         self.pb_utils = pb_utils
@@ -64,16 +58,11 @@ class LlmModel:
         model_type = MODEL_TYPES[parameters.get("gpt_model_type", "inflight_fused_batching").lower()]
         self._cancel_check_period_s = int(parameters.get("cancellation_check_period_ms", "100")) / 1e3
         self._drain_file = parameters.get("drain_file")   # once it exists: stop what runs, refuse new work
-        self._is_draining = False
-        self._lock = threading.Lock()   # guards the three below: execute and the worker share them
-        self._incoming = collections.deque()
-        self._id_to_live: dict[int, LiveRequest] = {}
-        self._stop_ids: set[int] = set()
-        self._ids = RequestIds()
+        self._book = RequestBook()
         self._is_busy = False   # the worker's view: a request was live at its last get-requests call
         self._output_names = [o["name"] for o in model_config["output"]]
         self._is_closing = threading.Event()
-        # held by the watcher while it asks requests, and by the worker while it sends a final response
+        # held by the watcher while it asks requests, and by whoever sends a final response
         self._finalize_lock = threading.Lock()
         self.metrics = StatsMetrics(pb_utils, model_name, model_version, model_type == TrtGptModelType.V1)
         self.manager = GptManager(parameters["gpt_model_path"], model_type, int(parameters.get("max_beam_width", "1")),
@@ -89,72 +78,77 @@ class LlmModel:
     # Triton's thread
 
     def execute(self, requests) -> None:
+        self._drain_if_asked()
         for request in requests:
+            triton_id = _triton_id(request)
             sender = request.get_response_sender()
             try:
-                self._accept(request, sender)
+                self._accept(request, sender, triton_id)
             except BadRequest as e:
-                self._send_error(sender, request.request_id(), str(e))
+                self._send_error(sender, triton_id, str(e))
+            except Exception as e:  # noqa: BLE001 - any request gets an answer that carries its id
+                logger.exception("accepting request %.80r failed", triton_id)
+                self._send_error(sender, triton_id, f"internal error: {e!r}")
 
-    def _accept(self, request, sender) -> None:
+    def _accept(self, request, sender, triton_id: str) -> None:
         arrays = {}
         for name in input_names():
             tensor = self.pb_utils.get_input_tensor_by_name(request, name)
             if tensor is not None:
                 arrays[name] = tensor.as_numpy()
         parsed = parse_inputs(arrays)
-        triton_id = request.request_id()
-        with self._lock:
-            live_id = self._ids.lookup(triton_id) if triton_id else None
-            is_live = live_id is not None and live_id in self._id_to_live
-            if parsed.is_stop:
-                if is_live:
-                    self._stop_ids.add(live_id)
-                self._send_final(sender, None)
-                return
-            if is_live:
-                raise BadRequest(f"request id {triton_id!r} is already in use by a live request")
-            if self._is_draining:
-                raise BadRequest("the server is shutting down")
-            request_id = self._ids.assign(triton_id)
-            self._id_to_live[request_id] = LiveRequest(triton_id, request, sender)
-            self._incoming.append(make_request(request_id, parsed))
+        if parsed.is_stop:
+            unstarted = self._book.stop(triton_id)
+            if unstarted is not None:   # it never reached the GptManager: it ends here, with no tokens
+                self._finish_unstarted([unstarted], None)
+            self._send_final(sender, None)
+            return
+        self._book.accept(LiveRequest(triton_id, request, sender), lambda request_id: make_request(request_id, parsed))
 
     def finalize(self) -> None:
         """Unloading: requests in flight stop at once with what they have (a final response each),
         requests not yet handed over get an error; then the GptManager shuts down."""
         self._is_closing.set()
         self._cancel_watcher.join()
-        with self._lock:
-            pending = [self._id_to_live.pop(r.request_id) for r in self._incoming]
-            self._incoming.clear()
-            self._stop_ids.update(self._id_to_live)
-        for live in pending:
-            self._send_error(live.sender, live.triton_id, "the model is unloading")
+        self._finish_unstarted(self._book.drain(), "the model is unloading")
         self.manager.shutdown()
 
+    # any thread
+
+    def _drain_if_asked(self) -> None:
+        """Once the drain file exists: nothing more is handed over, the waiting requests get an
+        error, the handed ones stop (every poll returns them until their final response)."""
+        if self._drain_file and not self._book.is_draining and os.path.exists(self._drain_file):
+            logger.info("drain file found: stopping %d live requests, refusing new ones", self._book.num_live)
+            self._finish_unstarted(self._book.drain(), NOT_STARTED)
+
+    def _finish_unstarted(self, unstarted: list[LiveRequest], error: str | None) -> None:
+        """Final responses of requests that left the book before the GptManager had them: the
+        error, or (stopped or cancelled) an empty final response."""
+        with self._finalize_lock:
+            for live in unstarted:
+                if error is None:
+                    self._send_final(live.sender, None)
+                else:
+                    self._send_error(live.sender, live.triton_id, error)
+
     def _watch_cancellations(self) -> None:
-        """Each period, the live requests whose client cancelled become stop signals; once the
-        drain file exists (the launcher's shutdown), every live request does."""
+        """Each period: the drain file, then the live requests whose client cancelled."""
         while not self._is_closing.wait(self._cancel_check_period_s):
-            if self._drain_file and not self._is_draining and os.path.exists(self._drain_file):
-                with self._lock:
-                    self._is_draining = True
-                    self._stop_ids.update(self._id_to_live)
+            self._drain_if_asked()
             with self._finalize_lock:   # never ask a request whose final response went out: it is freed
-                with self._lock:
-                    live = list(self._id_to_live.items())
-                cancelled_ids = {request_id for request_id, entry in live if entry.request.is_cancelled()}
-            if cancelled_ids:
-                with self._lock:
-                    self._stop_ids.update(cancelled_ids & self._id_to_live.keys())
+                cancelled = [(request_id, live) for request_id, live in self._book.live_items()
+                             if live.request.is_cancelled()]
+            if cancelled:
+                self._finish_unstarted(self._book.cancel(cancelled), None)
 
     # the GptManager's worker thread
 
     def _get_requests(self, max_num_requests: int) -> list:
-        with self._lock:
-            requests = [self._incoming.popleft() for _ in range(min(max_num_requests, len(self._incoming)))]
-            is_idle = not self._id_to_live
+        if self._book.has_waiting:   # a stat only when something would start: none starts after the drain
+            self._drain_if_asked()
+        requests = self._book.take(max_num_requests)
+        is_idle = not self._book.num_live
         if is_idle and self._is_busy:   # called each iteration, also idle ones: the metrics follow
             self.metrics.mark_idle()
         self._is_busy = not is_idle
@@ -168,11 +162,7 @@ class LlmModel:
             self._respond(request_id, tensors, is_final, err_msg)
 
     def _respond(self, request_id: int, tensors, is_final: bool, err_msg: str) -> None:
-        with self._lock:
-            live = self._id_to_live.pop(request_id, None) if is_final else self._id_to_live.get(request_id)
-            if live is not None and is_final:
-                self._ids.release(live.triton_id)
-                self._stop_ids.discard(request_id)
+        live = self._book.handed(request_id, is_final)
         if live is None:
             return
         if err_msg:
@@ -193,13 +183,23 @@ class LlmModel:
         self._send_final(sender, self.pb_utils.InferenceResponse(error=error))
 
     def _send_final(self, sender, response) -> None:
+        """The request's last send: its sender is spent after it, whether or not it arrives."""
         final = self.pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-        if response is None:
-            sender.send(flags=final)
-        else:
-            sender.send(response, flags=final)
+        try:
+            if response is None:
+                sender.send(flags=final)
+            else:
+                sender.send(response, flags=final)
+        except Exception:  # noqa: BLE001 - a client gone; the worker and the other requests go on
+            logger.warning("a final response could not be sent", exc_info=True)
 
     def _poll_stop_signals(self) -> set[int]:
-        with self._lock:
-            stop_ids, self._stop_ids = self._stop_ids, set()
-        return stop_ids
+        return self._book.stop_ids()
+
+
+def _triton_id(request) -> str:
+    try:
+        return request.request_id()
+    except Exception:  # noqa: BLE001 - an id the stub cannot decode: answered as an unknown id
+        logger.warning("a request id could not be read", exc_info=True)
+        return ""

@@ -65,10 +65,21 @@ def make_request(request_id: int, parsed: ParsedRequest) -> InferenceRequest:
     return request
 
 
+def spelled_id(triton_id: str) -> int | None:
+    """The integer below FIRST_MAPPED_ID that a Triton id spells in plain ASCII decimal digits
+    without leading zeros, or None (`²` is a digit to str.isdigit but not to int; `007` would
+    share 7's id)."""
+    if not (0 < len(triton_id) <= len(str(FIRST_MAPPED_ID)) and triton_id.isascii() and triton_id.isdigit()):
+        return None
+    if triton_id != "0" and triton_id.startswith("0"):
+        return None
+    value = int(triton_id)
+    return value if value < FIRST_MAPPED_ID else None
+
+
 class RequestIds:
-    """Triton request id (string) -> GptManager id: the integer it spells when it is one below
-    FIRST_MAPPED_ID, else one handed out (and kept while the request lives); an empty id gets a
-    fresh one each time."""
+    """Triton request id (string) -> GptManager id: the integer it spells (`spelled_id`), else one
+    handed out (and kept while the request lives); an empty id gets a fresh one each time."""
 
     def __init__(self):
         self._mapped: dict[str, int] = {}
@@ -76,9 +87,8 @@ class RequestIds:
 
     def lookup(self, triton_id: str) -> int | None:
         """The id a live request with this Triton id has, or None."""
-        if triton_id.isdigit() and int(triton_id) < FIRST_MAPPED_ID:
-            return int(triton_id)
-        return self._mapped.get(triton_id)
+        spelled = spelled_id(triton_id)
+        return spelled if spelled is not None else self._mapped.get(triton_id)
 
     def assign(self, triton_id: str) -> int:
         request_id = self.lookup(triton_id) if triton_id else None

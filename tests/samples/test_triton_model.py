@@ -1,0 +1,140 @@
+"""samples.triton's `tensorrt_llm` model in the test process, through a stand-in for the backend's
+utils (tests/samples/fake_triton.py), on a tiny engine with two slots: stops and cancellations of
+requests that are still waiting for a slot, the drain, and request ids that are not plain numbers.
+Each request must get exactly one final response. (The real server: test_triton*.py.)"""
+from __future__ import annotations
+
+import pytest
+
+from runtime import build_engine
+from tests.factories import make_checkpoint
+from tests.samples.fake_triton import llm_request, pb_utils, wait_for
+
+LONG = 400   # tokens asked for by requests that are meant to be stopped
+PROMPT = [5, 9, 13, 17]
+
+
+@pytest.fixture(scope="module")
+def engine_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("triton-model-engine")
+    make_checkpoint(root / "hf", "llama", max_position_embeddings=512)
+    build_engine(root / "hf", root / "engine", tokens_per_block=4, max_batch_size=2, max_input_len=16,
+                 max_seq_len=512, max_num_tokens=64)
+    return str(root / "engine")
+
+
+@pytest.fixture
+def make_model(engine_dir, tmp_path):
+    from samples.triton.llm_model import LlmModel
+    from samples.triton.model_configs import LLM_OUTPUTS
+    models = []
+
+    def make():
+        parameters = {"gpt_model_path": engine_dir, "cancellation_check_period_ms": "5",
+                      "exclude_input_in_output": "true", "drain_file": str(tmp_path / "draining")}
+        config = {"parameters": {k: {"string_value": v} for k, v in parameters.items()},
+                  "output": [{"name": spec.name} for spec in LLM_OUTPUTS]}
+        models.append(LlmModel(pb_utils, config, "tensorrt_llm", "1"))
+        return models[-1]
+    yield make
+    for model in models:
+        model.finalize()
+
+
+def submit(model, *requests):
+    model.execute(list(requests))
+    return requests
+
+
+def started(request) -> bool:
+    return bool(request.sender.tokens)
+
+
+def assert_one_final(*requests) -> None:
+    for r in requests:
+        assert r.sender.num_finals == 1 and r.sender.num_sends_after_final == 0, (r.request_id(), r.sender.responses)
+
+
+def test_stop_ends_a_request_still_waiting_for_a_slot(make_model):
+    model = make_model()
+    running = submit(model, *(llm_request(str(i), PROMPT, LONG) for i in range(2)))
+    wait_for(lambda: all(started(r) for r in running), what="both slots running")
+    (waiting,) = submit(model, llm_request("2", PROMPT, LONG))
+    (stop,) = submit(model, llm_request("2", [0], 1, stop=True))
+    waiting.sender.wait(10)
+    assert waiting.sender.tokens == [] and waiting.sender.error is None   # ended before it started
+    for r in running:
+        submit(model, llm_request(r.request_id(), [0], 1, stop=True))
+        assert len(r.sender.wait().tokens) < LONG
+    assert_one_final(waiting, stop, *running)
+
+
+def test_stop_right_after_submit_is_never_lost(make_model):
+    model = make_model()
+    requests = []
+    for i in range(20):
+        (r,) = submit(model, llm_request(str(100 + i), PROMPT, LONG, streaming=i % 2 == 0))
+        submit(model, llm_request(str(100 + i), [0], 1, stop=True))
+        requests.append(r)
+    for r in requests:
+        assert len(r.sender.wait(30).tokens) < LONG / 2, r.request_id()
+    assert_one_final(*requests)
+
+
+def test_a_cancelled_request_waiting_for_a_slot_ends_without_starting(make_model):
+    model = make_model()
+    running = submit(model, *(llm_request(str(i), PROMPT, LONG) for i in range(2)))
+    wait_for(lambda: all(started(r) for r in running), what="both slots running")
+    (waiting,) = submit(model, llm_request("7", PROMPT, LONG))
+    waiting.is_cancelled_flag = True
+    assert waiting.sender.wait(10).tokens == []
+    for r in running:
+        r.is_cancelled_flag = True
+        assert len(r.sender.wait().tokens) < LONG
+    assert_one_final(waiting, *running)
+
+
+def test_the_drain_answers_every_request_once_and_starts_none(make_model, tmp_path):
+    model = make_model()
+    requests = submit(model, *(llm_request(str(i), PROMPT, LONG, streaming=i < 2 or i % 2 == 0) for i in range(8)))
+    wait_for(lambda: sum(started(r) for r in requests) == 2, what="two slots running")
+    (tmp_path / "draining").touch()
+    for r in requests:
+        r.sender.wait(30)
+    running = [r for r in requests if started(r)]
+    assert len(running) == 2                                   # nothing started after the drain began
+    for r in running:
+        assert r.sender.error is None and len(r.sender.tokens) < LONG
+    for r in requests:
+        if r not in running:
+            assert "shutting down: the request was not started" in r.sender.error
+            assert r.sender.error.startswith(f"[request id: {r.request_id()}]")
+    (late,) = submit(model, llm_request("99", PROMPT, 4))
+    assert "shutting down" in late.sender.wait(5).error
+    assert_one_final(*requests, late)
+
+
+@pytest.mark.parametrize("triton_id", ["²", "9" * 5000, "007", "a]b", "-3", "1" * 19, "18446744073709551616", ""])
+def test_any_request_id_gets_its_answer_carrying_it(make_model, triton_id):
+    model = make_model()
+    (r,) = submit(model, llm_request(triton_id, PROMPT, 3, streaming=False))
+    assert r.sender.wait(30).error is None and len(r.sender.tokens) == 3
+    (bad,) = submit(model, llm_request(triton_id, PROMPT, 0))   # an error names the id
+    assert bad.sender.wait(30).error.startswith(f"[request id: {triton_id or '<id_unknown>'}] ")
+    (long,) = submit(model, llm_request(triton_id, PROMPT, LONG))
+    wait_for(lambda: started(long), what="the long request started")
+    if triton_id:   # a stop with the same id finds it
+        submit(model, llm_request(triton_id, [0], 1, stop=True))
+    else:
+        long.is_cancelled_flag = True
+    assert len(long.sender.wait(30).tokens) < LONG
+    assert_one_final(r, bad, long)
+
+
+def test_plain_decimal_ids_are_the_gpt_manager_ids_and_others_are_mapped():
+    from samples.triton.llm_requests import FIRST_MAPPED_ID, RequestIds, spelled_id
+    assert [spelled_id(s) for s in ("0", "7", "4611686018427387903")] == [0, 7, FIRST_MAPPED_ID - 1]
+    assert [spelled_id(s) for s in ("²", "007", "", "-1", "4611686018427387904", "9" * 5000, "٣")] == [None] * 7
+    ids = RequestIds()
+    assert ids.assign("²") == FIRST_MAPPED_ID and ids.lookup("²") == FIRST_MAPPED_ID
+    assert ids.assign("007") == FIRST_MAPPED_ID + 1 and ids.assign("7") == 7
