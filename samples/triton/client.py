@@ -1,10 +1,10 @@
 """A `tritonclient` gRPC streaming client of the `tensorrt_llm` model: requests by id on one
 bidirectional stream, each request's responses gathered (tokens, arrival times, error) until its
-final one. Used by the benchmark and the tests."""
+final one; when the stream itself breaks, every request still waiting gets that error. Used by the
+benchmark, the chaos soak and the tests."""
 from __future__ import annotations
 
 import dataclasses
-import queue
 import threading
 import time
 
@@ -47,13 +47,15 @@ class StreamClient:
         self._lock = threading.Lock()
         self._id_to_result: dict[str, Result] = {}
         self._id_to_done: dict[str, threading.Event] = {}
-        self._first_response: "queue.Queue[str]" = queue.Queue()
+        self.num_finals: dict[str, int] = {}   # request id -> final responses seen (errors included)
+        self.unattributed_errors: list[str] = []   # errors that named no request of this stream
         self.client.start_stream(callback=self._on_response)
 
     def submit(self, request_id: str, inputs: list[grpcclient.InferInput]) -> None:
         with self._lock:
             self._id_to_result[request_id] = Result()
             self._id_to_done[request_id] = threading.Event()
+            self.num_finals[request_id] = 0
         self.client.async_stream_infer(self.model, inputs, request_id=request_id, enable_empty_final_response=True)
 
     def send_stop(self, request_id: str) -> None:
@@ -65,35 +67,56 @@ class StreamClient:
     def _on_response(self, result, error) -> None:
         now_s = time.perf_counter()
         if error is not None:
-            request_id = self._error_request_id(error)
-            with self._lock:
-                entry, done = self._id_to_result.get(request_id), self._id_to_done.get(request_id)
-            if entry is not None:
-                entry.error = str(error)
-                done.set()
+            self._on_error(error)
             return
         response = result.get_response()
         request_id = response.id
         with self._lock:
             entry, done = self._id_to_result.get(request_id), self._id_to_done.get(request_id)
-        if entry is None or done.is_set():
+        if entry is None:
             return
         output_ids = result.as_numpy("output_ids")
-        if output_ids is not None and output_ids.size:
+        if output_ids is not None and output_ids.size and not done.is_set():
             lengths = result.as_numpy("sequence_length")
             entry.tokens.extend(output_ids[0, 0, :lengths[0, 0]].tolist())
             entry.arrival_s.append(now_s)
             entry.outputs = {o.name: result.as_numpy(o.name) for o in response.outputs}
         if response.parameters["triton_final_response"].bool_param:
-            done.set()
+            self._finish(request_id, None)
 
-    def _error_request_id(self, error) -> str | None:
-        """A stream error carries its request id only in the message: `[request id: 7] ...`."""
-        text = str(error)
+    def _on_error(self, error) -> None:
+        """A request's error (its id leads the message), or the stream's own (a gRPC status:
+        the stream is over, so every request still waiting ends with it)."""
+        if error.status() is not None:
+            with self._lock:
+                waiting = [i for i, done in self._id_to_done.items() if not done.is_set()]
+            for request_id in waiting:
+                self._finish(request_id, f"the stream broke: {error}")
+            return
+        request_id = self._error_request_id(str(error))
+        if request_id is None:
+            self.unattributed_errors.append(str(error))
+        else:
+            self._finish(request_id, str(error))
+
+    def _finish(self, request_id: str, error: str | None) -> None:
+        with self._lock:
+            entry, done = self._id_to_result[request_id], self._id_to_done[request_id]
+            self.num_finals[request_id] += 1
+            if not done.is_set() and error is not None:
+                entry.error = error
+        done.set()
+
+    def _error_request_id(self, text: str) -> str | None:
+        """A stream error carries its request id only in the message: `[request id: 7] ...`; the
+        longest id of this stream that fits (an id may hold `]`)."""
         marker = "[request id: "
-        if marker in text:
-            return text.split(marker, 1)[1].split("]", 1)[0]
-        return None
+        if marker not in text:
+            return None
+        rest = text.split(marker, 1)[1]
+        with self._lock:
+            fitting = [i for i in self._id_to_result if rest.startswith(i + "]")]
+        return max(fitting, key=len) if fitting else None
 
     def result(self, request_id: str) -> Result:
         """The request's result so far (the stream's thread adds to it until its final response)."""

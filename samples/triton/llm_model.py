@@ -58,6 +58,7 @@ class LlmModel:
         model_type = MODEL_TYPES[parameters.get("gpt_model_type", "inflight_fused_batching").lower()]
         self._cancel_check_period_s = int(parameters.get("cancellation_check_period_ms", "100")) / 1e3
         self._drain_file = parameters.get("drain_file")   # once it exists: stop what runs, refuse new work
+        self._drained_file = parameters.get("drained_file")   # written once the drain answered everyone
         self._book = RequestBook()
         self._is_busy = False   # the worker's view: a request was live at its last get-requests call
         self._output_names = [o["name"] for o in model_config["output"]]
@@ -133,9 +134,14 @@ class LlmModel:
                     self._send_error(live.sender, live.triton_id, error)
 
     def _watch_cancellations(self) -> None:
-        """Each period: the drain file, then the live requests whose client cancelled."""
+        """Each period: the drain file (and once it answered every request, the drained file),
+        then the live requests whose client cancelled."""
+        has_drained = False
         while not self._is_closing.wait(self._cancel_check_period_s):
             self._drain_if_asked()
+            if self._book.is_draining and not has_drained and not self._book.num_live:
+                has_drained = True
+                _tell_drained(self._drained_file)
             with self._finalize_lock:   # never ask a request whose final response went out: it is freed
                 cancelled = [(request_id, live) for request_id, live in self._book.live_items()
                              if live.request.is_cancelled()]
@@ -203,3 +209,11 @@ def _triton_id(request) -> str:
     except Exception:  # noqa: BLE001 - an id the stub cannot decode: answered as an unknown id
         logger.warning("a request id could not be read", exc_info=True)
         return ""
+
+
+def _tell_drained(path: str | None) -> None:
+    """The launcher's sign that nothing is left to answer: from now on Triton's exit may be cut short."""
+    logger.info("drained: every request has its final response")
+    if path:
+        with open(path, "w"):
+            pass

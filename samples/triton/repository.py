@@ -28,10 +28,15 @@ class RepositoryOptions:
 
 
 DRAIN_FILE = "draining"   # in the tensorrt_llm model's directory; written by the launcher on shutdown
+DRAINED_FILE = "drained"  # beside it; written by the model once every request got its final response
 
 
 def drain_file(repository: str) -> str:
     return os.path.join(os.path.abspath(repository), "tensorrt_llm", DRAIN_FILE)
+
+
+def drained_file(repository: str) -> str:
+    return os.path.join(os.path.abspath(repository), "tensorrt_llm", DRAINED_FILE)
 
 
 def _llm_parameters(engine_dir: str, options: RepositoryOptions) -> dict[str, str]:
@@ -59,6 +64,7 @@ def write_repository(directory: str, engine_dir: str, python_path: tuple[str, ..
     models = {"tensorrt_llm": mc.python_model_config(
         "tensorrt_llm", mc.LLM_INPUTS, mc.LLM_OUTPUTS,
         {**common, "implementation": "samples.triton.llm_model:LlmModel", "drain_file": drain_file(directory),
+         "drained_file": drained_file(directory),
          **_llm_parameters(engine_dir, options)},
         options.max_batch_size, is_decoupled=True)}
     if has_tokenizer(engine_dir):
@@ -72,8 +78,9 @@ def write_repository(directory: str, engine_dir: str, python_path: tuple[str, ..
             {**text, "implementation": "samples.triton.text_models:Postprocessing"}, options.max_batch_size,
             num_instances=options.num_text_instances)
         models["ensemble"] = mc.ensemble_config(options.max_batch_size)
-    if os.path.exists(drain_file(directory)):
-        os.remove(drain_file(directory))
+    for path in (drain_file(directory), drained_file(directory)):
+        if os.path.exists(path):
+            os.remove(path)
     for name, config in models.items():
         version_dir = os.path.join(directory, name, "1")
         os.makedirs(version_dir, exist_ok=True)

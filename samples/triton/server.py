@@ -1,9 +1,12 @@
 """Runs Triton Inference Server (the nvidia-pytriton wheel's binary) over a model repository, on
-loopback ports, as a child process: start, wait until the models are ready, stop."""
+loopback ports, as a child process: start, wait until the models are ready, stop (drain, SIGTERM,
+and SIGKILL past a bound), and what its exit status means."""
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import logging
+import os
 import signal
 import subprocess
 import time
@@ -11,11 +14,15 @@ import urllib.error
 import urllib.request
 
 from samples.triton.environment import ServerEnvironment
-from samples.triton.repository import drain_file
+from samples.triton.repository import drain_file, drained_file
 
 logger = logging.getLogger(__name__)
 
 HOST = "127.0.0.1"
+EXIT_TIMEOUT_S = 20     # Triton's own: how long it waits for requests in flight once it is asked to exit
+KILL_MARGIN_S = 30      # a server still running this long after its exit timeout is killed
+KILLED_AFTER_TIMEOUT = 124   # the launcher's exit code then (as timeout(1) says it)
+MAX_DRAINED_GRACE_S = 10     # after the model drained: how long Triton may take to exit on its own
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,20 +32,38 @@ class Ports:
     metrics: int = 8002
 
 
-def server_command(env: ServerEnvironment, repository: str, ports: Ports, log_verbose: int = 0) -> list[str]:
+def server_command(env: ServerEnvironment, repository: str, ports: Ports, log_verbose: int = 0,
+                   exit_timeout_s: int = EXIT_TIMEOUT_S) -> list[str]:
     return [env.server_binary, f"--model-repository={repository}", f"--backend-directory={env.backend_dir}",
             f"--http-address={HOST}", f"--http-port={ports.http}", f"--grpc-address={HOST}",
             f"--grpc-port={ports.grpc}", "--allow-metrics=true", f"--metrics-address={HOST}",
             f"--metrics-port={ports.metrics}", "--allow-gpu-metrics=false", "--allow-cpu-metrics=false",
-            f"--log-verbose={log_verbose}", "--exit-timeout-secs=20", "--disable-auto-complete-config"]
+            f"--log-verbose={log_verbose}", f"--exit-timeout-secs={exit_timeout_s}", "--disable-auto-complete-config"]
+
+
+def exit_code(return_code: int) -> int:
+    """A child's return code as a shell exit code: a death by signal N is 128 + N."""
+    return 128 - return_code if return_code < 0 else return_code
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the launcher dies (it is in a session of its own,
+    so a terminal's Ctrl-C reaches the launcher only, which drains first)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
 
 
 class TritonServer:
-    def __init__(self, env: ServerEnvironment, repository: str, ports: Ports = Ports(), log_file=None):
+    def __init__(self, env: ServerEnvironment, repository: str, ports: Ports = Ports(), log_file=None,
+                 exit_timeout_s: int = EXIT_TIMEOUT_S):
         self.ports = ports
         self.repository = repository
-        self.process = subprocess.Popen(server_command(env, repository, ports), env=env.process_env(),
-                                        stdout=log_file, stderr=subprocess.STDOUT if log_file else None)
+        self.exit_timeout_s = exit_timeout_s
+        self.process = subprocess.Popen(server_command(env, repository, ports, exit_timeout_s=exit_timeout_s),
+                                        env=env.process_env(), stdout=log_file,
+                                        stderr=subprocess.STDOUT if log_file else None,
+                                        start_new_session=True, preexec_fn=_die_with_parent)
+        self._stop_deadline_s: float | None = None
 
     @property
     def http_url(self) -> str:
@@ -69,24 +94,67 @@ class TritonServer:
                 pass
             time.sleep(0.25)
 
+    @property
+    def is_stopping(self) -> bool:
+        return self._stop_deadline_s is not None
+
     def request_stop(self) -> None:
         """The drain file first (the tensorrt_llm model ends its live requests with a final
-        response within a check period), then SIGTERM: Triton waits for the requests in flight,
-        unloads the models (each GptManager shuts down) and exits. Without the drain, requests
-        still in flight at Triton's exit timeout crash the server's exit."""
+        response within a check period and answers the waiting ones with an error), then SIGTERM:
+        Triton waits for the requests in flight, unloads the models (each GptManager shuts down)
+        and exits. Once: a second call only logs. Without the drain, requests still in flight at
+        Triton's exit timeout crash the server's exit."""
+        if self._stop_deadline_s is not None:
+            logger.info("tritonserver is stopping already (killed %.0f s from now if still running)",
+                        self._stop_deadline_s - time.monotonic())
+            return
+        self._stop_deadline_s = time.monotonic() + self.exit_timeout_s + KILL_MARGIN_S
         if self.process.poll() is None:
             with open(drain_file(self.repository), "w"):
                 pass
             self.process.send_signal(signal.SIGTERM)
 
-    def stop(self, timeout_s: float = 60.0) -> int:
-        """request_stop, then SIGKILL after the timeout."""
-        if self.process.poll() is None:
-            self.request_stop()
-            try:
-                self.process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                logger.warning("tritonserver did not stop within %.0f s: killed", timeout_s)
-                self.process.kill()
-                self.process.wait()
-        return self.process.returncode
+    def wait(self, poll_s: float = 0.1) -> int:
+        """Until the server exits. Once a stop was requested: when the model has answered every
+        request (its drained file) and Triton has not exited within a grace, the server is
+        stopped with SIGKILL (see the NOTE) and that is a clean stop; without the drained file,
+        at most the exit timeout plus a margin, then SIGKILL. -> the launcher's exit code: 0 for
+        a clean stop, the server's own status (128 + N for signal N) when it failed,
+        KILLED_AFTER_TIMEOUT when it had to be killed before everything was answered."""
+        # NOTE: Triton 2.51 unloads a model only once no client stream that sent it a request is
+        # open, and closes its endpoints only after the unload; past its exit timeout it calls
+        # exit() with its threads running, which hangs or corrupts the heap. So with a client's
+        # stream open a clean exit never comes; once every request is answered nothing is lost
+        # by ending the server's processes (the backend stub too: it is in the server's group).
+        grace_s = min(MAX_DRAINED_GRACE_S, self.exit_timeout_s / 2)
+        drained_since_s = None
+        while self.process.poll() is None:
+            now_s = time.monotonic()
+            if drained_since_s is None and self.is_stopping and os.path.exists(drained_file(self.repository)):
+                drained_since_s = now_s
+            if drained_since_s is not None and now_s - drained_since_s > grace_s:
+                logger.warning("every request was answered but tritonserver did not exit within %.0f s (a client's "
+                               "stream still open holds its models): stopped with SIGKILL", grace_s)
+                self._kill()
+                return 0
+            if self.is_stopping and now_s > self._stop_deadline_s:
+                logger.error("tritonserver still running %d s after its exit timeout: killed", KILL_MARGIN_S)
+                self._kill()
+                return KILLED_AFTER_TIMEOUT
+            time.sleep(poll_s)
+        if self.process.returncode != 0:
+            logger.error("tritonserver exited with status %d", exit_code(self.process.returncode))
+        return exit_code(self.process.returncode)
+
+    def _kill(self) -> None:
+        """SIGKILL to the server's process group: tritonserver and its backend stubs."""
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait()
+
+    def stop(self) -> int:
+        """request_stop, then wait (bounded). -> wait's exit code."""
+        self.request_stop()
+        return self.wait()
