@@ -1,12 +1,18 @@
 """The `preprocessing` and `postprocessing` models of the ensemble: text to token ids and word
 lists with the engine directory's tokenizer, and token ids back to text (each streamed response
-decoded on its own, as the TensorRT-LLM backend's postprocessing does)."""
+decoded on its own, as the TensorRT-LLM backend's postprocessing does). Text is bounded before it
+is tokenized (the serving sample's limit: MAX_CHARS_PER_TOKEN per token of the engine's context)."""
 from __future__ import annotations
 
 import numpy as np
 
+from samples.benchmark.cli import model_limits
 from samples.real_text import end_ids, load_tokenizer
+from samples.serve.openai_basics import MAX_CHARS_PER_TOKEN
 from samples.triton.llm_model import read_parameters
+from samples.triton.model_configs import ENSEMBLE_TO_PREPROCESSING
+
+PREPROCESSING_TO_ENSEMBLE = {value: key for key, value in ENSEMBLE_TO_PREPROCESSING.items()}
 
 
 def _strings(array: np.ndarray | None) -> list[str]:
@@ -37,10 +43,36 @@ class TextModel:
     def __init__(self, pb_utils, model_config: dict, model_name: str, model_version: str):
         self.pb_utils = pb_utils
         self.tokenizer = load_tokenizer(read_parameters(model_config)["tokenizer_dir"])
+        self.max_seq_len = model_limits(read_parameters(model_config)["tokenizer_dir"])[1]
+        self.max_text_chars = self.max_seq_len * MAX_CHARS_PER_TOKEN
 
     def _input(self, request, name: str) -> np.ndarray | None:
         tensor = self.pb_utils.get_input_tensor_by_name(request, name)
         return None if tensor is None else tensor.as_numpy()
+
+    def _texts(self, request, name: str) -> list[str]:
+        """A STRING input's texts, refused (naming the ensemble's input too) past the text limit:
+        before decoding when its UTF-8 bytes could not fit, else before tokenizing."""
+        array = self._input(request, name)
+        if array is None:
+            return []
+        field = f"{PREPROCESSING_TO_ENSEMBLE[name]} ({name})" if name in PREPROCESSING_TO_ENSEMBLE else name
+        num_bytes = sum(len(s) if isinstance(s, bytes) else len(str(s)) for s in array.reshape(-1))
+        if num_bytes > 4 * self.max_text_chars:   # a character is at most 4 UTF-8 bytes
+            raise ValueError(f"{field}: {num_bytes} bytes of text, more than this server's limit of "
+                             f"{self.max_text_chars} characters" + self._limit_note())
+        try:
+            texts = _strings(array)
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{field}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        num_chars = sum(map(len, texts))
+        if num_chars > self.max_text_chars:
+            raise ValueError(f"{field}: {num_chars} characters, more than this server's limit of "
+                             f"{self.max_text_chars}" + self._limit_note())
+        return texts
+
+    def _limit_note(self) -> str:
+        return f" ({MAX_CHARS_PER_TOKEN} per token of the model's context of {self.max_seq_len} tokens)"
 
     def execute(self, requests) -> list:
         responses = []
@@ -59,12 +91,12 @@ class TextModel:
 
 class Preprocessing(TextModel):
     def outputs(self, request) -> dict[str, np.ndarray]:
-        queries = _strings(self._input(request, "QUERY"))
+        queries = self._texts(request, "QUERY")
         if len(queries) != 1:
-            raise ValueError(f"QUERY: one text per request, got {len(queries)}")
+            raise ValueError(f"text_input (QUERY): one text per request, got {len(queries)}")
         input_ids = self.tokenizer.encode(queries[0], add_special_tokens=False)
         if not input_ids:
-            raise ValueError("QUERY: the text has no tokens")
+            raise ValueError("text_input (QUERY): the text has no tokens")
         end_id = self._input(request, "END_ID")
         end_id = int(end_id.reshape(-1)[0]) if end_id is not None else end_ids(self.tokenizer)[0]
         pad_id = self._input(request, "PAD_ID")
@@ -72,8 +104,8 @@ class Preprocessing(TextModel):
         output_len = self._input(request, "REQUEST_OUTPUT_LEN")
         return {"INPUT_ID": np.array([input_ids], dtype=np.int32),
                 "REQUEST_INPUT_LEN": np.array([[len(input_ids)]], dtype=np.int32),
-                "BAD_WORDS_IDS": word_list(self.tokenizer, _strings(self._input(request, "BAD_WORDS_DICT"))),
-                "STOP_WORDS_IDS": word_list(self.tokenizer, _strings(self._input(request, "STOP_WORDS_DICT"))),
+                "BAD_WORDS_IDS": word_list(self.tokenizer, self._texts(request, "BAD_WORDS_DICT")),
+                "STOP_WORDS_IDS": word_list(self.tokenizer, self._texts(request, "STOP_WORDS_DICT")),
                 "REQUEST_OUTPUT_LEN": output_len.reshape(1, -1)[:, :1].astype(np.int32),
                 "OUT_END_ID": np.array([[end_id]], dtype=np.int32), "OUT_PAD_ID": np.array([[pad_id]], dtype=np.int32)}
 

@@ -73,3 +73,14 @@ def test_a_missing_text_input_is_an_error_naming_it(server):
     with pytest.raises(urllib.error.HTTPError) as error:
         post(server, "generate", {"max_tokens": 4})
     assert "text_input" in error.value.read().decode()
+
+
+def test_a_text_input_past_the_text_limit_is_refused_naming_it(server, engine_dir):
+    from samples.benchmark.cli import model_limits
+    from samples.serve.openai_basics import MAX_CHARS_PER_TOKEN
+    limit = model_limits(engine_dir)[1] * MAX_CHARS_PER_TOKEN
+    with pytest.raises(urllib.error.HTTPError) as error:
+        post(server, "generate", {"text_input": "a" * (limit + 1), "max_tokens": 4})
+    message = error.value.read().decode()
+    assert "text_input (QUERY)" in message and f"limit of {limit} characters" in message, message
+    assert "Paris" in json.loads(post(server, "generate", {"text_input": PROMPT, "max_tokens": MAX_TOKENS}))["text_output"]

@@ -4,6 +4,9 @@ requests that are still waiting for a slot, the drain, and request ids that are 
 Each request must get exactly one final response. (The real server: test_triton*.py.)"""
 from __future__ import annotations
 
+import pathlib
+
+import numpy as np
 import pytest
 
 from runtime import build_engine
@@ -138,3 +141,45 @@ def test_plain_decimal_ids_are_the_gpt_manager_ids_and_others_are_mapped():
     ids = RequestIds()
     assert ids.assign("²") == FIRST_MAPPED_ID and ids.lookup("²") == FIRST_MAPPED_ID
     assert ids.assign("007") == FIRST_MAPPED_ID + 1 and ids.assign("7") == 7
+
+
+# --- the ensemble's preprocessing ------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def preprocessing(tiny_model_dirs, tokenizer_dir, tmp_path_factory):
+    """Preprocessing over a copy of the tiny engine (max_seq_len 96) holding the word-level tokenizer."""
+    import shutil
+    from samples.triton.text_models import Preprocessing
+    directory = tmp_path_factory.mktemp("text-engine") / "engine"
+    shutil.copytree(tiny_model_dirs[1], directory)
+    for path in pathlib.Path(tokenizer_dir).iterdir():
+        shutil.copy(path, directory / path.name)
+    config = {"parameters": {"tokenizer_dir": {"string_value": str(directory)}}}
+    return Preprocessing(pb_utils, config, "preprocessing", "1")
+
+
+def text_request(query: str | bytes, **arrays):
+    from tests.samples.fake_triton import Request
+    text = query if isinstance(query, bytes) else query.encode()
+    return Request("5", {"QUERY": np.array([[text]], dtype=np.object_),
+                         "REQUEST_OUTPUT_LEN": np.array([[4]], np.int32), **arrays})
+
+
+def test_preprocessing_refuses_text_past_the_limit_before_tokenizing(preprocessing, monkeypatch):
+    from samples.serve.openai_basics import MAX_CHARS_PER_TOKEN
+    limit = 96 * MAX_CHARS_PER_TOKEN
+    (ok,) = preprocessing.execute([text_request("t5 t6 t7")])
+    assert ok.error is None and ok.outputs["INPUT_ID"].tolist() == [[5, 6, 7]]
+    calls = []
+    monkeypatch.setattr(preprocessing.tokenizer, "encode", lambda *a, **k: calls.append(a) or [5])
+    too_long = ("t5 " * limit)[:limit + 1]
+    huge = b"t5 " * (4 * limit)
+    long_stop = np.array([[too_long.encode()]], dtype=np.object_)
+    for request, field in ((text_request(too_long), "text_input (QUERY)"), (text_request(huge), "text_input (QUERY)"),
+                           (text_request("t5", STOP_WORDS_DICT=long_stop), "stop_words (STOP_WORDS_DICT)")):
+        (response,) = preprocessing.execute([request])
+        message = response.error.message()
+        assert message.startswith(f"{field}: ") and f"more than this server's limit of {limit}" in message, message
+    assert calls == [("t5",)]   # the long texts never reached the tokenizer
+    (bad,) = preprocessing.execute([text_request(b"\xff\xfe t5")])
+    assert bad.error.message().startswith("text_input (QUERY): not UTF-8 text")
