@@ -130,6 +130,27 @@ def test_stop_signal_mid_stream_returns_what_was_generated(tiny_engine, prompts,
     assert manager.kv_cache_manager.num_free_blocks == manager.kv_cache_manager.num_blocks
 
 
+def test_stop_signal_contract_applies_to_held_ids_and_drops_the_others(tiny_engine, prompts):
+    """The README's contract (TensorRT-LLM's): a stop id ends a request the manager holds, also one
+    handed over by the get callback of the same iteration (stop signals are polled after it); a
+    stop id the manager does not hold is dropped, not kept for a later request with that id."""
+    engine_dir, _ = tiny_engine
+    client = Client([make_request(5, prompts[5], max_new_tokens=20), make_request(6, prompts[6], max_new_tokens=20)],
+                    arrival_calls=[3, 6])
+    client.stop_ids = {5}   # polled at the first iteration, before request 5 arrives
+    original_get = client.get
+
+    def get(max_num_requests):
+        requests = original_get(max_num_requests)
+        if any(r.request_id == 6 for r in requests):
+            client.stop_ids |= {6}   # polled in the iteration that hands request 6 over
+        return requests
+    client.get = get
+    run_to_completion(engine_dir, client, exclude_input_in_output=True)
+    lengths = {i: client.final(i)[0][tensor_names.SEQUENCE_LENGTH].item() for i in (5, 6)}
+    assert lengths == {5: 20, 6: 0} and client.final(6)[2] == ""
+
+
 def test_bad_requests_get_one_error_and_do_not_disturb_others(tiny_engine, prompts, references):
     engine_dir, _ = tiny_engine
     bad = [make_request(100, [1, 2, 500]),                          # token outside the vocab
