@@ -25,7 +25,9 @@ Exit status 1 when an invariant broke. The short mode (the default, a few hundre
 runs in the test suite; the long mode is `--requests 10000`. The KV-events round
 (samples.chaos_soak.kv_events_round) serves requests while hostile peers attack the events endpoint;
 the fused-step round (samples.chaos_soak.fused_step_round) serves mixed rows through the fused
-native generation step and compares their tokens with the eager path's.
+native generation step and compares their tokens with the eager path's; the Triton round
+(samples.chaos_soak.triton_round, where Triton can run) serves streaming clients that stop
+requests and disconnect mid-stream, then shuts the server down with requests queued.
 """
 from __future__ import annotations
 
@@ -53,6 +55,7 @@ from .disaggregated_round import disaggregated_violations, run_disaggregated_rou
 from .executor_round import executor_violations, run_executor_round
 from .fused_step_round import fused_step_violations, run_fused_step_round
 from .kv_events_round import kv_events_violations, run_kv_events_round
+from .triton_round import run_triton_round, triton_summary, triton_violations
 from . import requests as chaos_requests
 from .requests import MAX_BEAM_WIDTH, make_bad, make_valid
 from samples.benchmark.lora import random_adapter
@@ -277,12 +280,14 @@ def run_soak(num_requests: int = 300, num_producers: int = 4, seed: int = 0, wor
                                                       seed * 100 + 98)
         fused_step_round = run_fused_step_round(engine_dir, POOL_TOKENS, max(per_round, FUSED_ROUND_MIN_REQUESTS),
                                                 seed * 100 + 96)
+        triton_round = run_triton_round(engine_dir, POOL_TOKENS, per_round, num_producers, seed * 100 + 95)
     found = [f"round {i} ({r['config']['model_type']}, {r['config']['policy']}): {v}"
              for i, r in enumerate(rounds) for v in violations(r)]
     found += [f"executor round: {v}" for v in executor_violations(executor_round)]
     found += [f"KV-events round: {v}" for v in kv_events_violations(kv_events_round)]
     found += [f"disaggregated round: {v}" for v in disaggregated_violations(disaggregated_round)]
     found += [f"fused-step round: {v}" for v in fused_step_violations(fused_step_round)]
+    found += [f"Triton round: {v}" for v in triton_violations(triton_round)]
     growth = round(memory[-1] - memory[0], 1)
     if growth > RSS_TOLERANCE_MIB:
         found.append(f"RSS grew {growth} MiB across three identical rounds (tolerance {RSS_TOLERANCE_MIB})")
@@ -299,7 +304,7 @@ def run_soak(num_requests: int = 300, num_producers: int = 4, seed: int = 0, wor
                 wall_s=round(time.monotonic() - start, 1), violations=found, rounds=rounds,
                 kv_events_round=kv_events_round,
                 executor_round=executor_round, disaggregated_round=disaggregated_round,
-                fused_step_round=fused_step_round)
+                fused_step_round=fused_step_round, triton_round=triton_round)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -332,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
           f"(tolerance {report['rss_tolerance_mib']})")
     print(f"slowest shutdown: {report['slowest_shutdown_s']} s (drain included), "
           f"{report['slowest_shutdown_after_last_step_s']} s after the last step; wall {report['wall_s']} s")
+    print(triton_summary(report["triton_round"]))
     for v in report["violations"]:
         print(f"VIOLATION {v}")
     for r in report["rounds"]:

@@ -122,6 +122,9 @@ class StreamClient:
         """The request's result so far (the stream's thread adds to it until its final response)."""
         return self._id_to_result[request_id]
 
+    def is_done(self, request_id: str) -> bool:
+        return self._id_to_done[request_id].is_set()
+
     def wait(self, request_id: str, timeout_s: float = 120.0) -> Result:
         if not self._id_to_done[request_id].wait(timeout_s):
             raise TimeoutError(f"request {request_id}: no final response after {timeout_s} s")

@@ -60,6 +60,7 @@ class LlmModel:
         self._drain_file = parameters.get("drain_file")   # once it exists: stop what runs, refuse new work
         self._drained_file = parameters.get("drained_file")   # written once the drain answered everyone
         self._book = RequestBook()
+        self._exclude_input = _bool(parameters, "exclude_input_in_output")
         self._is_busy = False   # the worker's view: a request was live at its last get-requests call
         self._output_names = [o["name"] for o in model_config["output"]]
         self._is_closing = threading.Event()
@@ -70,7 +71,7 @@ class LlmModel:
                                   POLICIES[parameters.get("batch_scheduler_policy", "guaranteed_no_evict").lower()],
                                   self._get_requests, self._send_response, self._poll_stop_signals,
                                   self.metrics.update, manager_options(parameters),
-                                  exclude_input_in_output=_bool(parameters, "exclude_input_in_output"))
+                                  exclude_input_in_output=self._exclude_input)
         # NOTE: a cancellation check is a round trip to the server process: done on a thread of its
         # own, never on the GptManager's worker (it would cost every step one round trip per request).
         self._cancel_watcher = threading.Thread(target=self._watch_cancellations, name="cancellations", daemon=True)
@@ -104,7 +105,10 @@ class LlmModel:
                 self._finish_unstarted([unstarted], None)
             self._send_final(sender, None)
             return
-        self._book.accept(LiveRequest(triton_id, request, sender), lambda request_id: make_request(request_id, parsed))
+        input_ids = parsed.tensors.get("input_ids")
+        num_echoed = 0 if self._exclude_input or input_ids is None else input_ids.shape[-1]
+        self._book.accept(LiveRequest(triton_id, request, sender, num_echoed),
+                          lambda request_id: make_request(request_id, parsed))
 
     def finalize(self) -> None:
         """Unloading: requests in flight stop at once with what they have (a final response each),
@@ -174,6 +178,10 @@ class LlmModel:
         if err_msg:
             self._send_error(live.sender, live.triton_id, err_msg)
             return
+        if is_final and self._book.is_draining and not live.has_streamed and _num_generated(tensors, live) == 0:
+            # handed over but still waiting in the GptManager (for KV blocks) when the drain stopped it
+            self._send_error(live.sender, live.triton_id, NOT_STARTED)
+            return
         outputs = [self.pb_utils.Tensor(t.name, np.ascontiguousarray(t.tensor.numpy()))
                    for t in tensors if t.name in self._output_names]
         response = self.pb_utils.InferenceResponse(output_tensors=outputs)
@@ -181,6 +189,7 @@ class LlmModel:
             self._send_final(live.sender, response)
         else:
             live.sender.send(response)
+            live.has_streamed = True
 
     def _send_error(self, sender, triton_id: str, message: str) -> None:
         """A final error response, its message led by the request id as Triton's own errors are
@@ -201,6 +210,12 @@ class LlmModel:
 
     def _poll_stop_signals(self) -> set[int]:
         return self._book.stop_ids()
+
+
+def _num_generated(tensors, live: LiveRequest) -> int:
+    """Tokens a final response says were generated (the longest beam), 0 without sequence_length."""
+    lengths = [t.tensor for t in tensors if t.name == "sequence_length"]
+    return int(lengths[0].max()) - live.num_echoed_tokens if lengths and lengths[0].numel() else 0
 
 
 def _triton_id(request) -> str:

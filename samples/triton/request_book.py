@@ -21,8 +21,10 @@ NOT_STARTED = f"{SHUTTING_DOWN}: the request was not started"
 @dataclasses.dataclass
 class LiveRequest:
     triton_id: str
-    request: object   # the Triton request: its cancellation flag
-    sender: object    # its decoupled response sender
+    request: object              # the Triton request: its cancellation flag
+    sender: object               # its decoupled response sender
+    num_echoed_tokens: int = 0   # prompt tokens its responses' sequence_length counts (exclude_input_in_output off)
+    has_streamed: bool = False   # a streamed response with new tokens went out
 
 
 class RequestBook:

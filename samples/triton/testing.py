@@ -1,10 +1,12 @@
-"""A Triton server for the benchmark and the tests: the repository written, the server started on
-free loopback ports with its log in the repository directory, stopped on leaving."""
+"""A Triton server for the benchmark, the chaos soak and the tests: the repository written, the
+server started on free loopback ports with its log in the repository directory, stopped on
+leaving; and its `nv_trt_llm_*` gauges read back."""
 from __future__ import annotations
 
 import contextlib
 import os
 import socket
+import urllib.request
 
 from samples.triton.environment import prepare
 from samples.triton.repository import RepositoryOptions, write_repository
@@ -40,3 +42,16 @@ def running_server(repository: str, engine_dir: str, options: RepositoryOptions 
             yield server
         finally:
             server.stop()
+
+
+def metric_values(metrics_url: str, family: str) -> dict[str, float]:
+    """type label value -> value of one `nv_trt_llm_*` family on the metrics port."""
+    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line.startswith(family + "{"):
+            labels, value = line[len(family) + 1:].rsplit("} ", 1)
+            label_map = dict(part.split("=", 1) for part in labels.split(","))
+            type_value = [v.strip('"') for k, v in label_map.items() if k not in ("model", "version")][0]
+            values[type_value] = float(value)
+    return values

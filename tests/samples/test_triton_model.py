@@ -32,9 +32,9 @@ def make_model(engine_dir, tmp_path):
     from samples.triton.model_configs import LLM_OUTPUTS
     models = []
 
-    def make():
+    def make(**more_parameters):
         parameters = {"gpt_model_path": engine_dir, "cancellation_check_period_ms": "5",
-                      "exclude_input_in_output": "true", "drain_file": str(tmp_path / "draining")}
+                      "exclude_input_in_output": "true", "drain_file": str(tmp_path / "draining"), **more_parameters}
         config = {"parameters": {k: {"string_value": v} for k, v in parameters.items()},
                   "output": [{"name": spec.name} for spec in LLM_OUTPUTS]}
         models.append(LlmModel(pb_utils, config, "tensorrt_llm", "1"))
@@ -115,6 +115,20 @@ def test_the_drain_answers_every_request_once_and_starts_none(make_model, tmp_pa
     (late,) = submit(model, llm_request("99", PROMPT, 4))
     assert "shutting down" in late.sender.wait(5).error
     assert_one_final(*requests, late)
+
+
+@pytest.mark.parametrize("exclude_input", ["true", "false"])
+def test_the_drain_answers_a_request_waiting_inside_the_gpt_manager_with_the_shutdown_error(make_model, tmp_path,
+                                                                                          exclude_input):
+    # a KV pool for one long request: the second is handed over (a free slot) and waits for blocks
+    model = make_model(max_tokens_in_paged_kv_cache=str(LONG + 40), exclude_input_in_output=exclude_input)
+    first, second = submit(model, llm_request("1", PROMPT, LONG), llm_request("2", PROMPT, LONG, streaming=False))
+    wait_for(lambda: started(first), what="the first request running")
+    wait_for(lambda: not model._book.has_waiting, what="both handed over")
+    (tmp_path / "draining").touch()
+    assert first.sender.wait().error is None and 0 < len(first.sender.tokens) < LONG
+    assert "shutting down: the request was not started" in second.sender.wait().error
+    assert_one_final(first, second)
 
 
 @pytest.mark.parametrize("triton_id", ["²", "9" * 5000, "007", "a]b", "-3", "1" * 19, "18446744073709551616", ""])

@@ -3,7 +3,6 @@ and the server started once per module."""
 from __future__ import annotations
 
 import contextlib
-import urllib.request
 
 import pytest
 
@@ -32,13 +31,6 @@ def module_server(tmp_path_factory, engine_dir: str, options=None):
 
 
 def metric_values(server, family: str) -> dict[str, float]:
-    """type label value -> value of one `nv_trt_llm_*` family on the metrics port."""
-    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
-    values = {}
-    for line in text.splitlines():
-        if line.startswith(family + "{"):
-            labels, value = line[len(family) + 1:].rsplit("} ", 1)
-            label_map = dict(part.split("=", 1) for part in labels.split(","))
-            type_value = [v.strip('"') for k, v in label_map.items() if k not in ("model", "version")][0]
-            values[type_value] = float(value)
-    return values
+    """type label value -> value of one `nv_trt_llm_*` family on the server's metrics port."""
+    from samples.triton.testing import metric_values as read
+    return read(server.metrics_url, family)
