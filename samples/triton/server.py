@@ -134,7 +134,7 @@ class TritonServer:
                 drained_since_s = now_s
             if drained_since_s is not None and now_s - drained_since_s > grace_s:
                 logger.warning("every request was answered but tritonserver did not exit within %.0f s (a client's "
-                               "stream still open holds its models): stopped with SIGKILL", grace_s)
+                               "stream or connection still open can hold its models): stopped with SIGKILL", grace_s)
                 self._kill()
                 return 0
             if self.is_stopping and now_s > self._stop_deadline_s:
