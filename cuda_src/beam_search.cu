@@ -1,5 +1,5 @@
 // One request's beam-search candidates: the num_candidates best continuations of its beams.
-// Torch reference: TorchKernels.beam_candidates (runtime/kernels/torch_decoder.py).
+// Torch reference: TorchKernels.beam_candidates (runtime/kernels/torch_kernels/torch_decoder.py).
 //
 // score(b, v) = log_probs[b, v] + running_scores[b] (float32). Order: score descending, ties by the
 // lower token id. Stage 1 takes each beam's first per_beam = min(num_candidates, vocab) tokens in

@@ -1,7 +1,7 @@
 // Logits processing in place: embedding bias, temperature, repetition / presence / frequency
 // penalties, the min-length ban of the end id (apply_penalties), and (row, token) bans for bad
 // words and no-repeat n-grams (ban_tokens). Torch references: TorchKernels.apply_penalties,
-// TorchKernels.ban_tokens (runtime/kernels/torch_decoder.py; semantics in runtime/decoding_params.py).
+// TorchKernels.ban_tokens (runtime/kernels/torch_kernels/torch_decoder.py; semantics in runtime/decoding_params.py).
 //
 // Per logit, in TensorRT-LLM's order and with torch's float32 roundings (no contraction into FMAs):
 //   x += bias; x /= temperature; if count > 0: x = x > 0 ? x / rep : x * rep; x -= presence;

@@ -16,7 +16,7 @@
 // Launch contract
 //   decode_attention_partition:
 //     grid (num_partitions, num_kv_heads, batch), block (NUM_THREADS), dynamic shared memory
-//     decode_smem_bytes(group, head_dim, tile_size) (see runtime/kernels/launchers.py).
+//     decode_smem_bytes(group, head_dim, tile_size) (see runtime/kernels/cuda/launchers.py).
 //     One CTA serves the `group = num_heads / num_kv_heads` query heads of one KV head over
 //     `partition_size` visible keys, so each K/V row is loaded once per group; it walks them in
 //     tiles of `tile_size` keys (shared memory) merged with an online softmax. THREADS_PER_KEY lanes

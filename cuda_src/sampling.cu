@@ -1,6 +1,6 @@
 // Token selection from processed logits: greedy (first maximum), log-softmax, and top-k / top-p
 // sampling by an inverse CDF in token-id order. Torch references: TorchKernels.greedy,
-// TorchKernels.log_softmax, TorchKernels.sample (runtime/kernels/torch_decoder.py documents the
+// TorchKernels.log_softmax, TorchKernels.sample (runtime/kernels/torch_kernels/torch_decoder.py documents the
 // semantics). Stop criteria (end id, stop words, max length) are not here: the tokens go to the
 // host for the responses anyway, and runtime/decoder.py checks them there.
 //

@@ -1,7 +1,7 @@
 // Beyond the seeds' decoding: the guided-decoding token bitmask and min-p (filters applied in
 // place to processed logits, before sampling), and each row's k most likely tokens with their
 // log probs. Torch references: TorchKernels.apply_token_bitmask, TorchKernels.apply_min_p,
-// TorchKernels.top_log_probs (runtime/kernels/torch_decoder.py).
+// TorchKernels.top_log_probs (runtime/kernels/torch_kernels/torch_decoder.py).
 //
 // Launch contract
 //   apply_token_bitmask: grid (n), block (any multiple of 32, <= 1024), no shared memory.

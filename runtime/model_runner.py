@@ -92,7 +92,7 @@ class ModelRunner:
                  max_attention_window: int | None = None, sink_token_length: int | None = None,
                  linear_impl: str | None = None, tensor_parallel: TensorParallel | None = None,
                  gather_logits_to_all: bool = True, fused_decode: bool = True):
-        """linear_impl: the CPU matmul kernel (one of runtime.kernels.linear.CPU_IMPLS; default: the
+        """linear_impl: the CPU matmul kernel (one of runtime.kernels.torch_kernels.linear.CPU_IMPLS; default: the
         fastest this torch build has); ignored on GPUs.
         tensor_parallel: this rank's world (runtime.parallel.tensor_parallel); every rank then runs the same
         forwards, in the same order. The engine holds the rank's slices (Engine.from_dir with its

@@ -12,7 +12,7 @@ import platform
 
 BUILD_DTYPES = ("auto", "float32", "float16", "bfloat16")
 # Activation quantization of a weight-only engine's matmuls (BuildConfig.act_quant): "int8", per
-# block of 32 input columns (runtime/kernels/act_quant.py states the arithmetic).
+# block of 32 input columns (runtime/kernels/cpu/act_quant.py states the arithmetic).
 ACT_QUANT_MODES = ("int8",)
 ACT_QUANT_BLOCK = 32   # input columns per activation quantization block: every such matmul's width divides by it
 GROUP_SIZES = (32, 64, 128)

@@ -218,6 +218,17 @@ def test_the_batch_manager_root_holds_at_most_fifteen_modules():
     assert len(root) <= 15, root
 
 
+def test_the_kernels_root_holds_the_interface_and_three_folders():
+    """runtime/kernels/ keeps the backend choice, the interface and what every backend shares at its
+    root; the native CPU layer (cpu/), the CUDA path (cuda/) and the torch backend with its
+    references (torch_kernels/) each live in their own folder."""
+    kernels = REPO / "runtime" / "kernels"
+    root = sorted(p.name for p in kernels.iterdir() if p.is_file())
+    assert len(root) <= 4, root
+    folders = sorted(p.name for p in kernels.iterdir() if p.is_dir() and p.name != "__pycache__")
+    assert folders == ["cpu", "cuda", "torch_kernels"], folders
+
+
 def test_no_module_imports_cupy_at_top_level():
     offenders = [m for m in MODULES if touches(imports(m, top_level_only=True), "cupy")]
     assert offenders == []

@@ -1,6 +1,6 @@
 // CPU emulation shim: lets g++ compile the kernel sources of cuda_src/ unchanged (force-included
 // before them with -include) and run a launch on OS threads. Used by the `emu` kernel backend
-// (runtime/kernels/emu_backend.py) to verify the kernels' logic on machines without a GPU.
+// (runtime/kernels/cuda/emu_backend.py) to verify the kernels' logic on machines without a GPU.
 //
 // Model
 //   - One OS thread per CUDA thread of a block; the blocks of a grid run one after another on the

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 
 from .interface import KERNEL_OPS, KernelBackend
-from .torch_backend import TorchKernels
+from .torch_kernels.torch_backend import TorchKernels
 
 KERNELS_ENV_VAR = "BATCH_MANAGER_KERNELS"
 KNOWN_BACKENDS = ("torch", "cuda", "emu")
@@ -28,7 +28,7 @@ class KernelBackendError(ValueError):
 
 
 def _cuda_available() -> bool:
-    from .cuda_backend import cuda_available
+    from .cuda.cuda_backend import cuda_available
     return cuda_available()
 
 
@@ -52,11 +52,11 @@ def get_kernels(name: str | None = None) -> KernelBackend:
         if not _cuda_available():
             raise KernelBackendError(f"kernel backend 'cuda' (from {origin}) is unavailable: it needs a CUDA "
                                      f"device and CuPy; choose 'torch' or 'emu'")
-        from .cuda_backend import CudaKernels
+        from .cuda.cuda_backend import CudaKernels
         # NOTE: when cuda was picked by default, a runner whose tensors live on the CPU still works:
         # such calls go to the torch backend.
         return CudaKernels(cpu_fallback=origin == "default")
-    from .emu_backend import EmuKernels, compiler_available
+    from .cuda.emu_backend import EmuKernels, compiler_available
     if not compiler_available():
         raise KernelBackendError(f"kernel backend 'emu' (from {origin}) is unavailable: it needs a C++20 "
                                  f"compiler (g++ or $CXX)")

@@ -93,7 +93,7 @@ class KernelBackend(Protocol):
         """weight [out, in] and bias [out] or None, in the compute dtype on the model's device ->
         the weight ready for linear / linear_add (a CPU backend may reorder it for its GEMM: the
         result's .weight then replaces the original). impl forces a CPU matmul kernel (one of
-        runtime.kernels.linear.CPU_IMPLS; None: the fastest available); ignored off the CPU."""
+        runtime.kernels.torch_kernels.linear.CPU_IMPLS; None: the fastest available); ignored off the CPU."""
 
     def prepare_weight_only_linear(self, weight: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None,
                                    bias: torch.Tensor | None, act_quant: str | None = None) -> PreparedLinear:
@@ -101,7 +101,7 @@ class KernelBackend(Protocol):
         (runtime.quantization, the format named by W's dtype: int8 W with scale and minimum None,
         packed int4 W with scale and minimum); bias [out] (the compute dtype) or None. .weight is `weight`.
         act_quant "int8": the activations are quantized per block of 32 columns and the products
-        are integer (runtime/kernels/act_quant.py defines the arithmetic); None: exact."""
+        are integer (runtime/kernels/cpu/act_quant.py defines the arithmetic); None: exact."""
 
     def prepare_decode_step(self, model, kv_pool: torch.Tensor, kv_scales: torch.Tensor | None,
                             tokens_per_block: int):

@@ -68,7 +68,7 @@ class Transformer:
         here, once). attention_window: the window every layer uses (None = full causal attention);
         the caller folds the model's own sliding window in. sink_token_length: keys at positions
         below it stay visible outside the window (only with a window). linear_impl: forces a CPU
-        matmul kernel (one of runtime.kernels.linear.CPU_IMPLS; default: the fastest available).
+        matmul kernel (one of runtime.kernels.torch_kernels.linear.CPU_IMPLS; default: the fastest available).
         tensor_parallel, shard: this rank's world and the slices `weights` hold (TensorShard);
         gather_logits_to_all: every rank gets the logits (else rank 0 only, the others None).
         stage: the pipeline stage's layers `weights` hold (runtime.parallel.pipeline); None: all.

@@ -1,5 +1,5 @@
-"""The int8-activation GEMVs (runtime.kernels.act_quant) against the weight-only ones
-(runtime.kernels.cpu_weight_only, float32 activations) at SmolLM2-135M's linear shapes:
+"""The int8-activation GEMVs (runtime.kernels.cpu.act_quant) against the weight-only ones
+(runtime.kernels.cpu.cpu_weight_only, float32 activations) at SmolLM2-135M's linear shapes:
 
     python -m samples.microbench.act_quant [--threads 2,1] [--rows 1,8] [--reps 20] [--scalar]
 
@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from runtime.kernels.act_quant import act_quant_ops, pack
-from runtime.kernels.cpu_weight_only import weight_only_ops
+from runtime.kernels.cpu.act_quant import act_quant_ops, pack
+from runtime.kernels.cpu.cpu_weight_only import weight_only_ops
 from runtime.quantization.int4 import quantize_int4
 from runtime.quantization.int8 import quantize_int8
 from samples.microbench.weight_only import cpu_description

@@ -21,7 +21,7 @@ import time
 import torch
 
 from runtime.kernels import TorchKernels
-from runtime.kernels.cuda_backend import CudaKernels, cuda_available, import_cupy
+from runtime.kernels.cuda.cuda_backend import CudaKernels, cuda_available, import_cupy
 
 
 def timed_ms(fn, iters: int, sync=lambda: None) -> float:

@@ -1,4 +1,4 @@
-"""CPU linear kernels by row count on a model's matmul weights (runtime/kernels/linear.py's choice of
+"""CPU linear kernels by row count on a model's matmul weights (runtime/kernels/torch_kernels/linear.py's choice of
 NATIVE_MAX_ROWS):
 
     python -m samples.microbench.linear [--rows 1,2,4,8,12,16,32,64] [--threads N] [--reps 15]
@@ -15,8 +15,8 @@ import time
 
 import torch
 
-from runtime.kernels.cpu_native import native_ops
-from runtime.kernels.linear import onednn_available
+from runtime.kernels.cpu.cpu_native import native_ops
+from runtime.kernels.torch_kernels.linear import onednn_available
 from samples.default_model import LLAMA_50M
 
 

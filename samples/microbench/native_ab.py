@@ -1,4 +1,4 @@
-"""A/B of the native CPU kernels (runtime/kernels/cpu_native.py) on whole model steps, in one process:
+"""A/B of the native CPU kernels (runtime/kernels/cpu/cpu_native.py) on whole model steps, in one process:
 
     python -m samples.microbench.native_ab [--model DIR] [--batch-sizes 1,8,64] [--rounds 3] [--threads N]
 
@@ -17,7 +17,7 @@ import time
 import torch
 
 from runtime import Engine, ModelRunner
-from runtime.kernels import cpu_native
+from runtime.kernels.cpu import cpu_native
 from samples.default_model import add_model_arguments, model_from_arguments
 from samples.microbench.runtime import step_inputs
 

@@ -4,7 +4,7 @@
 
 1. The single-stream generation step (ModelRunner.forward of one token after a 32-token prompt) in
    each mode, best and median of `--reps`, interleaved so that other load hits every mode alike.
-2. Per linear of the model at each of `--rows` rows: float32 (runtime.kernels.linear.Linear) against the
+2. Per linear of the model at each of `--rows` rows: float32 (runtime.kernels.torch_kernels.linear.Linear) against the
    quantized ones (runtime.models.weight_only.QuantizedLinear), every layer's weight per pass so that the
    weights stream from memory as in a step; best of `--reps` passes, ms per pass.
 Prints the CPU's model name and its avx2 / avx512 / amx flags with the figures.
@@ -18,9 +18,9 @@ import time
 import torch
 
 from runtime import Engine, ModelRunner
-from runtime.kernels.linear import Linear
+from runtime.kernels.torch_kernels.linear import Linear
 from runtime.precision import cpu_flags, cpu_info
-from runtime.kernels.weight_only_linear import QuantizedLinear
+from runtime.kernels.torch_kernels.weight_only_linear import QuantizedLinear
 from samples.default_model import default_model_dir
 from tests.factories import step_inputs
 

@@ -158,7 +158,7 @@ def test_executor_reports_the_step_with_no_token_allowed(guided_engine):
 
 @pytest.fixture(scope="module")
 def emu_params(guided_engine):
-    from runtime.kernels.emu_backend import compiler_available
+    from runtime.kernels.cuda.emu_backend import compiler_available
     if not compiler_available():
         pytest.skip("emu kernels need a C++20 compiler (g++)")
     return params(guided_engine[1], kernel_backend="emu")

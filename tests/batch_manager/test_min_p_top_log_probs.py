@@ -12,7 +12,7 @@ from batch_manager.executor import Executor, ExecutorConfig, ModelType, OutputCo
 from runtime import rng
 from runtime.decoding import Decoder, DecodeState, DecodingParams
 from runtime.kernels import get_kernels
-from runtime.kernels.torch_decoder import sample
+from runtime.kernels.torch_kernels.torch_decoder import sample
 from runtime.request import RequestOutput
 from tests.batch_manager.conftest import Client, make_request
 from tests.batch_manager.executor.helpers import collect

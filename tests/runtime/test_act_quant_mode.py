@@ -12,8 +12,8 @@ import torch
 
 from runtime import BuildConfig, ConfigError, Engine, ModelRunner, build_engine
 from runtime.build import main as build_main
-from runtime.kernels import act_quant as aq
-from runtime.kernels.weight_only_linear import QuantizedLinear
+from runtime.kernels.cpu import act_quant as aq
+from runtime.kernels.torch_kernels.weight_only_linear import QuantizedLinear
 from runtime.quantization.int4 import quantize_int4
 from runtime.quantization.int8 import quantize_int8
 from runtime.precision import QuantMode

@@ -36,7 +36,7 @@ def bloom(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def emu():
-    from runtime.kernels.emu_backend import EmuKernels, compiler_available
+    from runtime.kernels.cuda.emu_backend import EmuKernels, compiler_available
     if not compiler_available():
         pytest.skip("emu kernels need a C++20 compiler (g++)")
     return EmuKernels()

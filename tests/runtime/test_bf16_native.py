@@ -10,9 +10,10 @@ import torch.nn.functional as F
 
 from batch_manager import GptManager, SchedulerPolicy, TrtGptModelOptionalParams, TrtGptModelType
 from runtime import Engine, GenerationOutput, ModelRunner, SamplingConfig, build_engine
-from runtime.kernels import cpu_native, cpu_native_bf16, torch_attention
-from runtime.kernels.cpu_native_bf16 import bf16_ops
-from runtime.kernels.linear import NATIVE_MAX_ROWS_BF16, Linear, onednn_available
+from runtime.kernels.cpu import cpu_native, cpu_native_bf16
+from runtime.kernels.torch_kernels import torch_attention
+from runtime.kernels.cpu.cpu_native_bf16 import bf16_ops
+from runtime.kernels.torch_kernels.linear import NATIVE_MAX_ROWS_BF16, Linear, onednn_available
 from runtime.precision import cpu_flags
 from tests.batch_manager.conftest import Client, make_request
 from tests.factories import make_checkpoint, step_inputs

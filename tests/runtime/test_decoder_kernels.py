@@ -9,7 +9,8 @@ import torch
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
 from runtime import rng
-from runtime.kernels import TorchKernels, torch_decoder
+from runtime.kernels import TorchKernels
+from runtime.kernels.torch_kernels import torch_decoder
 
 KERNELS = TorchKernels()
 

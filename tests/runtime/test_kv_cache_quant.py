@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from runtime import BuildConfig, ConfigError, Engine, ModelRunner, build_engine
-from runtime.kernels import TorchKernels, torch_attention
+from runtime.kernels import TorchKernels
+from runtime.kernels.torch_kernels import torch_attention
 from runtime.kernels.kv_quant import dequantize, quantize_rows
-from runtime.kernels.cuda_backend import CudaKernels
+from runtime.kernels.cuda.cuda_backend import CudaKernels
 from runtime.precision import QuantMode
 from tests.factories import make_checkpoints, step_inputs
 from tests.runtime.test_paged_cache import one_shot_logits, random_tokens, shuffled_block_tables
@@ -85,7 +86,7 @@ def test_attention_over_a_quantized_cache_equals_attention_over_its_values(dtype
 
 
 def test_native_int8_decode_attention_equals_the_reference_with_gqa_and_mixed_lengths():
-    from runtime.kernels.cpu_native import native_ops
+    from runtime.kernels.cpu.cpu_native import native_ops
     native = native_ops()
     if native is None:
         pytest.skip("native CPU kernels unavailable here")

@@ -1,4 +1,4 @@
-"""runtime.kernels.linear: every CPU matmul kernel equals F.linear; the oneDNN path sees a bounded set of
+"""runtime.kernels.torch_kernels.linear: every CPU matmul kernel equals F.linear; the oneDNN path sees a bounded set of
 row counts; the weight bookkeeping counts a reordered or tied weight correctly."""
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from runtime import Engine, ModelRunner
-import runtime.kernels.linear as linear_module
-from runtime.kernels.linear import (CPU_IMPLS, MAX_KERNEL_ROWS, Linear, bucket_rows, default_cpu_impl, kernel_rows,
+import runtime.kernels.torch_kernels.linear as linear_module
+from runtime.kernels.torch_kernels.linear import (CPU_IMPLS, MAX_KERNEL_ROWS, Linear, bucket_rows, default_cpu_impl, kernel_rows,
                                     onednn_available)
 from tests.factories import make_checkpoint
 

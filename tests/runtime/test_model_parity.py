@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from runtime import (Engine, GenerationInput, GenerationOutput, GptSession, ModelRunner, SamplingConfig,
                      WorldConfig)
-from runtime.kernels.linear import CPU_IMPLS, onednn_available
+from runtime.kernels.torch_kernels.linear import CPU_IMPLS, onednn_available
 from tests.factories import make_checkpoint, step_inputs
 
 ARCHS = ("gpt2", "llama", "mistral", "qwen2")

@@ -22,7 +22,7 @@ from tests.factories import make_checkpoint, step_inputs
 
 RUNTIME = Path(__file__).resolve().parents[2] / "runtime"
 SHARED_MODULES = ("config.py", "loading/weights.py", "models/transformer.py", "models/rope.py", "models/alibi.py",
-                  "quantization/stored.py", "kernels/linear.py", "kernels/weight_only_linear.py", "engine.py",
+                  "quantization/stored.py", "kernels/torch_kernels/linear.py", "kernels/torch_kernels/weight_only_linear.py", "engine.py",
                   "model_runner.py", "session.py")
 # The entries whose tiny checkpoints tests.factories makes (the first release's architectures); the
 # later ones have theirs in tests/runtime/arch_factories.py and their own tests (test_more_architectures.py).

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from runtime import Engine, GenerationInput, GenerationOutput, GptSession, ModelRunner, SamplingConfig
-from runtime.kernels.cpu_native import native_ops
+from runtime.kernels.cpu.cpu_native import native_ops
 from runtime.parallel.pipeline import StageLayers, StagePlan
 from runtime.parallel.tensor_parallel import SHM_ALL_REDUCE_ENV, TensorShard, WorldConfig, init_tensor_parallel
 from runtime.parallel.world_config import layer_ranges

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.kernels.cpu_weight_only import ISA_ENV_VAR, weight_only_ops
-from runtime.kernels.torch_dense import dequantize, weight_only_linear as reference_linear
-from runtime.kernels.weight_only_linear import QuantizedLinear
+from runtime.kernels.cpu.cpu_weight_only import ISA_ENV_VAR, weight_only_ops
+from runtime.kernels.torch_kernels.torch_dense import dequantize, weight_only_linear as reference_linear
+from runtime.kernels.torch_kernels.weight_only_linear import QuantizedLinear
 from runtime.quantization.int4 import quantize_int4
 from runtime.quantization.int8 import quantize_int8
 
@@ -149,8 +149,9 @@ def test_an_avx2_only_build_matches_reference(tmp_path):
     """The library as -march=native builds it on a CPU without AVX-512 (-march=haswell: no
     __AVX512F__ paths compiled in at all), loaded and held to the reference here."""
     import subprocess
-    from runtime.kernels import cpu_native, emu_backend
-    from runtime.kernels.cpu_weight_only import SOURCE, WeightOnlyOps
+    from runtime.kernels.cpu import cpu_native
+    from runtime.kernels.cuda import emu_backend
+    from runtime.kernels.cpu.cpu_weight_only import SOURCE, WeightOnlyOps
     flags = [f if f != "-march=native" else "-march=haswell" for f in cpu_native.CXX_FLAGS]
     library = tmp_path / "wo-haswell.so"
     subprocess.run([emu_backend.CXX, *flags, str(SOURCE), "-o", str(library)], check=True, capture_output=True)

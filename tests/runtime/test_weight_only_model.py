@@ -10,7 +10,7 @@ import torch
 
 from batch_manager import GptManager, SchedulerPolicy, TrtGptModelOptionalParams, TrtGptModelType
 from runtime import BuildConfig, ConfigError, Engine, GenerationOutput, ModelRunner, SamplingConfig, build_engine
-from runtime.kernels.torch_dense import dequantize
+from runtime.kernels.torch_kernels.torch_dense import dequantize
 from runtime.quantization.stored import is_quantized
 from tests.batch_manager.conftest import Client, make_request
 from tests.factories import make_checkpoint, step_inputs

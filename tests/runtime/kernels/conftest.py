@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.kernels.emu_backend import EmuKernels, compiler_available
-from runtime.kernels.launchers import LaunchConfig
-from runtime.kernels.torch_backend import TorchKernels
+from runtime.kernels.cuda.emu_backend import EmuKernels, compiler_available
+from runtime.kernels.cuda.launchers import LaunchConfig
+from runtime.kernels.torch_kernels.torch_backend import TorchKernels
 
 # The cuda backend's launch configuration, exercised on emu by a few cases.
 CUDA_LIKE = LaunchConfig()

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from runtime.config import ConfigError
-from runtime.kernels import act_quant, cpu_native
-from runtime.kernels.act_quant import (ISA_ENV_VAR, ISAS, SOURCE, ActQuantOps, act_quant_ops,
+from runtime.kernels.cpu import act_quant, cpu_native
+from runtime.kernels.cpu.act_quant import (ISA_ENV_VAR, ISAS, SOURCE, ActQuantOps, act_quant_ops,
                                        int8_act_linear_reference, pack, quantize_activations)
 from runtime.kernels.native_build import build_library, native_cache_dir
 from runtime.quantization.int4 import quantize_int4

@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from runtime.models.alibi import alibi_slopes
-from runtime.kernels import TorchKernels, torch_attention
-from runtime.kernels.cuda_backend import cuda_available
-from runtime.kernels.emu_backend import EmuKernels
-from runtime.kernels.launchers import LaunchConfig
+from runtime.kernels import TorchKernels
+from runtime.kernels.torch_kernels import torch_attention
+from runtime.kernels.cuda.cuda_backend import cuda_available
+from runtime.kernels.cuda.emu_backend import EmuKernels
+from runtime.kernels.cuda.launchers import LaunchConfig
 from tests.runtime.kernels.conftest import paged_case, tolerance, visible
 
 WINDOWS = [(None, 0), (5, 0), (9, 2), (13, 4)]
@@ -145,7 +146,7 @@ def test_emu_partitions_merge_with_the_bias(window, sink):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("window,sink", [(None, 0), (37, 4)])
 def test_cuda_decode_equals_torch_on_the_device(dtype, window, sink):
-    from runtime.kernels.cuda_backend import CudaKernels
+    from runtime.kernels.cuda.cuda_backend import CudaKernels
     q, clean, poisoned, table, lens = paged_case([1, 16, 17, 700, 1500], 12, 4, 64, 16, dtype, window, sink)
     slopes, scale = alibi_slopes(12), 1 / math.sqrt(64)
     expected = TorchKernels().decode_attention(q.float(), *(c.float() for c in clean), table, lens, scale, window,

@@ -9,8 +9,8 @@ import torch
 import runtime.kernels as kernels_pkg
 from runtime import Engine, ModelRunner
 from runtime.kernels import KERNELS_ENV_VAR, KernelBackendError, TorchKernels, get_kernels
-from runtime.kernels.cuda_backend import CudaKernels
-from runtime.kernels.emu_backend import EmuKernels
+from runtime.kernels.cuda.cuda_backend import CudaKernels
+from runtime.kernels.cuda.emu_backend import EmuKernels
 from tests.factories import make_checkpoint
 from tests.runtime.kernels.conftest import paged_case
 
@@ -83,7 +83,7 @@ def test_unavailable_cuda_is_an_error_not_a_fallback(monkeypatch):
 
 
 def test_unavailable_emu_is_an_error(monkeypatch):
-    monkeypatch.setattr("runtime.kernels.emu_backend.compiler_available", lambda: False)
+    monkeypatch.setattr("runtime.kernels.cuda.emu_backend.compiler_available", lambda: False)
     with pytest.raises(KernelBackendError, match="'emu' .*unavailable.*compiler"):
         get_kernels("emu")
 

@@ -1,16 +1,18 @@
 """The native CPU kernels (cpu_native.py) against their torch definitions: small-row linear
 (F.linear), RMSNorm (F.rms_norm), paged decode attention (torch_attention.decode_attention); the
-routing of runtime.kernels.linear and the torch backend to them; a whole model with and without them."""
+routing of runtime.kernels.torch_kernels.linear and the torch backend to them; a whole model with and without them."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-import runtime.kernels.linear as linear_module
+import runtime.kernels.torch_kernels.linear as linear_module
 from runtime import Engine, ModelRunner
-from runtime.kernels import cpu_native, get_kernels, torch_attention
-from runtime.kernels.linear import NATIVE_MAX_ROWS, Linear
+from runtime.kernels.cpu import cpu_native
+from runtime.kernels import get_kernels
+from runtime.kernels.torch_kernels import torch_attention
+from runtime.kernels.torch_kernels.linear import NATIVE_MAX_ROWS, Linear
 from tests.factories import make_checkpoint
 
 pytestmark = pytest.mark.skipif(cpu_native.native_ops() is None, reason="native CPU kernels cannot run here")
@@ -147,7 +149,7 @@ def test_a_model_step_equals_itself_without_the_native_kernels(tmp_path, monkeyp
 
 @pytest.mark.parametrize("vocab, extra_words", [(1, 0), (31, 0), (32, 1), (1000, 0), (32000, 0)])
 def test_token_bitmask_equals_the_reference(ops, vocab, extra_words):
-    from runtime.kernels.torch_decoder import apply_token_bitmask
+    from runtime.kernels.torch_kernels.torch_decoder import apply_token_bitmask
     gen = torch.Generator().manual_seed(vocab)
     bitmask = torch.randint(-2 ** 31, 2 ** 31, (4, -(-vocab // 32) + extra_words), dtype=torch.int64,
                             generator=gen).to(torch.int32)

@@ -11,9 +11,9 @@ import types
 import pytest
 import torch
 
-from runtime.kernels import sources
-from runtime.kernels.cuda_backend import NVRTC_OPTIONS, CudaKernels, cuda_available
-from runtime.kernels.launchers import DTYPE_CODES
+from runtime.kernels.cuda import sources
+from runtime.kernels.cuda.cuda_backend import NVRTC_OPTIONS, CudaKernels, cuda_available
+from runtime.kernels.cuda.launchers import DTYPE_CODES
 from tests.runtime.kernels.conftest import paged_case, tolerance
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from runtime import rng
-from runtime.kernels.cuda_backend import CudaKernels, cuda_available
+from runtime.kernels.cuda.cuda_backend import CudaKernels, cuda_available
 from tests.runtime.kernels import test_emu_decoder_kernels as emu_tests
 
 DEVICE = "cuda"

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from runtime.kernels.emu_backend import EmuKernels
-from runtime.kernels.launchers import (MAX_SHARED_BYTES, LaunchConfig, decode_smem_bytes, fit_tile_size,
+from runtime.kernels.cuda.emu_backend import EmuKernels
+from runtime.kernels.cuda.launchers import (MAX_SHARED_BYTES, LaunchConfig, decode_smem_bytes, fit_tile_size,
                                         plan_partitions)
 from tests.runtime.kernels.conftest import paged_case, tolerance
 

@@ -1,4 +1,4 @@
-"""The fused generation step (runtime/kernels/cpu_decode_step.py) against the eager model, op by op:
+"""The fused generation step (runtime/kernels/cpu/cpu_decode_step.py) against the eager model, op by op:
 the same logits (to float rounding; bf16 engines to bf16 rounding) and the same KV cache, for the
 LLaMA family in every precision mode, over several sequences of different lengths whose steps cross
 block boundaries, after a context computed in chunks, with a window and sink tokens; and the
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from runtime import Engine, ModelRunner
-from runtime.kernels import cpu_decode_step
+from runtime.kernels.cpu import cpu_decode_step
 from tests.factories import make_checkpoint, step_inputs
 
 MODES = {

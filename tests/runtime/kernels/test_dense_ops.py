@@ -13,8 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from runtime import Engine, ModelRunner
-from runtime.kernels import TorchKernels, cpu_native, torch_dense
-from runtime.kernels.cuda_backend import CudaKernels
+from runtime.kernels import TorchKernels
+from runtime.kernels.cpu import cpu_native
+from runtime.kernels.torch_kernels import torch_dense
+from runtime.kernels.cuda.cuda_backend import CudaKernels
 from runtime.quantization.int4 import quantize_int4
 from runtime.quantization.int8 import quantize_int8
 from tests.factories import make_checkpoint, step_inputs

@@ -214,7 +214,7 @@ def test_mixed_rows_equal_the_reference(emu, reference, seed):
 @pytest.mark.parametrize("vocab", [2000, 3000])
 def test_blocks_of_several_warps_equal_the_reference(emu, reference, vocab):
     """4 and 6 warps per row (decoding_block): cross-warp reductions, radix digits and scan segments."""
-    from runtime.kernels.decoding_launchers import decoding_block
+    from runtime.kernels.cuda.decoding_launchers import decoding_block
     assert decoding_block(vocab, emu.config) == 32 * -(-vocab // 512)
     gen = torch.Generator().manual_seed(vocab)
     logits = torch.randn(12, vocab, generator=gen) * 3

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from runtime.kernels import emu_backend, sources
-from runtime.kernels.launchers import c_int, c_ptr
+from runtime.kernels.cuda import emu_backend, sources
+from runtime.kernels.cuda.launchers import c_int, c_ptr
 
 REPO = Path(__file__).resolve().parents[3]
 

@@ -11,8 +11,8 @@ import torch
 
 import runtime.kernels as kernels_pkg
 from runtime.kernels import KERNEL_OPS, KernelBackend, TorchKernels, get_kernels
-from runtime.kernels.cuda_backend import CudaKernels
-from runtime.kernels.emu_backend import EmuKernels
+from runtime.kernels.cuda.cuda_backend import CudaKernels
+from runtime.kernels.cuda.emu_backend import EmuKernels
 
 EXPECTED_OPS = {"write_kv", "copy_blocks", "decode_attention", "context_attention", "dense_attention", "uniforms",
                 "apply_penalties", "ban_tokens", "repeat_ngram_bans", "greedy", "log_softmax", "top_k_top_p_mask",

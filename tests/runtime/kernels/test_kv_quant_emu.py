@@ -11,8 +11,8 @@ import torch
 
 from batch_manager import GptManager, KvCacheConfig, SchedulerPolicy, TrtGptModelOptionalParams, TrtGptModelType
 from runtime import build_engine
-from runtime.kernels import torch_attention
-from runtime.kernels.cuda_backend import CudaKernels, cuda_available
+from runtime.kernels.torch_kernels import torch_attention
+from runtime.kernels.cuda.cuda_backend import CudaKernels, cuda_available
 from tests.batch_manager.conftest import Client, make_request
 from tests.factories import make_checkpoint
 

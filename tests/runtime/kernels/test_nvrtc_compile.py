@@ -8,9 +8,9 @@ import re
 import pytest
 import torch
 
-from runtime.kernels import nvrtc, sources
-from runtime.kernels.cuda_backend import NVRTC_OPTIONS
-from runtime.kernels.launchers import DTYPE_CODES, LaunchConfig
+from runtime.kernels.cuda import nvrtc, sources
+from runtime.kernels.cuda.cuda_backend import NVRTC_OPTIONS
+from runtime.kernels.cuda.launchers import DTYPE_CODES, LaunchConfig
 
 pytestmark = pytest.mark.skipif(nvrtc.load() is None, reason="NVRTC library not found: pip install nvidia-cuda-nvrtc "
                                                              "(part of the test extra)")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.kernels.cuda_backend import cuda_available
+from runtime.kernels.cuda.cuda_backend import cuda_available
 
 NEG_INF = float("-inf")
 
@@ -47,7 +47,7 @@ def test_token_bitmask_equals_torch(emu, reference, vocab, extra_words):
 
 
 def test_token_bitmask_reference_is_the_bit_layout():
-    from runtime.kernels.torch_decoder import apply_token_bitmask
+    from runtime.kernels.torch_kernels.torch_decoder import apply_token_bitmask
     logits = torch.zeros(1, 40)
     mask = torch.tensor([[(1 << 3) | (1 << 31), 1 << 7]], dtype=torch.int64).to(torch.int32)   # bits 3, 31, 39
     apply_token_bitmask(logits, torch.tensor([0]), mask)

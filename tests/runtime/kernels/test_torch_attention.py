@@ -8,9 +8,9 @@ import threading
 import pytest
 import torch
 
-from runtime.kernels import cpu_attention, torch_attention
-from runtime.kernels.cpu_attention import GROUP_COST_BLOCK_ROWS, CpuAttention, length_groups
-from runtime.kernels.torch_backend import TorchKernels
+from runtime.kernels.torch_kernels import cpu_attention, torch_attention
+from runtime.kernels.torch_kernels.cpu_attention import GROUP_COST_BLOCK_ROWS, CpuAttention, length_groups
+from runtime.kernels.torch_kernels.torch_backend import TorchKernels
 
 
 def padded_cost(groups: list[list[int]], blocks: list[int]) -> int:

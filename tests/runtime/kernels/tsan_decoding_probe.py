@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime.kernels import emu_backend
+from runtime.kernels.cuda import emu_backend
 from tests.runtime.kernels import test_emu_decoder_kernels as cases
 
 

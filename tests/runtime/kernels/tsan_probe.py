@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import torch
 
-from runtime.kernels import emu_backend, sources
+from runtime.kernels.cuda import emu_backend, sources
 
 NEIGHBOUR = r'''
 extern "C" __global__ void neighbour(float* out) {

@@ -12,9 +12,9 @@ import torch
 
 from runtime.config import BuildConfig, ConfigError
 from runtime.kernels import TorchKernels
-from runtime.kernels.cuda_backend import CudaKernels
+from runtime.kernels.cuda.cuda_backend import CudaKernels
 from runtime.kernels.kv_quant import check_kv_storage
-from runtime.kernels.torch_dense import dequantize
+from runtime.kernels.torch_kernels.torch_dense import dequantize
 from runtime.precision import QuantMode
 from runtime.quantization import (INT4, INT8, lookup, lookup_dtype, lookup_stored, register, split_part,
                                   supported_formats, unregister)

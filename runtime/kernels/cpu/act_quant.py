@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from ..config import ConfigError
-from ..quantization import INT4, INT8
+from ...config import ConfigError
+from ...quantization import INT4, INT8
 from . import cpu_native
 
 SOURCE = Path(__file__).with_name("cpu_act_quant.cpp")

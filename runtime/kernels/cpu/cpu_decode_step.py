@@ -34,9 +34,9 @@ import torch
 from . import act_quant as aq
 from . import cpu_native
 from .cpu_weight_only import weight_only_ops
-from .linear import Linear
-from .native_build import build_library, compiler_available, native_cache_dir
-from .weight_only_linear import QuantizedLinear
+from ..torch_kernels.linear import Linear
+from ..native_build import build_library, compiler_available, native_cache_dir
+from ..torch_kernels.weight_only_linear import QuantizedLinear
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .kv_quant import dequantize, quantize_rows
+from ..kv_quant import dequantize, quantize_rows
 
 
 def compute_dtype(t: torch.Tensor) -> torch.dtype:

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from . import act_quant as aq
-from .cpu_weight_only import weight_only_ops
-from ..quantization import lookup_dtype
+from ..cpu import act_quant as aq
+from ..cpu.cpu_weight_only import weight_only_ops
+from ...quantization import lookup_dtype
 from .torch_dense import weight_only_linear
 
 # NOTE: torch's aten._weight_int8pack_mm (bf16 activations) is not used: measured slower than the

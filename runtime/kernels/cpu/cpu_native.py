@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from .native_build import CXX, build_library, compiler_available, native_cache_dir
+from ..native_build import CXX, build_library, compiler_available, native_cache_dir
 
 logger = logging.getLogger(__name__)
 

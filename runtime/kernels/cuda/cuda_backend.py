@@ -35,11 +35,11 @@ import operator
 
 import torch
 
-from .. import rng
+from ... import rng
 from . import sources
 from .decoding_launchers import DecodingLaunchers
 from .launchers import DTYPE_CODES, KvLaunchers, LaunchConfig
-from .torch_backend import TorchKernels
+from ..torch_kernels.torch_backend import TorchKernels
 
 logger = logging.getLogger(__name__)
 

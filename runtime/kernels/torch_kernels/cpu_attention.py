@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .cpu_native import native_ops
-from .cpu_native_bf16 import bf16_ops
-from .kv_quant import dequantize
+from ..cpu.cpu_native import native_ops
+from ..cpu.cpu_native_bf16 import bf16_ops
+from ..kv_quant import dequantize
 from .torch_attention import alibi_mask, block_ids, compute_dtype, dense_attention, visible
 
 # Fixed cost of one more attention call (gather K, gather V, SDPA), in block-rows: the work of

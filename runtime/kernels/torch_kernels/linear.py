@@ -46,8 +46,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from .cpu_native import native_ops
-from .cpu_native_bf16 import bf16_ops
+from ..cpu.cpu_native import native_ops
+from ..cpu.cpu_native_bf16 import bf16_ops
 
 CPU_IMPLS = ("onednn", "w_xt")
 # Rows up to which the native kernel runs (oneDNN's blocked GEMM wins at 64: samples.microbench.linear).

@@ -24,8 +24,8 @@ import numpy as np
 import torch
 
 from . import sources
-from .native_build import CXX, build_library, compiler_available
-from .native_build import emu_cache_dir as cache_dir
+from ..native_build import CXX, build_library, compiler_available
+from ..native_build import emu_cache_dir as cache_dir
 from .cuda_backend import CudaKernels
 from .launchers import DTYPE_CODES, LaunchConfig
 

@@ -15,10 +15,10 @@ import torch
 
 from . import torch_attention, torch_decoder, torch_dense
 from .cpu_attention import CpuAttention
-from .cpu_decode_step import DecodeStep
-from .cpu_native import native_ops
-from .cpu_native_bf16 import bf16_ops
-from .interface import PreparedLinear
+from ..cpu.cpu_decode_step import DecodeStep
+from ..cpu.cpu_native import native_ops
+from ..cpu.cpu_native_bf16 import bf16_ops
+from ..interface import PreparedLinear
 from .linear import Linear
 from .weight_only_linear import QuantizedLinear
 

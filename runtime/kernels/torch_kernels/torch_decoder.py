@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import rng
-from .interface import NO_TOKEN
+from ... import rng
+from ..interface import NO_TOKEN
 
 NEG_INF = float("-inf")
 _TOP_P_CANDIDATES = (1024, 16384)  # top-p rows draw among this many most probable tokens when they hold p
