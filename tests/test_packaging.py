@@ -157,7 +157,7 @@ def test_wheel_ships_every_module_and_runtime_file(installed):
         assert f"{path}.py" in names or f"{path}/__init__.py" in names, module
     data_files = [path.relative_to(ROOT).as_posix() for pattern in ("*.cu", "*.cuh", "*.h", "*.cpp")
                   for package in LIBRARY_PACKAGES for path in (ROOT / package).rglob(pattern)]
-    assert "runtime/kernels/cpu/cpu_native.cpp" in data_files and "cuda_src/emu/shim.h" in data_files
+    assert "runtime/kernels/cpu/ops.cpp" in data_files and "runtime/kernels/cpu/vec.h" in data_files and "cuda_src/emu/shim.h" in data_files
     assert sorted(set(data_files) - names) == []
     assert not any(name.startswith(("tests/", "samples/")) for name in names)
 
@@ -171,9 +171,9 @@ def test_installed_package_imports_everything_outside_the_checkout(installed):
 
 def test_installed_package_compiles_native_kernels_and_generates(installed):
     _, report = installed
-    from runtime.kernels.cpu import cpu_native
+    from runtime.kernels.cpu import library
     from runtime.kernels.cuda import emu_backend
-    assert report["native_built"] == (cpu_native.cpu_supported() and emu_backend.compiler_available())
+    assert report["native_built"] == (library.cpu_supported() and emu_backend.compiler_available())
     if report["native_built"]:   # compiled from the installed source into the fresh cache
         assert list((installed_cache(report) / "batch_manager" / "native").glob("cpu-native-*.so"))
     assert len(report["session_tokens"]) == 6

@@ -1,9 +1,8 @@
-"""The one builder of this package's native libraries: the CPU kernels (cpu_native.cpp,
-cpu_weight_only.cpp, cpu_act_quant.cpp, a library each; the fused decode step, one translation unit
-of all three and cpu_decode_step.cpp) and the emulation backend's translation units (cuda_src/ with
-the shim).
+"""The one builder of this package's native libraries: the native CPU layer's library (cpu/: several
+sources and headers, `build_sources`) and the emulation backend's translation units (cuda_src/ with
+the shim, `build_library`).
 
-A library is compiled once per sha256 of (source text, flags, `$CXX --version`, and whatever the
+A library is compiled once per sha256 of (source texts, flags, `$CXX --version`, and whatever the
 caller adds to the key, e.g. the CPU model and flags for -march=native), written under a
 temporary name and renamed, so concurrent builds are safe. Cache root: $BATCH_MANAGER_EMU_CACHE's
 parent when set, else $XDG_CACHE_HOME/batch_manager (default ~/.cache/batch_manager); the emu
@@ -75,5 +74,50 @@ def build_library(source: str, flags: tuple[str, ...], name: str, directory: Pat
         os.replace(tmp_name, library)
     finally:
         Path(tmp_name).unlink(missing_ok=True)
+    logger.info("%s: built %s", what, library)
+    return library
+
+
+def build_sources(files: dict[str, str], sources: tuple[str, ...], flags: tuple[str, ...], name: str,
+                  directory: Path, what: str, extra_key: str = "") -> Path:
+    """Compile the translation units `sources` (names in `files`: name -> text, headers included)
+    with `flags` into one library `directory`/`name`-<digest>.so (cached); its path. The files stay
+    in `name`-<digest>/ beside it (debuggers and sanitizer reports point at them); the units compile
+    in parallel, then link."""
+    key = "\0".join([*(f"{n}\0{text}" for n, text in sorted(files.items())), " ".join(flags), compiler_version(),
+                     extra_key])
+    digest = hashlib.sha256(key.encode()).hexdigest()[:24]
+    library = directory / f"{name}-{digest}.so"
+    if library.exists():
+        return library
+    directory.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{name}-{digest}-", dir=directory))
+    try:
+        for file_name, text in files.items():
+            (work / file_name).write_text(text)
+        compile_flags = [f for f in flags if f != "-shared"]
+        jobs = [subprocess.Popen([CXX, *compile_flags, "-c", "-x", "c++", str(work / source), "-o",
+                                  str(work / f"{source}.o")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True) for source in sources]
+        failures = [(job.args[-3], job.returncode, err) for job in jobs for _, err in [job.communicate()]
+                    if job.returncode != 0]
+        if failures:
+            source, code, err = failures[0]
+            raise RuntimeError(f"{what}: {CXX} failed on {Path(source).name} ({code}):\n{err[-4000:]}")
+        linked = work / f"{name}.so"
+        done = subprocess.run([CXX, *flags, *(str(work / f"{source}.o") for source in sources), "-o", str(linked)],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{what}: linking failed ({done.returncode}):\n{done.stderr[-4000:]}")
+        kept = directory / f"{name}-{digest}"
+        if not kept.exists():
+            kept.mkdir(exist_ok=True)
+            for file_name, text in files.items():
+                (kept / file_name).write_text(text)
+        os.replace(linked, library)
+    finally:
+        for path in work.iterdir():
+            path.unlink()
+        work.rmdir()
     logger.info("%s: built %s", what, library)
     return library

@@ -3,7 +3,7 @@
 gloo's loopback TCP costs ~0.3 ms per small all-reduce, a shared region ~8 us (a step's 17
 all-reduces of 2 KiB: 5.84 vs 0.13 ms, samples.microbench.tensor_parallel), so on CPUs the model's
 float32 all-reduces and logits gathers go through one region mapped by every rank (the native
-bm_shm_all_reduce of runtime/kernels/cpu/cpu_native.cpp: copy in, post a sequence number, wait for the
+bm_shm_all_reduce of runtime/kernels/cpu/collectives.cpp: copy in, post a sequence number, wait for the
 peers', then sum the slots in rank order, so every rank gets the same bits, or copy them out).
 BATCH_MANAGER_SHM_ALL_REDUCE=0 keeps gloo.
 """

@@ -148,14 +148,10 @@ def test_quantized_linear_matches_reference(rows, mode, group_size, native, dtyp
 def test_an_avx2_only_build_matches_reference(tmp_path):
     """The library as -march=native builds it on a CPU without AVX-512 (-march=haswell: no
     __AVX512F__ paths compiled in at all), loaded and held to the reference here."""
-    import subprocess
-    from runtime.kernels.cpu import cpu_native
-    from runtime.kernels.cuda import emu_backend
-    from runtime.kernels.cpu.cpu_weight_only import SOURCE, WeightOnlyOps
-    flags = [f if f != "-march=native" else "-march=haswell" for f in cpu_native.CXX_FLAGS]
-    library = tmp_path / "wo-haswell.so"
-    subprocess.run([emu_backend.CXX, *flags, str(SOURCE), "-o", str(library)], check=True, capture_output=True)
-    ops = WeightOnlyOps(library)
+    from runtime.kernels.cpu import library
+    from runtime.kernels.cpu.cpu_weight_only import WeightOnlyOps
+    flags = tuple(f if f != "-march=native" else "-march=haswell" for f in library.CXX_FLAGS)
+    ops = WeightOnlyOps(library.bind(library.build(flags, name="cpu-native-haswell", directory=tmp_path)))
     assert ops.max_isa == 1
     for mode, group_size in (("int8", 32), ("int4", 32), ("int4", 128)):
         weight, scale, minimum = quantized(mode, 45, 256, group_size)

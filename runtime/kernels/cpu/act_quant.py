@@ -1,5 +1,5 @@
 """The int8-activation mode's integer GEMVs (issue 41): activations quantized per block of 32 input
-columns to symmetric int8, dot products with int8 / int4 weights in int32 (cpu_act_quant.cpp).
+columns to symmetric int8, dot products with int8 / int4 weights in int32 (linear_act_quant.h).
 Owns the torch reference of that arithmetic, the weights' repacked layout (`pack`, once at load) and
 the ctypes wrapper; `act_quant_ops()` is None where the kernels cannot be built or run here.
 
@@ -11,7 +11,6 @@ from __future__ import annotations
 import ctypes
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -19,7 +18,6 @@ from ...config import ConfigError
 from ...quantization import INT4, INT8
 from . import cpu_native
 
-SOURCE = Path(__file__).with_name("cpu_act_quant.cpp")
 ISA_ENV_VAR = "BATCH_MANAGER_ACT_QUANT_ISA"
 ISAS = {"scalar": 0, "avx2": 1, "avxvnni": 2, "avx512vnni": 3}
 BLOCK = 32          # activation columns per quantization block
@@ -75,7 +73,7 @@ def int8_act_linear_reference(x: torch.Tensor, weight: torch.Tensor, scale: torc
 
 @dataclass(frozen=True)
 class PackedActWeight:
-    """One linear's weights in cpu_act_quant.cpp's layout (n_units = ceil(n / 16))."""
+    """One linear's weights in linear_act_quant.h's layout (n_units = ceil(n / 16))."""
     packed: torch.Tensor            # uint8: int8 [n_units, k/32, 8, 16, 4]; int4 [n_units, k/32, 4, 16, 4]
     scale: torch.Tensor             # float32: int8 [n_units * 16]; int4 [n_units, k/gs, 16]
     minimum: torch.Tensor | None    # float32 int4 [n_units, k/gs, 16]; int8 None
@@ -121,29 +119,17 @@ def pack(weight: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None
 # ---- the native kernels -----------------------------------------------------------------------
 
 class ActLinearStruct(ctypes.Structure):
-    """cpu_act_quant.cpp's ActLinear."""
+    """linear_act_quant.h's ActLinear."""
     _fields_ = [("format", ctypes.c_int32), ("pad", ctypes.c_int32), ("packed", ctypes.c_void_p),
                 ("scale", ctypes.c_void_p), ("min", ctypes.c_void_p), ("bias", ctypes.c_void_p),
                 ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("gs", ctypes.c_int64)]
 
 
-_P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-_SIGNATURES = {
-    "bm_aq_quantize": ([_P, _I64, _I64, _P, _P, _P], None),
-    "bm_aq_linear": ([ctypes.POINTER(ActLinearStruct), _P, _I64, _P, _I64, _I32, _I32, _I32], None),
-    "bm_aq_isa_mask": ([], ctypes.c_int),
-    "bm_aq_best_isa": ([], ctypes.c_int),
-}
-
-
 class ActQuantOps:
     """The loaded library; methods take CPU tensors and assert the layouts of the C contracts."""
 
-    def __init__(self, library: Path):
-        self._lib = ctypes.CDLL(str(library))
-        for name, (argtypes, restype) in _SIGNATURES.items():
-            fn = getattr(self._lib, name)
-            fn.argtypes, fn.restype = argtypes, restype
+    def __init__(self, lib: ctypes.CDLL):
+        self._lib = lib
         mask = int(self._lib.bm_aq_isa_mask())
         self.available_isas = tuple(name for name, level in ISAS.items() if mask & (1 << level))
         self.best_isa = self.available_isas[-1]
@@ -200,7 +186,7 @@ class ActQuantOps:
 
 def act_quant_ops() -> ActQuantOps | None:
     """The kernels (built and loaded once per process), or None where they cannot run here."""
-    return cpu_native.load_ops(ActQuantOps, SOURCE, "act-quant kernels")
+    return cpu_native.load_ops(ActQuantOps)
 
 
 def act_linear(x: torch.Tensor, packed: PackedActWeight, bias: torch.Tensor | None = None,

@@ -1,12 +1,12 @@
-"""The generation step of a LLaMA-family model as one native call (cpu_decode_step.cpp): every
+"""The generation step of a LLaMA-family model as one native call (decode_step.cpp): every
 layer's RMSNorm, QKV, rotary, KV-cache write, paged decode attention, out-projection, gated MLP
 and residuals, then the final norm and lm_head, inside one OpenMP parallel region.
 
 Why: at one to a few sequences a step is a chain of ~15 small ops per layer; run from Python
 (eager torch ops and one ctypes call each) they cost ~4.4 ms per token on SmolLM2-135M, as much
-as its weight matmuls. The native step keeps the same kernels for the matmuls (cpu_native.cpp's
-float32 and bf16 GEMVs, cpu_weight_only.cpp's int8 / int4 ones, compiled into the same library)
-and runs the rest between barriers.
+as its weight matmuls. The native step (decode_step.cpp, in the native CPU layer's one library)
+calls the same functions as the per-op entry points: the linear ranges, RMSNorm, silu * up and the
+paged decode attention, so the eager native path and the fused step compute the same numbers.
 
 What it covers (`DecodeStep.build` says None otherwise; the eager model stays the reference and
 the fallback): RMSNorm, rotary positions with the neox pairing (partial rotary too), the
@@ -26,23 +26,19 @@ import ctypes
 import functools
 import logging
 import os
-import subprocess
-from pathlib import Path
 
 import torch
 
 from . import act_quant as aq
-from . import cpu_native
+from . import library as native_library
 from .cpu_weight_only import weight_only_ops
 from ..torch_kernels.linear import Linear
-from ..native_build import build_library, compiler_available, native_cache_dir
 from ..torch_kernels.weight_only_linear import QuantizedLinear
 
 logger = logging.getLogger(__name__)
 
 ENV_VAR = "BATCH_MANAGER_FUSED_DECODE"   # off (0/false/off/no): generation steps take the eager path
 _SWITCH_VALUES = {"0": False, "false": False, "off": False, "no": False, "1": True, "true": True, "on": True, "yes": True}
-SOURCE = Path(__file__).with_name("cpu_decode_step.cpp")
 # Sequences per fused step: the GEMVs reuse each weight load across the rows of a small batch; above
 # this many rows the eager path's blocked GEMMs (oneDNN, de-quantized tiles) are the better kernels.
 MAX_ROWS = 8
@@ -108,32 +104,10 @@ def _one_openmp_runtime() -> bool:
     return True
 
 
-@functools.lru_cache(maxsize=None)
 def library() -> ctypes.CDLL | None:
-    """cpu_native.cpp, cpu_weight_only.cpp and cpu_act_quant.cpp (each in a namespace of its own)
-    then cpu_decode_step.cpp, as one translation unit; None where it cannot be built."""
-    if not cpu_native.cpu_supported() or not compiler_available():
-        return None
-    here = SOURCE.parent
-    source = "".join([
-        "#include <immintrin.h>\n#include <math.h>\n#include <omp.h>\n#include <stdint.h>\n#include <string.h>\n"
-        "#include <errno.h>\n#include <sched.h>\n#include <signal.h>\n#include <time.h>\n"
-        "#include <algorithm>\n#include <atomic>\n#include <initializer_list>\n#include <type_traits>\n"
-        "#include <vector>\n",
-        "namespace bm_native {\n", (here / "cpu_native.cpp").read_text(), "\n}  // namespace bm_native\n",
-        "namespace bm_wo {\n", (here / "cpu_weight_only.cpp").read_text(), "\n}  // namespace bm_wo\n",
-        "namespace bm_aq {\n", (here / "cpu_act_quant.cpp").read_text(), "\n}  // namespace bm_aq\n",
-        SOURCE.read_text()])
-    try:
-        path = build_library(source, cpu_native.CXX_FLAGS, "cpu-decode-step", native_cache_dir(), "fused decode step",
-                             extra_key=cpu_native.cpu_identity())
-    except (OSError, RuntimeError, subprocess.SubprocessError) as error:
-        logger.warning("fused decode step: build failed, generation steps stay eager: %s", error)
-        return None
-    lib = ctypes.CDLL(str(path))
-    lib.bm_decode_step.argtypes = [_P, _I64, _P, _P, _P, _P, _I64, _P, _P, ctypes.c_int]
-    lib.bm_decode_step.restype = None
-    return lib
+    """The native CPU layer's library (library.load()), whose bm_decode_step this binds; None where
+    it cannot be built or run here."""
+    return native_library.load()
 
 
 def _f32(t: torch.Tensor | None) -> torch.Tensor | None:

@@ -1,73 +1,25 @@
-"""Native CPU kernels of the generation path (cpu_native.cpp): small-row linear, RMSNorm, the
-gated MLP's silu(gate) * up and paged decode attention in float32 (and over an int8 cache),
-compiled at run time with the system C++ compiler and loaded with ctypes, the emulation backend's
-build-and-load path. Callers, all in the torch backend: linear.py (rows up to
-linear.NATIVE_MAX_ROWS), torch_backend.py (RMSNorm, silu * up, the token bitmask) and
+"""The float32 per-op entry points of the native CPU layer (library.py): few-row linear, RMSNorm,
+the gated MLP's silu(gate) * up, paged decode attention in float32 (and over an int8 cache), the
+token bitmask and the shared-memory all-reduce. Callers, all in the torch backend: linear.py (rows up
+to linear.NATIVE_MAX_ROWS), torch_backend.py (RMSNorm, silu * up, the token bitmask) and
 cpu_attention.py (decode attention); each keeps its torch path for every other case, and tests
 hold these kernels to it.
 
 `native_ops()` is None where the kernels cannot run (no x86-64 AVX2/FMA, no compiler, or
-BATCH_MANAGER_CPU_NATIVE=0); callers then stay on torch. Build cache: one library per sha256 of
-(source, flags, compiler version, CPU model and flags) in `native/` (native_build.py, the one
-builder of the package's native libraries). The first build takes about a second; later
-processes only load.
+BATCH_MANAGER_CPU_NATIVE=0); callers then stay on torch. `load_ops` gives the other binding
+modules (cpu_native_bf16, cpu_weight_only, act_quant) the same rule over the same library.
 """
 from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 import os
-import platform
-import subprocess
-from pathlib import Path
 
 import torch
 
-from ..native_build import CXX, build_library, compiler_available, native_cache_dir
-
-logger = logging.getLogger(__name__)
+from . import library
 
 ENV_VAR = "BATCH_MANAGER_CPU_NATIVE"  # "0" turns the native kernels off (A/B runs, debugging)
-SOURCE = Path(__file__).with_name("cpu_native.cpp")
-CXX_FLAGS = ("-std=c++17", "-O3", "-march=native", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared")
-
-_P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-_SIGNATURES = {
-    "bm_linear": [_P, _I64, _I64, _P, _I64, _I64, _P, _P, _I64, _I32, _I32],
-    "bm_rms_norm": [_P, _I64, _I64, _I64, _P, _F32, _P, _I64, _I32],
-    "bm_silu_mul": [_P, _I64, _I64, _I64, _P, _I32],
-    "bm_decode_attention": [_P, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _F32, _I64, _I64, _P, _I32],
-    "bm_decode_attention_int8": [_P, _P, _P, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _F32, _I64, _I64,
-                                 _P, _I32],
-    "bm_token_bitmask": [_P, _P, _P, _I64, _I64, _I64, _I64, _I32],
-    "bm_shm_all_reduce": [_P, _I64, _P, _I64, _I32, _I32, _I64, _I64, _P, _I64],
-}
-_RESTYPES = {"bm_shm_all_reduce": ctypes.c_int}
-
-
-def cpu_identity() -> str:
-    """The CPU's model name and feature flags (-march=native compiles for them)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = [line for line in f if line.startswith(("model name", "flags"))][:2]
-        return "".join(lines)
-    except OSError:
-        return platform.processor()
-
-
-def cpu_supported() -> bool:
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return False
-    flags = cpu_identity()
-    return " avx2" in flags and " fma" in flags
-
-
-def build(directory: Path | None = None, source_path: Path = SOURCE) -> Path:
-    """Compile `source_path` (default cpu_native.cpp; any C++ source of this package's native CPU
-    kernels) into the cache, once per source, flags, compiler and CPU; the library's path."""
-    return build_library(source_path.read_text(), CXX_FLAGS, source_path.stem.replace("_", "-"),
-                         directory or native_cache_dir(), "cpu native kernels", extra_key=cpu_identity())
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -124,12 +76,8 @@ def call_decode_attention(fn, q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 class NativeCpuOps:
     """The loaded library; every method takes float32 CPU tensors and checks the layout it needs."""
 
-    def __init__(self, library: Path):
-        # NOTE: torch is imported first, so the library's libgomp.so.1 binds to torch's OpenMP runtime.
-        self._lib = ctypes.CDLL(str(library))
-        for name, argtypes in _SIGNATURES.items():
-            fn = getattr(self._lib, name)
-            fn.argtypes, fn.restype = argtypes, _RESTYPES.get(name)
+    def __init__(self, lib: ctypes.CDLL):
+        self._lib = lib
 
     def shm_all_reduce(self, data: torch.Tensor, region: torch.Tensor, capacity: int, rank: int, size: int,
                        seq: int, timeout_s: float, gathered: torch.Tensor | None = None) -> int:
@@ -206,25 +154,18 @@ class NativeCpuOps:
 def native_ops() -> NativeCpuOps | None:
     """The kernels (built and loaded once per process); None where they cannot run here or while
     BATCH_MANAGER_CPU_NATIVE=0. Callers capture the answer when they are built."""
-    return load_ops(NativeCpuOps, SOURCE, "cpu native kernels")
+    return load_ops(NativeCpuOps)
 
 
-def load_ops(ops_class, source_path: Path, what: str):
-    """`ops_class(library)` over the native library of `source_path`, built and loaded once per
-    process; None where the kernels cannot run here (no x86-64 AVX2/FMA, no compiler, the build
-    failed) or while BATCH_MANAGER_CPU_NATIVE=0 (callers stay on torch)."""
+def load_ops(ops_class):
+    """`ops_class(lib)` over the native library, made once per process; None where the kernels cannot
+    run here (library.load() is None) or while BATCH_MANAGER_CPU_NATIVE=0 (callers stay on torch)."""
     if os.environ.get(ENV_VAR, "").strip() == "0":
         return None
-    return _load(ops_class, source_path, what)
+    lib = library.load()
+    return None if lib is None else _bound(ops_class, lib)
 
 
 @functools.lru_cache(maxsize=None)
-def _load(ops_class, source_path: Path, what: str):
-    if not cpu_supported() or not compiler_available():
-        logger.info("%s: unavailable (needs x86-64 AVX2/FMA and %s); using torch", what, CXX)
-        return None
-    try:
-        return ops_class(build(source_path=source_path))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as error:
-        logger.warning("%s: build failed, using torch: %s", what, error)
-        return None
+def _bound(ops_class, lib: ctypes.CDLL):
+    return ops_class(lib)

@@ -1,11 +1,12 @@
-"""bfloat16 variants of the native CPU kernels (cpu_native.cpp's `bm_*_bf16`): the few-row linear
+"""bfloat16 per-op entry points of the native CPU layer (ops.cpp's `bm_*_bf16`): the few-row linear
 (bf16 weights, bf16 or float32 activations), RMSNorm, silu(gate) * up and paged decode attention
-over a bf16 cache, each summing in float32. Same library, build and callers as cpu_native.py
-(linear.py, torch_backend.py, cpu_attention.py), which keep torch for every other case.
+over a bf16 cache, each summing in float32 (the same functions as the float32 ones and the fused
+step). Same library and callers as cpu_native.py (linear.py, torch_backend.py, cpu_attention.py),
+which keep torch for every other case.
 
-The linear and decode attention come in two entry points: the best one compiled here (AVX512-BF16's
-dot product where the compiler targets it) and `_avx2`, which widens bf16 to float32 by a 16-bit
-shift and runs on any AVX2 CPU. BATCH_MANAGER_CPU_BF16_ISA=avx2 picks the latter (tests, A/B runs).
+The linear comes in two entry points: the best one compiled here (AVX512-BF16's dot product where
+the compiler targets it) and `_avx2`, which widens bf16 to float32 by a 16-bit shift and runs on any
+AVX2 CPU. BATCH_MANAGER_CPU_BF16_ISA=avx2 picks the latter (tests, A/B runs).
 """
 from __future__ import annotations
 
@@ -20,31 +21,15 @@ from .cpu_native import call_decode_attention, call_rms_norm, call_silu_mul, nat
 ISA_ENV_VAR = "BATCH_MANAGER_CPU_BF16_ISA"  # "avx2": the shifting path even where AVX512-BF16 exists
 ISAS = ("best", "avx2")
 
-_P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-_LINEAR = [_P, _I32, _I64, _I64, _P, _I64, _I64, _P, _P, _I32, _I64, _I32, _I32]
-_DECODE = [_P, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _F32, _I64, _I64, _P, _I32]
-_SIGNATURES = {
-    "bm_linear_bf16": _LINEAR, "bm_linear_bf16_avx2": _LINEAR,
-    "bm_rms_norm_bf16": [_P, _I64, _I64, _I64, _P, _F32, _P, _I64, _I32],
-    "bm_silu_mul_bf16": [_P, _I64, _I64, _I64, _P, _I32],
-    "bm_decode_attention_bf16": _DECODE, "bm_decode_attention_bf16_avx2": _DECODE,
-    "bm_bf16_has_dot_product": [],
-}
-
-
 class NativeBf16Ops:
     """The bf16 entry points of the loaded library; `isa` "avx2" forces the shifting path."""
 
     def __init__(self, lib: ctypes.CDLL, isa: str):
         assert isa in ISAS
-        for name, argtypes in _SIGNATURES.items():
-            fn = getattr(lib, name)
-            fn.argtypes, fn.restype = argtypes, (ctypes.c_int if name == "bm_bf16_has_dot_product" else None)
-        suffix = "_avx2" if isa == "avx2" else ""
-        self._linear = getattr(lib, "bm_linear_bf16" + suffix)
-        self._decode_attention = getattr(lib, "bm_decode_attention_bf16" + suffix)
+        self._linear = lib.bm_linear_bf16_avx2 if isa == "avx2" else lib.bm_linear_bf16
+        self._decode_attention = lib.bm_decode_attention_bf16
         self._rms_norm, self._silu_mul = lib.bm_rms_norm_bf16, lib.bm_silu_mul_bf16
-        # Whether the linear and attention run AVX512-BF16's dot product (else the shifting path).
+        # Whether the linear runs AVX512-BF16's dot product (else the shifting path).
         self.uses_dot_product = isa != "avx2" and bool(lib.bm_bf16_has_dot_product())
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

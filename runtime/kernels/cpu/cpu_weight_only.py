@@ -1,6 +1,6 @@
-"""Native CPU weight-only int8 / int4 kernels (cpu_weight_only.cpp): the few-row linear and the
-tile de-quantization of the many-row path, float32 activations. Built through cpu_native.build and
-loaded with ctypes; `weight_only_ops()` is None where they cannot run (no AVX2/FMA, no compiler,
+"""Weight-only int8 / int4 entry points of the native CPU layer (ops.cpp's bm_wo_*, over
+linear_weight_only.h): the few-row linear and the tile de-quantization of the many-row path,
+float32 activations. `weight_only_ops()` is None where they cannot run (no AVX2/FMA, no compiler,
 BATCH_MANAGER_CPU_NATIVE=0). Caller: weight_only_linear.py; tests hold them to its torch reference.
 
 The instruction set is the best the library was compiled for (AVX-512 under -march=native on a CPU
@@ -11,35 +11,20 @@ from __future__ import annotations
 
 import ctypes
 import os
-from pathlib import Path
 
 import torch
 
 from . import cpu_native
 from .cpu_native import _ptr
 
-SOURCE = Path(__file__).with_name("cpu_weight_only.cpp")
 ISA_ENV_VAR = "BATCH_MANAGER_WEIGHT_ONLY_ISA"
 ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}
-
-_P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-_SIGNATURES = {
-    "bm_wo_int8_linear": [_P, _I64, _I64, _P, _P, _I64, _I64, _P, _P, _I64, _I32, _I32, _I32],
-    "bm_wo_int4_linear": [_P, _I64, _I64, _P, _P, _P, _I64, _I64, _I64, _P, _P, _I64, _I32, _P, _I32, _I32],
-    "bm_wo_dequant_int8": [_P, _P, _I64, _I64, _I64, _P, _I32],
-    "bm_wo_dequant_int4": [_P, _P, _P, _I64, _I64, _I64, _I64, _P, _I32],
-    "bm_wo_max_isa": [],
-}
-
 
 class WeightOnlyOps:
     """The loaded library; methods take CPU tensors and assert the layouts of the C contracts."""
 
-    def __init__(self, library: Path):
-        self._lib = ctypes.CDLL(str(library))
-        for name, argtypes in _SIGNATURES.items():
-            fn = getattr(self._lib, name)
-            fn.argtypes, fn.restype = argtypes, (ctypes.c_int if name == "bm_wo_max_isa" else None)
+    def __init__(self, lib: ctypes.CDLL):
+        self._lib = lib
         self.max_isa = int(self._lib.bm_wo_max_isa())
 
     def isa_level(self, isa: str | None = None) -> int:
@@ -148,4 +133,4 @@ class WeightOnlyOps:
 
 def weight_only_ops() -> WeightOnlyOps | None:
     """The kernels (built and loaded once per process), or None where they cannot run here."""
-    return cpu_native.load_ops(WeightOnlyOps, SOURCE, "weight-only kernels")
+    return cpu_native.load_ops(WeightOnlyOps)

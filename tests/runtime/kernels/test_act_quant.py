@@ -1,18 +1,15 @@
-"""The int8-activation kernels (kernels/cpu_act_quant.cpp through kernels/act_quant) against the torch
+"""The int8-activation kernels (kernels/cpu/linear_act_quant.h through kernels/cpu/act_quant) against the torch
 reference: the quantizer exactly; each GEMV on every tier this CPU has, exactly where the inputs make
 the float part exact (power-of-two block and weight scales) and to float rounding on random inputs."""
 from __future__ import annotations
-
-import ctypes
 
 import pytest
 import torch
 
 from runtime.config import ConfigError
-from runtime.kernels.cpu import act_quant, cpu_native
-from runtime.kernels.cpu.act_quant import (ISA_ENV_VAR, ISAS, SOURCE, ActQuantOps, act_quant_ops,
+from runtime.kernels.cpu import act_quant, library
+from runtime.kernels.cpu.act_quant import (ISA_ENV_VAR, ISAS, ActQuantOps, act_quant_ops,
                                        int8_act_linear_reference, pack, quantize_activations)
-from runtime.kernels.native_build import build_library, native_cache_dir
 from runtime.quantization.int4 import quantize_int4
 from runtime.quantization.int8 import quantize_int8
 
@@ -148,11 +145,10 @@ def test_env_forces_a_tier(monkeypatch):
 def test_build_without_vnni_offers_avx2_and_scalar(monkeypatch):
     """The tiers' #ifdef guards: a build without VNNI runs the AVX2 path, and naming a VNNI tier
     there is a ConfigError that lists what is available."""
-    if not cpu_native.cpu_supported():
+    if not library.cpu_supported():
         pytest.skip("needs AVX2")
-    flags = (*cpu_native.CXX_FLAGS, "-mno-avx512vnni", "-mno-avxvnni")
-    ops = ActQuantOps(build_library(SOURCE.read_text(), flags, "cpu-act-quant-novnni", native_cache_dir(),
-                                    "act-quant kernels without VNNI", extra_key=cpu_native.cpu_identity()))
+    flags = (*library.CXX_FLAGS, "-mno-avx512vnni", "-mno-avxvnni")
+    ops = ActQuantOps(library.bind(library.build(flags, name="cpu-native-novnni")))
     assert ops.available_isas == ("scalar", "avx2")
     monkeypatch.setenv(ISA_ENV_VAR, "avx512vnni")
     packed = pack(*quantize_int8(torch.randn(OUTPUTS, 96)), None)
@@ -161,21 +157,3 @@ def test_build_without_vnni_offers_avx2_and_scalar(monkeypatch):
     monkeypatch.delenv(ISA_ENV_VAR)
     x = torch.randn(3, 96)
     assert torch.equal(ops.act_linear(x, packed, None), OPS.act_linear(x, packed, None, isa="avx2"))
-
-
-def test_compiles_inside_a_namespace():
-    """The fused decode step includes this file inside `namespace bm_aq` after its own headers."""
-    prelude = ("#include <immintrin.h>\n#include <math.h>\n#include <omp.h>\n#include <stdint.h>\n"
-               "#include <string.h>\n#include <algorithm>\n#include <vector>\n")
-    caller = ("\nextern \"C\" int bm_aq_probe(const float* x, int8_t* q, float* d, int32_t* s) {\n"
-              "  bm_aq::quantize_rows(x, 1, 32, q, d, s);\n"
-              "  return (int)bm_aq::kActUnit + (int)sizeof(bm_aq::ActLinear);\n}\n")
-    source = prelude + "namespace bm_aq {\n" + SOURCE.read_text() + "\n}  // namespace bm_aq\n" + caller
-    library = build_library(source, cpu_native.CXX_FLAGS, "cpu-act-quant-namespaced", native_cache_dir(),
-                            "act-quant kernels in a namespace", extra_key=cpu_native.cpu_identity())
-    probe = ctypes.CDLL(str(library)).bm_aq_probe
-    probe.argtypes = [ctypes.c_void_p] * 4
-    x = torch.randn(1, 32)
-    q, d, s = torch.empty(1, 32, dtype=torch.int8), torch.empty(1, 1), torch.empty(1, 1, dtype=torch.int32)
-    assert probe(x.data_ptr(), q.data_ptr(), d.data_ptr(), s.data_ptr()) == 16 + 64
-    assert torch.equal(q, quantize_activations(x)[0])

@@ -1,8 +1,8 @@
-// Integer GEMVs of the int8-activation mode (issue 41): activations quantized per block of 32 input
-// columns to symmetric int8, dot products with int8 / int4 weights in int32 (vpdpbusd), like
-// llama.cpp's Q8_0 x Q8_0 and Q4_0 x Q8_0. Built at run time by act_quant.py (cpu_native.build,
-// -march=native) and called via ctypes; the fused decode step compiles this file into its own
-// translation unit inside `namespace bm_aq`, calling quantize_rows and act_linear_range.
+// Linear family, int8 activations (input type: Q8 blocks of 32): integer GEMVs, activations
+// quantized per block of 32 input columns to symmetric int8, dot products with int8 / int4 weights
+// in int32 (vpdpbusd), like
+// llama.cpp's Q8_0 x Q8_0 and Q4_0 x Q8_0. ops.cpp (bm_aq_*) and the fused step call
+// quantize_rows and act_linear_range (namespace bm_aq).
 //
 // Contracts (all arrays contiguous):
 //   quantize_rows: x float32 [rows, k], k % 32 == 0 -> per block b of 32 columns
@@ -24,8 +24,10 @@
 //   isa: 0 scalar, 1 AVX2 (vpmaddubsw + vpmaddwd; int8 via the sign trick on w = u8 ^ 0x80),
 //       2 AVX-VNNI (ymm vpdpbusd), 3 AVX512-VNNI (zmm vpdpbusd); a tier not compiled in falls back
 //       to the next lower one. bm_aq_isa_mask says which are compiled and supported: the caller
-//       passes one of those (act_quant.py checks the isa argument and BATCH_MANAGER_ACT_QUANT_ISA).
+//       passes one of those.
 // The integer sums are exact (|sum| < 2^24, so their float conversion is exact too).
+
+#pragma once
 
 #include <immintrin.h>
 #include <math.h>
@@ -34,7 +36,8 @@
 #include <string.h>
 
 #include <algorithm>
-#include <vector>
+
+namespace bm_aq {
 
 // Outputs per unit of the packed layout and of act_linear_range's [n0, n1).
 constexpr int64_t kActUnit = 16;
@@ -50,7 +53,6 @@ struct ActLinear {
   int64_t n, k, gs;    // outputs, inputs (k % 32 == 0), int4 group size (32, 64, 128; int8: 0)
 };
 
-namespace {
 
 constexpr int64_t kBlock = 32;
 
@@ -69,8 +71,8 @@ inline void finish_unit(const float* sums, const float* bias, float* y, int64_t 
 
 // ---- scalar tier: the same layout, one lane at a time -------------------------------------------
 
-void unit_scalar(const ActLinear& a, int64_t unit, const int8_t* q, const float* d, const int32_t* s,
-                 int64_t rows, float* y, int64_t ldy, int accumulate) {
+inline void unit_scalar(const ActLinear& a, int64_t unit, const int8_t* q, const float* d, const int32_t* s,
+                        int64_t rows, float* y, int64_t ldy, int accumulate) {
   const int64_t blocks = a.k / kBlock, o0 = unit * 16, o1 = std::min(a.n, o0 + 16);
   const uint8_t* w = (const uint8_t*)a.packed;
   for (int64_t r = 0; r < rows; ++r) {
@@ -276,10 +278,10 @@ void range_rows(const ActLinear& a, const int8_t* q, const float* d, const int32
   }
 }
 
-}  // namespace
+
 
 // The tiers compiled in and supported by this CPU: bit i for isa i.
-int isa_mask() {
+inline int isa_mask() {
   int mask = 1;
 #ifdef __AVX2__
   if (__builtin_cpu_supports("avx2")) mask |= 2;
@@ -293,7 +295,7 @@ int isa_mask() {
   return mask;
 }
 
-void quantize_rows(const float* x, int64_t rows, int64_t k, int8_t* q, float* d, int32_t* s) {
+inline void quantize_rows(const float* x, int64_t rows, int64_t k, int8_t* q, float* d, int32_t* s) {
   const int64_t blocks = k / kBlock;
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t b = 0; b < blocks; ++b) {
@@ -319,8 +321,8 @@ void quantize_rows(const float* x, int64_t rows, int64_t k, int8_t* q, float* d,
     }
 }
 
-void act_linear_range(const ActLinear& w, const int8_t* q, const float* d, const int32_t* s, int64_t rows,
-                      int64_t k, float* y, int64_t ldy, int accumulate, int64_t n0, int64_t n1, int isa) {
+inline void act_linear_range(const ActLinear& w, const int8_t* q, const float* d, const int32_t* s, int64_t rows,
+                             int64_t k, float* y, int64_t ldy, int accumulate, int64_t n0, int64_t n1, int isa) {
   const ActLinear& a = w;
   const int64_t u0 = n0 / kActUnit, u1 = (n1 + kActUnit - 1) / kActUnit;
   (void)k;
@@ -338,36 +340,4 @@ void act_linear_range(const ActLinear& w, const int8_t* q, const float* d, const
       unit_scalar(a, u, q + r * a.k, d + r * (a.k / kBlock), s + r * (a.k / kBlock), 1, y + r * ldy, ldy,
                   accumulate);
 }
-
-extern "C" int bm_aq_isa_mask() { return isa_mask(); }
-
-extern "C" int bm_aq_best_isa() {
-  const int mask = isa_mask();
-  int best = 0;
-  for (int i = 0; i < 4; ++i)
-    if (mask & (1 << i)) best = i;
-  return best;
-}
-
-extern "C" void bm_aq_quantize(const float* x, int64_t rows, int64_t k, int8_t* q, float* d, int32_t* s) {
-  quantize_rows(x, rows, k, q, d, s);
-}
-
-// x float32 [rows, k] contiguous -> y (row stride ldy); each thread a contiguous range of units.
-extern "C" void bm_aq_linear(const ActLinear* w, const float* x, int64_t rows, float* y, int64_t ldy,
-                             int accumulate, int num_threads, int isa) {
-  const int64_t k = w->k, blocks = k / kBlock, units = (w->n + kActUnit - 1) / kActUnit;
-  std::vector<int8_t> q(rows * k);
-  std::vector<float> d(rows * blocks);
-  std::vector<int32_t> s(rows * blocks);
-  quantize_rows(x, rows, k, q.data(), d.data(), s.data());
-  const int threads = (int)std::max<int64_t>(1, std::min<int64_t>(num_threads, units));
-#pragma omp parallel num_threads(threads)
-  {
-    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-    const int64_t u0 = units * t / nt, u1 = units * (t + 1) / nt;
-    if (u0 < u1)
-      act_linear_range(*w, q.data(), d.data(), s.data(), rows, k, y, ldy, accumulate, u0 * kActUnit,
-                       std::min(w->n, u1 * kActUnit), isa);
-  }
-}
+}  // namespace bm_aq

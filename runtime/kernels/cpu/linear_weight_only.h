@@ -1,24 +1,15 @@
-// Weight-only int8 / int4 linears for few-row steps (the bandwidth-bound generation step), built at
-// run time by cpu_weight_only.py (through cpu_native.build, -march=native) and called via ctypes;
-// also compiled into the fused decode step's library (cpu_decode_step.py, namespace bm_wo).
-// Activations and outputs are float32; the weights are de-quantized a register tile at a time.
-//
-// Contracts (rows are contiguous along their last dimension):
-//   bm_wo_int8_linear: y[r, o] (+)= scale[o] * sum_k x[r, k] * w[o, k] (+ bias[o]);
-//       x float32 [rows, k] row stride ldx; w int8 [n, k] contiguous; scale float32 [n];
-//       y float32 [rows, n] row stride ldy.
-//   bm_wo_int4_linear: w[o, k] = q[o, k] * scale[o, g] + min[o, g] with g = k / gs; packed uint8
-//       [n, k / 2]: in group g of row o, byte j (j < gs / 2) holds column g*gs + j in its low
-//       nibble and column g*gs + gs/2 + j in its high nibble (GGUF Q4_0 / Q4_1's layout at gs 32);
-//       scale, min float16 [n, k / gs] (their bits, uint16_t); gs in {32, 64, 128} divides k.
-//   bm_wo_dequant_{int8,int4}: the float32 rows [n0, n1) of the de-quantized weight into
-//       out [n1 - n0, k] contiguous (the many-row path multiplies them with torch's GEMM).
-//   isa: 0 scalar, 1 AVX2 + FMA, 2 AVX-512 where compiled in (else AVX2; int4 there de-quantizes
-//       through a 16-entry table per group, int4_tile_lut). The caller passes the best one the CPU
-//       has; tests force the lower ones on any CPU. No VNNI path here: these kernels take float32
-//       activations; the int8-activation mode's integer dot products (BuildConfig.act_quant) are
-//       cpu_act_quant.cpp's.
-// OpenMP over units of output channels, num_threads threads (torch's pool, as cpu_native.cpp).
+// Linear family, weight-only int8 / int4 weights with float32 activations: the few-row GEMV range
+// drivers, the weights de-quantized a register tile at a time (ops.cpp's bm_wo_* and the fused
+// step run these same ranges).
+//   int8: y[r, o] (+)= scale[o] * sum_k x[r, k] * w[o, k] (+ bias[o]); w int8 [n, k]; scale float32 [n].
+//   int4: w[o, k] = q[o, k] * scale[o, g] + min[o, g] with g = k / gs; packed uint8 [n, k / 2]: in
+//       group g of row o, byte j (j < gs / 2) holds column g*gs + j in its low nibble and column
+//       g*gs + gs/2 + j in its high nibble (GGUF Q4_0 / Q4_1's layout at gs 32); scale, min
+//       float16 [n, k / gs] (their bits, uint16_t); gs in {32, 64, 128} divides k.
+//   Tiers (the vector type V): Scalar, Avx2 (AVX2 + FMA), Avx512 (AVX-512F where compiled in; int4
+//       there de-quantizes through a 16-entry table per group, int4_tile_lut).
+#pragma once
+
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
@@ -26,7 +17,13 @@
 
 #include <algorithm>
 
-namespace {
+#include "vec.h"
+
+namespace bm_wo {
+
+using bm::half_to_float;
+using bm::halves_to_floats;
+
 
 struct Scalar {
   using F = float;
@@ -98,37 +95,6 @@ struct Int8Args {
   const float* bias; float* y; int64_t ldy; int accumulate;
 };
 
-// float16 bits -> float (F16C where compiled for it, else by hand; int4 scales and mins are float16)
-inline float half_to_float(uint16_t h) {
-#ifdef __F16C__
-  return _cvtsh_ss(h);
-#else
-  const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
-  uint32_t bits;
-  if (exponent == 0x1f) bits = sign | 0x7f800000 | (mantissa << 13);
-  else if (exponent != 0) bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
-  else if (mantissa == 0) bits = sign;
-  else {   // subnormal: normalize
-    int e = -1;
-    uint32_t m = mantissa;
-    do { m <<= 1; ++e; } while (!(m & 0x400));
-    bits = sign | ((uint32_t)(112 - e) << 23) | ((m & 0x3ff) << 13);
-  }
-  float f;
-  memcpy(&f, &bits, 4);
-  return f;
-#endif
-}
-
-// n float16 values -> float (8 at a time with F16C: one conversion per scale in a GEMV's inner loop
-// cost the int4 one-row step ~30 %).
-inline void halves_to_floats(const uint16_t* src, int64_t n, float* dst) {
-  int64_t i = 0;
-#ifdef __F16C__
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(src + i))));
-#endif
-  for (; i < n; ++i) dst[i] = half_to_float(src[i]);
-}
 
 struct Int4Args {
   const float* x; int64_t ldx; const uint8_t* w; const uint16_t* scale; const uint16_t* min; int64_t n, k, gs;
@@ -296,76 +262,22 @@ struct Int4K {
 
 constexpr int64_t kOutputsPerUnit = 32;  // the unit of thread work (a multiple of every O)
 
+// Outputs [n0, n1) of every row in the tier `isa` (0 scalar, 1 AVX2, 2 AVX-512 where compiled in).
+template <class Args, template <class, int, int> class K>
+void tier_range(const Args& a, int64_t rows, int64_t n0, int64_t n1, int isa) {
+#ifdef __AVX512F__
+  if (isa >= 2) { run_range<Avx512, Args, K>(a, rows, n0, n1); return; }
+#endif
+  if (isa >= 1) run_range<Avx2, Args, K>(a, rows, n0, n1);
+  else run_range<Scalar, Args, K>(a, rows, n0, n1);
+}
+
 template <class Args, template <class, int, int> class K>
 void parallel_linear(const Args& a, int64_t rows, int isa, int num_threads) {
   const int64_t units = (a.n + kOutputsPerUnit - 1) / kOutputsPerUnit;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
-  for (int64_t u = 0; u < units; ++u) {
-    const int64_t n0 = u * kOutputsPerUnit, n1 = std::min(a.n, n0 + kOutputsPerUnit);
-#ifdef __AVX512F__
-    if (isa >= 2) { run_range<Avx512, Args, K>(a, rows, n0, n1); continue; }
-#endif
-    if (isa >= 1) run_range<Avx2, Args, K>(a, rows, n0, n1);
-    else run_range<Scalar, Args, K>(a, rows, n0, n1);
-  }
+  for (int64_t u = 0; u < units; ++u)
+    tier_range<Args, K>(a, rows, u * kOutputsPerUnit, std::min(a.n, (u + 1) * kOutputsPerUnit), isa);
 }
 
-}  // namespace
-
-extern "C" int bm_wo_max_isa() {
-#ifdef __AVX512F__
-  return 2;
-#else
-  return 1;
-#endif
-}
-
-extern "C" void bm_wo_int8_linear(const float* x, int64_t rows, int64_t ldx, const int8_t* w, const float* scale,
-                                  int64_t n, int64_t k, const float* bias, float* y, int64_t ldy, int accumulate,
-                                  int num_threads, int isa) {
-  const Int8Args a{x, ldx, w, scale, n, k, bias, y, ldy, accumulate};
-  parallel_linear<Int8Args, Int8K>(a, rows, isa, num_threads);
-}
-
-extern "C" void bm_wo_int4_linear(const float* x, int64_t rows, int64_t ldx, const uint8_t* w, const uint16_t* scale,
-                                  const uint16_t* min, int64_t n, int64_t k, int64_t gs, const float* bias, float* y,
-                                  int64_t ldy, int accumulate, float* xsum, int num_threads, int isa) {
-  const int64_t groups = k / gs;
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t g = 0; g < groups; ++g) {
-      float s = 0.f;
-      for (int64_t t = 0; t < gs; ++t) s += x[r * ldx + g * gs + t];
-      xsum[r * groups + g] = s;
-    }
-  const Int4Args a{x, ldx, w, scale, min, n, k, gs, bias, y, ldy, accumulate, xsum};
-  parallel_linear<Int4Args, Int4K>(a, rows, isa, num_threads);
-}
-
-extern "C" void bm_wo_dequant_int8(const int8_t* w, const float* scale, int64_t n0, int64_t n1, int64_t k,
-                                   float* out, int num_threads) {
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-  for (int64_t o = n0; o < n1; ++o) {
-    const float s = scale[o];
-    float* dst = out + (o - n0) * k;
-#pragma omp simd
-    for (int64_t t = 0; t < k; ++t) dst[t] = (float)w[o * k + t] * s;
-  }
-}
-
-extern "C" void bm_wo_dequant_int4(const uint8_t* w, const uint16_t* scale, const uint16_t* min, int64_t n0, int64_t n1,
-                                   int64_t k, int64_t gs, float* out, int num_threads) {
-  const int64_t groups = k / gs, half = gs / 2;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-  for (int64_t o = n0; o < n1; ++o) {
-    float* dst = out + (o - n0) * k;
-    for (int64_t g = 0; g < groups; ++g) {
-      const float d = half_to_float(scale[o * groups + g]), m = half_to_float(min[o * groups + g]);
-      const uint8_t* b = w + o * (k / 2) + g * half;
-#pragma omp simd
-      for (int64_t j = 0; j < half; ++j) {
-        dst[g * gs + j] = (float)(b[j] & 15) * d + m;
-        dst[g * gs + half + j] = (float)(b[j] >> 4) * d + m;
-      }
-    }
-  }
-}
+}  // namespace bm_wo
