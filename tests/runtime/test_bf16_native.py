@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 from batch_manager import GptManager, SchedulerPolicy, TrtGptModelOptionalParams, TrtGptModelType
 from runtime import Engine, GenerationOutput, ModelRunner, SamplingConfig, build_engine
-from runtime.kernels.cpu import cpu_native, cpu_native_bf16
+from runtime.config import ConfigError
+from runtime.kernels.cpu import cpu_native, cpu_native_bf16, isa as isa_tiers
 from runtime.kernels.torch_kernels import torch_attention
 from runtime.kernels.cpu.cpu_native_bf16 import bf16_ops
 from runtime.kernels.torch_kernels.linear import NATIVE_MAX_ROWS_BF16, Linear, onednn_available
@@ -22,7 +23,7 @@ from tests.runtime.test_model_parity import generation_input, make_session
 pytestmark = pytest.mark.skipif(bf16_ops() is None, reason="native CPU kernels unavailable here")
 
 CPU = torch.device("cpu")
-ISAS = ["best", "avx2"]
+ISAS = ["best", "avx2"]   # best: no cap (the CPU's best tier); avx2: BATCH_MANAGER_CPU_ISA=avx2
 HIDDEN, INTERMEDIATE, VOCAB = 576, 1536, 49152   # SmolLM2-135M
 # [out, in] of every distinct matmul of SmolLM2-135M, and widths that are no multiple of 16 (or 32)
 MODEL_SHAPES = [(HIDDEN + 2 * 192, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE),
@@ -40,9 +41,9 @@ def ops(request, monkeypatch):
     """The kernels through the wrapper's choice of entry point: the best one, or the AVX2 path
     forced with the environment variable (whatever the CPU has)."""
     if request.param == "avx2":
-        monkeypatch.setenv(cpu_native_bf16.ISA_ENV_VAR, "avx2")
+        monkeypatch.setenv(isa_tiers.ENV_VAR, "avx2")
     else:
-        monkeypatch.delenv(cpu_native_bf16.ISA_ENV_VAR, raising=False)
+        monkeypatch.delenv(isa_tiers.ENV_VAR, raising=False)
     ops = bf16_ops()
     assert ops.uses_dot_product == (request.param == "best" and "avx512_bf16" in cpu_flags())
     return ops
@@ -124,7 +125,7 @@ def test_decode_attention_against_the_reference(ops, heads, kv_heads, head_dim, 
 # --- wiring -----------------------------------------------------------------------------------------
 
 def test_linear_takes_the_native_kernel_up_to_its_rows_then_the_gemm(monkeypatch):
-    monkeypatch.setenv(cpu_native_bf16.ISA_ENV_VAR, "avx2")
+    monkeypatch.setenv(isa_tiers.ENV_VAR, "avx2")
     weight, bias = randn(40, 24, seed=13, dtype=torch.bfloat16), randn(40, seed=14, dtype=torch.bfloat16)
     linear = Linear(weight, bias, CPU)
     assert linear.native_bf16 is not None and not linear.native_bf16.uses_dot_product
@@ -143,8 +144,8 @@ def test_the_switch_turns_the_bf16_kernels_off_and_a_bad_isa_is_refused(monkeypa
     assert bf16_ops() is None
     assert Linear(torch.ones(4, 4, dtype=torch.bfloat16), None, CPU).native_bf16 is None
     monkeypatch.delenv(cpu_native.ENV_VAR)
-    monkeypatch.setenv(cpu_native_bf16.ISA_ENV_VAR, "sse2")
-    with pytest.raises(ValueError, match="BATCH_MANAGER_CPU_BF16_ISA"):
+    monkeypatch.setenv(isa_tiers.ENV_VAR, "sse2")
+    with pytest.raises(ConfigError, match="^BATCH_MANAGER_CPU_ISA: unknown ISA tier 'sse2'"):
         bf16_ops()
 
 
@@ -186,7 +187,8 @@ def context_then_generation(engine: Engine) -> tuple[torch.Tensor, torch.Tensor]
 def test_bf16_model_stays_close_to_float32(checkpoint, monkeypatch, isa):
     """Logits (|logits| up to ~6) within 0.25 absolute (mean 0.05) of the float32 model's, in float32,
     with the weights, activations and KV cache in bf16 and the native kernels on."""
-    monkeypatch.setenv(cpu_native_bf16.ISA_ENV_VAR, isa)
+    if isa == "avx2":
+        monkeypatch.setenv(isa_tiers.ENV_VAR, isa)
     engine = Engine.from_dir(checkpoint, dtype="bfloat16", tokens_per_block=4)
     runner = ModelRunner(engine, num_blocks=4)
     assert runner.kv_pool.dtype == torch.bfloat16

@@ -3,23 +3,21 @@ columns to symmetric int8, dot products with int8 / int4 weights in int32 (linea
 Owns the torch reference of that arithmetic, the weights' repacked layout (`pack`, once at load) and
 the ctypes wrapper; `act_quant_ops()` is None where the kernels cannot be built or run here.
 
-Tiers: "avx512vnni", "avxvnni", "avx2", "scalar"; the best one compiled in and supported runs unless
-the `isa` argument or BATCH_MANAGER_ACT_QUANT_ISA names another that is available.
+Tiers: scalar, avx2, avxvnni, avx512vnni (isa.py); the best one at or below the cap (the `isa`
+argument, else BATCH_MANAGER_CPU_ISA, else this CPU's best) that the library compiled in runs.
 """
 from __future__ import annotations
 
 import ctypes
-import os
 from dataclasses import dataclass
 
 import torch
 
-from ...config import ConfigError
 from ...quantization import INT4, INT8
-from . import cpu_native
+from . import cpu_native, isa as isa_tiers
+from .isa import Isa
 
-ISA_ENV_VAR = "BATCH_MANAGER_ACT_QUANT_ISA"
-ISAS = {"scalar": 0, "avx2": 1, "avxvnni": 2, "avx512vnni": 3}
+TIERS = (Isa.SCALAR, Isa.AVX2, Isa.AVXVNNI, Isa.AVX512VNNI)   # this family's kernels (linear_act_quant.h)
 BLOCK = 32          # activation columns per quantization block
 UNIT = 16           # output rows per packed unit (kActUnit)
 FORMAT_INT8, FORMAT_INT4 = INT8.native_code, INT4.native_code   # the fused step's codes (+ 2 with int8 activations)
@@ -130,18 +128,13 @@ class ActQuantOps:
 
     def __init__(self, lib: ctypes.CDLL):
         self._lib = lib
-        mask = int(self._lib.bm_aq_isa_mask())
-        self.available_isas = tuple(name for name, level in ISAS.items() if mask & (1 << level))
+        self.tiers = tuple(tier for tier in TIERS if tier in isa_tiers.compiled_tiers(lib))
+        self.available_isas = tuple(tier.name.lower() for tier in self.tiers)
         self.best_isa = self.available_isas[-1]
 
     def isa_level(self, isa: str | None = None) -> int:
-        """The tier to run: `isa`, else $BATCH_MANAGER_ACT_QUANT_ISA, else the best available."""
-        field, name = ("isa", isa) if isa is not None else (ISA_ENV_VAR, os.environ.get(ISA_ENV_VAR, "").strip())
-        if not name:
-            return ISAS[self.best_isa]
-        if name not in self.available_isas:
-            raise ConfigError(f"{field}={name!r}: this CPU and build offer {', '.join(self.available_isas)}")
-        return ISAS[name]
+        """The tier to run (an Isa value): this family's best at or below isa.cap(isa)."""
+        return int(isa_tiers.best_at_or_below(isa_tiers.cap(isa), self.tiers))
 
     def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """quantize_activations in C++ (the same (q, d, s))."""

@@ -87,8 +87,8 @@ struct AttentionScratch {
 
 // The `group` query heads q [group, d] (float32) sharing one KV head over its rows `keys`:
 // out [group, d] = softmax(q k^T * scale) v, scores and sums in float32.
-inline void attend_rows(const float* q, int64_t group, int64_t d, const KvRows& k, const KvRows& v,
-                        const std::vector<int64_t>& keys, float scale, AttentionScratch& s, float* out) {
+BM_ONE_COPY void attend_rows(const float* q, int64_t group, int64_t d, const KvRows& k, const KvRows& v,
+                             const std::vector<int64_t>& keys, float scale, AttentionScratch& s, float* out) {
   const int64_t n = (int64_t)keys.size();
   s.scores.resize(group * n);
   s.row.resize(d);

@@ -29,9 +29,7 @@ import os
 
 import torch
 
-from . import act_quant as aq
-from . import library as native_library
-from .cpu_weight_only import weight_only_ops
+from . import isa as isa_tiers, library as native_library
 from ..torch_kernels.linear import Linear
 from ..torch_kernels.weight_only_linear import QuantizedLinear
 
@@ -49,7 +47,7 @@ _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c
 
 
 class _Linear(ctypes.Structure):
-    _fields_ = [("format", _I32), ("act_isa", _I32), ("w", _P), ("scale", _P), ("min", _P), ("bias", _P),
+    _fields_ = [("format", _I32), ("pad", _I32), ("w", _P), ("scale", _P), ("min", _P), ("bias", _P),
                 ("n", _I64), ("k", _I64), ("gs", _I64)]
 
 
@@ -168,9 +166,7 @@ class DecodeStep:
         lib = library()
         if lib is None or not _one_openmp_runtime():
             return None
-        ops = weight_only_ops()
-        isa = ops.isa_level() if ops is not None else 1
-        return cls(lib, model, kv_pool, kv_scales, tokens_per_block, isa)
+        return cls(lib, model, kv_pool, kv_scales, tokens_per_block, int(isa_tiers.cap()))
 
     @property
     def matmuls_only(self) -> int:
@@ -194,7 +190,7 @@ class DecodeStep:
         fmt = _format(linear)
         if isinstance(linear, QuantizedLinear) and linear.act_kernel is not None:
             packed = linear.packed
-            return _Linear(format=fmt, act_isa=aq.act_quant_ops().isa_level(), w=packed.packed.data_ptr(),
+            return _Linear(format=fmt, w=packed.packed.data_ptr(),
                            scale=packed.scale.data_ptr(),
                            min=None if packed.minimum is None else packed.minimum.data_ptr(),
                            bias=self._hold(linear.bias_f32), n=packed.n, k=packed.k, gs=packed.group_size)

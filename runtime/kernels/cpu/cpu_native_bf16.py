@@ -4,33 +4,31 @@ over a bf16 cache, each summing in float32 (the same functions as the float32 on
 step). Same library and callers as cpu_native.py (linear.py, torch_backend.py, cpu_attention.py),
 which keep torch for every other case.
 
-The linear comes in two entry points: the best one compiled here (AVX512-BF16's dot product where
-the compiler targets it) and `_avx2`, which widens bf16 to float32 by a 16-bit shift and runs on any
-AVX2 CPU. BATCH_MANAGER_CPU_BF16_ISA=avx2 picks the latter (tests, A/B runs).
+The linear comes in two entry points: AVX512-BF16's dot product (where compiled in) and `_avx2`,
+which widens bf16 to float32 by a 16-bit shift and runs on any AVX2 CPU; the ISA cap (isa.py: the
+`isa` argument, else BATCH_MANAGER_CPU_ISA) below avx512bf16 picks the latter (tests, A/B runs).
 """
 from __future__ import annotations
 
 import ctypes
 import functools
-import os
 
 import torch
 
+from . import isa as isa_tiers
 from .cpu_native import call_decode_attention, call_rms_norm, call_silu_mul, native_ops
+from .isa import Isa
 
-ISA_ENV_VAR = "BATCH_MANAGER_CPU_BF16_ISA"  # "avx2": the shifting path even where AVX512-BF16 exists
-ISAS = ("best", "avx2")
 
 class NativeBf16Ops:
-    """The bf16 entry points of the loaded library; `isa` "avx2" forces the shifting path."""
+    """The bf16 entry points of the loaded library; `dot_product` False forces the shifting path."""
 
-    def __init__(self, lib: ctypes.CDLL, isa: str):
-        assert isa in ISAS
-        self._linear = lib.bm_linear_bf16_avx2 if isa == "avx2" else lib.bm_linear_bf16
+    def __init__(self, lib: ctypes.CDLL, dot_product: bool):
+        self._linear = lib.bm_linear_bf16 if dot_product else lib.bm_linear_bf16_avx2
         self._decode_attention = lib.bm_decode_attention_bf16
         self._rms_norm, self._silu_mul = lib.bm_rms_norm_bf16, lib.bm_silu_mul_bf16
         # Whether the linear runs AVX512-BF16's dot product (else the shifting path).
-        self.uses_dot_product = isa != "avx2" and bool(lib.bm_bf16_has_dot_product())
+        self.uses_dot_product = dot_product and bool(lib.bm_bf16_has_dot_product())
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -67,15 +65,15 @@ class NativeBf16Ops:
 
 
 def bf16_ops(isa: str | None = None) -> NativeBf16Ops | None:
-    """The bf16 kernels; None wherever cpu_native.native_ops() is None. `isa` None: the
-    BATCH_MANAGER_CPU_BF16_ISA setting ("avx2" or, by default, the best compiled here)."""
-    isa = isa or os.environ.get(ISA_ENV_VAR, "").strip() or "best"
-    if isa not in ISAS:
-        raise ValueError(f"{ISA_ENV_VAR}: expected one of {ISAS}, got {isa!r}")
+    """The bf16 kernels; None wherever cpu_native.native_ops() is None. The dot product runs when
+    the ISA cap (isa.cap(isa)) is avx512bf16 and the library compiled it in."""
+    cap = isa_tiers.cap(isa)
     ops = native_ops()
-    return None if ops is None else _bound(ops._lib, isa)
+    if ops is None:
+        return None
+    return _bound(ops._lib, cap >= Isa.AVX512BF16 and Isa.AVX512BF16 in isa_tiers.compiled_tiers(ops._lib))
 
 
 @functools.lru_cache(maxsize=None)
-def _bound(lib: ctypes.CDLL, isa: str) -> NativeBf16Ops:
-    return NativeBf16Ops(lib, isa)
+def _bound(lib: ctypes.CDLL, dot_product: bool) -> NativeBf16Ops:
+    return NativeBf16Ops(lib, dot_product)

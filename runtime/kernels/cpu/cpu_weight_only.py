@@ -3,37 +3,33 @@ linear_weight_only.h): the few-row linear and the tile de-quantization of the ma
 float32 activations. `weight_only_ops()` is None where they cannot run (no AVX2/FMA, no compiler,
 BATCH_MANAGER_CPU_NATIVE=0). Caller: weight_only_linear.py; tests hold them to its torch reference.
 
-The instruction set is the best the library was compiled for (AVX-512 under -march=native on a CPU
-with it, else AVX2); BATCH_MANAGER_WEIGHT_ONLY_ISA ("scalar", "avx2") or the `isa` argument forces
-a lower one, so the AVX2 and scalar paths are tested on any CPU.
+Tiers: scalar, avx2, avx512 (isa.py); the best one at or below the cap (the `isa` argument, else
+BATCH_MANAGER_CPU_ISA, else this CPU's best) that the library compiled in runs, so the AVX2 and
+scalar paths are tested on any CPU.
 """
 from __future__ import annotations
 
 import ctypes
-import os
 
 import torch
 
-from . import cpu_native
+from . import cpu_native, isa as isa_tiers
 from .cpu_native import _ptr
+from .isa import Isa
 
-ISA_ENV_VAR = "BATCH_MANAGER_WEIGHT_ONLY_ISA"
-ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}
+TIERS = (Isa.SCALAR, Isa.AVX2, Isa.AVX512)   # this family's kernels (linear_weight_only.h)
 
 class WeightOnlyOps:
     """The loaded library; methods take CPU tensors and assert the layouts of the C contracts."""
 
     def __init__(self, lib: ctypes.CDLL):
         self._lib = lib
-        self.max_isa = int(self._lib.bm_wo_max_isa())
+        self.tiers = tuple(tier for tier in TIERS if tier in isa_tiers.compiled_tiers(lib))
+        self.max_isa = self.tiers[-1]
 
     def isa_level(self, isa: str | None = None) -> int:
-        """The tier to run (ISAS): `isa`, else $BATCH_MANAGER_WEIGHT_ONLY_ISA, else the best compiled in."""
-        name = isa or os.environ.get(ISA_ENV_VAR, "").strip() or "avx512"
-        if name not in ISAS:
-            field = "isa" if isa else ISA_ENV_VAR
-            raise ValueError(f"{field}: expected one of {', '.join(ISAS)}, got {name!r}")
-        return min(ISAS[name], self.max_isa)
+        """The tier to run (an Isa value): this family's best at or below isa.cap(isa)."""
+        return int(isa_tiers.best_at_or_below(isa_tiers.cap(isa), self.tiers))
 
     @staticmethod
     def _out(x: torch.Tensor, n: int, out: torch.Tensor | None) -> tuple[torch.Tensor, int]:

@@ -38,6 +38,7 @@
 #include <vector>
 
 #include "attention.h"
+#include "isa.h"
 #include "linear_act_quant.h"
 #include "linear_float.h"
 #include "linear_weight_only.h"
@@ -47,7 +48,7 @@
 namespace {
 
 struct Linear {
-  int32_t format, act_isa;  // act_isa: formats 4, 5: the act-quant tier (act_quant.ISAS)
+  int32_t format, pad;
   const void* w;
   const void* scale;  // formats 2, 4, 5: float32; 3: float16 (uint16_t bits)
   const void* min;
@@ -69,7 +70,7 @@ struct Model {
   int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, vocab, rotary_dim;
   int64_t tokens_per_block, window, sink, rope_positions;
   float eps, attention_scale;
-  int32_t kv_format, isa;
+  int32_t kv_format, isa;  // isa: the bm::Isa cap every family runs under (isa.h)
   int32_t matmuls_only, pad;  // benchmarks: 1 the GEMVs alone (same inputs, barriers and split), 2 all but attention
   const float* rope_cos;
   const float* rope_sin;
@@ -138,7 +139,7 @@ void linear_range(const Linear& L, const Input& in, float* y, int64_t ldy, int a
     case 5: {
       const bm_aq::ActLinear a{L.format - 2, 0, L.w, (const float*)L.scale, (const float*)L.min, L.bias, L.n, L.k,
                                L.gs};
-      bm_aq::act_linear_range(a, in.q, in.d, in.s, rows, in.k, y, ldy, accumulate, n0, n1, L.act_isa);
+      bm_aq::act_linear_range(a, in.q, in.d, in.s, rows, in.k, y, ldy, accumulate, n0, n1, isa);
       return;
     }
     default:
@@ -154,7 +155,7 @@ struct InputScratch {
   std::vector<int8_t> q;
   std::vector<int32_t> s;
 
-  Input prepare(const float* x, int64_t rows, int64_t k, std::initializer_list<const Linear*> uses) {
+  Input prepare(const float* x, int64_t rows, int64_t k, int isa, std::initializer_list<const Linear*> uses) {
     Input in{x, nullptr, nullptr, rows, k, nullptr, nullptr, nullptr};
     for (const Linear* L : uses) {
       if ((L->format == 4 || L->format == 5) && in.q == nullptr) {
@@ -164,7 +165,8 @@ struct InputScratch {
         bm_aq::quantize_rows(x, rows, k, q.data(), d.data(), s.data());
         in.q = q.data(), in.d = d.data(), in.s = s.data();
       }
-      if (L->format == 1 && bm_float::kHasDpbf16 && k % 32 == 0 && in.x_bf16 == nullptr) {
+      const bool dot_product = bm_float::kHasDpbf16 && isa >= bm::kAvx512Bf16 && k % 32 == 0;
+      if (L->format == 1 && dot_product && in.x_bf16 == nullptr) {
         bf16.resize(rows * k);
         for (int64_t i = 0; i < rows * k; ++i) bf16[i] = bm::f32_to_bf16(x[i]);
         in.x_bf16 = bf16.data();
@@ -240,21 +242,22 @@ extern "C" void bm_decode_step(const Model* model, int64_t rows, float* x, const
     for (int64_t layer = 0; layer < m.num_layers; ++layer) {
       const Layer& L = m.layers[layer];
       if (m.matmuls_only != 1) rms_norm_rows(x, rows, h, L.input_norm, m.eps, normed.data());
-      Input in = input_scratch.prepare(normed.data(), rows, h, {&L.qkv});
+      Input in = input_scratch.prepare(normed.data(), rows, h, m.isa, {&L.qkv});
       thread_range(L.qkv.n, t, nt, n0, n1);
       linear_range(L.qkv, in, qkv.data(), qkv_width, 0, n0, n1, m.isa);
 #pragma omp barrier
 #pragma omp for schedule(dynamic, 1)
       for (int64_t task = 0; task < rows * m.num_kv_heads; ++task)
-        if (m.matmuls_only == 0) attend(m, L, qkv.data(), task / m.num_kv_heads, task % m.num_kv_heads, positions, slots, block_tables,
-               bt_stride, seq_lens, attn.data(), attention_scratch);
+        if (m.matmuls_only == 0)
+          attend(m, L, qkv.data(), task / m.num_kv_heads, task % m.num_kv_heads, positions, slots, block_tables,
+                 bt_stride, seq_lens, attn.data(), attention_scratch);
       // (the for's implied barrier)
-      in = input_scratch.prepare(attn.data(), rows, q_size, {&L.out});
+      in = input_scratch.prepare(attn.data(), rows, q_size, m.isa, {&L.out});
       thread_range(L.out.n, t, nt, n0, n1);
       linear_range(L.out, in, x, h, 1, n0, n1, m.isa);
 #pragma omp barrier
       if (m.matmuls_only != 1) rms_norm_rows(x, rows, h, L.post_norm, m.eps, normed.data());
-      in = input_scratch.prepare(normed.data(), rows, h, {&L.mlp_in});
+      in = input_scratch.prepare(normed.data(), rows, h, m.isa, {&L.mlp_in});
       thread_range(inter, t, nt, n0, n1);   // gate outputs [n0, n1) and the same up outputs
       linear_range(L.mlp_in, in, gate_up.data(), 2 * inter, 0, n0, n1, m.isa);
       linear_range(L.mlp_in, in, gate_up.data(), 2 * inter, 0, inter + n0, inter + n1, m.isa);
@@ -262,13 +265,13 @@ extern "C" void bm_decode_step(const Model* model, int64_t rows, float* x, const
         bm::silu_mul_range(gate_up.data() + r * 2 * inter, gate_up.data() + r * 2 * inter + inter,
                        act.data() + r * inter, n0, n1);
 #pragma omp barrier
-      in = input_scratch.prepare(act.data(), rows, inter, {&L.mlp_out});
+      in = input_scratch.prepare(act.data(), rows, inter, m.isa, {&L.mlp_out});
       thread_range(L.mlp_out.n, t, nt, n0, n1);
       linear_range(L.mlp_out, in, x, h, 1, n0, n1, m.isa);
 #pragma omp barrier
     }
     if (m.matmuls_only != 1) rms_norm_rows(x, rows, h, m.final_norm, m.eps, normed.data());
-    Input in = input_scratch.prepare(normed.data(), rows, h, {&m.lm_head});
+    Input in = input_scratch.prepare(normed.data(), rows, h, m.isa, {&m.lm_head});
     thread_range(m.vocab, t, nt, n0, n1);
     linear_range(m.lm_head, in, logits, m.vocab, 0, n0, n1, m.isa);
   }

@@ -1,4 +1,4 @@
-"""The native CPU layer's one library: its C++ sources (by op family: vec.h, norm_activation.h,
+"""The native CPU layer's one library: its C++ sources (by op family: isa.h, vec.h, norm_activation.h,
 attention.h, linear_float.h, linear_weight_only.h, linear_act_quant.h; entry points ops.cpp,
 collectives.cpp, decode_step.cpp) compiled once into one shared object, loaded once with ctypes,
 with the one signature table of every entry point. The binding modules (cpu_native.py,
@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
 SOURCES = ("ops.cpp", "collectives.cpp", "decode_step.cpp")
-HEADERS = ("vec.h", "norm_activation.h", "attention.h",
+HEADERS = ("isa.h", "vec.h", "norm_activation.h", "attention.h",
            "linear_float.h", "linear_weight_only.h", "linear_act_quant.h")
 CXX_FLAGS = ("-std=c++17", "-O3", "-march=native", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared")
 NAME = "cpu-native"
@@ -33,6 +33,7 @@ _BF16_LINEAR = [_P, _INT, _I64, _I64, _P, _I64, _I64, _P, _P, _INT, _I64, _INT, 
 _DECODE_TAIL = [_P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _F32, _I64, _I64, _P, _INT]
 # entry point -> (argument types, result type); ops.cpp, collectives.cpp and decode_step.cpp state the contracts
 SIGNATURES: dict[str, tuple[list, object]] = {
+    "bm_isa_mask": ([], _INT),
     "bm_linear": ([_P, _I64, _I64, _P, _I64, _I64, _P, _P, _I64, _INT, _INT], None),
     "bm_rms_norm": ([_P, _I64, _I64, _I64, _P, _F32, _P, _I64, _INT], None),
     "bm_silu_mul": ([_P, _I64, _I64, _I64, _P, _INT], None),
@@ -50,9 +51,6 @@ SIGNATURES: dict[str, tuple[list, object]] = {
     "bm_wo_int4_linear": ([_P, _I64, _I64, _P, _P, _P, _I64, _I64, _I64, _P, _P, _I64, _INT, _P, _INT, _INT], None),
     "bm_wo_dequant_int8": ([_P, _P, _I64, _I64, _I64, _P, _INT], None),
     "bm_wo_dequant_int4": ([_P, _P, _P, _I64, _I64, _I64, _I64, _P, _INT], None),
-    "bm_wo_max_isa": ([], _INT),
-    "bm_aq_isa_mask": ([], _INT),
-    "bm_aq_best_isa": ([], _INT),
     "bm_aq_quantize": ([_P, _I64, _I64, _P, _P, _P], None),
     "bm_aq_linear": ([_P, _P, _I64, _P, _I64, _INT, _INT, _INT], None),
     "bm_decode_step": ([_P, _I64, _P, _P, _P, _P, _I64, _P, _P, _INT], None),

@@ -21,10 +21,9 @@
 //       int4: 4 vectors of 64 bytes; vector j, lane i holds in its low nibbles columns 32b + 4j .. +3
 //             and in its high nibbles columns 32b + 16 + 4j .. +3 (unsigned 0..15).
 //             scale, min float32 [n_units, k / gs, 16].
-//   isa: 0 scalar, 1 AVX2 (vpmaddubsw + vpmaddwd; int8 via the sign trick on w = u8 ^ 0x80),
-//       2 AVX-VNNI (ymm vpdpbusd), 3 AVX512-VNNI (zmm vpdpbusd); a tier not compiled in falls back
-//       to the next lower one. bm_aq_isa_mask says which are compiled and supported: the caller
-//       passes one of those.
+//   isa (bm::Isa, isa.h): this family's best tier at or below it runs: scalar, AVX2 (vpmaddubsw +
+//       vpmaddwd; int8 via the sign trick on w = u8 ^ 0x80), AVX-VNNI (ymm vpdpbusd), AVX512-VNNI
+//       (zmm vpdpbusd); a tier not compiled in falls back to the next lower one.
 // The integer sums are exact (|sum| < 2^24, so their float conversion is exact too).
 
 #pragma once
@@ -36,6 +35,8 @@
 #include <string.h>
 
 #include <algorithm>
+
+#include "isa.h"
 
 namespace bm_aq {
 
@@ -280,21 +281,6 @@ void range_rows(const ActLinear& a, const int8_t* q, const float* d, const int32
 
 
 
-// The tiers compiled in and supported by this CPU: bit i for isa i.
-inline int isa_mask() {
-  int mask = 1;
-#ifdef __AVX2__
-  if (__builtin_cpu_supports("avx2")) mask |= 2;
-#endif
-#ifdef __AVXVNNI__
-  if (__builtin_cpu_supports("avxvnni")) mask |= 4;
-#endif
-#ifdef __AVX512VNNI__
-  if (__builtin_cpu_supports("avx512vnni")) mask |= 8;
-#endif
-  return mask;
-}
-
 inline void quantize_rows(const float* x, int64_t rows, int64_t k, int8_t* q, float* d, int32_t* s) {
   const int64_t blocks = k / kBlock;
   for (int64_t r = 0; r < rows; ++r)
@@ -327,13 +313,13 @@ inline void act_linear_range(const ActLinear& w, const int8_t* q, const float* d
   const int64_t u0 = n0 / kActUnit, u1 = (n1 + kActUnit - 1) / kActUnit;
   (void)k;
 #ifdef __AVX512VNNI__
-  if (isa >= 3) { range_rows<Avx512Vnni>(a, q, d, s, rows, y, ldy, accumulate, u0, u1); return; }
+  if (isa >= bm::kAvx512Vnni) { range_rows<Avx512Vnni>(a, q, d, s, rows, y, ldy, accumulate, u0, u1); return; }
 #endif
 #ifdef __AVXVNNI__
-  if (isa >= 2) { range_rows<AvxVnni>(a, q, d, s, rows, y, ldy, accumulate, u0, u1); return; }
+  if (isa >= bm::kAvxVnni) { range_rows<AvxVnni>(a, q, d, s, rows, y, ldy, accumulate, u0, u1); return; }
 #endif
 #ifdef __AVX2__
-  if (isa >= 1) { range_rows<Avx2>(a, q, d, s, rows, y, ldy, accumulate, u0, u1); return; }
+  if (isa >= bm::kAvx2) { range_rows<Avx2>(a, q, d, s, rows, y, ldy, accumulate, u0, u1); return; }
 #endif
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t u = u0; u < u1; ++u)

@@ -237,7 +237,8 @@ template <bool kDp>
 void linear_bf16(const Bf16LinearArgs& a, int num_threads) {
   const int64_t units = (a.n + kOutputsPerUnit - 1) / kOutputsPerUnit;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
-  for (int64_t u = 0; u < units; ++u) linear_bf16_rows_range<kDp>(a, u * kOutputsPerUnit, std::min(a.n, (u + 1) * kOutputsPerUnit));
+  for (int64_t u = 0; u < units; ++u)
+    linear_bf16_rows_range<kDp>(a, u * kOutputsPerUnit, std::min(a.n, (u + 1) * kOutputsPerUnit));
 }
 
 }  // namespace bm_float

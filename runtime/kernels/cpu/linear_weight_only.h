@@ -17,6 +17,7 @@
 
 #include <algorithm>
 
+#include "isa.h"
 #include "vec.h"
 
 namespace bm_wo {
@@ -139,7 +140,7 @@ void int8_tile(const Int8Args& a, int64_t r0, int64_t o0) {
 
 // Per group: sum_k x * q in `part`, then acc += part * scale; the mins add min . xsum at the end.
 template <class V, int R, int O>
-void int4_tile(const Int4Args& a, int64_t r0, int64_t o0) {
+BM_ONE_COPY void int4_tile(const Int4Args& a, int64_t r0, int64_t o0) {  // its mins term: a simd reduction
   typename V::F acc[R][O];
   for (int r = 0; r < R; ++r)
     for (int o = 0; o < O; ++o) acc[r][o] = V::zero();
@@ -262,13 +263,13 @@ struct Int4K {
 
 constexpr int64_t kOutputsPerUnit = 32;  // the unit of thread work (a multiple of every O)
 
-// Outputs [n0, n1) of every row in the tier `isa` (0 scalar, 1 AVX2, 2 AVX-512 where compiled in).
+// Outputs [n0, n1) of every row in this family's best tier at or below `isa` (bm::Isa) compiled in.
 template <class Args, template <class, int, int> class K>
 void tier_range(const Args& a, int64_t rows, int64_t n0, int64_t n1, int isa) {
 #ifdef __AVX512F__
-  if (isa >= 2) { run_range<Avx512, Args, K>(a, rows, n0, n1); return; }
+  if (isa >= bm::kAvx512) { run_range<Avx512, Args, K>(a, rows, n0, n1); return; }
 #endif
-  if (isa >= 1) run_range<Avx2, Args, K>(a, rows, n0, n1);
+  if (isa >= bm::kAvx2) run_range<Avx2, Args, K>(a, rows, n0, n1);
   else run_range<Scalar, Args, K>(a, rows, n0, n1);
 }
 

@@ -2,6 +2,8 @@
 // the one softmax, each written once for float32 and bf16 rows (T: float or uint16_t bf16 bits;
 // arithmetic in float32). The per-op entry points (ops.cpp) and the fused step (decode_step.cpp)
 // call these same functions, so the eager native path and the fused step compute the same numbers.
+// NOTE: functions with a `#pragma omp simd` reduction are BM_ONE_COPY: one out-of-line copy in the
+// library, so the compiler cannot vectorise (and so sum) them differently at two call sites.
 #pragma once
 
 #include <immintrin.h>
@@ -17,7 +19,7 @@ namespace bm {
 // y = x * rsqrt(mean(x^2) + eps) * w over one row of h values (sum of squares and scaling in float32,
 // one rounding when y is bf16).
 template <class T, class W>
-inline void rms_norm_row(const T* x, int64_t h, const W* w, float eps, T* y) {
+BM_ONE_COPY void rms_norm_row(const T* x, int64_t h, const W* w, float eps, T* y) {
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t i = 0; i < h; ++i) sum += load1_f32(x + i) * load1_f32(x + i);

@@ -25,6 +25,7 @@
 //   bm_wo_*: the weight-only linears (linear_weight_only.h) and their row de-quantization into
 //               out [n1 - n0, k] contiguous (the many-row path multiplies them with torch's GEMM).
 //   bm_aq_*: the int8-activation linears (linear_act_quant.h).
+//   isa arguments: a bm::Isa cap (isa.h); each family runs its best tier at or below it.
 #include <omp.h>
 #include <stdint.h>
 
@@ -32,11 +33,15 @@
 #include <vector>
 
 #include "attention.h"
+#include "isa.h"
 #include "linear_act_quant.h"
 #include "linear_float.h"
 #include "linear_weight_only.h"
 #include "norm_activation.h"
 #include "vec.h"
+
+// The tiers compiled in and supported here (isa.h; isa.py reads it).
+extern "C" int bm_isa_mask() { return bm::isa_mask(); }
 
 // ---- float32 and bf16: linear, RMSNorm, silu * up, decode attention ----
 
@@ -152,14 +157,6 @@ extern "C" void bm_token_bitmask(float* logits, const int64_t* rows, const int32
 
 // ---- weight-only int8 / int4 ----
 
-extern "C" int bm_wo_max_isa() {
-#ifdef __AVX512F__
-  return 2;
-#else
-  return 1;
-#endif
-}
-
 extern "C" void bm_wo_int8_linear(const float* x, int64_t rows, int64_t ldx, const int8_t* w, const float* scale,
                                   int64_t n, int64_t k, const float* bias, float* y, int64_t ldy, int accumulate,
                                   int num_threads, int isa) {
@@ -211,16 +208,6 @@ extern "C" void bm_wo_dequant_int4(const uint8_t* w, const uint16_t* scale, cons
 }
 
 // ---- int8 activations ----
-
-extern "C" int bm_aq_isa_mask() { return bm_aq::isa_mask(); }
-
-extern "C" int bm_aq_best_isa() {
-  const int mask = bm_aq::isa_mask();
-  int best = 0;
-  for (int i = 0; i < 4; ++i)
-    if (mask & (1 << i)) best = i;
-  return best;
-}
 
 extern "C" void bm_aq_quantize(const float* x, int64_t rows, int64_t k, int8_t* q, float* d, int32_t* s) {
   bm_aq::quantize_rows(x, rows, k, q, d, s);

@@ -37,7 +37,7 @@ def test_no_source_is_pasted_into_another():
 def test_each_shared_function_is_defined_once(function):
     """One RMSNorm, one silu * up, one softmax, one paged decode attention: the per-op entry points
     (ops.cpp) and the fused step (decode_step.cpp) call these, so both compute the same numbers."""
-    definition = re.compile(rf"^(?:template <[^>]*>\s*)?(?:inline |static )*[\w:<>]+ {function}\(", re.M)
+    definition = re.compile(rf"^(?:template <[^>]*>\s*)?(?:inline |static |BM_ONE_COPY )*[\w:<>]+ {function}\(", re.M)
     found = [name for name in (*library.SOURCES, *library.HEADERS)
              for _ in definition.finditer((CPU / name).read_text())]
     assert len(found) == 1, found
