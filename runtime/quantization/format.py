@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..precision import QuantMode
+from .native_codes import weight_code
 
 if TYPE_CHECKING:
     from ..config import ModelConfig
@@ -30,8 +31,12 @@ class WeightFormat(abc.ABC):
     weight_dtype: torch.dtype   # W's stored dtype; no two entries share one (the kernels' lookup key)
     suffixes: tuple[str, ...]   # the parts stored beside W; no two entries share a set (the names' lookup key)
     is_grouped: bool            # parts per group of BuildConfig.group_size input columns (else per output row)
-    native_code: int            # the native kernels' format code (cpu_decode_step's; + 2 with int8 activations)
     native_max_rows: int        # rows up to which the native CPU kernel beats a GEMM on de-quantized tiles
+
+    @property
+    def native_code(self) -> int | None:
+        """Its code in the native CPU layer's format table (native_codes.py); None: no native kernel."""
+        return weight_code(self.name)
 
     @abc.abstractmethod
     def stored_layout(self, out: int, width: int, group_size: int) -> PartLayout:

@@ -13,14 +13,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ...quantization import INT4, INT8
 from . import cpu_native, isa as isa_tiers
+from .cpu_native import INT4_CODE, INT8_CODE, quantized_code
 from .isa import Isa
 
 TIERS = (Isa.SCALAR, Isa.AVX2, Isa.AVXVNNI, Isa.AVX512VNNI)   # this family's kernels (linear_act_quant.h)
 BLOCK = 32          # activation columns per quantization block
 UNIT = 16           # output rows per packed unit (kActUnit)
-FORMAT_INT8, FORMAT_INT4 = INT8.native_code, INT4.native_code   # the fused step's codes (+ 2 with int8 activations)
 
 
 # ---- the torch reference ----------------------------------------------------------------------
@@ -53,11 +52,12 @@ def int8_act_linear_reference(x: torch.Tensor, weight: torch.Tensor, scale: torc
     integer block sums are exact (float64 products of integers); the float part in float32."""
     q, d, s = quantize_activations(x)
     rows, k = x.shape
-    nib = weight if minimum is None else unpack_int4(weight, k // scale.shape[1])
+    is_int8 = quantized_code(weight) == INT8_CODE
+    nib = weight if is_int8 else unpack_int4(weight, k // scale.shape[1])
     n = nib.shape[0]
     isum = torch.einsum("rbj,obj->rob", q.double().reshape(rows, -1, BLOCK),
                         nib.double().reshape(n, -1, BLOCK)).float()                       # [rows, n, blocks]
-    if minimum is None:
+    if is_int8:
         y = (isum * d[:, None, :]).sum(dim=2) * scale
     else:
         per_block = k // BLOCK // scale.shape[1]
@@ -78,7 +78,7 @@ class PackedActWeight:
     n: int
     k: int
     group_size: int                 # int4: 32 / 64 / 128; int8: 0
-    format: int                     # FORMAT_INT8 / FORMAT_INT4
+    format: int                     # the weight's native format code (INT8_CODE / INT4_CODE)
 
 
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -87,10 +87,11 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
 
 def pack(weight: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None) -> PackedActWeight:
     """int8 weight [n, k] + scale [n] (minimum None), or int4 packed uint8 [n, k/2] + scale and
-    minimum [n, k/gs] (cpu_weight_only's layouts) -> the repacked tensors."""
+    minimum [n, k/gs] (cpu_weight_only's layouts) -> the repacked tensors. ConfigError for a weight
+    format without a native kernel."""
     n = weight.shape[0]
     units = -(-n // UNIT)
-    if minimum is None:
+    if quantized_code(weight) == INT8_CODE:
         k = weight.shape[1]
         if weight.dtype != torch.int8 or scale.shape != (n,) or k % BLOCK:
             raise ValueError(f"int8 weight: expected int8 [n, k % 32 == 0] and scale [n], got "
@@ -98,7 +99,7 @@ def pack(weight: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None
         biased = (_pad_rows(weight, units * UNIT).to(torch.int16) + 128).to(torch.uint8)
         packed = biased.reshape(units, UNIT, k // BLOCK, 8, 4).permute(0, 2, 3, 1, 4).contiguous()
         return PackedActWeight(packed, _pad_rows(scale.float(), units * UNIT).contiguous(), None, n, k, 0,
-                               FORMAT_INT8)
+                               INT8_CODE)
     k = weight.shape[1] * 2
     groups = scale.shape[1]
     group_size = k // groups if groups else 0
@@ -111,7 +112,7 @@ def pack(weight: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None
 
     def per_unit(t: torch.Tensor) -> torch.Tensor:
         return _pad_rows(t.float(), units * UNIT).reshape(units, UNIT, groups).transpose(1, 2).contiguous()
-    return PackedActWeight(packed, per_unit(scale), per_unit(minimum), n, k, group_size, FORMAT_INT4)
+    return PackedActWeight(packed, per_unit(scale), per_unit(minimum), n, k, group_size, INT4_CODE)
 
 
 # ---- the native kernels -----------------------------------------------------------------------

@@ -1,9 +1,9 @@
 // Attention family of the native CPU layer: one paged decode attention over a KV format's row
 // reader. A KV row is one (slot, KV head) of a cache [num_blocks, tpb, kv_heads, head_dim]:
 // row = slot * kv_heads + head, its values at cache + row * head_dim.
-// KV formats (the rows of the KV format table; runtime/kernels/kv_quant.py defines the int8 one):
-//   0 float32;  1 bf16 (rounded to nearest even);  2 int8 with a float32 scale per row
-//   (scale = max|x| / 127, q = round-half-even(x / scale), read as q * scale).
+// KV formats (formats.h's KvFormat; runtime/kernels/kv_quant.py defines the int8 one): float32;
+//   bf16 (rounded to nearest even); int8 with a float32 scale per row (scale = max|x| / 127,
+//   q = round-half-even(x / scale), read as q * scale).
 // The per-op decode attention (ops.cpp) and the fused step (decode_step.cpp) both call
 // attend_rows, so they compute the same numbers.
 #pragma once
@@ -15,12 +15,11 @@
 #include <type_traits>
 #include <vector>
 
+#include "formats.h"
 #include "norm_activation.h"
 #include "vec.h"
 
 namespace bm {
-
-enum KvFormat : int32_t { kKvFloat32 = 0, kKvBf16 = 1, kKvInt8 = 2 };
 
 // One cache of one layer as rows of head_dim values in `format` (scales: int8 only).
 struct KvRows {

@@ -30,6 +30,7 @@ import os
 import torch
 
 from . import isa as isa_tiers, library as native_library
+from ...quantization.native_codes import input_code, kv_code, weight_code
 from ..torch_kernels.linear import Linear
 from ..torch_kernels.weight_only_linear import QuantizedLinear
 
@@ -41,13 +42,16 @@ _SWITCH_VALUES = {"0": False, "false": False, "off": False, "no": False, "1": Tr
 # this many rows the eager path's blocked GEMMs (oneDNN, de-quantized tiles) are the better kernels.
 MAX_ROWS = 8
 
-_FORMATS = {torch.float32: 0, torch.bfloat16: 1}   # float weights; a quantized one's: its WeightFormat.native_code
-_KV_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+# Codes of the native format table (runtime.quantization.native_codes): float weights (a quantized
+# one's: its WeightFormat.native_code), the input types of the dot kernels, the KV caches.
+_FORMATS = {torch.float32: weight_code("float32"), torch.bfloat16: weight_code("bf16")}
+_INPUT_FLOAT32, _INPUT_Q8X32 = input_code("float32"), input_code("q8x32")
+_KV_FORMATS = {torch.float32: kv_code("float32"), torch.bfloat16: kv_code("bf16"), torch.int8: kv_code("int8")}
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 
 
 class _Linear(ctypes.Structure):
-    _fields_ = [("format", _I32), ("pad", _I32), ("w", _P), ("scale", _P), ("min", _P), ("bias", _P),
+    _fields_ = [("format", _I32), ("input", _I32), ("w", _P), ("scale", _P), ("min", _P), ("bias", _P),
                 ("n", _I64), ("k", _I64), ("gs", _I64)]
 
 
@@ -187,21 +191,22 @@ class DecodeStep:
         return t.data_ptr()
 
     def _linear(self, linear) -> _Linear:
-        fmt = _format(linear)
+        fmt, input_type = _format(linear)
         if isinstance(linear, QuantizedLinear) and linear.act_kernel is not None:
             packed = linear.packed
-            return _Linear(format=fmt, w=packed.packed.data_ptr(),
+            return _Linear(format=fmt, input=input_type, w=packed.packed.data_ptr(),
                            scale=packed.scale.data_ptr(),
                            min=None if packed.minimum is None else packed.minimum.data_ptr(),
                            bias=self._hold(linear.bias_f32), n=packed.n, k=packed.k, gs=packed.group_size)
         if isinstance(linear, QuantizedLinear):
             n, k = linear.weight.shape[0], linear.format.input_width(linear.weight)
             gs = k // linear.scale.shape[1] if linear.format.is_grouped else 0
-            return _Linear(format=fmt, w=linear.weight.data_ptr(), scale=linear.scale.data_ptr(),
+            return _Linear(format=fmt, input=input_type, w=linear.weight.data_ptr(), scale=linear.scale.data_ptr(),
                            min=None if linear.minimum is None else linear.minimum.data_ptr(),
                            bias=self._hold(linear.bias_f32), n=n, k=k, gs=gs)
         n, k = linear.plain.shape
-        return _Linear(format=fmt, w=linear.plain.data_ptr(), bias=self._hold(_f32(linear.bias)), n=n, k=k)
+        return _Linear(format=fmt, input=input_type, w=linear.plain.data_ptr(), bias=self._hold(_f32(linear.bias)),
+                       n=n, k=k)
 
     def _ensure_positions(self, num_positions: int) -> None:
         """Rotary tables cover positions [0, num_positions) (grown by doubling as steps need),
@@ -230,13 +235,13 @@ class DecodeStep:
         return logits
 
 
-def _format(linear) -> int | None:
-    """The weight format code of a prepared linear the fused step can read in place, else None."""
+def _format(linear) -> tuple[int, int] | None:
+    """(weight format code, input type code) of a prepared linear the fused step can read in place,
+    else None. int8 activations are the q8x32 input type of the int8 / int4 dot kernels."""
     if isinstance(linear, QuantizedLinear) and linear.act_quant is not None:
-        return None if linear.act_kernel is None else linear.format.native_code + 2
+        return None if linear.act_kernel is None else (linear.format.native_code, _INPUT_Q8X32)
     if isinstance(linear, QuantizedLinear):   # its kernel was bound: the group size is one the kernels run
-        return None if linear.kernel is None else linear.format.native_code
-    if isinstance(linear, Linear) and linear.plain is not None and linear.plain.dtype in (torch.float32,
-                                                                                           torch.bfloat16):
-        return _FORMATS[linear.plain.dtype]
+        return None if linear.kernel is None else (linear.format.native_code, _INPUT_FLOAT32)
+    if isinstance(linear, Linear) and linear.plain is not None and linear.plain.dtype in _FORMATS:
+        return _FORMATS[linear.plain.dtype], _INPUT_FLOAT32
     return None

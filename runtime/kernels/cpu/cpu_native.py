@@ -18,8 +18,25 @@ import os
 import torch
 
 from . import library
+from ...config import ConfigError
+from ...quantization import lookup_dtype
+from ...quantization.native_codes import WEIGHT_FORMATS, weight_code
 
 ENV_VAR = "BATCH_MANAGER_CPU_NATIVE"  # "0" turns the native kernels off (A/B runs, debugging)
+# The quantized rows of the native format table (formats.h's kWeightInt8, kWeightInt4)
+INT8_CODE, INT4_CODE = weight_code("int8"), weight_code("int4")
+
+
+def quantized_code(weight: torch.Tensor) -> int:
+    """The native format code of a quantized weight, its format found by W's stored dtype (the
+    registry's kernels' key); ConfigError naming the format when the native table has no kernel for it."""
+    weight_format = lookup_dtype(weight.dtype)
+    code = None if weight_format is None else weight_format.native_code
+    if code not in (INT8_CODE, INT4_CODE):
+        name = weight.dtype if weight_format is None else repr(weight_format.name)
+        raise ConfigError(f"weight_only: weight format {name} has no native CPU kernel (the native format table "
+                          f"runs {', '.join(WEIGHT_FORMATS)}); add its row and kernels, or run it off the CPU")
+    return code
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

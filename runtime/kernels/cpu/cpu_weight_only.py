@@ -14,7 +14,7 @@ import ctypes
 import torch
 
 from . import cpu_native, isa as isa_tiers
-from .cpu_native import _ptr
+from .cpu_native import INT4_CODE, INT8_CODE, _ptr, quantized_code
 from .isa import Isa
 
 TIERS = (Isa.SCALAR, Isa.AVX2, Isa.AVX512)   # this family's kernels (linear_weight_only.h)
@@ -75,8 +75,9 @@ class WeightOnlyOps:
              bias: torch.Tensor | None, isa: str | None = None):
         """`fn(x, out=None)`: int8_linear / int4_linear of this weight with the layout checks and
         the constant arguments done once (a generation step calls ~100 linears: per-call Python
-        cost is a visible share of it)."""
-        if minimum is None:
+        cost is a visible share of it). ConfigError for a weight format without a native kernel."""
+        is_int8 = quantized_code(weight) == INT8_CODE
+        if is_int8:
             self.int8_linear(torch.zeros(1, weight.shape[1]), weight, scale, bias, isa=isa)   # checks the layout
             fn, n, k = self._lib.bm_wo_int8_linear, weight.shape[0], weight.shape[1]
             head = (weight.data_ptr(), scale.data_ptr(), n, k, _ptr(bias))
@@ -84,7 +85,7 @@ class WeightOnlyOps:
             self.int4_linear(torch.zeros(1, weight.shape[1] * 2), weight, scale, minimum, bias, isa=isa)
             fn, n, k = self._lib.bm_wo_int4_linear, weight.shape[0], weight.shape[1] * 2
             head = (weight.data_ptr(), scale.data_ptr(), minimum.data_ptr(), n, k, k // scale.shape[1], _ptr(bias))
-        level, groups = self.isa_level(isa), None if minimum is None else scale.shape[1]
+        level, groups = self.isa_level(isa), None if is_int8 else scale.shape[1]
         keep = (weight, scale, minimum, bias)   # the pointers above stay valid while fn lives
         # int4: scratch for the rows' group sums (NOTE: one per bound weight; not thread-safe)
         xsum_rows = 64
@@ -105,10 +106,10 @@ class WeightOnlyOps:
             return y
         return linear
 
-    def dequantize_kernel(self, weight_format):
-        """The de-quantization kernel of `weight_format` (runtime.quantization; this library runs
-        int8 and int4): dequant_int8 or dequant_int4, taken once when a linear is prepared."""
-        return {"int8": self.dequant_int8, "int4": self.dequant_int4}[weight_format.name]
+    def dequantize_kernel(self, weight: torch.Tensor):
+        """The row de-quantization kernel of a quantized weight's format (its native code):
+        dequant_int8 or dequant_int4, taken once when a linear is prepared."""
+        return {INT8_CODE: self.dequant_int8, INT4_CODE: self.dequant_int4}[quantized_code(weight)]
 
     def dequant_int8(self, weight: torch.Tensor, scale: torch.Tensor, start: int, stop: int,
                      out: torch.Tensor) -> torch.Tensor:

@@ -21,10 +21,12 @@
 //       slot (block * tokens_per_block + offset) and the cached tokens including it.
 //   block_tables int32 [rows, bt_stride]; entries of blocks holding no visible key may be < 0.
 //   logits float32 [rows, vocab].
-//   Weight formats (Linear.format): 0 float32 [n, k]; 1 bf16 [n, k]; 2 int8 [n, k] + scale [n];
-//       3 int4 packed [n, k / 2] + scale, min float16 [n, k / gs] (linear_weight_only.h's layouts);
-//       4, 5: int8 / int4 in linear_act_quant.h's repacked layout, with int8 activations (the input
-//       quantized per block of 32 columns, once per input by each thread).
+//   Weight formats (Linear.format) and input types (Linear.input): formats.h's codes. float32 [n, k]
+//       and bf16 [n, k] take float32 inputs (bf16-rounded for AVX512-BF16's dot product); int8
+//       [n, k] + scale [n] and int4 packed [n, k / 2] + scale, min float16 [n, k / gs] take float32
+//       inputs (linear_weight_only.h's layouts), or q8x32 inputs (int8 activations: the input
+//       quantized per block of 32 columns, once per input by each thread) over linear_act_quant.h's
+//       repacked layout.
 //   KV formats (Model.kv_format): attention.h's KvFormat (0 float32, 1 bf16, 2 int8 with float32
 //       scales per (slot, head)).
 //   rope_cos, rope_sin: float32 [rope_positions, rotary_dim / 2] (neox pairing: dim i with
@@ -38,6 +40,7 @@
 #include <vector>
 
 #include "attention.h"
+#include "formats.h"
 #include "isa.h"
 #include "linear_act_quant.h"
 #include "linear_float.h"
@@ -48,7 +51,7 @@
 namespace {
 
 struct Linear {
-  int32_t format, pad;
+  int32_t format, input;  // bm::WeightFormat, bm::InputType (formats.h)
   const void* w;
   const void* scale;  // formats 2, 4, 5: float32; 3: float16 (uint16_t bits)
   const void* min;
@@ -107,7 +110,7 @@ struct Input {
 
 void weight_only_range(const Linear& L, const Input& in, float* y, int64_t ldy, int accumulate, int64_t n0,
                        int64_t n1, int isa) {
-  if (L.format == 2) {
+  if (L.format == bm::kWeightInt8) {
     const bm_wo::Int8Args a{in.x, in.k, (const int8_t*)L.w, (const float*)L.scale, L.n, L.k, L.bias, y, ldy,
                             accumulate};
     bm_wo::tier_range<bm_wo::Int8Args, bm_wo::Int8K>(a, in.rows, n0, n1, isa);
@@ -124,10 +127,10 @@ void linear_range(const Linear& L, const Input& in, float* y, int64_t ldy, int a
   if (n0 >= n1) return;
   const int64_t rows = in.rows;
   switch (L.format) {
-    case 0:
+    case bm::kWeightFloat32:
       bm_float::linear_rows_range(in.x, rows, in.k, (const float*)L.w, n0, n1, L.k, L.bias, y, ldy, accumulate);
       return;
-    case 1: {
+    case bm::kWeightBf16: {
       const bool dp = in.x_bf16 != nullptr;
       const bm_float::Bf16LinearArgs a{dp ? (const void*)in.x_bf16 : (const void*)in.x, dp, rows, in.k,
                                        (const uint16_t*)L.w, L.n, L.k, L.bias, y, false, ldy, accumulate};
@@ -135,15 +138,14 @@ void linear_range(const Linear& L, const Input& in, float* y, int64_t ldy, int a
       else bm_float::linear_bf16_rows_range<false>(a, n0, n1);
       return;
     }
-    case 4:
-    case 5: {
-      const bm_aq::ActLinear a{L.format - 2, 0, L.w, (const float*)L.scale, (const float*)L.min, L.bias, L.n, L.k,
-                               L.gs};
-      bm_aq::act_linear_range(a, in.q, in.d, in.s, rows, in.k, y, ldy, accumulate, n0, n1, isa);
-      return;
-    }
-    default:
-      weight_only_range(L, in, y, ldy, accumulate, n0, n1, isa);
+    default:   // kWeightInt8, kWeightInt4
+      if (L.input == bm::kInputQ8x32) {
+        const bm_aq::ActLinear a{L.format, 0, L.w, (const float*)L.scale, (const float*)L.min, L.bias, L.n, L.k,
+                                 L.gs};
+        bm_aq::act_linear_range(a, in.q, in.d, in.s, rows, in.k, y, ldy, accumulate, n0, n1, isa);
+      } else {
+        weight_only_range(L, in, y, ldy, accumulate, n0, n1, isa);
+      }
   }
 }
 
@@ -158,7 +160,7 @@ struct InputScratch {
   Input prepare(const float* x, int64_t rows, int64_t k, int isa, std::initializer_list<const Linear*> uses) {
     Input in{x, nullptr, nullptr, rows, k, nullptr, nullptr, nullptr};
     for (const Linear* L : uses) {
-      if ((L->format == 4 || L->format == 5) && in.q == nullptr) {
+      if (L->input == bm::kInputQ8x32 && in.q == nullptr) {
         q.resize(rows * k);
         d.resize(rows * k / 32);
         s.resize(rows * k / 32);
@@ -166,12 +168,12 @@ struct InputScratch {
         in.q = q.data(), in.d = d.data(), in.s = s.data();
       }
       const bool dot_product = bm_float::kHasDpbf16 && isa >= bm::kAvx512Bf16 && k % 32 == 0;
-      if (L->format == 1 && dot_product && in.x_bf16 == nullptr) {
+      if (L->format == bm::kWeightBf16 && dot_product && in.x_bf16 == nullptr) {
         bf16.resize(rows * k);
         for (int64_t i = 0; i < rows * k; ++i) bf16[i] = bm::f32_to_bf16(x[i]);
         in.x_bf16 = bf16.data();
       }
-      if (L->format == 3 && in.xsum == nullptr) {
+      if (L->format == bm::kWeightInt4 && L->input == bm::kInputFloat32 && in.xsum == nullptr) {
         const int64_t groups = k / L->gs;
         xsum.resize(rows * groups);
         for (int64_t r = 0; r < rows; ++r)

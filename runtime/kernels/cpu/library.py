@@ -1,8 +1,9 @@
-"""The native CPU layer's one library: its C++ sources (by op family: isa.h, vec.h, norm_activation.h,
-attention.h, linear_float.h, linear_weight_only.h, linear_act_quant.h; entry points ops.cpp,
-collectives.cpp, decode_step.cpp) compiled once into one shared object, loaded once with ctypes,
-with the one signature table of every entry point. The binding modules (cpu_native.py,
-cpu_native_bf16.py, cpu_weight_only.py, act_quant.py, cpu_decode_step.py) wrap its functions.
+"""The native CPU layer's one library: its C++ sources (tiers and format codes: isa.h, formats.h; by
+op family: vec.h, norm_activation.h, attention.h, linear_float.h, linear_weight_only.h,
+linear_act_quant.h; entry points ops.cpp, collectives.cpp, decode_step.cpp) compiled once into one
+shared object, loaded once with ctypes, with the one signature table of every entry point. The
+binding modules (cpu_native.py, cpu_native_bf16.py, cpu_weight_only.py, act_quant.py,
+cpu_decode_step.py) wrap its functions.
 
 Build cache: one library per sha256 of (sources, flags, compiler version, CPU model and flags) in
 `native/` (native_build.py). `load()` is None where it cannot run: not x86-64 with AVX2 / FMA, no
@@ -23,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
 SOURCES = ("ops.cpp", "collectives.cpp", "decode_step.cpp")
-HEADERS = ("isa.h", "vec.h", "norm_activation.h", "attention.h",
+HEADERS = ("isa.h", "formats.h", "vec.h", "norm_activation.h", "attention.h",
            "linear_float.h", "linear_weight_only.h", "linear_act_quant.h")
 CXX_FLAGS = ("-std=c++17", "-O3", "-march=native", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared")
 NAME = "cpu-native"

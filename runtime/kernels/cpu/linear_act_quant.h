@@ -36,6 +36,7 @@
 
 #include <algorithm>
 
+#include "formats.h"
 #include "isa.h"
 
 namespace bm_aq {
@@ -45,7 +46,7 @@ constexpr int64_t kActUnit = 16;
 
 // One packed linear (act_quant.PackedActWeight's tensors; a plain struct for the fused step's context).
 struct ActLinear {
-  int32_t format;      // 2: int8 weights, 3: int4 weights
+  int32_t format;      // bm::kWeightInt8 or bm::kWeightInt4 (formats.h)
   int32_t pad;
   const void* packed;  // uint8: int8 [n_units, k/32, 8, 16, 4] (w + 128); int4 [n_units, k/32, 4, 16, 4]
   const float* scale;  // int8 [n_units * 16]; int4 [n_units, k / gs, 16]
@@ -85,7 +86,7 @@ inline void unit_scalar(const ActLinear& a, int64_t unit, const int8_t* q, const
       const int32_t sb = s[r * blocks + b];
       for (int i = 0; i < 16; ++i) {
         int32_t isum = 0;
-        if (a.format == 2) {
+        if (a.format == bm::kWeightInt8) {
           const uint8_t* wb = w + (unit * blocks + b) * 512;
           for (int j = 0; j < 8; ++j)
             for (int t = 0; t < 4; ++t) isum += ((int32_t)wb[j * 64 + i * 4 + t] - 128) * qb[4 * j + t];
@@ -103,7 +104,7 @@ inline void unit_scalar(const ActLinear& a, int64_t unit, const int8_t* q, const
         }
       }
     }
-    if (a.format == 2)
+    if (a.format == bm::kWeightInt8)
       for (int i = 0; i < 16; ++i) acc[i] *= a.scale[o0 + i];
     finish_unit(acc, a.bias, y + r * ldy, o0, o1, accumulate);
   }
@@ -246,7 +247,7 @@ void unit_rows(const ActLinear& a, int64_t unit, const int8_t* q, const float* d
                float* y, int64_t ldy, int accumulate) {
   float out[R][16];
   for (int part = 0; part < 16 / V::L; ++part) {
-    if (a.format == 2) int8_lanes<V, R>(a, unit, part, q, d, s, out);
+    if (a.format == bm::kWeightInt8) int8_lanes<V, R>(a, unit, part, q, d, s, out);
     else int4_lanes<V, R>(a, unit, part, q, d, s, out);
   }
   const int64_t o0 = unit * 16, o1 = std::min(a.n, o0 + 16);

@@ -44,7 +44,7 @@ class QuantizedLinear:
         self.num_outputs = self.weight.shape[0]
         self.kernel = (None if self.ops is None
                        else self.ops.bind(self.weight, self.scale, self.minimum, self.bias_f32))
-        self.dequantize_kernel = None if self.ops is None else self.ops.dequantize_kernel(self.format)
+        self.dequantize_kernel = None if self.ops is None else self.ops.dequantize_kernel(self.weight)
         self.max_native_rows = self.format.native_max_rows
 
     def _native(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,0 +1,20 @@
+// The native CPU layer's format codes (runtime/quantization/native_codes.py declares the same
+// lists; tests/runtime/kernels/test_native_formats.py fails when a code is declared on one side only).
+//   WeightFormat: a weight's stored layout; its dot kernels live in the linear family
+//       (linear_float.h: float32, bf16; linear_weight_only.h: int8, int4 with float32 inputs;
+//       linear_act_quant.h: int8, int4 with q8x32 inputs, repacked).
+//   InputType: how an input row is prepared for a dot kernel (llama.cpp's vec_dot_type): float32 as
+//       it is, bf16 rounding, or q8x32 (symmetric int8 blocks of 32, a float32 scale and the block's
+//       integer sum per block: the int8-activation mode).
+//   KvFormat: a KV cache's rows, read and written by attention.h's KvRows.
+#pragma once
+
+#include <stdint.h>
+
+namespace bm {
+
+enum WeightFormat : int32_t { kWeightFloat32 = 0, kWeightBf16 = 1, kWeightInt8 = 2, kWeightInt4 = 3 };
+enum InputType : int32_t { kInputFloat32 = 0, kInputBf16 = 1, kInputQ8x32 = 2 };
+enum KvFormat : int32_t { kKvFloat32 = 0, kKvBf16 = 1, kKvInt8 = 2 };
+
+}  // namespace bm
