@@ -1,7 +1,7 @@
 """The fused-step round of samples.chaos_soak: GptManager serves greedy and seeded sampled requests
 (prompts of 1-40 tokens, 1-24 new tokens, some ending on an end id, half streamed, a few stopped while
 they run) at most 8 sequences at a time, so that its generation steps run the fused native step
-(runtime/kernels/cpu_decode_step.py, counted) over rows that finish at different steps while new
+(runtime/kernels/cpu/cpu_decode_step.py, counted) over rows that finish at different steps while new
 ones join. Then the same requests, minus the stopped ones, through a manager on the eager path
 (BATCH_MANAGER_FUSED_DECODE=0). Checked: every request got exactly one final response and no error,
 nothing after it, the pool is whole, the fused step ran, and each greedy request's tokens equal the
@@ -19,7 +19,7 @@ import torch
 
 from batch_manager import GptManager, InferenceRequest, KvCacheConfig, SchedulerPolicy, TrtGptModelOptionalParams
 from batch_manager import TrtGptModelType, tensor_names as tn
-from runtime.kernels import cpu_decode_step
+from runtime.kernels.cpu import cpu_decode_step
 
 from .requests import MAX_NEW_TOKENS, MAX_PROMPT_LEN, VOCAB_SIZE
 

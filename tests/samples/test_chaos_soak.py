@@ -15,7 +15,7 @@ from samples.chaos_soak.requests import BAD_KINDS, MAX_BEAM_WIDTH, make_bad
 from samples.chaos_soak.disaggregated_round import BAD_KINDS as BAD_PEERS
 from samples.chaos_soak.disaggregated_round import disaggregated_violations, run_disaggregated_round
 from samples.chaos_soak.fused_step_round import fused_step_violations, run_fused_step_round
-from runtime.kernels import cpu_decode_step
+from runtime.kernels.cpu import cpu_decode_step
 from samples.chaos_soak.soak import (BUILD, MODEL, POOL_TOKENS, RSS_TOLERANCE_MIB, SHUTDOWN_BOUND_S, main, make_engine,
                                      run_soak)
 

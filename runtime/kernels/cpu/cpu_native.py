@@ -18,7 +18,7 @@ import os
 import torch
 
 from . import library
-from ...config import ConfigError
+from ...errors import ConfigError
 from ...quantization import lookup_dtype
 from ...quantization.native_codes import WEIGHT_FORMATS, weight_code
 

@@ -12,7 +12,7 @@ import enum
 import functools
 import os
 
-from ...config import ConfigError
+from ...errors import ConfigError
 from ...precision import cpu_flags
 
 ENV_VAR = "BATCH_MANAGER_CPU_ISA"
