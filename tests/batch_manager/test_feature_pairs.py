@@ -21,6 +21,7 @@ from batch_manager import (DecodingConfig, GptManager, GuideType, KvCacheConfig,
                            TrtGptModelOptionalParams, TrtGptModelType, load_peft_adapter)
 from batch_manager import tensor_names as tn
 from runtime import Engine, GenerationInput, GenerationOutput, GptSession, SamplingConfig, WorldConfig, build_engine
+from runtime.kernels.torch_kernels import linear as torch_linear
 from tests.batch_manager.conftest import Client, make_request
 from tests.batch_manager.test_guided_decoding import REGEX, guided_engine, guided_request  # noqa: F401
 from tests.batch_manager.test_guided_decoding import params as guided_params
@@ -116,8 +117,14 @@ def last_stats(client: Client) -> dict:
 # -- each precision mode with the KV and decoding features ---------------------------------------------
 
 @pytest.mark.parametrize("mode", list(MODES))
-def test_block_reuse_and_chunked_context_equal_gpt_session(engines, mode):
+def test_block_reuse_and_chunked_context_equal_gpt_session(engines, mode, monkeypatch):
     engine_dir = engines(mode)
+    # NOTE: bf16 linears take the native kernel up to NATIVE_MAX_ROWS_BF16 rows and oneDNN's GEMM
+    # beyond; on a CPU without AVX512-BF16 (an AVX2 EPYC) the two round differently, so 8-token
+    # chunks and GptSession's one-shot prompt left a different last bit in the KV and the greedy
+    # tokens split at a near tie. One kernel for every row count: this test compares the KV
+    # features, not two kernels.
+    monkeypatch.setattr(torch_linear, "NATIVE_MAX_ROWS_BF16", 1 << 20)
     prompts = {i: SYSTEM_PROMPT + p for i, p in enumerate(PROMPTS)}
     params = TrtGptModelOptionalParams(kv_cache_config=KvCacheConfig(max_tokens=400, enable_block_reuse=True),
                                        enable_chunked_context=True, max_num_tokens=8)
