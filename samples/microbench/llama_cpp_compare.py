@@ -1,19 +1,22 @@
 """One stream, ours against llama.cpp on the same weights at the same precision, in one run.
 
 The weights (--model): `smollm2`, the real default model's GGUF (SmolLM2-135M-Instruct, Q4_1),
-de-quantized and written again with the `gguf` package as F32, Q8_0 and Q4_0 files; or `llama-1b`, a
-random-weight ~1.1B LLaMA (samples.microbench.random_llama: hidden 2048, 16 layers, intermediate 8192)
-written in each format from the same draws, where memory bandwidth rather than the fixed cost per
-token decides (fed token ids: its vocabulary is synthetic). llama.cpp (the `xllamacpp` wheel, its
-server embedded in this process; `pip install --no-deps xllamacpp`) generates from each file; ours
-generates from engines built from the F32 file in float32 and in the matching weight-only modes
-(int8 for Q8_0, int4 group 32 for Q4_0), each exact and with int8 activations (act_quant). Each side: greedy, one request, the same prompt, N new
+de-quantized and written again in each format (--formats: F32, Q8_0, Q4_0, Q4_1, Q5_0, Q6_K, or the
+per-tensor Q4_K_M recipe of samples.microbench.gguf_recipes, with llama.cpp's fallbacks for rows
+that are not a multiple of 256); or `llama-1b`, a random-weight ~1.1B LLaMA
+(samples.microbench.random_llama: hidden 2048, 16 layers, intermediate 8192) written in each format
+from the same draws, where memory bandwidth rather than the fixed cost per token decides (fed token
+ids: its vocabulary is synthetic). llama.cpp (the `xllamacpp` wheel, its server embedded in this
+process; `pip install --no-deps xllamacpp`) generates from each file; ours generates from engines
+built from the F32 file in float32 and in the matching weight-only modes (int8 for Q8_0, int4 group
+32 for Q4_0), each exact and with int8 activations (act_quant), and from the format's own file with
+its blocks kept as they are ("blocks"). Each side: greedy, one request, the same prompt, N new
 tokens, the generation rate (tokens after the first / their time), best of --repeats. Every
 measurement runs in a fresh process: llama.cpp's threads and a thread pool left by an engine build
 would otherwise share the cores with the side being timed (runtime.engine.build_engine's NOTE).
 
     python -m samples.microbench.llama_cpp_compare [--model smollm2|llama-1b] [--new-tokens 64] [--repeats 3]
-        [--threads 2] [--formats F32 Q8_0 Q4_0]
+        [--threads 2] [--formats F32 Q8_0 Q4_0 Q4_1 Q5_0 Q6_K Q4_K_M]
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ import torch
 from samples.microbench.weight_only import cpu_description
 
 PROMPT = "Here is part of Python's documentation. Explain what a generator is, in a few sentences."
-LLAMA_CPP_TYPES = ("F32", "Q8_0", "Q4_0")
+LLAMA_CPP_TYPES = ("F32", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q6_K", "Q4_K_M")
 # ours per llama.cpp format: the exact weight-only mode, then the int8-activation one (llama.cpp's own
 # arithmetic for these formats: activations quantized to 8 bits per block of 32)
 OUR_MODES = {"F32": {"float32": {}},
@@ -38,24 +41,41 @@ OUR_MODES = {"F32": {"float32": {}},
                       "int4 g32+a8": {"weight_only": "int4", "group_size": 32, "act_quant": "int8"}}}
 
 
+def our_modes(type_name: str) -> dict[str, tuple[str, dict]]:
+    """Our engines compared with llama.cpp's `type_name` file: mode -> (the file built from: "F32" or
+    the format's own, build_engine's fields). A quantized file also runs its blocks as they are."""
+    modes = {mode: ("F32", fields) for mode, fields in OUR_MODES.get(type_name, {}).items()}
+    if type_name != "F32":
+        modes["blocks"] = (type_name, {"weight_format": "keep"})
+    return modes
+
+
 def rewrite_gguf(source: str, destination: str, type_name: str) -> str:
-    """`source` with every 2-D weight de-quantized and stored as `type_name` (1-D tensors stay F32)."""
+    """`source` with every 2-D weight de-quantized and stored as `type_name` (a GGML type, or a
+    recipe of samples.microbench.gguf_recipes choosing one per tensor: Q4_K_M); 1-D tensors stay F32."""
     import gguf
+
+    from runtime.quantization.k_quants import quantize
+    from samples.microbench.gguf_recipes import file_type_name, tensor_type
     reader = gguf.GGUFReader(source)
-    qtype = gguf.GGMLQuantizationType[type_name]
     writer = gguf.GGUFWriter(destination, str(reader.fields["general.architecture"].contents()))
     for name, field in reader.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture":
+        if name.startswith("GGUF.") or name in ("general.architecture", "general.file_type"):
             continue
         value_type = field.types[0]
         sub_type = field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(name, field.contents(), value_type, sub_type)
+    writer.add_file_type(int(gguf.LlamaFileType[file_type_name(type_name)]))
+    has_output = any(tensor.name == "output.weight" for tensor in reader.tensors)
+    num_layers = 1 + max((int(t.name.split(".")[1]) for t in reader.tensors if t.name.startswith("blk.")), default=0)
     for tensor in reader.tensors:
         values = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
-        if values.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
-            writer.add_tensor(tensor.name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
-        else:
+        stored = "F32" if values.ndim != 2 or type_name == "F32" else \
+            tensor_type(tensor.name, values.shape[-1], type_name, num_layers, has_output)
+        if stored == "F32":
             writer.add_tensor(tensor.name, values)
+        else:
+            writer.add_tensor(tensor.name, quantize(values, stored), raw_dtype=gguf.GGMLQuantizationType[stored])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -158,11 +178,11 @@ def main(argv: list[str] | None = None) -> dict:
         for type_name in args.formats:
             row = {"llama_cpp_tok_s": max(in_fresh_process(llama_cpp_rate, files[type_name], prompt, args.new_tokens,
                                                            args.threads) for _ in range(args.repeats)), "ours": {}}
-            for mode, fields in OUR_MODES[type_name].items():
+            for mode, (source, fields) in our_modes(type_name).items():
                 engine_dir = os.path.join(work, f"ours-{args.model}-{type_name}-{len(row['ours'])}")
                 try:
                     if not os.path.exists(os.path.join(engine_dir, "engine.json")):
-                        build_engine(files["F32"], engine_dir, **fields)
+                        build_engine(files[source], engine_dir, **fields)
                     row["ours"][mode] = max(in_fresh_process(our_rate, engine_dir, prompt_ids, args.new_tokens,
                                                              args.threads) for _ in range(args.repeats))
                 except ConfigError as e:

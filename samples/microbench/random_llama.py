@@ -77,13 +77,13 @@ def byte_pair_vocabulary(size: int) -> tuple[list[str], list[int], list[str]]:
 
 
 def write_random_llama(path: str, type_name: str = "F32", shape: LlamaShape = LlamaShape(), seed: int = 0) -> str:
-    """Write the model as one GGUF file with every 2-D weight stored as `type_name` (F32, F16 or a
+    """Write the model as one GGUF file with every 2-D weight stored as `type_name` (F32, F16, a
     block format runtime.quantization.k_quants writes: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K,
-    Q6_K); 1-D tensors stay F32."""
+    Q6_K; or a per-tensor recipe of samples.microbench.gguf_recipes: Q4_K_M); 1-D tensors stay F32."""
     import gguf
 
     from runtime.quantization.k_quants import quantize
-    qtype = gguf.GGMLQuantizationType[type_name]
+    from samples.microbench.gguf_recipes import file_type_name, tensor_type
     writer = gguf.GGUFWriter(path, "llama")
     writer.add_name(f"random-llama-{shape.num_parameters() / 1e9:.1f}B")
     writer.add_block_count(shape.num_layers)
@@ -96,9 +96,7 @@ def write_random_llama(path: str, type_name: str = "F32", shape: LlamaShape = Ll
     writer.add_rope_freq_base(shape.rope_theta)
     writer.add_layer_norm_rms_eps(shape.rms_norm_eps)
     writer.add_vocab_size(shape.vocab_size)
-    file_types = gguf.LlamaFileType.__members__   # Q4_K / Q5_K alone are llama.cpp's *_K_S recipes
-    writer.add_file_type(int(file_types["ALL_F32"] if qtype == gguf.GGMLQuantizationType.F32 else
-                             file_types.get(f"MOSTLY_{type_name}") or file_types[f"MOSTLY_{type_name}_S"]))
+    writer.add_file_type(int(gguf.LlamaFileType[file_type_name(type_name)]))
     tokens, types, merges = byte_pair_vocabulary(shape.vocab_size)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
@@ -108,21 +106,22 @@ def write_random_llama(path: str, type_name: str = "F32", shape: LlamaShape = Ll
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
 
-    def stored(name: str, values: np.ndarray) -> tuple[np.ndarray, "gguf.GGMLQuantizationType | None"]:
-        if values.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:
-            return values, None
-        if qtype == gguf.GGMLQuantizationType.F16:
-            return values.astype(np.float16), None
-        return quantize(values, type_name), qtype
+    def stored_type(name: str, dims: tuple[int, ...]) -> str:
+        """F32 for 1-D tensors, else the recipe's type (dims: numpy order, columns last)."""
+        if len(dims) == 1 or type_name == "F32":
+            return "F32"
+        return tensor_type(name, dims[-1], type_name, shape.num_layers, has_output=True)
 
     # The header lists every tensor's type and byte size before any data: one pass computes them
     # from the shapes (no values), the second writes each tensor as it is drawn.
     for name, dims in shape.tensors():
-        if len(dims) == 1 or qtype == gguf.GGMLQuantizationType.F32:
+        stored = stored_type(name, dims)
+        if stored == "F32":
             writer.add_tensor_info(name, dims, np.dtype(np.float32), 4 * int(np.prod(dims)))
-        elif qtype == gguf.GGMLQuantizationType.F16:
+        elif stored == "F16":
             writer.add_tensor_info(name, dims, np.dtype(np.float16), 2 * int(np.prod(dims)))
         else:
+            qtype = gguf.GGMLQuantizationType[stored]
             block, type_bytes = gguf.GGML_QUANT_SIZES[qtype]
             byte_shape = gguf.quant_shape_to_byte_shape(dims, qtype)
             writer.add_tensor_info(name, byte_shape, np.dtype(np.uint8), int(np.prod(dims)) // block * type_bytes,
@@ -131,8 +130,9 @@ def write_random_llama(path: str, type_name: str = "F32", shape: LlamaShape = Ll
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     for name, dims in shape.tensors():
-        data, _ = stored(name, random_tensor(name, dims, seed))
-        writer.write_tensor_data(data)
+        values, stored = random_tensor(name, dims, seed), stored_type(name, dims)
+        writer.write_tensor_data(values if stored == "F32" else
+                                 values.astype(np.float16) if stored == "F16" else quantize(values, stored))
     writer.close()
     return path
 
