@@ -6,12 +6,15 @@ step's float and KV codes) read their codes from here. Torch-free."""
 from __future__ import annotations
 
 # kWeight<Name> of formats.h; a registered weight format whose name is absent has no native kernel
-WEIGHT_FORMATS = ("float32", "bf16", "int8", "int4")
+WEIGHT_FORMATS = ("float32", "bf16", "int8", "int4",
+                  # llama.cpp's block formats (ggml's names and byte layouts)
+                  "q8_0", "q4_0", "q4_1", "q5_0", "q4_k", "q5_k", "q6_k")
 # kKv<Name>: a KV cache's rows (read row / write row in attention.h)
 KV_FORMATS = ("float32", "bf16", "int8")
 # kInput<Name>: float32 rows as they are; bf16 rounding; q8x32: symmetric int8 blocks of 32 with a
-# float32 scale and the block's integer sum (the int8-activation mode)
-INPUT_TYPES = ("float32", "bf16", "q8x32")
+# float32 scale and the block's integer sum (the int8-activation mode; the 32-element block formats);
+# q8k: int8 blocks of 256 with a float32 scale and int16 sums per 16 (the K formats; ggml's Q8_K role)
+INPUT_TYPES = ("float32", "bf16", "q8x32", "q8k")
 
 
 def weight_code(name: str) -> int | None:

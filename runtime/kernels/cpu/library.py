@@ -1,9 +1,10 @@
 """The native CPU layer's one library: its C++ sources (tiers and format codes: isa.h, formats.h; by
 op family: vec.h, norm_activation.h, attention.h, linear_float.h, linear_weight_only.h,
-linear_act_quant.h; entry points ops.cpp, collectives.cpp, decode_step.cpp) compiled once into one
-shared object, loaded once with ctypes, with the one signature table of every entry point. The
-binding modules (cpu_native.py, cpu_native_bf16.py, cpu_weight_only.py, act_quant.py,
-cpu_decode_step.py) wrap its functions.
+linear_act_quant.h; llama.cpp's block formats: quants_blocks.h, linear_blocks.h, linear_blocks_avx2.h
+and their table format_table.h; entry points ops.cpp, collectives.cpp, decode_step.cpp, blocks.cpp)
+compiled once into one shared object, loaded once with ctypes, with the one signature table of every
+entry point. The binding modules (cpu_native.py, cpu_native_bf16.py, cpu_weight_only.py, act_quant.py,
+cpu_decode_step.py, blocks.py) wrap its functions.
 
 Build cache: one library per sha256 of (sources, flags, compiler version, CPU model and flags) in
 `native/` (native_build.py). `load()` is None where it cannot run: not x86-64 with AVX2 / FMA, no
@@ -23,9 +24,10 @@ from ..native_build import CXX, build_sources, compiler_available, native_cache_
 logger = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-SOURCES = ("ops.cpp", "collectives.cpp", "decode_step.cpp")
+SOURCES = ("ops.cpp", "collectives.cpp", "decode_step.cpp", "blocks.cpp")
 HEADERS = ("isa.h", "formats.h", "vec.h", "norm_activation.h", "attention.h",
-           "linear_float.h", "linear_weight_only.h", "linear_act_quant.h")
+           "linear_float.h", "linear_weight_only.h", "linear_act_quant.h",
+           "quants_blocks.h", "linear_blocks.h", "linear_blocks_avx2.h", "format_table.h")
 CXX_FLAGS = ("-std=c++17", "-O3", "-march=native", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared")
 NAME = "cpu-native"
 
@@ -54,6 +56,10 @@ SIGNATURES: dict[str, tuple[list, object]] = {
     "bm_wo_dequant_int4": ([_P, _P, _P, _I64, _I64, _I64, _I64, _P, _INT], None),
     "bm_aq_quantize": ([_P, _I64, _I64, _P, _P, _P], None),
     "bm_aq_linear": ([_P, _P, _I64, _P, _I64, _INT, _INT, _INT], None),
+    "bm_blk_format_info": ([_INT, _P], _INT),
+    "bm_blk_quantize": ([_INT, _P, _I64, _I64, _I64, _P, _P, _P], _INT),
+    "bm_blk_linear": ([_INT, _P, _I64, _I64, _P, _I64, _I64, _P, _P, _I64, _INT, _INT, _INT], _INT),
+    "bm_blk_dequant": ([_INT, _P, _I64, _I64, _I64, _P, _INT], _INT),
     "bm_decode_step": ([_P, _I64, _P, _P, _P, _P, _I64, _P, _P, _INT], None),
 }
 

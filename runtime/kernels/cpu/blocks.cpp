@@ -1,0 +1,78 @@
+// Entry points of the block formats (llama.cpp's q8_0 ... q6_k) over the format table
+// (format_table.h); blocks.py binds them. Every call names its weight format by its code (formats.h).
+//
+// Contracts (rows contiguous along their last dimension):
+//   bm_blk_format_info(format, info int32 [5]): info = {block_elems, block_bytes, input type,
+//       has row de-quantization, mask of the Isa tiers with a linear kernel}; -1 for an unknown code.
+//   bm_blk_quantize(input, x, rows, ldx, k, q, d, sums): x float32 [rows, k] (row stride ldx) into
+//       the input type `input` (quants_blocks.h): q int8 [rows, k], d float32 [rows, k / block],
+//       sums int32 [rows, k / 32] (q8x32) or int16 [rows, k / 16] (q8k). -1: not a block input type.
+//   bm_blk_linear(format, x, rows, ldx, w, n, k, bias, y, ldy, accumulate, num_threads, isa):
+//       y[r, o] (+)= x[r, :] . W[o, :] (+ bias[o]) over w uint8 [n, k / block_elems * block_bytes];
+//       x quantized once into the format's input type before the parallel region (shared by the
+//       threads), each thread a contiguous range of whole output tiles. bias float32 [n] or null;
+//       y row stride ldy; isa a bm::Isa cap. -1: no linear kernel for the format.
+//   bm_blk_dequant(format, w, n0, n1, k, out, num_threads): rows [n0, n1) of w -> out float32
+//       [n1 - n0, k] contiguous, bit for bit gguf.quants.dequantize. -1: no row de-quantization.
+// Shapes (k a multiple of the block, row bytes) are checked by the caller (blocks.py).
+#include <omp.h>
+#include <stdint.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "format_table.h"
+
+extern "C" int bm_blk_format_info(int format, int32_t* info) {
+  const bm::FormatTraits* t = bm::format_traits(format);
+  if (!t) return -1;
+  int32_t mask = 0;
+  for (int tier = 0; tier < bm::kNumIsa; ++tier) mask |= t->linear[tier] ? 1 << tier : 0;
+  info[0] = t->block_elems, info[1] = t->block_bytes, info[2] = t->input, info[3] = t->dequant_row != nullptr;
+  info[4] = mask;
+  return 0;
+}
+
+extern "C" int bm_blk_quantize(int input, const float* x, int64_t rows, int64_t ldx, int64_t k, int8_t* q, float* d,
+                               void* sums) {
+  if (input == bm::kInputQ8x32) bm_blk::quantize_q8x32(x, rows, ldx, k, q, d, (int32_t*)sums);
+  else if (input == bm::kInputQ8K) bm_blk::quantize_q8k(x, rows, ldx, k, q, d, (int16_t*)sums);
+  else return -1;
+  return 0;
+}
+
+extern "C" int bm_blk_linear(int format, const float* x, int64_t rows, int64_t ldx, const uint8_t* w, int64_t n,
+                             int64_t k, const float* bias, float* y, int64_t ldy, int accumulate, int num_threads,
+                             int isa) {
+  const bm::FormatTraits* t = bm::format_traits(format);
+  const bm::LinearRange kernel = t ? bm::linear_kernel(*t, isa) : nullptr;
+  if (!kernel) return -1;
+  const bool is_k = t->input == bm::kInputQ8K;
+  const int64_t in_block = is_k ? bm_blk::kQK : bm_blk::kQ, nd = k / in_block;
+  std::vector<int8_t> q(rows * k);
+  std::vector<float> d(rows * nd);
+  std::vector<int32_t> s(is_k ? 0 : rows * (k / bm_blk::kQ));
+  std::vector<int16_t> bsums(is_k ? rows * (k / 16) : 0);
+  bm_blk_quantize(t->input, x, rows, ldx, k, q.data(), d.data(), is_k ? (void*)bsums.data() : (void*)s.data());
+  const bm_blk::QInput in{q.data(), d.data(), is_k ? nullptr : s.data(), is_k ? bsums.data() : nullptr, k, nd};
+  const bm_blk::LinearArgs a{w, k / t->block_elems * t->block_bytes, n, k, in, rows, bias, y, ldy, accumulate};
+  const int64_t tiles = (n + bm_blk::kTile - 1) / bm_blk::kTile;
+  const int threads = (int)std::max<int64_t>(1, std::min<int64_t>(num_threads, tiles));
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t i = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t o0 = tiles * i / nt * bm_blk::kTile, o1 = std::min(n, tiles * (i + 1) / nt * bm_blk::kTile);
+    if (o0 < o1) kernel(a, o0, o1);
+  }
+  return 0;
+}
+
+extern "C" int bm_blk_dequant(int format, const uint8_t* w, int64_t n0, int64_t n1, int64_t k, float* out,
+                              int num_threads) {
+  const bm::FormatTraits* t = bm::format_traits(format);
+  if (!t || !t->dequant_row) return -1;
+  const int64_t row_bytes = k / t->block_elems * t->block_bytes;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if ((n1 - n0) * k >= 65536)
+  for (int64_t o = n0; o < n1; ++o) t->dequant_row(w + o * row_bytes, k, out + (o - n0) * k);
+  return 0;
+}

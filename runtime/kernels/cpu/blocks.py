@@ -1,0 +1,163 @@
+"""llama.cpp's quantized block formats on the native CPU layer (blocks.cpp's bm_blk_* over the
+format table, format_table.h): the linear y = x @ W^T with integer dot products against 8-bit input
+blocks (q8x32 for the 32-element formats, q8k for the K formats), the row de-quantization (bit for
+bit gguf.quants.dequantize) and the input quantization alone. `block_ops()` is None where the native
+library cannot run (as weight_only_ops()); torch_kernels/block_linear.py is the reference.
+
+Weights are ggml's block bytes as a GGUF file stores them: uint8 [n, row_bytes], row_bytes =
+k / block_elems * block_bytes. Tiers: scalar and avx2 (isa.py); the best one at or below the cap
+(the `isa` argument, else BATCH_MANAGER_CPU_ISA, else this CPU's best) runs.
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import gguf
+import torch
+
+from . import cpu_native, isa as isa_tiers
+from .cpu_native import _ptr
+from .isa import Isa
+from ...quantization.native_codes import INPUT_TYPES, weight_code
+
+# ggml's names, lowercase; each a row of the native format table
+BLOCK_FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q4_k", "q5_k", "q6_k")
+K_BLOCK = 256   # a K format's super-block, and the q8k input block
+SUM_GROUP = {"q8x32": 32, "q8k": 16}   # input type -> elements per integer sum
+
+
+def _check_format(fmt: str) -> str:
+    if fmt not in BLOCK_FORMATS:
+        raise ValueError(f"fmt: unknown block format {fmt!r}; known: {', '.join(BLOCK_FORMATS)}")
+    return fmt
+
+
+def block_geometry(fmt: str) -> tuple[int, int]:
+    """(elements, bytes) of one block of `fmt` (gguf.GGML_QUANT_SIZES)."""
+    return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[_check_format(fmt).upper()]]
+
+
+def input_type(fmt: str) -> str:
+    """The input type `fmt`'s dot kernel takes (formats.h's InputType): q8k for the K formats."""
+    return "q8k" if block_geometry(fmt)[0] == K_BLOCK else "q8x32"
+
+
+def row_bytes(fmt: str, k: int) -> int:
+    """Bytes of one weight row of k elements; ValueError naming k when it is not a multiple of the block."""
+    elems, size = block_geometry(fmt)
+    if k <= 0 or k % elems:
+        raise ValueError(f"k: {k} is not a positive multiple of {fmt}'s block of {elems}")
+    return k // elems * size
+
+
+@dataclass(frozen=True)
+class QuantizedInput:
+    """Input rows in a dot kernel's input type (quants_blocks.h's contract)."""
+    input_type: str       # "q8x32" or "q8k"
+    q: torch.Tensor       # int8 [rows, k]
+    d: torch.Tensor       # float32 [rows, k / 32] (q8x32) or [rows, k / 256] (q8k)
+    sums: torch.Tensor    # int32 [rows, k / 32] (q8x32) or int16 [rows, k / 16] (q8k): sums of q
+
+
+def check_blocks(blocks: torch.Tensor, fmt: str, k: int) -> int:
+    """The row count n of a weight `blocks` of `fmt` with k columns; ValueError naming the argument."""
+    size = row_bytes(fmt, k)
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != size:
+        raise ValueError(f"blocks: {blocks.dtype} {tuple(blocks.shape)} is not uint8 [n, {size}] ({fmt}, k={k})")
+    if not blocks.is_contiguous() or blocks.device.type != "cpu":
+        raise ValueError(f"blocks: must be a contiguous CPU tensor ({fmt}, k={k})")
+    return blocks.shape[0]
+
+
+def _check_rows(x: torch.Tensor, k: int) -> None:
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1 or x.device.type != "cpu":
+        raise ValueError(f"x: {x.dtype} {tuple(x.shape)} (strides {x.stride()}) is not float32 [rows, {k}] "
+                         "with contiguous rows on the CPU")
+
+
+class BlockOps:
+    """The loaded library; methods check their arguments (ValueError naming the argument) and call
+    the C entry points."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self._lib = lib
+        compiled = isa_tiers.compiled_tiers(lib)
+        self._tiers: dict[str, tuple[Isa, ...]] = {}
+        for fmt in BLOCK_FORMATS:
+            info = (ctypes.c_int32 * 5)()
+            assert lib.bm_blk_format_info(weight_code(fmt), info) == 0, fmt
+            elems, size, input_code, _, mask = info
+            assert (elems, size) == block_geometry(fmt) and INPUT_TYPES[input_code] == input_type(fmt), fmt
+            self._tiers[fmt] = tuple(tier for tier in compiled if mask & (1 << tier))
+
+    def tiers(self, fmt: str) -> tuple[Isa, ...]:
+        """The tiers of `fmt`'s linear kernel that the library compiled in and this CPU runs."""
+        return self._tiers[_check_format(fmt)]
+
+    def isa_level(self, fmt: str, isa: int | str | None = None) -> Isa:
+        """The tier to run: `fmt`'s best at or below the cap (`isa`: an Isa value or name; else
+        BATCH_MANAGER_CPU_ISA; else this CPU's best). ConfigError naming `isa` for a tier the CPU lacks."""
+        if isa is not None and not isinstance(isa, str):
+            isa = Isa(int(isa)).name.lower() if int(isa) in set(Isa) else str(isa)
+        return isa_tiers.best_at_or_below(isa_tiers.cap(isa), self.tiers(fmt))
+
+    def quantize_activations(self, x: torch.Tensor, fmt: str) -> QuantizedInput:
+        """x float32 [rows, k] -> the blocks `fmt`'s dot kernel takes (what linear makes of x)."""
+        kind, k = input_type(fmt), x.shape[-1]
+        row_bytes(fmt, k)
+        _check_rows(x, k)
+        rows, in_block = x.shape[0], K_BLOCK if kind == "q8k" else 32
+        q = torch.empty(rows, k, dtype=torch.int8)
+        d = torch.empty(rows, k // in_block, dtype=torch.float32)
+        sums = torch.empty(rows, k // SUM_GROUP[kind], dtype=torch.int16 if kind == "q8k" else torch.int32)
+        status = self._lib.bm_blk_quantize(INPUT_TYPES.index(kind), x.data_ptr(), rows, x.stride(0), k, q.data_ptr(),
+                                           d.data_ptr(), sums.data_ptr())
+        assert status == 0, kind
+        return QuantizedInput(kind, q, d, sums)
+
+    def linear(self, x: torch.Tensor, blocks: torch.Tensor, fmt: str, k: int, bias: torch.Tensor | None = None,
+               out: torch.Tensor | None = None, accumulate: bool = False, isa: int | str | None = None) -> torch.Tensor:
+        """y = x @ W^T (+ bias), W = `blocks` of `fmt` uint8 [n, row_bytes]; with `accumulate` the
+        product is ADDED into `out` (the residual add). x float32 [rows, k] (contiguous rows) ->
+        float32 [rows, n] (`out` when given: its rows contiguous)."""
+        n = check_blocks(blocks, fmt, k)
+        _check_rows(x, k)
+        rows = x.shape[0]
+        if bias is not None and (bias.dtype != torch.float32 or tuple(bias.shape) != (n,) or not bias.is_contiguous()):
+            raise ValueError(f"bias: {bias.dtype} {tuple(bias.shape)} is not float32 [{n}] contiguous")
+        if out is None:
+            if accumulate:
+                raise ValueError("accumulate: needs `out` to add into")
+            out = torch.empty(rows, n, dtype=torch.float32)
+        elif out.dtype != torch.float32 or tuple(out.shape) != (rows, n) or out.stride(1) != 1:
+            raise ValueError(f"out: {out.dtype} {tuple(out.shape)} is not float32 [{rows}, {n}] with contiguous rows")
+        if rows == 0 or n == 0:
+            return out
+        level = self.isa_level(fmt, isa)
+        status = self._lib.bm_blk_linear(weight_code(fmt), x.data_ptr(), rows, x.stride(0), blocks.data_ptr(), n, k,
+                                         _ptr(bias), out.data_ptr(), out.stride(0), int(accumulate),
+                                         torch.get_num_threads(), int(level))
+        assert status == 0, fmt
+        return out
+
+    def dequantize(self, blocks: torch.Tensor, fmt: str, k: int, start: int, stop: int,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 rows [start, stop) of W = `blocks` of `fmt`, bit for bit gguf.quants.dequantize,
+        into `out` float32 [stop - start, k] (contiguous) when given."""
+        n = check_blocks(blocks, fmt, k)
+        if not 0 <= start <= stop <= n:
+            raise ValueError(f"start, stop: [{start}, {stop}) is not a row range of the {n} rows")
+        if out is None:
+            out = torch.empty(stop - start, k, dtype=torch.float32)
+        elif out.dtype != torch.float32 or tuple(out.shape) != (stop - start, k) or not out.is_contiguous():
+            raise ValueError(f"out: {out.dtype} {tuple(out.shape)} is not float32 [{stop - start}, {k}] contiguous")
+        status = self._lib.bm_blk_dequant(weight_code(fmt), blocks.data_ptr(), start, stop, k, out.data_ptr(),
+                                          torch.get_num_threads())
+        assert status == 0, fmt
+        return out
+
+
+def block_ops() -> BlockOps | None:
+    """The kernels (built and loaded once per process), or None where they cannot run here."""
+    return cpu_native.load_ops(BlockOps)

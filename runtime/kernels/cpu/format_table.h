@@ -1,0 +1,76 @@
+// The native CPU layer's format table (ggml-cpu's type_traits_cpu): one row per WeightFormat code
+// (formats.h) with its block geometry, the input type its dot kernel takes (vec_dot_type), its row
+// de-quantization and its linear range kernel per ISA tier (isa.h; null: no kernel at that tier,
+// the driver takes the next lower one). Adding a block format: its layout and de-quantization in
+// quants_blocks.h, its kernels in linear_blocks*.h, one row here.
+//
+// float32 / bf16 / int8 / int4 keep their own drivers (linear_float.h, linear_weight_only.h,
+// linear_act_quant.h); their rows give the geometry and input type, float32 / bf16 their row
+// de-quantization (int8 / int4 keep their scales beside the codes, outside a row's bytes: none).
+#pragma once
+
+#include <stdint.h>
+
+#include "formats.h"
+#include "isa.h"
+#include "linear_blocks.h"
+
+namespace bm {
+
+constexpr int kNumIsa = 6;   // the tiers of isa.h's Isa
+
+using DequantRow = void (*)(const uint8_t* row, int64_t k, float* out);
+using LinearRange = void (*)(const bm_blk::LinearArgs& a, int64_t o0, int64_t o1);
+
+struct FormatTraits {
+  const char* name;
+  int32_t block_elems, block_bytes;   // a row of k elements is k / block_elems * block_bytes bytes
+  InputType input;                    // what from_float makes of an input row for the dot kernel
+  DequantRow dequant_row;             // one row of k elements -> float32 [k]; null: none
+  LinearRange linear[kNumIsa];        // by Isa tier; null: none at that tier
+};
+
+#ifdef __AVX2__
+#define BM_AVX2_KERNEL(K) &bm_blk::linear_range<K>
+#else
+#define BM_AVX2_KERNEL(K) nullptr
+#endif
+
+#define BM_BLOCK_ROW(name, elems, bytes, input, dequant, scalar, avx2) \
+  {name, elems, bytes, input, dequant, {&bm_blk::linear_range<scalar>, BM_AVX2_KERNEL(avx2)}}
+
+inline constexpr FormatTraits kFormats[] = {
+    {"float32", 1, 4, kInputFloat32, bm_blk::dequant_float32, {}},
+    {"bf16", 1, 2, kInputBf16, bm_blk::dequant_bf16, {}},
+    {"int8", 1, 1, kInputFloat32, nullptr, {}},
+    {"int4", 2, 1, kInputFloat32, nullptr, {}},
+    BM_BLOCK_ROW("q8_0", 32, 34, kInputQ8x32, bm_blk::dequant_q8_0, bm_blk::ScalarQ8_0, bm_blk::Avx2Q8_0),
+    BM_BLOCK_ROW("q4_0", 32, 18, kInputQ8x32, bm_blk::dequant_q4_0, bm_blk::ScalarQ4_0,
+                 bm_blk::Avx2Q4_0),
+    BM_BLOCK_ROW("q4_1", 32, 20, kInputQ8x32, bm_blk::dequant_q4_1, bm_blk::ScalarQ4_1,
+                 bm_blk::Avx2Q4_1),
+    BM_BLOCK_ROW("q5_0", 32, 22, kInputQ8x32, bm_blk::dequant_q5_0, bm_blk::ScalarQ5_0,
+                 bm_blk::Avx2Q5_0),
+    BM_BLOCK_ROW("q4_k", 256, 144, kInputQ8K, bm_blk::dequant_q4_k, bm_blk::ScalarQ4_K, bm_blk::Avx2Q4_K),
+    BM_BLOCK_ROW("q5_k", 256, 176, kInputQ8K, bm_blk::dequant_q5_k, bm_blk::ScalarQ5_K, bm_blk::Avx2Q5_K),
+    BM_BLOCK_ROW("q6_k", 256, 210, kInputQ8K, bm_blk::dequant_q6_k, bm_blk::ScalarQ6_K, bm_blk::Avx2Q6_K),
+};
+constexpr int kNumFormats = sizeof(kFormats) / sizeof(kFormats[0]);
+static_assert(kNumFormats == kWeightQ6_K + 1, "one row per WeightFormat code");
+
+#undef BM_BLOCK_ROW
+#undef BM_AVX2_KERNEL
+
+// The row of `format`, or null for a code outside the table.
+inline const FormatTraits* format_traits(int32_t format) {
+  return format >= 0 && format < kNumFormats ? &kFormats[format] : nullptr;
+}
+
+// The kernel of the highest tier at or below `isa` that `t` has; null: none.
+inline LinearRange linear_kernel(const FormatTraits& t, int isa) {
+  for (int tier = std::min(isa, kNumIsa - 1); tier >= 0; --tier)
+    if (t.linear[tier]) return t.linear[tier];
+  return nullptr;
+}
+
+}  // namespace bm

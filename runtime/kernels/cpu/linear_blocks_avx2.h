@@ -1,0 +1,190 @@
+// The AVX2 tier of linear_blocks.h's dot kernels (included by it): ggml's x86 approach. Unsigned
+// weight codes x int8 inputs with vpmaddubsw (pairs <= 2 * 63 * 127 for the largest code, or
+// 2 * 128 * 127 through the sign trick for q8_0: no int16 saturation), vpmaddwd into int32 (with the
+// K formats' 6-bit or int8 scales as its multiplier), per block one fma(isum, d_w * d_x, acc).
+// Code offsets and mins go through the input's block sums (q8x32's s, q8k's bsums).
+#pragma once
+
+#ifdef __AVX2__
+
+#include <immintrin.h>
+
+namespace bm_blk {
+
+// 16 bytes of nibbles -> 32 bytes: the low nibbles (elements 0..15) then the high ones (16..31).
+inline __m256i nibbles32(const uint8_t* qs) {
+  const __m128i t = _mm_loadu_si128((const __m128i*)qs);
+  const __m256i both = _mm256_insertf128_si256(_mm256_castsi128_si256(t), _mm_srli_epi16(t, 4), 1);
+  return _mm256_and_si256(both, _mm256_set1_epi8(15));
+}
+
+// 32 bits -> 32 bytes: byte j is 0x10 where bit j is set (q5_0's fifth bit, ggml's bytes_from_bits_32).
+inline __m256i fifth_bits32(const uint8_t* qh) {
+  uint32_t bits;
+  memcpy(&bits, qh, 4);
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32((int)bits),
+      _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0x0000000000000000));
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)),
+                                        _mm256_set1_epi64x(-1));
+  return _mm256_and_si256(set, _mm256_set1_epi8(16));
+}
+
+inline __m256i load32(const void* p) { return _mm256_loadu_si256((const __m256i*)p); }
+inline __m256i pair_sums(__m256i p16) { return _mm256_madd_epi16(p16, _mm256_set1_epi16(1)); }
+inline __m256i lane0(int32_t v) { return _mm256_setr_epi32(v, 0, 0, 0, 0, 0, 0, 0); }
+inline float hsum4(__m128 v) {
+  v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+  return _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
+}
+
+struct Avx2Q8_0 {
+  template <int R>
+  static void dot(const uint8_t* row, const QInput& x, float out[R]) {
+    const BlockQ8_0* b = (const BlockQ8_0*)row;
+    const int64_t nb = x.k / kQ;
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nb; ++i) {
+      const __m256i w = load32(b[i].qs), wabs = _mm256_sign_epi8(w, w);
+      const float dw = f16(b[i].d);
+      for (int r = 0; r < R; ++r) {
+        const __m256i q = load32(x.q + r * x.k + i * kQ);
+        const __m256i isum = pair_sums(_mm256_maddubs_epi16(wabs, _mm256_sign_epi8(q, w)));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(dw * x.d[r * x.nd + i]), acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) out[r] = bm::hsum8(acc[r]);
+  }
+};
+
+inline __m256i codes32_avx2(const BlockQ4_0& b) { return nibbles32(b.qs); }
+inline __m256i codes32_avx2(const BlockQ4_1& b) { return nibbles32(b.qs); }
+inline __m256i codes32_avx2(const BlockQ5_0& b) { return _mm256_or_si256(nibbles32(b.qs), fifth_bits32(b.qh)); }
+
+// q4_0, q4_1, q5_0: sum u * q - offset * s in int32 (the offset term in lane 0), the min term
+// (q4_1) as a float per row.
+template <class B, int kOffset, bool kHasMin>
+struct Avx2Small {
+  template <int R>
+  static void dot(const uint8_t* row, const QInput& x, float out[R]) {
+    const B* b = (const B*)row;
+    const int64_t nb = x.k / kQ;
+    __m256 acc[R];
+    float mins[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), mins[r] = 0.f;
+    for (int64_t i = 0; i < nb; ++i) {
+      const __m256i u = codes32_avx2(b[i]);
+      const float dw = f16(b[i].d), m = block_min(b[i]);
+      for (int r = 0; r < R; ++r) {
+        const __m256i q = load32(x.q + r * x.k + i * kQ);
+        const int32_t s = x.s[r * nb + i];
+        __m256i isum = pair_sums(_mm256_maddubs_epi16(u, q));
+        if (kOffset) isum = _mm256_add_epi32(isum, lane0(-kOffset * s));
+        const float dx = x.d[r * x.nd + i];
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(dw * dx), acc[r]);
+        if (kHasMin) mins[r] += m * (dx * (float)s);
+      }
+    }
+    for (int r = 0; r < R; ++r) out[r] = bm::hsum8(acc[r]) + mins[r];
+  }
+};
+
+// q4_k, q5_k: per super-block the 6-bit scales and mins unpacked once for the R rows; per pair of
+// sub-blocks one 32-byte load of codes; mins against the input's bsums (pairs summed by hadd).
+template <class B>
+struct Avx2K4 {
+  template <int R>
+  static void dot(const uint8_t* row, const QInput& x, float out[R]) {
+    const B* b = (const B*)row;
+    const int64_t nb = x.k / kQK;
+    const __m256i m4 = _mm256_set1_epi8(15), m1 = _mm256_set1_epi8(1);
+    __m256 acc[R];
+    __m128 accm[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), accm[r] = _mm_setzero_ps();
+    for (int64_t i = 0; i < nb; ++i) {
+      alignas(16) uint8_t sm[16];
+      scales_mins_k4(b[i].scales, sm);
+      const uint8_t* qh = high_bits(b[i]);
+      const __m256i hbits = qh ? load32(qh) : _mm256_setzero_si256();
+      __m256i isum[R];
+      for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
+      for (int j = 0; j < 4; ++j) {
+        const __m256i bits = load32(b[i].qs + 32 * j);
+        __m256i lo = _mm256_and_si256(bits, m4), hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
+        if (qh) {
+          lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, 2 * j), m1), 4));
+          hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, 2 * j + 1), m1), 4));
+        }
+        const __m256i sl = _mm256_set1_epi16(sm[2 * j]), sh = _mm256_set1_epi16(sm[2 * j + 1]);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* q = x.q + r * x.k + i * kQK + 64 * j;
+          const __m256i pl = _mm256_madd_epi16(sl, _mm256_maddubs_epi16(lo, load32(q)));
+          const __m256i ph = _mm256_madd_epi16(sh, _mm256_maddubs_epi16(hi, load32(q + 32)));
+          isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(pl, ph));
+        }
+      }
+      const __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)(sm + 8)));
+      const float d = f16(b[i].d), dmin = f16(b[i].dmin);
+      for (int r = 0; r < R; ++r) {
+        const float dx = x.d[r * x.nd + i];
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_set1_ps(d * dx), acc[r]);
+        const __m256i bs = load32(x.bsums + r * (x.k / 16) + i * 16);
+        const __m128i pairs = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
+        accm[r] = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_madd_epi16(mins, pairs)), _mm_set1_ps(-dmin * dx), accm[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) out[r] = bm::hsum8(acc[r]) + hsum4(accm[r]);
+  }
+};
+
+// q6_k: per half of 128, 3 loads (ql 64 bytes, qh 32) give 4 chunks of 32 codes; int8 scales per 16
+// (the low and high 128-bit lanes of a chunk's products); the -32 offset as 32 * sum sc_i * bsums_i.
+struct Avx2Q6_K {
+  template <int R>
+  static void dot(const uint8_t* row, const QInput& x, float out[R]) {
+    const BlockQ6_K* b = (const BlockQ6_K*)row;
+    const int64_t nb = x.k / kQK;
+    const __m256i m4 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3);
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nb; ++i) {
+      const int8_t* sc = b[i].scales;
+      __m256i isum[R];
+      for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
+      for (int h = 0; h < 2; ++h) {
+        const __m256i ql0 = load32(b[i].ql + 64 * h), ql1 = load32(b[i].ql + 64 * h + 32);
+        const __m256i qh = load32(b[i].qh + 32 * h);
+        for (int c = 0; c < 4; ++c) {
+          const __m256i low = c == 0 ? ql0 : c == 1 ? ql1 : _mm256_srli_epi16(c == 2 ? ql0 : ql1, 4);
+          const __m256i high = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * c), m3);
+          const __m256i u = _mm256_or_si256(_mm256_and_si256(low, m4), _mm256_slli_epi16(high, 4));
+          const int s = h * 8 + 2 * c;
+          const __m256i scale = _mm256_insertf128_si256(_mm256_set1_epi16(sc[s]), _mm_set1_epi16(sc[s + 1]), 1);
+          for (int r = 0; r < R; ++r) {
+            const __m256i q = load32(x.q + r * x.k + i * kQK + 128 * h + 32 * c);
+            isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(scale, _mm256_maddubs_epi16(u, q)));
+          }
+        }
+      }
+      const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)sc));
+      const float d = f16(b[i].d);
+      for (int r = 0; r < R; ++r) {
+        const __m256i offset = _mm256_madd_epi16(sc16, load32(x.bsums + r * (x.k / 16) + i * 16));
+        const __m256i total = _mm256_sub_epi32(isum[r], _mm256_slli_epi32(offset, 5));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_set1_ps(d * x.d[r * x.nd + i]), acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) out[r] = bm::hsum8(acc[r]);
+  }
+};
+
+using Avx2Q4_0 = Avx2Small<BlockQ4_0, 8, false>;
+using Avx2Q4_1 = Avx2Small<BlockQ4_1, 0, true>;
+using Avx2Q5_0 = Avx2Small<BlockQ5_0, 16, false>;
+using Avx2Q4_K = Avx2K4<BlockQ4_K>;
+using Avx2Q5_K = Avx2K4<BlockQ5_K>;
+
+}  // namespace bm_blk
+
+#endif  // __AVX2__

@@ -1,0 +1,219 @@
+// llama.cpp's quantized block formats (ggml-common.h's block_q8_0 ... block_q6_K, byte for byte):
+// their layouts, their row de-quantization to float32 and the quantization of an input row into the
+// blocks their dot kernels take (linear_blocks.h). format_table.h makes them rows of the format table.
+//
+// Layouts (d, dmin, m: float16 bits; one row of a weight = k / block_elems blocks back to back):
+//   q8_0  34 B / 32: d, int8 qs[32]                       value = d * q
+//   q4_0  18 B / 32: d, qs[16] (j: low nibble of qs[j], 16 + j: high nibble)   value = d * (nib - 8)
+//   q4_1  20 B / 32: d, m, qs[16]                         value = d * nib + m
+//   q5_0  22 B / 32: d, qh[4] (bit j: element j's 5th bit), qs[16]            value = d * (q5 - 16)
+//   q4_k 144 B / 256: d, dmin, scales[12] (8 6-bit scales, 8 6-bit mins), qs[128] (4 chunks of 32
+//                     bytes: sub-block 2c in the low nibbles, 2c + 1 in the high)
+//                     value = (d * sc_j) * nib - dmin * m_j   (8 sub-blocks of 32)
+//   q5_k 176 B / 256: d, dmin, scales[12], qh[32] (bit j of byte l: sub-block j, element l), qs[128]
+//   q6_k 210 B / 256: ql[128], qh[64], int8 scales[16], d    value = (d * sc_i) * (q6 - 32)
+//
+// De-quantization is bit-exact with gguf.quants.dequantize (numpy float32): the same products and
+// sums in the same order, each rounded once (fp-contract off: no fused multiply-add).
+//
+// Input types (formats.h's InputType), per row of an input x float32 [rows, k]:
+//   q8x32: the int8-activation mode's type (linear_act_quant.h's quantize_rows, same arithmetic):
+//          per block b of 32: d = max|x| / 127, q = round-half-even(x / d) (0 where d == 0),
+//          s = sum of the block's q. q int8 [rows, k], d float32 [rows, k/32], s int32 [rows, k/32].
+//   q8k:   llama.cpp's block_q8_K role, blocks of 256: d = max|x| / 127 per 256, q as above,
+//          bsums = sums of q per 16. q int8 [rows, k], d float32 [rows, k/256], bsums int16 [rows, k/16].
+#pragma once
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <algorithm>
+
+#include "vec.h"
+
+namespace bm_blk {
+
+constexpr int kQ = 32;     // elements of a 32-element block
+constexpr int kQK = 256;   // elements of a K-format super-block
+
+struct BlockQ8_0 { uint16_t d; int8_t qs[32]; };
+struct BlockQ4_0 { uint16_t d; uint8_t qs[16]; };
+struct BlockQ4_1 { uint16_t d, m; uint8_t qs[16]; };
+struct BlockQ5_0 { uint16_t d; uint8_t qh[4]; uint8_t qs[16]; };
+struct BlockQ4_K { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[128]; };
+struct BlockQ5_K { uint16_t d, dmin; uint8_t scales[12]; uint8_t qh[32]; uint8_t qs[128]; };
+struct BlockQ6_K { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; uint16_t d; };
+static_assert(sizeof(BlockQ8_0) == 34 && sizeof(BlockQ4_0) == 18 && sizeof(BlockQ4_1) == 20, "ggml layout");
+static_assert(sizeof(BlockQ5_0) == 22 && sizeof(BlockQ4_K) == 144 && sizeof(BlockQ5_K) == 176, "ggml layout");
+static_assert(sizeof(BlockQ6_K) == 210, "ggml layout");
+
+inline float f16(uint16_t h) { return bm::half_to_float(h); }
+
+// q4_k / q5_k: the 8 6-bit scales (bytes 0-7 of out) and mins (bytes 8-15) of scales[12]
+// (ggml's get_scale_min_k4, 32 bits at a time as its AVX2 kernel does).
+inline void scales_mins_k4(const uint8_t* s, uint8_t out[16]) {
+  constexpr uint32_t kLow6 = 0x3f3f3f3f, kLow4 = 0x0f0f0f0f, kLow2 = 0x03030303;
+  uint32_t u[4];
+  memcpy(u, s, 12);
+  u[3] = ((u[2] >> 4) & kLow4) | (((u[1] >> 6) & kLow2) << 4);
+  const uint32_t mins_low = u[1] & kLow6;
+  u[1] = (u[2] & kLow4) | (((u[0] >> 6) & kLow2) << 4);
+  u[2] = mins_low;
+  u[0] &= kLow6;
+  memcpy(out, u, 16);
+}
+
+// ---- row de-quantization: one weight row of k elements -> out float32 [k] ----
+
+#define BM_EXACT __attribute__((optimize("fp-contract=off")))
+
+BM_EXACT inline void dequant_q8_0(const uint8_t* row, int64_t k, float* out) {
+  const BlockQ8_0* b = (const BlockQ8_0*)row;
+  for (int64_t i = 0; i < k / kQ; ++i) {
+    const float d = f16(b[i].d);
+    for (int j = 0; j < kQ; ++j) out[i * kQ + j] = (float)b[i].qs[j] * d;
+  }
+}
+
+BM_EXACT inline void dequant_q4_0(const uint8_t* row, int64_t k, float* out) {
+  const BlockQ4_0* b = (const BlockQ4_0*)row;
+  for (int64_t i = 0; i < k / kQ; ++i) {
+    const float d = f16(b[i].d);
+    float* o = out + i * kQ;
+    for (int j = 0; j < 16; ++j) {
+      o[j] = d * (float)((b[i].qs[j] & 15) - 8);
+      o[j + 16] = d * (float)((b[i].qs[j] >> 4) - 8);
+    }
+  }
+}
+
+BM_EXACT inline void dequant_q4_1(const uint8_t* row, int64_t k, float* out) {
+  const BlockQ4_1* b = (const BlockQ4_1*)row;
+  for (int64_t i = 0; i < k / kQ; ++i) {
+    const float d = f16(b[i].d), m = f16(b[i].m);
+    float* o = out + i * kQ;
+    for (int j = 0; j < 16; ++j) {
+      o[j] = d * (float)(b[i].qs[j] & 15) + m;
+      o[j + 16] = d * (float)(b[i].qs[j] >> 4) + m;
+    }
+  }
+}
+
+BM_EXACT inline void dequant_q5_0(const uint8_t* row, int64_t k, float* out) {
+  const BlockQ5_0* b = (const BlockQ5_0*)row;
+  for (int64_t i = 0; i < k / kQ; ++i) {
+    const float d = f16(b[i].d);
+    uint32_t qh;
+    memcpy(&qh, b[i].qh, 4);
+    float* o = out + i * kQ;
+    for (int j = 0; j < 16; ++j) {
+      o[j] = d * (float)((int)((b[i].qs[j] & 15) | (((qh >> j) & 1) << 4)) - 16);
+      o[j + 16] = d * (float)((int)((b[i].qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16);
+    }
+  }
+}
+
+// q4_k and q5_k: (d * sc) * q - (dmin * m), qh null for q4_k.
+BM_EXACT inline void dequant_k4(uint16_t dh, uint16_t dminh, const uint8_t* scales, const uint8_t* qh,
+                                const uint8_t* qs, float* o) {
+  uint8_t sm[16];
+  scales_mins_k4(scales, sm);
+  const uint8_t *sc = sm, *mn = sm + 8;
+  const float d = f16(dh), dmin = f16(dminh);
+  for (int j = 0; j < 8; ++j) {
+    const float ds = d * (float)sc[j], dm = dmin * (float)mn[j];
+    const uint8_t* q = qs + (j / 2) * 32;
+    const int shift = (j & 1) * 4;
+    for (int l = 0; l < 32; ++l) {
+      const int hi = qh ? ((qh[l] >> j) & 1) << 4 : 0;
+      o[j * 32 + l] = ds * (float)(((q[l] >> shift) & 15) | hi) - dm;
+    }
+  }
+}
+
+inline void dequant_q4_k(const uint8_t* row, int64_t k, float* out) {
+  const BlockQ4_K* b = (const BlockQ4_K*)row;
+  for (int64_t i = 0; i < k / kQK; ++i) dequant_k4(b[i].d, b[i].dmin, b[i].scales, nullptr, b[i].qs, out + i * kQK);
+}
+
+inline void dequant_q5_k(const uint8_t* row, int64_t k, float* out) {
+  const BlockQ5_K* b = (const BlockQ5_K*)row;
+  for (int64_t i = 0; i < k / kQK; ++i) dequant_k4(b[i].d, b[i].dmin, b[i].scales, b[i].qh, b[i].qs, out + i * kQK);
+}
+
+// q6_k: 2 halves of 128; in half h, chunk c of 32: low 4 bits from ql (c & 1: second 32 bytes,
+// c >= 2: high nibbles), high 2 bits (qh >> 2c) & 3.
+BM_EXACT inline void dequant_q6_k(const uint8_t* row, int64_t k, float* out) {
+  const BlockQ6_K* b = (const BlockQ6_K*)row;
+  for (int64_t i = 0; i < k / kQK; ++i) {
+    const float d = f16(b[i].d);
+    float* o = out + i * kQK;
+    for (int h = 0; h < 2; ++h)
+      for (int c = 0; c < 4; ++c) {
+        const uint8_t* ql = b[i].ql + h * 64 + (c & 1) * 32;
+        const uint8_t* qh = b[i].qh + h * 32;
+        for (int l = 0; l < 32; ++l) {
+          const int e = h * 128 + c * 32 + l;
+          const int q = ((ql[l] >> ((c >> 1) * 4)) & 15) | (((qh[l] >> (2 * c)) & 3) << 4);
+          o[e] = (d * (float)b[i].scales[e / 16]) * (float)(q - 32);
+        }
+      }
+  }
+}
+
+// float32 and bf16 weights as rows of the same table (row bytes = k * 4 or k * 2).
+inline void dequant_float32(const uint8_t* row, int64_t k, float* out) { memcpy(out, row, k * 4); }
+inline void dequant_bf16(const uint8_t* row, int64_t k, float* out) {
+  const uint16_t* w = (const uint16_t*)row;
+  for (int64_t j = 0; j < k; ++j) out[j] = bm::bf16_to_f32(w[j]);
+}
+
+// ---- input rows: float32 -> the blocks a dot kernel takes ----
+
+// One block of n values: d = max|x| / 127, q = round-half-even(x / d); returns the sum of q.
+inline int32_t quantize_block(const float* x, int n, int8_t* q, float* d) {
+  float amax = 0.f;
+#pragma omp simd reduction(max : amax)
+  for (int j = 0; j < n; ++j) amax = std::max(amax, fabsf(x[j]));
+  const float db = amax / 127.f;
+  *d = db;
+  if (db == 0.f) {
+    memset(q, 0, n);
+    return 0;
+  }
+  int32_t sum = 0;
+#pragma omp simd reduction(+ : sum)
+  for (int j = 0; j < n; ++j) {
+    const float v = std::min(127.f, std::max(-127.f, rintf(x[j] / db)));
+    q[j] = (int8_t)v;
+    sum += (int32_t)v;
+  }
+  return sum;
+}
+
+// x float32 [rows, k] (row stride ldx) -> q8x32 (q, d, s contiguous per row).
+inline void quantize_q8x32(const float* x, int64_t rows, int64_t ldx, int64_t k, int8_t* q, float* d, int32_t* s) {
+  const int64_t nb = k / kQ;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t b = 0; b < nb; ++b)
+      s[r * nb + b] = quantize_block(x + r * ldx + b * kQ, kQ, q + r * k + b * kQ, d + r * nb + b);
+}
+
+// x float32 [rows, k] (row stride ldx) -> q8k (q, d, bsums contiguous per row).
+inline void quantize_q8k(const float* x, int64_t rows, int64_t ldx, int64_t k, int8_t* q, float* d,
+                         int16_t* bsums) {
+  const int64_t nb = k / kQK;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t b = 0; b < nb; ++b) {
+      int8_t* qb = q + r * k + b * kQK;
+      quantize_block(x + r * ldx + b * kQK, kQK, qb, d + r * nb + b);
+      for (int g = 0; g < 16; ++g) {
+        int32_t sum = 0;
+        for (int j = 0; j < 16; ++j) sum += qb[g * 16 + j];
+        bsums[r * (k / 16) + b * 16 + g] = (int16_t)sum;
+      }
+    }
+}
+
+}  // namespace bm_blk
