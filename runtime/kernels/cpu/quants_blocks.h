@@ -14,7 +14,10 @@
 //   q6_k 210 B / 256: ql[128], qh[64], int8 scales[16], d    value = (d * sc_i) * (q6 - 32)
 //
 // De-quantization is bit-exact with gguf.quants.dequantize (numpy float32): the same products and
-// sums in the same order, each rounded once (fp-contract off: no fused multiply-add).
+// sums in the same order, each rounded once. Every product that meets an add (q4_1's d * nib, the K
+// formats' (d * sc) * q and dmin * m) is exact (an fp16 mantissa times <= 11 integer bits fits in 24),
+// so a fused multiply-add could not change it; fp-contract is off anyway (BM_EXACT) so a new format
+// with inexact products keeps numpy's two roundings.
 //
 // Input types (formats.h's InputType), per row of an input x float32 [rows, k]:
 //   q8x32: the int8-activation mode's type (linear_act_quant.h's quantize_rows, same arithmetic):

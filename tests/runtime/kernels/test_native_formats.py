@@ -41,8 +41,10 @@ def test_the_weight_formats_read_their_codes_from_the_one_list():
 
 
 def test_int8_activations_are_an_input_type_not_format_codes():
-    assert len(native_codes.WEIGHT_FORMATS) == len(set(native_codes.WEIGHT_FORMATS)) == 4
-    assert "q8x32" in native_codes.INPUT_TYPES
+    # the stored layouts: the four of the engine's own modes and llama.cpp's seven block formats
+    assert native_codes.WEIGHT_FORMATS == ("float32", "bf16", "int8", "int4", "q8_0", "q4_0", "q4_1", "q5_0",
+                                           "q4_k", "q5_k", "q6_k")
+    assert "q8x32" in native_codes.INPUT_TYPES and "q8k" in native_codes.INPUT_TYPES
     sources = {name: (library.HERE / name).read_text() for name in (*library.SOURCES, *library.HEADERS)}
     for name, text in sources.items():
         assert not re.search(r"format == [0-9]|format - 2|native_code \+ 2", text), name

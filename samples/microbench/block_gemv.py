@@ -1,0 +1,87 @@
+"""GEMV of llama.cpp's block formats (runtime.kernels.cpu.blocks) next to the float32 native linear
+(bm_linear), on model-sized matrices:
+
+    python -m samples.microbench.block_gemv [--threads 1,2] [--rows 1] [--reps 10] [--shapes 2048x8192,...]
+
+Per shape (k -> n), format, threads and rows: ms per call (input quantization included) and GB/s of
+weight bytes read. Each pass calls the linear on enough copies of the weight (>= 64 MB in all) that
+they stream from memory as in a generation step; best of `--reps` passes, divided by the copies.
+Shapes whose k is not a multiple of a format's block skip that format. Prints the CPU model name.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+
+from runtime.kernels.cpu.blocks import BLOCK_FORMATS, block_geometry, block_ops
+from runtime.kernels.cpu.cpu_native import native_ops
+from runtime.quantization import k_quants
+from samples.microbench.weight_only import cpu_description
+
+# (k, n): the ~1B LLaMA's gate / up (2048 -> 8192) and down (8192 -> 2048); SmolLM2-135M's down
+# (1536 -> 576) and gate / up (576 -> 1536: the 32-element formats only)
+SHAPES = "2048x8192,8192x2048,1536x576,576x1536"
+STREAM_BYTES = 64 << 20
+
+
+def best_ms(fn, copies: list, reps: int) -> float:
+    """Best of `reps` passes over every copy, ms per call."""
+    best = float("inf")
+    for rep in range(reps + 2):
+        start = time.perf_counter()
+        for weight in copies:
+            fn(weight)
+        if rep >= 2:
+            best = min(best, (time.perf_counter() - start) * 1e3 / len(copies))
+    return best
+
+
+def weights(fmt: str, k: int, n: int) -> tuple[list, int] | None:
+    """Copies of one quantized weight (>= STREAM_BYTES in all) and its bytes; None: k does not fit."""
+    if k % block_geometry(fmt)[0]:
+        return None
+    values = np.random.default_rng(0).standard_normal((n, k)).astype(np.float32) * 0.05
+    blocks = torch.from_numpy(np.ascontiguousarray(k_quants.quantize(values, fmt.upper())))
+    copies = max(1, STREAM_BYTES // blocks.numel())
+    return [blocks] + [blocks.clone() for _ in range(copies - 1)], blocks.numel()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", default="1,2")
+    parser.add_argument("--rows", default="1")
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--shapes", default=SHAPES)
+    args = parser.parse_args()
+    ops, native = block_ops(), native_ops()
+    if ops is None or native is None:
+        raise SystemExit("the native CPU kernels cannot run here")
+    threads_list = [int(t) for t in args.threads.split(",")]
+    rows_list = [int(r) for r in args.rows.split(",")]
+    print(f"CPU: {cpu_description()}")
+    print(f"ms per call and GB/s of weight bytes, best of {args.reps} passes over >= 64 MB of weight copies")
+    for shape in args.shapes.split(","):
+        k, n = (int(v) for v in shape.split("x"))
+        print(f"{k:>5} -> {n:<6}" + "".join(f"{f'{t}thr r{r}':>20}" for t in threads_list for r in rows_list))
+        float_weight = torch.randn(n, k) * 0.05
+        float_copies = [float_weight] + [float_weight.clone() for _ in range(max(0, STREAM_BYTES // (4 * n * k) - 1))]
+        runs = {"float32 bm_linear": (float_copies, 4 * n * k, lambda x: lambda w: native.linear(x, w, None))}
+        for fmt in BLOCK_FORMATS:
+            made = weights(fmt, k, n)
+            if made is not None:
+                runs[fmt] = (*made, lambda x, fmt=fmt: lambda w: ops.linear(x, w, fmt, k))
+        for name, (copies, size, bind) in runs.items():
+            cells = []
+            for threads in threads_list:
+                torch.set_num_threads(threads)
+                for rows in rows_list:
+                    ms = best_ms(bind(torch.randn(rows, k)), copies, args.reps)
+                    cells.append(f"{ms:8.3f} {size / ms / 1e6:6.1f} GB/s")
+            print(f"  {name:<18}" + "".join(f"{c:>20}" for c in cells))
+
+
+if __name__ == "__main__":
+    main()

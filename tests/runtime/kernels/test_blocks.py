@@ -1,0 +1,232 @@
+"""llama.cpp's block formats on the native CPU layer (kernels/cpu/blocks.py over quants_blocks.h,
+linear_blocks*.h and format_table.h): the row de-quantization bit for bit gguf.quants.dequantize on
+random blocks and on quantizers' blocks; the input quantization exactly the reference's (and the
+int8-activation mode's for q8x32); every dot kernel on every tier this CPU runs against the reference,
+exactly where the inputs make the float part exact and to float rounding elsewhere; the driver's
+shapes, bias, accumulate, row strides and threads; bad arguments."""
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+import torch
+
+from runtime.config import ConfigError
+from runtime.kernels.cpu import isa as isa_tiers
+from runtime.kernels.cpu.act_quant import act_quant_ops
+from runtime.kernels.cpu.blocks import BLOCK_FORMATS, block_geometry, block_ops, input_type
+from runtime.kernels.cpu.isa import Isa
+from runtime.kernels.torch_kernels.block_linear import (block_linear_reference, dequantize_blocks,
+                                                         dequantize_input, quantize_input)
+from runtime.quantization import k_quants, native_codes
+
+OPS = block_ops()
+pytestmark = pytest.mark.skipif(OPS is None, reason="the native CPU kernels cannot be built or run here")
+# Random inputs: the kernel sums k / block float32 terms fl(isum) * fl(d_w * d_x) per lane in its
+# own order, the reference one float64 matmul of the float32 de-quantized values (q4_1 and the K
+# formats round d * code + m there): float32 rounding over <= 72 block terms, relative to the sum of
+# |x_j * w_j|. One wrong code in a row of k = 2304 moves the output by ~1 / k = 4e-4 of that sum.
+RTOL = 1e-5
+# byte offsets of each format's float16 fields in a block (d; q4_1's m; the K formats' dmin)
+HALF_FIELDS = {"q8_0": (0,), "q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q4_k": (0, 2), "q5_k": (0, 2),
+               "q6_k": (208,)}
+TIERS = [Isa.SCALAR, Isa.AVX2]
+OUTPUTS = 37   # not a multiple of the 16-output tile
+
+
+def columns(fmt: str) -> list[int]:
+    return [256, 512, 2304] + ([32, 96] if block_geometry(fmt)[0] == 32 else [])
+
+
+def require(tier: Isa, fmt: str) -> None:
+    if tier not in OPS.tiers(fmt):
+        pytest.skip(f"this CPU or build lacks {fmt}'s {tier.name.lower()} tier")
+
+
+def random_blocks(fmt: str, n: int, k: int, rng: np.random.Generator, halves: np.ndarray | None = None) -> torch.Tensor:
+    """uint8 [n, row_bytes]: random bytes, the float16 fields `halves` (default: finite random
+    values over the whole float16 range, subnormals included)."""
+    elems, size = block_geometry(fmt)
+    blocks = rng.integers(0, 256, size=(n, k // elems, size), dtype=np.uint8)
+    for offset in HALF_FIELDS[fmt]:
+        if halves is None:
+            bits = rng.integers(0, 1 << 16, size=(n, k // elems), dtype=np.uint16)
+            bits[(bits & 0x7C00) == 0x7C00] &= 0xBFFF   # exponent 31 (inf / NaN) -> a finite one
+            field = bits.view(np.float16)
+        else:
+            field = rng.choice(halves, size=(n, k // elems)).astype(np.float16)
+        blocks[..., offset:offset + 2] = field.view(np.uint8).reshape(n, k // elems, 2)
+    return torch.from_numpy(blocks.reshape(n, -1))
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+def test_the_table_rows_agree_with_gguf_and_the_declared_codes(fmt):
+    lib, info = OPS._lib, (ctypes.c_int32 * 5)()
+    assert lib.bm_blk_format_info(native_codes.weight_code(fmt), info) == 0
+    assert (info[0], info[1]) == block_geometry(fmt) and native_codes.INPUT_TYPES[info[2]] == input_type(fmt)
+    assert info[3] == 1 and info[4] & (1 << Isa.SCALAR)
+    assert lib.bm_blk_format_info(len(native_codes.WEIGHT_FORMATS), info) == -1   # one row per code
+
+
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+def test_dequantize_random_blocks_bit_for_bit(fmt):
+    rng = np.random.default_rng(1)
+    for k in columns(fmt):
+        blocks = random_blocks(fmt, 9, k, rng)
+        expected = dequantize_blocks(blocks, fmt, k)
+        assert same_bits(OPS.dequantize(blocks, fmt, k, 0, 9), expected), k
+        assert same_bits(OPS.dequantize(blocks, fmt, k, 3, 7), expected[3:7]), k
+
+
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+def test_dequantize_quantizer_blocks_bit_for_bit(fmt):
+    """Blocks as gguf.quants.quantize (32-element formats) and k_quants (K formats) write them."""
+    values = np.random.default_rng(2).standard_normal((70, 2304)).astype(np.float32) * 0.1
+    values[3] *= 1e-3   # a row of small magnitudes
+    values[4, :256] = 0   # an all-zero block
+    blocks = torch.from_numpy(np.ascontiguousarray(k_quants.quantize(values, fmt.upper())))
+    torch.set_num_threads(2)   # 70 x 2304 runs the rows over threads
+    assert same_bits(OPS.dequantize(blocks, fmt, 2304, 0, 70), dequantize_blocks(blocks, fmt, 2304))
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_k"])
+def test_dequantize_into_out_and_bad_ranges(fmt):
+    blocks = random_blocks(fmt, 5, 256, np.random.default_rng(3))
+    out = torch.empty(2, 256)
+    assert OPS.dequantize(blocks, fmt, 256, 1, 3, out=out) is out
+    assert same_bits(out, dequantize_blocks(blocks, fmt, 256)[1:3])
+    with pytest.raises(ValueError, match="start, stop"):
+        OPS.dequantize(blocks, fmt, 256, 3, 6)
+    with pytest.raises(ValueError, match="^out:"):
+        OPS.dequantize(blocks, fmt, 256, 0, 3, out=out)
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q6_k"])
+def test_input_quantization_is_the_references(fmt):
+    x = torch.randn(5, 512) * torch.logspace(-3, 2, 512)
+    x[1, :256] = 0   # zero blocks: d == 0
+    x[2, 7] = 1e4    # one outlier
+    native, reference = OPS.quantize_activations(x, fmt), quantize_input(x, fmt)
+    assert native.input_type == reference.input_type == input_type(fmt)
+    for a, b in [(native.q, reference.q), (native.d, reference.d), (native.sums, reference.sums)]:
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_q8x32_is_the_int8_activation_modes_quantization():
+    aq = act_quant_ops()
+    if aq is None:
+        pytest.skip("the int8-activation kernels cannot run here")
+    x = torch.randn(3, 576)
+    ours = OPS.quantize_activations(x, "q8_0")
+    q, d, s = aq.quantize(x)
+    assert torch.equal(ours.q, q.reshape(ours.q.shape)) and torch.equal(ours.d, d.reshape(ours.d.shape))
+    assert torch.equal(ours.sums, s.reshape(ours.sums.shape).to(torch.int32))
+
+
+def exact_input(rows: int, k: int, fmt: str, gen: torch.Generator) -> torch.Tensor:
+    """Integers |x| <= 8 with one +-127 per input block (d == 1 exactly, q == x); row 0's first
+    block zero (d == 0)."""
+    block = 256 if input_type(fmt) == "q8k" else 32
+    x = torch.randint(-8, 9, (rows, k // block, block), generator=gen).float()
+    x[:, :, 5] = 127 * torch.where(torch.rand(rows, k // block, generator=gen) < 0.5, -1.0, 1.0)
+    x[0, 0] = 0
+    return x.reshape(rows, k)
+
+
+@pytest.mark.parametrize("tier", TIERS, ids=lambda t: t.name.lower())
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+def test_integer_part_is_exact(fmt, tier):
+    """Power-of-two float16 fields and exact input blocks: every float operation of the kernel is
+    exact, so it equals the reference bit for bit."""
+    require(tier, fmt)
+    rng, gen = np.random.default_rng(4), torch.Generator().manual_seed(4)
+    halves = np.array([2.0 ** -e * s for e in range(3, 7) for s in (1, -1)])
+    for k in (256, 2304):
+        blocks = random_blocks(fmt, OUTPUTS, k, rng, halves)
+        x = exact_input(5, k, fmt, gen)
+        assert torch.equal(dequantize_input(quantize_input(x, fmt)), x.double())
+        assert torch.equal(OPS.linear(x, blocks, fmt, k, isa=tier), block_linear_reference(x, blocks, fmt, k)), k
+
+
+def close(y: torch.Tensor, x: torch.Tensor, blocks: torch.Tensor, fmt: str, k: int, bias=None) -> None:
+    expected = block_linear_reference(x, blocks, fmt, k, bias).double()
+    magnitude = dequantize_input(quantize_input(x, fmt)).abs() @ dequantize_blocks(blocks, fmt, k).double().abs().T
+    error = (y.double() - expected).abs()
+    assert (error <= RTOL * magnitude + 1e-30).all(), float((error / magnitude.clamp_min(1e-30)).max())
+
+
+@pytest.mark.parametrize("tier", TIERS, ids=lambda t: t.name.lower())
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+def test_linear_matches_the_reference(fmt, tier):
+    require(tier, fmt)
+    rng, gen = np.random.default_rng(5), torch.Generator().manual_seed(5)
+    halves = np.float16(np.random.default_rng(6).standard_normal(64) * 0.01)
+    for k in columns(fmt):
+        blocks = random_blocks(fmt, OUTPUTS, k, rng, halves)
+        for rows in (1, 3, 8, 17):
+            x = torch.randn(rows, k, generator=gen)
+            close(OPS.linear(x, blocks, fmt, k, isa=tier), x, blocks, fmt, k)
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q5_k"])
+def test_bias_accumulate_and_row_strides(fmt):
+    k, rows = 512, 6
+    blocks = random_blocks(fmt, OUTPUTS, k, np.random.default_rng(7), np.float16([0.01, -0.02, 0.005]))
+    wide_x = torch.randn(rows, k + 64)
+    x, bias = wide_x[:, 32:32 + k], torch.randn(OUTPUTS)
+    wide_out = torch.randn(rows, OUTPUTS + 5)
+    out, before = wide_out[:, 2:2 + OUTPUTS], wide_out.clone()
+    assert OPS.linear(x, blocks, fmt, k, bias=bias, out=out, accumulate=True) is out
+    close(out - before[:, 2:2 + OUTPUTS], x, blocks, fmt, k, bias)
+    assert torch.equal(wide_out[:, :2], before[:, :2]) and torch.equal(wide_out[:, -3:], before[:, -3:])
+    overwritten = OPS.linear(x, blocks, fmt, k, bias=bias, out=torch.full((rows, OUTPUTS), 7.0))
+    assert torch.equal(overwritten, OPS.linear(x.contiguous(), blocks, fmt, k, bias=bias))
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q6_k"])
+def test_threads_split_outputs_without_changing_them(fmt):
+    k, n = 512, 300
+    blocks = random_blocks(fmt, n, k, np.random.default_rng(8), np.float16([0.01, -0.03]))
+    x = torch.randn(9, k)
+    torch.set_num_threads(1)
+    one = OPS.linear(x, blocks, fmt, k)
+    torch.set_num_threads(2)
+    assert torch.equal(OPS.linear(x, blocks, fmt, k), one)
+
+
+def test_bad_arguments_are_value_errors_naming_them():
+    blocks = random_blocks("q4_k", 4, 512, np.random.default_rng(9))
+    x = torch.randn(2, 512)
+    with pytest.raises(ValueError, match="^fmt: unknown block format 'q3_k'"):
+        OPS.linear(x, blocks, "q3_k", 512)
+    with pytest.raises(ValueError, match="^k: 288 is not a positive multiple of q4_k's block of 256"):
+        OPS.linear(torch.randn(2, 288), blocks, "q4_k", 288)
+    with pytest.raises(ValueError, match=r"^blocks: torch.uint8 \(4, 288\) is not uint8 \[n, 144\]"):
+        OPS.linear(torch.randn(2, 256), blocks, "q4_k", 256)
+    with pytest.raises(ValueError, match="^blocks:"):
+        OPS.linear(x, blocks.view(torch.int8), "q4_k", 512)
+    with pytest.raises(ValueError, match="^blocks:"):
+        OPS.dequantize(blocks[:, :200], "q4_k", 512, 0, 1)
+    with pytest.raises(ValueError, match="^x:"):
+        OPS.linear(torch.randn(2, 256), blocks, "q4_k", 512)
+    with pytest.raises(ValueError, match="^bias:"):
+        OPS.linear(x, blocks, "q4_k", 512, bias=torch.randn(5))
+    with pytest.raises(ValueError, match="^accumulate:"):
+        OPS.linear(x, blocks, "q4_k", 512, accumulate=True)
+
+
+def test_a_tier_the_cpu_lacks_is_a_config_error_naming_isa():
+    missing = [tier for tier in Isa if tier not in isa_tiers.cpu_tiers()]
+    if not missing:
+        pytest.skip("this CPU has every tier")
+    blocks = random_blocks("q8_0", 4, 64, np.random.default_rng(10))
+    for isa in (missing[-1], int(missing[-1]), missing[-1].name.lower()):
+        with pytest.raises(ConfigError, match="^isa="):
+            OPS.linear(torch.randn(1, 64), blocks, "q8_0", 64, isa=isa)
+    with pytest.raises(ConfigError, match="^isa: unknown ISA tier"):
+        OPS.linear(torch.randn(1, 64), blocks, "q8_0", 64, isa=17)
