@@ -18,75 +18,65 @@ inline __m256i nibbles32(const uint8_t* qs) {
   return _mm256_and_si256(both, _mm256_set1_epi8(15));
 }
 
-// 32 bits -> 32 bytes: byte j is 0x10 where bit j is set (q5_0's fifth bit, ggml's bytes_from_bits_32).
-inline __m256i fifth_bits32(const uint8_t* qh) {
+// 32 bits -> 32 bytes: byte j is 0xff where bit j is set (ggml's bytes_from_bits_32).
+inline __m256i bit_bytes32(const uint8_t* qh) {
   uint32_t bits;
   memcpy(&bits, qh, 4);
   const __m256i spread = _mm256_shuffle_epi8(
       _mm256_set1_epi32((int)bits),
       _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0x0000000000000000));
-  const __m256i set = _mm256_cmpeq_epi8(_mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)),
-                                        _mm256_set1_epi64x(-1));
-  return _mm256_and_si256(set, _mm256_set1_epi8(16));
+  return _mm256_cmpeq_epi8(_mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)), _mm256_set1_epi64x(-1));
 }
 
 inline __m256i load32(const void* p) { return _mm256_loadu_si256((const __m256i*)p); }
 inline __m256i pair_sums(__m256i p16) { return _mm256_madd_epi16(p16, _mm256_set1_epi16(1)); }
-inline __m256i lane0(int32_t v) { return _mm256_setr_epi32(v, 0, 0, 0, 0, 0, 0, 0); }
 inline float hsum4(__m128 v) {
   v = _mm_add_ps(v, _mm_movehl_ps(v, v));
   return _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
 }
 
-struct Avx2Q8_0 {
-  template <int R>
-  static void dot(const uint8_t* row, const QInput& x, float out[R]) {
-    const BlockQ8_0* b = (const BlockQ8_0*)row;
-    const int64_t nb = x.k / kQ;
-    __m256 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < nb; ++i) {
-      const __m256i w = load32(b[i].qs), wabs = _mm256_sign_epi8(w, w);
-      const float dw = f16(b[i].d);
-      for (int r = 0; r < R; ++r) {
-        const __m256i q = load32(x.q + r * x.k + i * kQ);
-        const __m256i isum = pair_sums(_mm256_maddubs_epi16(wabs, _mm256_sign_epi8(q, w)));
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(dw * x.d[r * x.nd + i]), acc[r]);
-      }
-    }
-    for (int r = 0; r < R; ++r) out[r] = bm::hsum8(acc[r]);
-  }
-};
-
-inline __m256i codes32_avx2(const BlockQ4_0& b) { return nibbles32(b.qs); }
+// A block's 32 weight codes as int8: signed values (q8_0: q, q4_0: nib - 8, q5_0: q5 - 16; the sign
+// trick multiplies them) or q4_1's unsigned nibbles.
+inline __m256i codes32_avx2(const BlockQ8_0& b) { return load32(b.qs); }
+inline __m256i codes32_avx2(const BlockQ4_0& b) { return _mm256_sub_epi8(nibbles32(b.qs), _mm256_set1_epi8(8)); }
 inline __m256i codes32_avx2(const BlockQ4_1& b) { return nibbles32(b.qs); }
-inline __m256i codes32_avx2(const BlockQ5_0& b) { return _mm256_or_si256(nibbles32(b.qs), fifth_bits32(b.qh)); }
+inline __m256i codes32_avx2(const BlockQ5_0& b) {   // nib - 16 where the fifth bit is clear: nib | 0xf0
+  return _mm256_or_si256(nibbles32(b.qs), _mm256_andnot_si256(bit_bytes32(b.qh), _mm256_set1_epi8((char)0xf0)));
+}
 
-// q4_0, q4_1, q5_0: sum u * q - offset * s in int32 (the offset term in lane 0), the min term
-// (q4_1) as a float per row.
-template <class B, int kOffset, bool kHasMin>
+// q8_0, q4_0, q5_0 (signed codes: |w| x sign(q, w), pairs <= 2 * 128 * 127) and q4_1 (unsigned
+// nibbles, its min term m * d_x * s as a float per row). Two blocks per step into two accumulator
+// sets: one set's fma chain would bound a row at one block per fma latency.
+template <class B, bool kHasMin>
 struct Avx2Small {
+  template <int R>
+  static inline void block(const B& b, const QInput& x, int64_t i, int64_t nb, __m256 acc[R], float mins[R]) {
+    const __m256i w = codes32_avx2(b);
+    const __m256i wabs = kHasMin ? w : _mm256_sign_epi8(w, w);
+    const float dw = f16(b.d), m = block_min(b);
+    for (int r = 0; r < R; ++r) {
+      const __m256i q = load32(x.q + r * x.k + i * kQ);
+      const __m256i p = _mm256_maddubs_epi16(wabs, kHasMin ? q : _mm256_sign_epi8(q, w));
+      const float dx = x.d[r * x.nd + i];
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pair_sums(p)), _mm256_set1_ps(dw * dx), acc[r]);
+      if (kHasMin) mins[r] += m * (dx * (float)x.s[r * nb + i]);
+    }
+  }
+
   template <int R>
   static void dot(const uint8_t* row, const QInput& x, float out[R]) {
     const B* b = (const B*)row;
     const int64_t nb = x.k / kQ;
-    __m256 acc[R];
-    float mins[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), mins[r] = 0.f;
-    for (int64_t i = 0; i < nb; ++i) {
-      const __m256i u = codes32_avx2(b[i]);
-      const float dw = f16(b[i].d), m = block_min(b[i]);
-      for (int r = 0; r < R; ++r) {
-        const __m256i q = load32(x.q + r * x.k + i * kQ);
-        const int32_t s = x.s[r * nb + i];
-        __m256i isum = pair_sums(_mm256_maddubs_epi16(u, q));
-        if (kOffset) isum = _mm256_add_epi32(isum, lane0(-kOffset * s));
-        const float dx = x.d[r * x.nd + i];
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(dw * dx), acc[r]);
-        if (kHasMin) mins[r] += m * (dx * (float)s);
-      }
+    __m256 acc0[R], acc1[R];
+    float mins0[R], mins1[R];
+    for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps(), mins0[r] = mins1[r] = 0.f;
+    int64_t i = 0;
+    for (; i + 1 < nb; i += 2) {
+      block<R>(b[i], x, i, nb, acc0, mins0);
+      block<R>(b[i + 1], x, i + 1, nb, acc1, mins1);
     }
-    for (int r = 0; r < R; ++r) out[r] = bm::hsum8(acc[r]) + mins[r];
+    if (i < nb) block<R>(b[i], x, i, nb, acc0, mins0);
+    for (int r = 0; r < R; ++r) out[r] = bm::hsum8(_mm256_add_ps(acc0[r], acc1[r])) + (mins0[r] + mins1[r]);
   }
 };
 
@@ -105,6 +95,9 @@ struct Avx2K4 {
     for (int64_t i = 0; i < nb; ++i) {
       alignas(16) uint8_t sm[16];
       scales_mins_k4(b[i].scales, sm);
+      const __m256i both = _mm256_cvtepu8_epi16(_mm_load_si128((const __m128i*)sm));   // 8 scales | 8 mins
+      const __m256i scales = _mm256_permute2x128_si256(both, both, 0x00);
+      const __m128i mins = _mm256_extracti128_si256(both, 1);
       const uint8_t* qh = high_bits(b[i]);
       const __m256i hbits = qh ? load32(qh) : _mm256_setzero_si256();
       __m256i isum[R];
@@ -116,7 +109,9 @@ struct Avx2K4 {
           lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, 2 * j), m1), 4));
           hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, 2 * j + 1), m1), 4));
         }
-        const __m256i sl = _mm256_set1_epi16(sm[2 * j]), sh = _mm256_set1_epi16(sm[2 * j + 1]);
+        // int16 lane 2j / 2j + 1 of `scales` in every lane (bytes 4j, 4j + 1 / 4j + 2, 4j + 3)
+        const __m256i sl = _mm256_shuffle_epi8(scales, _mm256_set1_epi16((short)(((4 * j + 1) << 8) | (4 * j))));
+        const __m256i sh = _mm256_shuffle_epi8(scales, _mm256_set1_epi16((short)(((4 * j + 3) << 8) | (4 * j + 2))));
         for (int r = 0; r < R; ++r) {
           const int8_t* q = x.q + r * x.k + i * kQK + 64 * j;
           const __m256i pl = _mm256_madd_epi16(sl, _mm256_maddubs_epi16(lo, load32(q)));
@@ -124,7 +119,6 @@ struct Avx2K4 {
           isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(pl, ph));
         }
       }
-      const __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)(sm + 8)));
       const float d = f16(b[i].d), dmin = f16(b[i].dmin);
       for (int r = 0; r < R; ++r) {
         const float dx = x.d[r * x.nd + i];
@@ -149,7 +143,7 @@ struct Avx2Q6_K {
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t i = 0; i < nb; ++i) {
-      const int8_t* sc = b[i].scales;
+      const __m128i sc8 = _mm_loadu_si128((const __m128i*)b[i].scales);
       __m256i isum[R];
       for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
       for (int h = 0; h < 2; ++h) {
@@ -159,15 +153,16 @@ struct Avx2Q6_K {
           const __m256i low = c == 0 ? ql0 : c == 1 ? ql1 : _mm256_srli_epi16(c == 2 ? ql0 : ql1, 4);
           const __m256i high = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * c), m3);
           const __m256i u = _mm256_or_si256(_mm256_and_si256(low, m4), _mm256_slli_epi16(high, 4));
-          const int s = h * 8 + 2 * c;
-          const __m256i scale = _mm256_insertf128_si256(_mm256_set1_epi16(sc[s]), _mm_set1_epi16(sc[s + 1]), 1);
+          const int64_t s = h * 8 + 2 * c;   // sc[s] for the low 16 codes, sc[s + 1] for the high 16
+          const __m256i scale = _mm256_cvtepi8_epi16(
+              _mm_shuffle_epi8(sc8, _mm_set_epi64x(0x0101010101010101 * (s + 1), 0x0101010101010101 * s)));
           for (int r = 0; r < R; ++r) {
             const __m256i q = load32(x.q + r * x.k + i * kQK + 128 * h + 32 * c);
             isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(scale, _mm256_maddubs_epi16(u, q)));
           }
         }
       }
-      const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)sc));
+      const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);
       const float d = f16(b[i].d);
       for (int r = 0; r < R; ++r) {
         const __m256i offset = _mm256_madd_epi16(sc16, load32(x.bsums + r * (x.k / 16) + i * 16));
@@ -179,9 +174,10 @@ struct Avx2Q6_K {
   }
 };
 
-using Avx2Q4_0 = Avx2Small<BlockQ4_0, 8, false>;
-using Avx2Q4_1 = Avx2Small<BlockQ4_1, 0, true>;
-using Avx2Q5_0 = Avx2Small<BlockQ5_0, 16, false>;
+using Avx2Q8_0 = Avx2Small<BlockQ8_0, false>;
+using Avx2Q4_0 = Avx2Small<BlockQ4_0, false>;
+using Avx2Q4_1 = Avx2Small<BlockQ4_1, true>;
+using Avx2Q5_0 = Avx2Small<BlockQ5_0, false>;
 using Avx2Q4_K = Avx2K4<BlockQ4_K>;
 using Avx2Q5_K = Avx2K4<BlockQ5_K>;
 
