@@ -3,9 +3,10 @@
 
     python -m samples.microbench.block_gemv [--threads 1,2] [--rows 1] [--reps 10] [--shapes 2048x8192,...]
 
-Per shape (k -> n), format, threads and rows: ms per call (input quantization included) and GB/s of
-weight bytes read. Each pass calls the linear on enough copies of the weight (>= 64 MB in all) that
-they stream from memory as in a generation step; best of `--reps` passes, divided by the copies.
+Per shape (k -> n), format, threads and rows: ms per call (input quantization included; bound
+linears, BlockOps.bind) and GB/s of weight bytes read. Each pass calls the linear on enough copies of
+the weight (>= 64 MB in all) that they stream from memory as in a generation step; best of `--reps`
+passes, divided by the copies.
 Shapes whose k is not a multiple of a format's block skip that format. Prints the CPU model name.
 """
 from __future__ import annotations
@@ -27,15 +28,15 @@ SHAPES = "2048x8192,8192x2048,1536x576,576x1536"
 STREAM_BYTES = 64 << 20
 
 
-def best_ms(fn, copies: list, reps: int) -> float:
-    """Best of `reps` passes over every copy, ms per call."""
+def best_ms(fns: list, x: torch.Tensor, reps: int) -> float:
+    """Best of `reps` passes over every copy's bound linear, ms per call."""
     best = float("inf")
     for rep in range(reps + 2):
         start = time.perf_counter()
-        for weight in copies:
-            fn(weight)
+        for fn in fns:
+            fn(x)
         if rep >= 2:
-            best = min(best, (time.perf_counter() - start) * 1e3 / len(copies))
+            best = min(best, (time.perf_counter() - start) * 1e3 / len(fns))
     return best
 
 
@@ -68,17 +69,17 @@ def main() -> None:
         print(f"{k:>5} -> {n:<6}" + "".join(f"{f'{t}thr r{r}':>20}" for t in threads_list for r in rows_list))
         float_weight = torch.randn(n, k) * 0.05
         float_copies = [float_weight] + [float_weight.clone() for _ in range(max(0, STREAM_BYTES // (4 * n * k) - 1))]
-        runs = {"float32 bm_linear": (float_copies, 4 * n * k, lambda x: lambda w: native.linear(x, w, None))}
+        runs = {"float32 bm_linear": ([lambda x, w=w: native.linear(x, w, None) for w in float_copies], 4 * n * k)}
         for fmt in BLOCK_FORMATS:
             made = weights(fmt, k, n)
             if made is not None:
-                runs[fmt] = (*made, lambda x, fmt=fmt: lambda w: ops.linear(x, w, fmt, k))
-        for name, (copies, size, bind) in runs.items():
+                runs[fmt] = ([ops.bind(blocks, fmt, k) for blocks in made[0]], made[1])
+        for name, (fns, size) in runs.items():
             cells = []
             for threads in threads_list:
                 torch.set_num_threads(threads)
                 for rows in rows_list:
-                    ms = best_ms(bind(torch.randn(rows, k)), copies, args.reps)
+                    ms = best_ms(fns, torch.randn(rows, k), args.reps)
                     cells.append(f"{ms:8.3f} {size / ms / 1e6:6.1f} GB/s")
             print(f"  {name:<18}" + "".join(f"{c:>20}" for c in cells))
 

@@ -141,6 +141,28 @@ class BlockOps:
         assert status == 0, fmt
         return out
 
+    def bind(self, blocks: torch.Tensor, fmt: str, k: int, bias: torch.Tensor | None = None,
+             isa: int | str | None = None):
+        """`fn(x, out=None, accumulate=False)`: linear() of this weight with its checks and constant
+        arguments done once (a generation step calls ~100 linears; linear()'s checks cost ~30 us a
+        call). x float32 [rows, k] with contiguous rows on the CPU; `out` float32 [rows, n], its rows
+        contiguous."""
+        n = check_blocks(blocks, fmt, k)
+        self.linear(torch.zeros(1, k), blocks, fmt, k, bias, isa=isa)   # checks bias and isa
+        fn, code, level = self._lib.bm_blk_linear, weight_code(fmt), int(self.isa_level(fmt, isa))
+        w_ptr, bias_ptr, keep = blocks.data_ptr(), _ptr(bias), (blocks, bias)   # pointers valid while fn lives
+
+        def linear(x: torch.Tensor, out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
+            assert keep and x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] == k and x.stride(1) == 1
+            rows = x.shape[0]
+            y = torch.empty(rows, n, dtype=torch.float32) if out is None else out
+            assert y.shape == (rows, n) and y.stride(1) == 1 and (out is not None or not accumulate)
+            if rows:
+                fn(code, x.data_ptr(), rows, x.stride(0), w_ptr, n, k, bias_ptr, y.data_ptr(), y.stride(0),
+                   int(accumulate), torch.get_num_threads(), level)
+            return y
+        return linear
+
     def dequantize(self, blocks: torch.Tensor, fmt: str, k: int, start: int, stop: int,
                    out: torch.Tensor | None = None) -> torch.Tensor:
         """float32 rows [start, stop) of W = `blocks` of `fmt`, bit for bit gguf.quants.dequantize,

@@ -73,6 +73,16 @@ def test_the_table_rows_agree_with_gguf_and_the_declared_codes(fmt):
     assert lib.bm_blk_format_info(len(native_codes.WEIGHT_FORMATS), info) == -1   # one row per code
 
 
+@pytest.mark.parametrize("name, dtype", [("float32", torch.float32), ("bf16", torch.bfloat16)])
+def test_the_float_rows_de_quantize_through_the_same_table(name, dtype):
+    w = torch.randn(6, 40).to(dtype)
+    out = torch.empty(3, 40)
+    raw = w.view(torch.uint8) if dtype == torch.float32 else w.view(torch.int16)
+    assert OPS._lib.bm_blk_dequant(native_codes.weight_code(name), raw.data_ptr(), 2, 5, 40, out.data_ptr(), 1) == 0
+    assert torch.equal(out, w[2:5].float())
+    assert OPS._lib.bm_blk_dequant(native_codes.weight_code("int8"), raw.data_ptr(), 0, 1, 40, out.data_ptr(), 1) == -1
+
+
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS)
 def test_dequantize_random_blocks_bit_for_bit(fmt):
     rng = np.random.default_rng(1)
@@ -186,6 +196,10 @@ def test_bias_accumulate_and_row_strides(fmt):
     assert torch.equal(wide_out[:, :2], before[:, :2]) and torch.equal(wide_out[:, -3:], before[:, -3:])
     overwritten = OPS.linear(x, blocks, fmt, k, bias=bias, out=torch.full((rows, OUTPUTS), 7.0))
     assert torch.equal(overwritten, OPS.linear(x.contiguous(), blocks, fmt, k, bias=bias))
+    bound = OPS.bind(blocks, fmt, k, bias)
+    assert torch.equal(bound(x), overwritten)
+    again = torch.ones(rows, OUTPUTS)
+    assert bound(x, again, accumulate=True) is again and torch.equal(again, 1 + overwritten)
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q6_k"])
@@ -218,6 +232,8 @@ def test_bad_arguments_are_value_errors_naming_them():
         OPS.linear(x, blocks, "q4_k", 512, bias=torch.randn(5))
     with pytest.raises(ValueError, match="^accumulate:"):
         OPS.linear(x, blocks, "q4_k", 512, accumulate=True)
+    with pytest.raises(ValueError, match="^bias:"):
+        OPS.bind(blocks, "q4_k", 512, bias=torch.randn(4, dtype=torch.float64))
 
 
 def test_a_tier_the_cpu_lacks_is_a_config_error_naming_isa():
