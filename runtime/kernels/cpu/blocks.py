@@ -65,8 +65,9 @@ def check_blocks(blocks: torch.Tensor, fmt: str, k: int) -> int:
     size = row_bytes(fmt, k)
     if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != size:
         raise ValueError(f"blocks: {blocks.dtype} {tuple(blocks.shape)} is not uint8 [n, {size}] ({fmt}, k={k})")
-    if not blocks.is_contiguous() or blocks.device.type != "cpu":
-        raise ValueError(f"blocks: must be a contiguous CPU tensor ({fmt}, k={k})")
+    if not blocks.is_contiguous() or blocks.device.type != "cpu" or blocks.data_ptr() % 2:
+        raise ValueError(f"blocks: must be a contiguous CPU tensor at an even address (ggml's blocks hold "
+                         f"float16 fields; {fmt}, k={k})")
     return blocks.shape[0]
 
 

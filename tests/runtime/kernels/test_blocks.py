@@ -224,6 +224,8 @@ def test_bad_arguments_are_value_errors_naming_them():
         OPS.linear(torch.randn(2, 256), blocks, "q4_k", 256)
     with pytest.raises(ValueError, match="^blocks:"):
         OPS.linear(x, blocks.view(torch.int8), "q4_k", 512)
+    with pytest.raises(ValueError, match="^blocks: must be a contiguous CPU tensor at an even address"):
+        OPS.linear(x, blocks.flatten()[1:1 + 4 * 288 - 288].view(3, 288), "q4_k", 512)
     with pytest.raises(ValueError, match="^blocks:"):
         OPS.dequantize(blocks[:, :200], "q4_k", 512, 0, 1)
     with pytest.raises(ValueError, match="^x:"):
