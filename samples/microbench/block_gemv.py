@@ -2,12 +2,15 @@
 (bm_linear), on model-sized matrices:
 
     python -m samples.microbench.block_gemv [--threads 1,2] [--rows 1] [--reps 10] [--shapes 2048x8192,...]
+                                            [--clock wall|thread]
 
 Per shape (k -> n), format, threads and rows: ms per call (input quantization included; bound
 linears, BlockOps.bind) and GB/s of weight bytes read. Each pass calls the linear on enough copies of
 the weight (>= 64 MB in all) that they stream from memory as in a generation step; best of `--reps`
 passes, divided by the copies.
-Shapes whose k is not a multiple of a format's block skip that format. Prints the CPU model name.
+Shapes whose k is not a multiple of a format's block skip that format. `--clock thread` times the
+calling thread's CPU time instead of the wall clock (one thread only: the figure a busy, shared
+machine still gives about the kernels). Prints the CPU model name.
 """
 from __future__ import annotations
 
@@ -28,15 +31,15 @@ SHAPES = "2048x8192,8192x2048,1536x576,576x1536"
 STREAM_BYTES = 64 << 20
 
 
-def best_ms(fns: list, x: torch.Tensor, reps: int) -> float:
+def best_ms(fns: list, x: torch.Tensor, reps: int, clock=time.perf_counter) -> float:
     """Best of `reps` passes over every copy's bound linear, ms per call."""
     best = float("inf")
     for rep in range(reps + 2):
-        start = time.perf_counter()
+        start = clock()
         for fn in fns:
             fn(x)
         if rep >= 2:
-            best = min(best, (time.perf_counter() - start) * 1e3 / len(fns))
+            best = min(best, (clock() - start) * 1e3 / len(fns))
     return best
 
 
@@ -56,14 +59,19 @@ def main() -> None:
     parser.add_argument("--rows", default="1")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--shapes", default=SHAPES)
+    parser.add_argument("--clock", choices=("wall", "thread"), default="wall")
     args = parser.parse_args()
     ops, native = block_ops(), native_ops()
     if ops is None or native is None:
         raise SystemExit("the native CPU kernels cannot run here")
     threads_list = [int(t) for t in args.threads.split(",")]
     rows_list = [int(r) for r in args.rows.split(",")]
+    if args.clock == "thread" and threads_list != [1]:
+        raise SystemExit("--clock thread: one thread only (--threads 1)")
+    clock = time.thread_time if args.clock == "thread" else time.perf_counter
     print(f"CPU: {cpu_description()}")
-    print(f"ms per call and GB/s of weight bytes, best of {args.reps} passes over >= 64 MB of weight copies")
+    print(f"ms per call ({args.clock} clock) and GB/s of weight bytes, best of {args.reps} passes over >= 64 MB "
+          "of weight copies")
     for shape in args.shapes.split(","):
         k, n = (int(v) for v in shape.split("x"))
         print(f"{k:>5} -> {n:<6}" + "".join(f"{f'{t}thr r{r}':>20}" for t in threads_list for r in rows_list))
@@ -79,7 +87,7 @@ def main() -> None:
             for threads in threads_list:
                 torch.set_num_threads(threads)
                 for rows in rows_list:
-                    ms = best_ms(fns, torch.randn(rows, k), args.reps)
+                    ms = best_ms(fns, torch.randn(rows, k), args.reps, clock)
                     cells.append(f"{ms:8.3f} {size / ms / 1e6:6.1f} GB/s")
             print(f"  {name:<18}" + "".join(f"{c:>20}" for c in cells))
 

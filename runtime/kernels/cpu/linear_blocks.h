@@ -9,11 +9,12 @@
 // format's input type (QInput), y float32 row stride ldy. Outputs run in tiles of kTile; within a
 // tile every group of kMaxRows input rows streams the tile's weights once (from L2 after the first).
 //
-// Arithmetic (ggml's x86 approach): per block the integer dot of the unsigned weight codes with the
-// int8 inputs (vpmaddubsw + vpmaddwd, exact in int32), the code offsets (q4_0: 8, q5_0: 16, q6_k: 32)
-// and the K formats' mins through the input's block sums, then per block one float
-// fma(isum, d_w * d_x, acc). |isum| < 2^24 for real data, so its float conversion is exact; the
-// float sums round as any float dot product does (the tests state their tolerance).
+// Arithmetic (ggml's x86 approach): per block the integer dot of the weight codes with the int8
+// inputs, exact in int32; code offsets (q4_0: 8, q5_0: 16, q6_k: 32) and the K formats' mins either
+// in the codes (AVX2's signed q4_0 / q5_0 codes) or through the input's integer block sums (s,
+// bsums); then per block one float fma(isum, d_w * d_x, acc) (the K formats: per super-block).
+// |isum| < 2^24 for real data, so its float conversion is exact; the float sums round as any float
+// dot product does (tests/runtime/kernels/test_blocks.py states its tolerance).
 #pragma once
 
 #include <immintrin.h>

@@ -1,8 +1,10 @@
-// The AVX2 tier of linear_blocks.h's dot kernels (included by it): ggml's x86 approach. Unsigned
-// weight codes x int8 inputs with vpmaddubsw (pairs <= 2 * 63 * 127 for the largest code, or
-// 2 * 128 * 127 through the sign trick for q8_0: no int16 saturation), vpmaddwd into int32 (with the
-// K formats' 6-bit or int8 scales as its multiplier), per block one fma(isum, d_w * d_x, acc).
-// Code offsets and mins go through the input's block sums (q8x32's s, q8k's bsums).
+// The AVX2 tier of linear_blocks.h's dot kernels (included by it), ggml's x86 approach:
+//   q8_0, q4_0, q5_0: signed codes (q, nib - 8, q5 - 16) x int8 inputs by the sign trick,
+//       vpmaddubsw(|w|, sign(q, w)) (pairs <= 2 * 128 * 127: no int16 saturation), vpmaddwd by 1;
+//   q4_1: unsigned nibbles directly, its min as m * d_x * s;
+//   q4_k, q5_k, q6_k: unsigned codes (<= 63) by vpmaddubsw, vpmaddwd with the sub-block scales as
+//       its multiplier; mins (q4_k, q5_k) and q6_k's -32 through the input's bsums.
+// Per block (32) or super-block (256) one fma(float(isum), d_w * d_x, acc).
 #pragma once
 
 #ifdef __AVX2__
