@@ -95,9 +95,9 @@ struct Avx2K4 {
     __m128 accm[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), accm[r] = _mm_setzero_ps();
     for (int64_t i = 0; i < nb; ++i) {
-      alignas(16) uint8_t sm[16];
+      uint32_t sm[4];   // built in registers: a 16-byte load of 4-byte stores would miss store forwarding
       scales_mins_k4(b[i].scales, sm);
-      const __m256i both = _mm256_cvtepu8_epi16(_mm_load_si128((const __m128i*)sm));   // 8 scales | 8 mins
+      const __m256i both = _mm256_cvtepu8_epi16(_mm_set_epi32((int)sm[3], (int)sm[2], (int)sm[1], (int)sm[0]));
       const __m256i scales = _mm256_permute2x128_si256(both, both, 0x00);
       const __m128i mins = _mm256_extracti128_si256(both, 1);
       const uint8_t* qh = high_bits(b[i]);

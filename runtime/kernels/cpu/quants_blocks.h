@@ -53,17 +53,21 @@ static_assert(sizeof(BlockQ6_K) == 210, "ggml layout");
 
 inline float f16(uint16_t h) { return bm::half_to_float(h); }
 
-// q4_k / q5_k: the 8 6-bit scales (bytes 0-7 of out) and mins (bytes 8-15) of scales[12]
-// (ggml's get_scale_min_k4, 32 bits at a time as its AVX2 kernel does).
-inline void scales_mins_k4(const uint8_t* s, uint8_t out[16]) {
+// q4_k / q5_k: the 8 6-bit scales (bytes 0-7 of u) and mins (bytes 8-15) of scales[12] (ggml's
+// get_scale_min_k4, 32 bits at a time as its AVX2 kernel does).
+inline void scales_mins_k4(const uint8_t* s, uint32_t u[4]) {
   constexpr uint32_t kLow6 = 0x3f3f3f3f, kLow4 = 0x0f0f0f0f, kLow2 = 0x03030303;
-  uint32_t u[4];
   memcpy(u, s, 12);
   u[3] = ((u[2] >> 4) & kLow4) | (((u[1] >> 6) & kLow2) << 4);
   const uint32_t mins_low = u[1] & kLow6;
   u[1] = (u[2] & kLow4) | (((u[0] >> 6) & kLow2) << 4);
   u[2] = mins_low;
   u[0] &= kLow6;
+}
+
+inline void scales_mins_k4(const uint8_t* s, uint8_t out[16]) {
+  uint32_t u[4];
+  scales_mins_k4(s, u);
   memcpy(out, u, 16);
 }
 
