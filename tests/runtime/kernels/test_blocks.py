@@ -25,8 +25,9 @@ OPS = block_ops()
 pytestmark = pytest.mark.skipif(OPS is None, reason="the native CPU kernels cannot be built or run here")
 # Random inputs: the kernel sums k / block float32 terms fl(isum) * fl(d_w * d_x) per lane in its
 # own order, the reference one float64 matmul of the float32 de-quantized values (q4_1 and the K
-# formats round d * code + m there): float32 rounding over <= 72 block terms, relative to the sum of
-# |x_j * w_j|. One wrong code in a row of k = 2304 moves the output by ~1 / k = 4e-4 of that sum.
+# formats round d * code + m there): float32 rounding over <= 72 block terms (~72 * 6e-8 = 4e-6 at
+# worst), relative to the sum of |x_j * w_j|. Integer mistakes are caught exactly by
+# test_integer_part_is_exact (a wrong code of q8_0 could hide below this tolerance).
 RTOL = 1e-5
 # byte offsets of each format's float16 fields in a block (d; q4_1's m; the K formats' dmin)
 HALF_FIELDS = {"q8_0": (0,), "q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q4_k": (0, 2), "q5_k": (0, 2),
