@@ -2,7 +2,7 @@
 format table, format_table.h): the linear y = x @ W^T with integer dot products against 8-bit input
 blocks (q8x32 for the 32-element formats, q8k for the K formats), the row de-quantization (bit for
 bit gguf.quants.dequantize) and the input quantization alone. `block_ops()` is None where the native
-library cannot run (as weight_only_ops()); torch_kernels/block_linear.py is the reference.
+library cannot run (as weight_only_ops()); torch_kernels/block_reference.py is the reference.
 
 Weights are ggml's block bytes as a GGUF file stores them: uint8 [n, row_bytes], row_bytes =
 k / block_elems * block_bytes. Tiers: scalar and avx2 (isa.py); the best one at or below the cap

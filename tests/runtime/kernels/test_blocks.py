@@ -17,7 +17,7 @@ from runtime.kernels.cpu import isa as isa_tiers
 from runtime.kernels.cpu.act_quant import act_quant_ops
 from runtime.kernels.cpu.blocks import BLOCK_FORMATS, block_geometry, block_ops, input_type
 from runtime.kernels.cpu.isa import Isa
-from runtime.kernels.torch_kernels.block_linear import (block_linear_reference, dequantize_blocks,
+from runtime.kernels.torch_kernels.block_reference import (block_linear_reference, dequantize_blocks,
                                                          dequantize_input, quantize_input)
 from runtime.quantization import k_quants, native_codes
 
