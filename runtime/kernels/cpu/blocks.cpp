@@ -3,7 +3,8 @@
 //
 // Contracts (rows contiguous along their last dimension):
 //   bm_blk_format_info(format, info int32 [5]): info = {block_elems, block_bytes, input type,
-//       has row de-quantization, mask of the Isa tiers with a linear kernel}; -1 for an unknown code.
+//       has row de-quantization, mask of the Isa tiers with a linear kernel | the mask of those with
+//       a kernel over the 8-row interleaved layout << 8}; -1 for an unknown code.
 //   bm_blk_quantize(input, x, rows, ldx, k, q, d, sums): x float32 [rows, k] (row stride ldx) into
 //       the input type `input` (quants_blocks.h): q int8 [rows, k], d float32 [rows, k / block],
 //       sums int32 [rows, k / 32] (q8x32) or int16 [rows, k / 16] (q8k). -1: not a block input type.
@@ -11,7 +12,8 @@
 //       y[r, o] (+)= x[r, :] . W[o, :] (+ bias[o]) over w uint8 [n, k / block_elems * block_bytes];
 //       x quantized once into the format's input type before the parallel region (shared by the
 //       threads), each thread a contiguous range of whole output tiles. bias float32 [n] or null;
-//       y row stride ldy; isa a bm::Isa cap. -1: no linear kernel for the format.
+//       y row stride ldy; isa a bm::Isa cap. format | kLayoutX8: w is in the 8-row interleaved
+//       layout (linear_blocks_avx2.h; blocks.py's repack), same bytes. -1: no such linear kernel.
 //   bm_blk_dequant(format, w, n0, n1, k, out, num_threads): rows [n0, n1) of w -> out float32
 //       [n1 - n0, k] contiguous, bit for bit gguf.quants.dequantize. -1: no row de-quantization.
 // Shapes (k a multiple of the block, row bytes) are checked by the caller (blocks.py).
@@ -23,11 +25,14 @@
 
 #include "format_table.h"
 
+constexpr int kLayoutX8 = 1 << 8;   // bm_blk_linear's format flag: the 8-row interleaved layout
+
 extern "C" int bm_blk_format_info(int format, int32_t* info) {
   const bm::FormatTraits* t = bm::format_traits(format);
   if (!t) return -1;
   int32_t mask = 0;
-  for (int tier = 0; tier < bm::kNumIsa; ++tier) mask |= t->linear[tier] ? 1 << tier : 0;
+  for (int tier = 0; tier < bm::kNumIsa; ++tier)
+    mask |= (t->linear[tier] ? 1 << tier : 0) | (t->linear_x8[tier] ? 1 << (tier + 8) : 0);
   info[0] = t->block_elems, info[1] = t->block_bytes, info[2] = t->input, info[3] = t->dequant_row != nullptr;
   info[4] = mask;
   return 0;
@@ -44,8 +49,8 @@ extern "C" int bm_blk_quantize(int input, const float* x, int64_t rows, int64_t 
 extern "C" int bm_blk_linear(int format, const float* x, int64_t rows, int64_t ldx, const uint8_t* w, int64_t n,
                              int64_t k, const float* bias, float* y, int64_t ldy, int accumulate, int num_threads,
                              int isa) {
-  const bm::FormatTraits* t = bm::format_traits(format);
-  const bm::LinearRange kernel = t ? bm::linear_kernel(*t, isa) : nullptr;
+  const bm::FormatTraits* t = bm::format_traits(format & ~kLayoutX8);
+  const bm::LinearRange kernel = t ? bm::linear_kernel(*t, isa, format & kLayoutX8) : nullptr;
   if (!kernel) return -1;
   const bool is_k = t->input == bm::kInputQ8K;
   const int64_t in_block = is_k ? bm_blk::kQK : bm_blk::kQ, nd = k / in_block;

@@ -6,7 +6,9 @@ library cannot run (as weight_only_ops()); torch_kernels/block_reference.py is t
 
 Weights are ggml's block bytes as a GGUF file stores them: uint8 [n, row_bytes], row_bytes =
 k / block_elems * block_bytes. Tiers: scalar and avx2 (isa.py); the best one at or below the cap
-(the `isa` argument, else BATCH_MANAGER_CPU_ISA, else this CPU's best) runs.
+(the `isa` argument, else BATCH_MANAGER_CPU_ISA, else this CPU's best) runs. A bound linear
+(`BlockOps.bind`) of q8_0 / q4_0 / q4_1 on a tier with such kernels holds its weight repacked into
+the 8-row interleaved layout (`repack_x8`, same bytes) instead of ggml's: its `.blocks`.
 """
 from __future__ import annotations
 
@@ -25,6 +27,9 @@ from ...quantization.native_codes import INPUT_TYPES, weight_code
 BLOCK_FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q4_k", "q5_k", "q6_k")
 K_BLOCK = 256   # a K format's super-block, and the q8k input block
 SUM_GROUP = {"q8x32": 32, "q8k": 16}   # input type -> elements per integer sum
+LAYOUT_X8 = 1 << 8   # bm_blk_linear's format flag: the weight is in the 8-row interleaved layout
+# format -> float16 fields leading its block (d; q4_1: d, m): the x8 layout's head per block
+X8_HALF_FIELDS = {"q8_0": 1, "q4_0": 1, "q4_1": 2}
 
 
 def _check_format(fmt: str) -> str:
@@ -71,6 +76,31 @@ def check_blocks(blocks: torch.Tensor, fmt: str, k: int) -> int:
     return blocks.shape[0]
 
 
+def repack_x8(blocks: torch.Tensor, fmt: str, k: int) -> torch.Tensor:
+    """ggml's rows uint8 [n, row_bytes] -> the 8-row interleaved layout (linear_blocks_avx2.h), same
+    shape: rows 8g .. 8g + 7 become one group holding per block the 8 rows' float16 fields (field
+    by field) then their code bytes 4 at a time (chunk c: the 8 rows' bytes 4c .. 4c + 3); the
+    rows after the last whole group stay as they are."""
+    n, fields = check_blocks(blocks, fmt, k), X8_HALF_FIELDS[fmt]
+    groups, (elems, size), head = n // 8, block_geometry(fmt), 2 * X8_HALF_FIELDS[fmt]
+    g = blocks[:groups * 8].view(groups, 8, k // elems, size).permute(0, 2, 1, 3)   # [G, nb, 8, size]
+    halves = g[..., :head].reshape(groups, k // elems, 8, fields, 2).transpose(2, 3)
+    codes = g[..., head:].reshape(groups, k // elems, 8, (size - head) // 4, 4).transpose(2, 3)
+    grouped = torch.cat([halves.reshape(groups, k // elems, -1), codes.reshape(groups, k // elems, -1)], dim=2)
+    return torch.cat([grouped.reshape(groups * 8, -1), blocks[groups * 8:]])
+
+
+def unpack_x8(packed: torch.Tensor, fmt: str, k: int) -> torch.Tensor:
+    """The inverse of repack_x8: ggml's rows uint8 [n, row_bytes]."""
+    n, fields = check_blocks(packed, fmt, k), X8_HALF_FIELDS[fmt]
+    groups, (elems, size), head = n // 8, block_geometry(fmt), 2 * X8_HALF_FIELDS[fmt]
+    g = packed[:groups * 8].reshape(groups, k // elems, 8 * size)
+    halves = g[..., :8 * head].reshape(groups, k // elems, fields, 8, 2).transpose(2, 3)
+    codes = g[..., 8 * head:].reshape(groups, k // elems, (size - head) // 4, 8, 4).transpose(2, 3)
+    rows = torch.cat([halves.reshape(groups, k // elems, 8, head), codes.reshape(groups, k // elems, 8, -1)], dim=3)
+    return torch.cat([rows.transpose(1, 2).reshape(groups * 8, -1), packed[groups * 8:]])
+
+
 def _check_rows(x: torch.Tensor, k: int) -> None:
     if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1 or x.device.type != "cpu":
         raise ValueError(f"x: {x.dtype} {tuple(x.shape)} (strides {x.stride()}) is not float32 [rows, {k}] "
@@ -85,12 +115,15 @@ class BlockOps:
         self._lib = lib
         compiled = isa_tiers.compiled_tiers(lib)
         self._tiers: dict[str, tuple[Isa, ...]] = {}
+        self._x8_tiers: dict[str, tuple[Isa, ...]] = {}   # tiers with a kernel over the x8 layout
         for fmt in BLOCK_FORMATS:
             info = (ctypes.c_int32 * 5)()
             assert lib.bm_blk_format_info(weight_code(fmt), info) == 0, fmt
             elems, size, input_code, _, mask = info
             assert (elems, size) == block_geometry(fmt) and INPUT_TYPES[input_code] == input_type(fmt), fmt
             self._tiers[fmt] = tuple(tier for tier in compiled if mask & (1 << tier))
+            self._x8_tiers[fmt] = tuple(tier for tier in self._tiers[fmt] if mask & (1 << (tier + 8)))
+            assert not self._x8_tiers[fmt] or fmt in X8_HALF_FIELDS, fmt
 
     def tiers(self, fmt: str) -> tuple[Isa, ...]:
         """The tiers of `fmt`'s linear kernel that the library compiled in and this CPU runs."""
@@ -143,26 +176,18 @@ class BlockOps:
         return out
 
     def bind(self, blocks: torch.Tensor, fmt: str, k: int, bias: torch.Tensor | None = None,
-             isa: int | str | None = None):
-        """`fn(x, out=None, accumulate=False)`: linear() of this weight with its checks and constant
-        arguments done once (a generation step calls ~100 linears; linear()'s checks cost ~30 us a
-        call). x float32 [rows, k] with contiguous rows on the CPU; `out` float32 [rows, n], its rows
-        contiguous."""
-        n = check_blocks(blocks, fmt, k)
+             isa: int | str | None = None) -> BoundLinear:
+        """A BoundLinear `fn(x, out=None, accumulate=False)`: linear() of this weight with its checks
+        and constant arguments done once (a generation step calls ~100 linears; linear()'s checks
+        cost ~30 us a call). On a tier with kernels over the 8-row interleaved layout (q8_0, q4_0,
+        q4_1 on avx2) it holds the weight repacked (a copy of the same bytes, `fn.blocks`: drop
+        your own reference to `blocks` to keep one copy); else `fn.blocks` is `blocks`."""
+        check_blocks(blocks, fmt, k)
         self.linear(torch.zeros(1, k), blocks, fmt, k, bias, isa=isa)   # checks bias and isa
-        fn, code, level = self._lib.bm_blk_linear, weight_code(fmt), int(self.isa_level(fmt, isa))
-        w_ptr, bias_ptr, keep = blocks.data_ptr(), _ptr(bias), (blocks, bias)   # pointers valid while fn lives
-
-        def linear(x: torch.Tensor, out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
-            assert keep and x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] == k and x.stride(1) == 1
-            rows = x.shape[0]
-            y = torch.empty(rows, n, dtype=torch.float32) if out is None else out
-            assert y.shape == (rows, n) and y.stride(1) == 1 and (out is not None or not accumulate)
-            if rows:
-                fn(code, x.data_ptr(), rows, x.stride(0), w_ptr, n, k, bias_ptr, y.data_ptr(), y.stride(0),
-                   int(accumulate), torch.get_num_threads(), level)
-            return y
-        return linear
+        level = self.isa_level(fmt, isa)
+        if level in self._x8_tiers[fmt] and blocks.shape[0] >= 8:
+            return BoundLinear(self, repack_x8(blocks, fmt, k), fmt, k, bias, level, "x8")
+        return BoundLinear(self, blocks, fmt, k, bias, level, "ggml")
 
     def dequantize(self, blocks: torch.Tensor, fmt: str, k: int, start: int, stop: int,
                    out: torch.Tensor | None = None) -> torch.Tensor:
@@ -179,6 +204,41 @@ class BlockOps:
                                           torch.get_num_threads())
         assert status == 0, fmt
         return out
+
+
+class BoundLinear:
+    """One weight's linear with its arguments checked once (BlockOps.bind). `blocks` uint8 [n,
+    row_bytes]: the bytes it reads, in `layout` ("ggml", or "x8": repack_x8's); `fmt`, `k`, `n`."""
+
+    def __init__(self, ops: BlockOps, blocks: torch.Tensor, fmt: str, k: int, bias: torch.Tensor | None,
+                 level: Isa, layout: str):
+        self.blocks, self.fmt, self.k, self.n, self.layout = blocks, fmt, k, blocks.shape[0], layout
+        self._ops, self._bias = ops, bias   # both kept alive: the call passes raw pointers
+        code = weight_code(fmt) | (LAYOUT_X8 if layout == "x8" else 0)
+        fn, w_ptr, bias_ptr, n = ops._lib.bm_blk_linear, blocks.data_ptr(), _ptr(bias), self.n
+        self._call = lambda x, rows, y, accumulate: fn(code, x.data_ptr(), rows, x.stride(0), w_ptr, n, k, bias_ptr,
+                                                       y.data_ptr(), y.stride(0), accumulate,
+                                                       torch.get_num_threads(), int(level))
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
+        """y = x @ W^T (+ bias) (ADDED into `out` with `accumulate`). x float32 [rows, k] with
+        contiguous rows on the CPU; `out` float32 [rows, n], its rows contiguous."""
+        assert x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] == self.k and x.stride(1) == 1
+        rows = x.shape[0]
+        y = torch.empty(rows, self.n, dtype=torch.float32) if out is None else out
+        assert y.shape == (rows, self.n) and y.stride(1) == 1 and (out is not None or not accumulate)
+        if rows:
+            status = self._call(x, rows, y, int(accumulate))
+            assert status == 0, self.fmt
+        return y
+
+    def dequantize(self, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 rows [start, stop) of the weight (BlockOps.dequantize, whatever the layout)."""
+        if self.layout == "ggml" or not 0 <= start <= stop <= self.n:
+            return self._ops.dequantize(self.blocks, self.fmt, self.k, start, stop, out)
+        first, last = start // 8 * 8, min(self.n, -(-stop // 8) * 8)
+        rows = unpack_x8(self.blocks[first:last], self.fmt, self.k) if last - first >= 8 else self.blocks[first:last]
+        return self._ops.dequantize(rows, self.fmt, self.k, start - first, stop - first, out)
 
 
 def block_ops() -> BlockOps | None:

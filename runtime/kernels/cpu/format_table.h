@@ -28,48 +28,54 @@ struct FormatTraits {
   InputType input;                    // what from_float makes of an input row for the dot kernel
   DequantRow dequant_row;             // one row of k elements -> float32 [k]; null: none
   LinearRange linear[kNumIsa];        // by Isa tier; null: none at that tier
+  LinearRange linear_x8[kNumIsa];     // the same over the 8-row interleaved layout (linear_blocks_avx2.h)
 };
 
 #ifdef __AVX2__
 #define BM_AVX2_KERNEL(K) &bm_blk::linear_range<K>
+#define BM_AVX2_X8(KX8, K) {nullptr, &bm_blk::linear_range_x8<bm_blk::KX8, bm_blk::K>}
 #else
 #define BM_AVX2_KERNEL(K) nullptr
+#define BM_AVX2_X8(KX8, K) {}
 #endif
 
-#define BM_BLOCK_ROW(name, elems, bytes, input, dequant, scalar, avx2) \
-  {name, elems, bytes, input, dequant, {&bm_blk::linear_range<scalar>, BM_AVX2_KERNEL(avx2)}}
+#define BM_BLOCK_ROW(name, elems, bytes, input, dequant, scalar, avx2, x8) \
+  {name, elems, bytes, input, dequant, {&bm_blk::linear_range<scalar>, BM_AVX2_KERNEL(avx2)}, x8}
 
 inline constexpr FormatTraits kFormats[] = {
     {"float32", 1, 4, kInputFloat32, bm_blk::dequant_float32, {}},
     {"bf16", 1, 2, kInputBf16, bm_blk::dequant_bf16, {}},
     {"int8", 1, 1, kInputFloat32, nullptr, {}},
     {"int4", 2, 1, kInputFloat32, nullptr, {}},
-    BM_BLOCK_ROW("q8_0", 32, 34, kInputQ8x32, bm_blk::dequant_q8_0, bm_blk::ScalarQ8_0, bm_blk::Avx2Q8_0),
-    BM_BLOCK_ROW("q4_0", 32, 18, kInputQ8x32, bm_blk::dequant_q4_0, bm_blk::ScalarQ4_0,
-                 bm_blk::Avx2Q4_0),
-    BM_BLOCK_ROW("q4_1", 32, 20, kInputQ8x32, bm_blk::dequant_q4_1, bm_blk::ScalarQ4_1,
-                 bm_blk::Avx2Q4_1),
-    BM_BLOCK_ROW("q5_0", 32, 22, kInputQ8x32, bm_blk::dequant_q5_0, bm_blk::ScalarQ5_0,
-                 bm_blk::Avx2Q5_0),
-    BM_BLOCK_ROW("q4_k", 256, 144, kInputQ8K, bm_blk::dequant_q4_k, bm_blk::ScalarQ4_K, bm_blk::Avx2Q4_K),
-    BM_BLOCK_ROW("q5_k", 256, 176, kInputQ8K, bm_blk::dequant_q5_k, bm_blk::ScalarQ5_K, bm_blk::Avx2Q5_K),
-    BM_BLOCK_ROW("q6_k", 256, 210, kInputQ8K, bm_blk::dequant_q6_k, bm_blk::ScalarQ6_K, bm_blk::Avx2Q6_K),
+    BM_BLOCK_ROW("q8_0", 32, 34, kInputQ8x32, bm_blk::dequant_q8_0, bm_blk::ScalarQ8_0, bm_blk::Avx2Q8_0,
+                 BM_AVX2_X8(Avx2Q8_0x8, Avx2Q8_0)),
+    BM_BLOCK_ROW("q4_0", 32, 18, kInputQ8x32, bm_blk::dequant_q4_0, bm_blk::ScalarQ4_0, bm_blk::Avx2Q4_0,
+                 BM_AVX2_X8(Avx2Q4_0x8, Avx2Q4_0)),
+    BM_BLOCK_ROW("q4_1", 32, 20, kInputQ8x32, bm_blk::dequant_q4_1, bm_blk::ScalarQ4_1, bm_blk::Avx2Q4_1,
+                 BM_AVX2_X8(Avx2Q4_1x8, Avx2Q4_1)),
+    BM_BLOCK_ROW("q5_0", 32, 22, kInputQ8x32, bm_blk::dequant_q5_0, bm_blk::ScalarQ5_0, bm_blk::Avx2Q5_0, {}),
+    BM_BLOCK_ROW("q4_k", 256, 144, kInputQ8K, bm_blk::dequant_q4_k, bm_blk::ScalarQ4_K, bm_blk::Avx2Q4_K, {}),
+    BM_BLOCK_ROW("q5_k", 256, 176, kInputQ8K, bm_blk::dequant_q5_k, bm_blk::ScalarQ5_K, bm_blk::Avx2Q5_K, {}),
+    BM_BLOCK_ROW("q6_k", 256, 210, kInputQ8K, bm_blk::dequant_q6_k, bm_blk::ScalarQ6_K, bm_blk::Avx2Q6_K, {}),
 };
 constexpr int kNumFormats = sizeof(kFormats) / sizeof(kFormats[0]);
 static_assert(kNumFormats == kWeightQ6_K + 1, "one row per WeightFormat code");
 
 #undef BM_BLOCK_ROW
 #undef BM_AVX2_KERNEL
+#undef BM_AVX2_X8
 
 // The row of `format`, or null for a code outside the table.
 inline const FormatTraits* format_traits(int32_t format) {
   return format >= 0 && format < kNumFormats ? &kFormats[format] : nullptr;
 }
 
-// The kernel of the highest tier at or below `isa` that `t` has; null: none.
-inline LinearRange linear_kernel(const FormatTraits& t, int isa) {
+// The kernel of the highest tier at or below `isa` that `t` has (over the 8-row interleaved layout
+// with `x8`); null: none.
+inline LinearRange linear_kernel(const FormatTraits& t, int isa, bool x8 = false) {
+  const LinearRange* kernels = x8 ? t.linear_x8 : t.linear;
   for (int tier = std::min(isa, kNumIsa - 1); tier >= 0; --tier)
-    if (t.linear[tier]) return t.linear[tier];
+    if (kernels[tier]) return kernels[tier];
   return nullptr;
 }
 

@@ -230,4 +230,40 @@ void linear_range(const LinearArgs& a, int64_t o0, int64_t o1) {
   }
 }
 
+#ifdef __AVX2__
+// The 8-row interleaved layout (linear_blocks_avx2.h): groups of 8 outputs by KX8, the rows after
+// the last whole group (n % 8, still in ggml's layout at their usual offsets) by K. o0 is a multiple
+// of 8 (the callers split at whole tiles).
+template <class KX8, int R>
+void tile_groups(const LinearArgs& a, const QInput& x, int64_t r0, int64_t o0, int64_t o1) {
+  for (int64_t o = o0; o < o1; o += 8) {
+    __m256 out[R];
+    KX8::template group<R>(a.w + o * a.row_bytes, x, out);
+    const __m256 b = a.bias ? _mm256_loadu_ps(a.bias + o) : _mm256_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+      float* y = a.y + (r0 + r) * a.ldy + o;
+      const __m256 before = a.accumulate ? _mm256_loadu_ps(y) : _mm256_setzero_ps();
+      _mm256_storeu_ps(y, _mm256_add_ps(before, _mm256_add_ps(out[r], b)));
+    }
+  }
+}
+
+template <class KX8, class K>
+void linear_range_x8(const LinearArgs& a, int64_t o0, int64_t o1) {
+  const int64_t grouped = a.n / 8 * 8;
+  for (int64_t t0 = o0; t0 < o1; t0 += kTile) {
+    const int64_t t1 = std::min(o1, t0 + kTile), g1 = std::min(t1, std::max(t0, grouped));
+    for (int64_t r0 = 0; r0 < a.rows; r0 += kMaxRows) {
+      const QInput x = a.x.rows_from(r0);
+      switch (std::min<int64_t>(kMaxRows, a.rows - r0)) {
+        case 1: tile_groups<KX8, 1>(a, x, r0, t0, g1); tile_rows<K, 1>(a, x, r0, g1, t1); break;
+        case 2: tile_groups<KX8, 2>(a, x, r0, t0, g1); tile_rows<K, 2>(a, x, r0, g1, t1); break;
+        case 3: tile_groups<KX8, 3>(a, x, r0, t0, g1); tile_rows<K, 3>(a, x, r0, g1, t1); break;
+        default: tile_groups<KX8, 4>(a, x, r0, t0, g1); tile_rows<K, 4>(a, x, r0, g1, t1); break;
+      }
+    }
+  }
+}
+#endif  // __AVX2__
+
 }  // namespace bm_blk

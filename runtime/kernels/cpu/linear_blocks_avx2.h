@@ -176,12 +176,99 @@ struct Avx2Q6_K {
   }
 };
 
+// ---- the 8-row interleaved layout ("x8", a bound weight's repacked copy; blocks.py's repack) ----
+// Rows 8g .. 8g + 7 of a weight become one group of the same 8 * row_bytes bytes: per block i, the
+// 8 rows' fp16 d (then q4_1's 8 m) and their codes in 32-byte vectors whose 4-byte lane j is row
+// j's qs[4c .. 4c + 3] (vector c: 4 of q4_x's 16 code bytes, 8 of q8_0's 32). One vpmaddubsw per
+// vector against 4 input bytes broadcast gives every row's products in its own lane: the 8 outputs
+// end in one vector (no horizontal sums) and one fma per block scales all 8 (d[8] by one F16C
+// conversion). Rows after the last whole group keep ggml's layout (the driver runs them so).
+inline __m256i bcast4(const int8_t* q) {
+  int32_t v;
+  memcpy(&v, q, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// q4_0 / q4_1: unsigned nibbles u by vpmaddubsw; the 8 products of a block added in int16 (each
+// <= 2 * 15 * 127, 8 of them <= 30480: exact), then pairs by vpmaddwd. q4_0's -8 as 8 * s.
+template <bool kHasMin>
+struct Avx2Nib8 {
+  static constexpr int kHead = kHasMin ? 32 : 16, kGroupBlock = kHead + 128;
+
+  template <int R>
+  static void group(const uint8_t* g, const QInput& x, __m256 out[R]) {
+    const int64_t nb = x.k / kQ;
+    const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    __m256 acc[R], accm[R];
+    for (int r = 0; r < R; ++r) acc[r] = accm[r] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nb; ++i, g += kGroupBlock) {
+      __m256i lo[4], hi[4];
+      for (int c = 0; c < 4; ++c) {
+        const __m256i v = load32(g + kHead + 32 * c);
+        lo[c] = _mm256_and_si256(v, m4);
+        hi[c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+      }
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)g));
+      for (int r = 0; r < R; ++r) {
+        const int8_t* q = x.q + r * x.k + i * kQ;
+        __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo[0], bcast4(q)), _mm256_maddubs_epi16(hi[0], bcast4(q + 16)));
+        for (int c = 1; c < 4; ++c) {
+          p = _mm256_add_epi16(p, _mm256_maddubs_epi16(lo[c], bcast4(q + 4 * c)));
+          p = _mm256_add_epi16(p, _mm256_maddubs_epi16(hi[c], bcast4(q + 16 + 4 * c)));
+        }
+        __m256i isum = _mm256_madd_epi16(p, ones);
+        const int32_t s = x.s[r * nb + i];
+        if (!kHasMin) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(8 * s));
+        const float dx = x.d[r * x.nd + i];
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_set1_ps(dx)), acc[r]);
+        if (kHasMin) {
+          const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(g + 16)));
+          accm[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(dx * (float)s), accm[r]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) out[r] = kHasMin ? _mm256_add_ps(acc[r], accm[r]) : acc[r];
+  }
+};
+
+// q8_0: signed codes by the sign trick per vector (pairs <= 2 * 128 * 127: no saturation), each
+// vector's pairs by vpmaddwd (two would overflow int16).
+struct Avx2Q8_0x8 {
+  static constexpr int kGroupBlock = 16 + 256;
+
+  template <int R>
+  static void group(const uint8_t* g, const QInput& x, __m256 out[R]) {
+    const int64_t nb = x.k / kQ;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nb; ++i, g += kGroupBlock) {
+      __m256i isum[R];
+      for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
+      for (int c = 0; c < 8; ++c) {
+        const __m256i w = load32(g + 16 + 32 * c), wabs = _mm256_sign_epi8(w, w);
+        for (int r = 0; r < R; ++r) {
+          const __m256i q = _mm256_sign_epi8(bcast4(x.q + r * x.k + i * kQ + 4 * c), w);
+          isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, q), ones));
+        }
+      }
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)g));
+      for (int r = 0; r < R; ++r)
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, _mm256_set1_ps(x.d[r * x.nd + i])),
+                                 acc[r]);
+    }
+    for (int r = 0; r < R; ++r) out[r] = acc[r];
+  }
+};
+
 using Avx2Q8_0 = Avx2Small<BlockQ8_0, false>;
 using Avx2Q4_0 = Avx2Small<BlockQ4_0, false>;
 using Avx2Q4_1 = Avx2Small<BlockQ4_1, true>;
 using Avx2Q5_0 = Avx2Small<BlockQ5_0, false>;
 using Avx2Q4_K = Avx2K4<BlockQ4_K>;
 using Avx2Q5_K = Avx2K4<BlockQ5_K>;
+using Avx2Q4_0x8 = Avx2Nib8<false>;
+using Avx2Q4_1x8 = Avx2Nib8<true>;
 
 }  // namespace bm_blk
 
