@@ -2,6 +2,7 @@
 (bm_linear), on model-sized matrices:
 
     python -m samples.microbench.block_gemv [--threads 1,2] [--rows 1] [--reps 10] [--shapes 2048x8192,...]
+                                            [--formats q4_0,q8_0,...]
                                             [--clock wall|thread]
 
 Per shape (k -> n), format, threads and rows: ms per call (input quantization included; bound
@@ -60,6 +61,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--shapes", default=SHAPES)
     parser.add_argument("--clock", choices=("wall", "thread"), default="wall")
+    parser.add_argument("--formats", default=",".join(BLOCK_FORMATS), help="block formats to run (float32 always)")
     args = parser.parse_args()
     ops, native = block_ops(), native_ops()
     if ops is None or native is None:
@@ -78,7 +80,7 @@ def main() -> None:
         float_weight = torch.randn(n, k) * 0.05
         float_copies = [float_weight] + [float_weight.clone() for _ in range(max(0, STREAM_BYTES // (4 * n * k) - 1))]
         runs = {"float32 bm_linear": ([lambda x, w=w: native.linear(x, w, None) for w in float_copies], 4 * n * k)}
-        for fmt in BLOCK_FORMATS:
+        for fmt in args.formats.split(","):
             made = weights(fmt, k, n)
             if made is not None:
                 runs[fmt] = ([ops.bind(blocks, fmt, k) for blocks in made[0]], made[1])

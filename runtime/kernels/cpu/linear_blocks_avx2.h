@@ -183,6 +183,8 @@ struct Avx2Q6_K {
 // vector against 4 input bytes broadcast gives every row's products in its own lane: the 8 outputs
 // end in one vector (no horizontal sums) and one fma per block scales all 8 (d[8] by one F16C
 // conversion). Rows after the last whole group keep ggml's layout (the driver runs them so).
+constexpr int kPrefetch = 2048;   // bytes ahead of the group block being read
+
 inline __m256i bcast4(const int8_t* q) {
   int32_t v;
   memcpy(&v, q, 4);
@@ -202,6 +204,7 @@ struct Avx2Nib8 {
     __m256 acc[R], accm[R];
     for (int r = 0; r < R; ++r) acc[r] = accm[r] = _mm256_setzero_ps();
     for (int64_t i = 0; i < nb; ++i, g += kGroupBlock) {
+      for (int line = 0; line < kGroupBlock; line += 64) _mm_prefetch((const char*)g + kPrefetch + line, _MM_HINT_T0);
       __m256i lo[4], hi[4];
       for (int c = 0; c < 4; ++c) {
         const __m256i v = load32(g + kHead + 32 * c);
@@ -211,12 +214,11 @@ struct Avx2Nib8 {
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)g));
       for (int r = 0; r < R; ++r) {
         const int8_t* q = x.q + r * x.k + i * kQ;
-        __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo[0], bcast4(q)), _mm256_maddubs_epi16(hi[0], bcast4(q + 16)));
-        for (int c = 1; c < 4; ++c) {
-          p = _mm256_add_epi16(p, _mm256_maddubs_epi16(lo[c], bcast4(q + 4 * c)));
-          p = _mm256_add_epi16(p, _mm256_maddubs_epi16(hi[c], bcast4(q + 16 + 4 * c)));
-        }
-        __m256i isum = _mm256_madd_epi16(p, ones);
+        __m256i p[4];
+        for (int c = 0; c < 4; ++c)
+          p[c] = _mm256_add_epi16(_mm256_maddubs_epi16(lo[c], bcast4(q + 4 * c)),
+                                  _mm256_maddubs_epi16(hi[c], bcast4(q + 16 + 4 * c)));
+        __m256i isum = _mm256_madd_epi16(_mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3])), ones);
         const int32_t s = x.s[r * nb + i];
         if (!kHasMin) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(8 * s));
         const float dx = x.d[r * x.nd + i];
@@ -243,6 +245,7 @@ struct Avx2Q8_0x8 {
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t i = 0; i < nb; ++i, g += kGroupBlock) {
+      for (int line = 0; line < kGroupBlock; line += 64) _mm_prefetch((const char*)g + kPrefetch + line, _MM_HINT_T0);
       __m256i isum[R];
       for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
       for (int c = 0; c < 8; ++c) {
