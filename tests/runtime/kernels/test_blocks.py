@@ -15,7 +15,8 @@ import torch
 from runtime.config import ConfigError
 from runtime.kernels.cpu import isa as isa_tiers
 from runtime.kernels.cpu.act_quant import act_quant_ops
-from runtime.kernels.cpu.blocks import BLOCK_FORMATS, block_geometry, block_ops, input_type
+from runtime.kernels.cpu.blocks import (BLOCK_FORMATS, X8_HALF_FIELDS, block_geometry, block_ops, input_type, repack_x8,
+                                        unpack_x8)
 from runtime.kernels.cpu.isa import Isa
 from runtime.kernels.torch_kernels.block_reference import (block_linear_reference, dequantize_blocks,
                                                          dequantize_input, quantize_input)
@@ -161,7 +162,9 @@ def test_integer_part_is_exact(fmt, tier):
         blocks = random_blocks(fmt, OUTPUTS, k, rng, halves)
         x = exact_input(5, k, fmt, gen)
         assert torch.equal(dequantize_input(quantize_input(x, fmt)), x.double())
-        assert torch.equal(OPS.linear(x, blocks, fmt, k, isa=tier), block_linear_reference(x, blocks, fmt, k)), k
+        expected = block_linear_reference(x, blocks, fmt, k)
+        assert torch.equal(OPS.linear(x, blocks, fmt, k, isa=tier), expected), k
+        assert torch.equal(OPS.bind(blocks, fmt, k, isa=tier)(x), expected), k   # x8 layout where it has kernels
 
 
 def close(y: torch.Tensor, x: torch.Tensor, blocks: torch.Tensor, fmt: str, k: int, bias=None) -> None:
@@ -179,9 +182,11 @@ def test_linear_matches_the_reference(fmt, tier):
     halves = np.float16(np.random.default_rng(6).standard_normal(64) * 0.01)
     for k in columns(fmt):
         blocks = random_blocks(fmt, OUTPUTS, k, rng, halves)
+        bound = OPS.bind(blocks, fmt, k, isa=tier)
         for rows in (1, 3, 8, 17):
             x = torch.randn(rows, k, generator=gen)
             close(OPS.linear(x, blocks, fmt, k, isa=tier), x, blocks, fmt, k)
+            close(bound(x), x, blocks, fmt, k)
 
 
 @pytest.mark.parametrize("fmt", ["q4_1", "q5_k"])
@@ -197,21 +202,61 @@ def test_bias_accumulate_and_row_strides(fmt):
     assert torch.equal(wide_out[:, :2], before[:, :2]) and torch.equal(wide_out[:, -3:], before[:, -3:])
     overwritten = OPS.linear(x, blocks, fmt, k, bias=bias, out=torch.full((rows, OUTPUTS), 7.0))
     assert torch.equal(overwritten, OPS.linear(x.contiguous(), blocks, fmt, k, bias=bias))
-    bound = OPS.bind(blocks, fmt, k, bias)
-    assert torch.equal(bound(x), overwritten)
+    bound = OPS.bind(blocks, fmt, k, bias)   # q4_1: the x8 layout (its own summation order) on avx2
+    plain = bound(x)
+    close(plain, x, blocks, fmt, k, bias)
     again = torch.ones(rows, OUTPUTS)
-    assert bound(x, again, accumulate=True) is again and torch.equal(again, 1 + overwritten)
+    assert bound(x, again, accumulate=True) is again and torch.equal(again, 1 + plain)
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q6_k"])
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_1", "q6_k"])
 def test_threads_split_outputs_without_changing_them(fmt):
-    k, n = 512, 300
+    k, n = 512, 300   # 300: a 16-output tile straddles the last whole 8-row group (296) of the x8 layout
     blocks = random_blocks(fmt, n, k, np.random.default_rng(8), np.float16([0.01, -0.03]))
-    x = torch.randn(9, k)
+    x, bound = torch.randn(9, k), OPS.bind(blocks, fmt, k)
     torch.set_num_threads(1)
-    one = OPS.linear(x, blocks, fmt, k)
+    one, bound_one = OPS.linear(x, blocks, fmt, k), bound(x)
     torch.set_num_threads(2)
-    assert torch.equal(OPS.linear(x, blocks, fmt, k), one)
+    assert torch.equal(OPS.linear(x, blocks, fmt, k), one) and torch.equal(bound(x), bound_one)
+
+
+@pytest.mark.parametrize("fmt", sorted(X8_HALF_FIELDS))
+def test_the_x8_layout_interleaves_8_rows_and_round_trips(fmt):
+    k, n = 64, 19   # two whole groups, 3 rows left in ggml's layout
+    blocks = random_blocks(fmt, n, k, np.random.default_rng(11))
+    packed = repack_x8(blocks, fmt, k)
+    assert packed.shape == blocks.shape and torch.equal(unpack_x8(packed, fmt, k), blocks)
+    assert torch.equal(packed[16:], blocks[16:])
+    elems, size = block_geometry(fmt)
+    head, rows = 2 * X8_HALF_FIELDS[fmt], blocks.view(n, k // elems, size)
+    for g, i, r in [(0, 0, 0), (0, 1, 5), (1, 1, 7), (1, 0, 3)]:   # group, block, row in the group
+        block = packed[8 * g:8 * g + 8].flatten()[i * 8 * size:(i + 1) * 8 * size]
+        source = rows[8 * g + r, i]
+        for field in range(head // 2):   # the 8 rows' float16 fields, field by field
+            assert torch.equal(block[16 * field + 2 * r:16 * field + 2 * r + 2], source[2 * field:2 * field + 2])
+        for c in range((size - head) // 4):   # code chunk c: the 8 rows' bytes 4c .. 4c + 3
+            at = 8 * head + 32 * c + 4 * r
+            assert torch.equal(block[at:at + 4], source[head + 4 * c:head + 4 * c + 4])
+
+
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+def test_bind_holds_one_copy_in_the_layout_its_kernel_reads(fmt):
+    k, n = 256, 37
+    blocks = random_blocks(fmt, n, k, np.random.default_rng(12), np.float16([0.01, -0.02]))
+    bound, scalar = OPS.bind(blocks, fmt, k), OPS.bind(blocks, fmt, k, isa=Isa.SCALAR)
+    assert scalar.layout == "ggml" and scalar.blocks is blocks and (bound.n, bound.k, bound.fmt) == (n, k, fmt)
+    if fmt in X8_HALF_FIELDS and Isa.AVX2 in OPS.tiers(fmt):
+        assert bound.layout == "x8" and bound.blocks.shape == blocks.shape
+        assert torch.equal(bound.blocks, repack_x8(blocks, fmt, k))
+        assert OPS.bind(blocks[:7], fmt, k).layout == "ggml"   # no whole group: nothing to repack
+    else:
+        assert bound.layout == "ggml" and bound.blocks is blocks
+    del blocks   # the bound linear alone keeps its weight
+    expected = dequantize_blocks(unpack_x8(bound.blocks, fmt, k) if bound.layout == "x8" else bound.blocks, fmt, k)
+    for start, stop in [(0, 37), (3, 5), (8, 16), (13, 35), (33, 37), (20, 20)]:
+        assert same_bits(bound.dequantize(start, stop), expected[start:stop]), (start, stop)
+    x = torch.randn(2, k)
+    close(bound(x), x, unpack_x8(bound.blocks, fmt, k) if bound.layout == "x8" else bound.blocks, fmt, k)
 
 
 def test_bad_arguments_are_value_errors_naming_them():
