@@ -31,6 +31,12 @@ inline __m256i bit_bytes32(const uint8_t* qh) {
 }
 
 inline __m256i load32(const void* p) { return _mm256_loadu_si256((const __m256i*)p); }
+
+// Software prefetch of the weight stream: the `bytes` at p + kPrefetch, a line at a time.
+constexpr int kPrefetch = 2048;
+inline void prefetch_ahead(const void* p, int bytes) {
+  for (int line = 0; line < bytes; line += 64) _mm_prefetch((const char*)p + kPrefetch + line, _MM_HINT_T0);
+}
 inline __m256i pair_sums(__m256i p16) { return _mm256_madd_epi16(p16, _mm256_set1_epi16(1)); }
 inline float hsum4(__m128 v) {
   v = _mm_add_ps(v, _mm_movehl_ps(v, v));
@@ -74,6 +80,7 @@ struct Avx2Small {
     for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps(), mins0[r] = mins1[r] = 0.f;
     int64_t i = 0;
     for (; i + 1 < nb; i += 2) {
+      prefetch_ahead(&b[i], 2 * sizeof(B));
       block<R>(b[i], x, i, nb, acc0, mins0);
       block<R>(b[i + 1], x, i + 1, nb, acc1, mins1);
     }
@@ -95,6 +102,7 @@ struct Avx2K4 {
     __m128 accm[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), accm[r] = _mm_setzero_ps();
     for (int64_t i = 0; i < nb; ++i) {
+      prefetch_ahead(&b[i], sizeof(B));
       uint32_t sm[4];   // built in registers: a 16-byte load of 4-byte stores would miss store forwarding
       scales_mins_k4(b[i].scales, sm);
       const __m256i both = _mm256_cvtepu8_epi16(_mm_set_epi32((int)sm[3], (int)sm[2], (int)sm[1], (int)sm[0]));
@@ -145,6 +153,7 @@ struct Avx2Q6_K {
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t i = 0; i < nb; ++i) {
+      prefetch_ahead(&b[i], sizeof(BlockQ6_K));
       const __m128i sc8 = _mm_loadu_si128((const __m128i*)b[i].scales);
       __m256i isum[R];
       for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
@@ -183,8 +192,6 @@ struct Avx2Q6_K {
 // vector against 4 input bytes broadcast gives every row's products in its own lane: the 8 outputs
 // end in one vector (no horizontal sums) and one fma per block scales all 8 (d[8] by one F16C
 // conversion). Rows after the last whole group keep ggml's layout (the driver runs them so).
-constexpr int kPrefetch = 2048;   // bytes ahead of the group block being read
-
 inline __m256i bcast4(const int8_t* q) {
   int32_t v;
   memcpy(&v, q, 4);
@@ -204,7 +211,7 @@ struct Avx2Nib8 {
     __m256 acc[R], accm[R];
     for (int r = 0; r < R; ++r) acc[r] = accm[r] = _mm256_setzero_ps();
     for (int64_t i = 0; i < nb; ++i, g += kGroupBlock) {
-      for (int line = 0; line < kGroupBlock; line += 64) _mm_prefetch((const char*)g + kPrefetch + line, _MM_HINT_T0);
+      prefetch_ahead(g, kGroupBlock);
       __m256i lo[4], hi[4];
       for (int c = 0; c < 4; ++c) {
         const __m256i v = load32(g + kHead + 32 * c);
@@ -245,7 +252,7 @@ struct Avx2Q8_0x8 {
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t i = 0; i < nb; ++i, g += kGroupBlock) {
-      for (int line = 0; line < kGroupBlock; line += 64) _mm_prefetch((const char*)g + kPrefetch + line, _MM_HINT_T0);
+      prefetch_ahead(g, kGroupBlock);
       __m256i isum[R];
       for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
       for (int c = 0; c < 8; ++c) {
