@@ -7,7 +7,7 @@ library cannot run (as weight_only_ops()); torch_kernels/block_reference.py is t
 Weights are ggml's block bytes as a GGUF file stores them: uint8 [n, row_bytes], row_bytes =
 k / block_elems * block_bytes. Tiers: scalar and avx2 (isa.py); the best one at or below the cap
 (the `isa` argument, else BATCH_MANAGER_CPU_ISA, else this CPU's best) runs. A bound linear
-(`BlockOps.bind`) of q8_0 / q4_0 / q4_1 on a tier with such kernels holds its weight repacked into
+(`BlockOps.bind`) of q8_0 / q4_0 / q4_1 / q5_0 on a tier with such kernels holds its weight repacked into
 the 8-row interleaved layout (`repack_x8`, same bytes) instead of ggml's: its `.blocks`.
 """
 from __future__ import annotations
@@ -29,7 +29,8 @@ K_BLOCK = 256   # a K format's super-block, and the q8k input block
 SUM_GROUP = {"q8x32": 32, "q8k": 16}   # input type -> elements per integer sum
 LAYOUT_X8 = 1 << 8   # bm_blk_linear's format flag: the weight is in the 8-row interleaved layout
 # format -> float16 fields leading its block (d; q4_1: d, m): the x8 layout's head per block
-X8_HALF_FIELDS = {"q8_0": 1, "q4_0": 1, "q4_1": 2}
+X8_HALF_FIELDS = {"q8_0": 1, "q4_0": 1, "q4_1": 2, "q5_0": 1}
+HIGH_BITS_BYTES = {"q5_0": 4}   # format -> bytes of fifth bits after its float16 fields (qh)
 
 
 def _check_format(fmt: str) -> str:
@@ -76,28 +77,48 @@ def check_blocks(blocks: torch.Tensor, fmt: str, k: int) -> int:
     return blocks.shape[0]
 
 
+def _spread_high_bits(qh: torch.Tensor) -> torch.Tensor:
+    """q5_0's qh uint8 [..., 4] (bit e of the little-endian word: element e's fifth bit) -> uint8
+    [..., 4] whose byte b holds element 4t + b's in bit t (the x8 kernel's order)."""
+    word = sum(qh[..., i].to(torch.int32) << (8 * i) for i in range(4))
+    bits = ((word[..., None] >> torch.arange(32, dtype=torch.int32)) & 1).view(*qh.shape[:-1], 8, 4)   # [..., t, b]
+    return (bits << torch.arange(8, dtype=torch.int32)[:, None]).sum(-2).to(torch.uint8)
+
+
+def _gather_high_bits(spread: torch.Tensor) -> torch.Tensor:
+    """The inverse of _spread_high_bits."""
+    bits = (spread[..., None, :].to(torch.int32) >> torch.arange(8, dtype=torch.int32)[:, None]) & 1   # [..., t, b]
+    word = (bits.flatten(-2) << torch.arange(32, dtype=torch.int32)).sum(-1, dtype=torch.int64)
+    return ((word[..., None] >> torch.arange(0, 32, 8)) & 255).to(torch.uint8)
+
+
 def repack_x8(blocks: torch.Tensor, fmt: str, k: int) -> torch.Tensor:
     """ggml's rows uint8 [n, row_bytes] -> the 8-row interleaved layout (linear_blocks_avx2.h), same
     shape: rows 8g .. 8g + 7 become one group holding per block the 8 rows' float16 fields (field
-    by field) then their code bytes 4 at a time (chunk c: the 8 rows' bytes 4c .. 4c + 3); the
-    rows after the last whole group stay as they are."""
-    n, fields = check_blocks(blocks, fmt, k), X8_HALF_FIELDS[fmt]
+    by field), q5_0's fifth bits (4 bytes a row, _spread_high_bits), then their code bytes 4 at a
+    time (chunk c: the 8 rows' bytes 4c .. 4c + 3); the rows after the last whole group stay."""
+    n, fields, high = check_blocks(blocks, fmt, k), X8_HALF_FIELDS[fmt], HIGH_BITS_BYTES.get(fmt, 0)
     groups, (elems, size), head = n // 8, block_geometry(fmt), 2 * X8_HALF_FIELDS[fmt]
-    g = blocks[:groups * 8].view(groups, 8, k // elems, size).permute(0, 2, 1, 3)   # [G, nb, 8, size]
-    halves = g[..., :head].reshape(groups, k // elems, 8, fields, 2).transpose(2, 3)
-    codes = g[..., head:].reshape(groups, k // elems, 8, (size - head) // 4, 4).transpose(2, 3)
-    grouped = torch.cat([halves.reshape(groups, k // elems, -1), codes.reshape(groups, k // elems, -1)], dim=2)
-    return torch.cat([grouped.reshape(groups * 8, -1), blocks[groups * 8:]])
+    nb = k // elems
+    g = blocks[:groups * 8].view(groups, 8, nb, size).permute(0, 2, 1, 3)   # [G, nb, 8, size]
+    halves = g[..., :head].reshape(groups, nb, 8, fields, 2).transpose(2, 3)
+    spread = _spread_high_bits(g[..., head:head + high]) if high else g[..., :0]
+    codes = g[..., head + high:].reshape(groups, nb, 8, (size - head - high) // 4, 4).transpose(2, 3)
+    parts = [part.reshape(groups, nb, -1) for part in (halves, spread, codes)]
+    return torch.cat([torch.cat(parts, dim=2).reshape(groups * 8, -1), blocks[groups * 8:]])
 
 
 def unpack_x8(packed: torch.Tensor, fmt: str, k: int) -> torch.Tensor:
     """The inverse of repack_x8: ggml's rows uint8 [n, row_bytes]."""
-    n, fields = check_blocks(packed, fmt, k), X8_HALF_FIELDS[fmt]
+    n, fields, high = check_blocks(packed, fmt, k), X8_HALF_FIELDS[fmt], HIGH_BITS_BYTES.get(fmt, 0)
     groups, (elems, size), head = n // 8, block_geometry(fmt), 2 * X8_HALF_FIELDS[fmt]
-    g = packed[:groups * 8].reshape(groups, k // elems, 8 * size)
-    halves = g[..., :8 * head].reshape(groups, k // elems, fields, 8, 2).transpose(2, 3)
-    codes = g[..., 8 * head:].reshape(groups, k // elems, (size - head) // 4, 8, 4).transpose(2, 3)
-    rows = torch.cat([halves.reshape(groups, k // elems, 8, head), codes.reshape(groups, k // elems, 8, -1)], dim=3)
+    nb = k // elems
+    g = packed[:groups * 8].reshape(groups, nb, 8 * size)
+    halves = g[..., :8 * head].reshape(groups, nb, fields, 8, 2).transpose(2, 3).reshape(groups, nb, 8, head)
+    spread = g[..., 8 * head:8 * (head + high)].reshape(groups, nb, 8, high)
+    codes = g[..., 8 * (head + high):].reshape(groups, nb, (size - head - high) // 4, 8, 4).transpose(2, 3)
+    parts = [halves, _gather_high_bits(spread) if high else spread, codes.reshape(groups, nb, 8, -1)]
+    rows = torch.cat(parts, dim=3)
     return torch.cat([rows.transpose(1, 2).reshape(groups * 8, -1), packed[groups * 8:]])
 
 
@@ -180,7 +201,7 @@ class BlockOps:
         """A BoundLinear `fn(x, out=None, accumulate=False)`: linear() of this weight with its checks
         and constant arguments done once (a generation step calls ~100 linears; linear()'s checks
         cost ~30 us a call). On a tier with kernels over the 8-row interleaved layout (q8_0, q4_0,
-        q4_1 on avx2) it holds the weight repacked (a copy of the same bytes, `fn.blocks`: drop
+        q4_1, q5_0 on avx2) it holds the weight repacked (a copy of the same bytes, `fn.blocks`: drop
         your own reference to `blocks` to keep one copy); else `fn.blocks` is `blocks`."""
         check_blocks(blocks, fmt, k)
         self.linear(torch.zeros(1, k), blocks, fmt, k, bias, isa=isa)   # checks bias and isa

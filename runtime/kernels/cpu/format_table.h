@@ -1,8 +1,9 @@
 // The native CPU layer's format table (ggml-cpu's type_traits_cpu): one row per WeightFormat code
 // (formats.h) with its block geometry, the input type its dot kernel takes (vec_dot_type), its row
 // de-quantization and its linear range kernel per ISA tier (isa.h; null: no kernel at that tier,
-// the driver takes the next lower one). Adding a block format: its layout and de-quantization in
-// quants_blocks.h, its kernels in linear_blocks*.h, one row here.
+// the driver takes the next lower one), and per tier its kernel over the 8-row interleaved layout
+// (linear_blocks_avx2.h; null: none, its weights stay in ggml's layout). Adding a block format: its
+// layout and de-quantization in quants_blocks.h, its kernels in linear_blocks*.h, one row here.
 //
 // float32 / bf16 / int8 / int4 keep their own drivers (linear_float.h, linear_weight_only.h,
 // linear_act_quant.h); their rows give the geometry and input type, float32 / bf16 their row
@@ -53,7 +54,8 @@ inline constexpr FormatTraits kFormats[] = {
                  BM_AVX2_X8(Avx2Q4_0x8, Avx2Q4_0)),
     BM_BLOCK_ROW("q4_1", 32, 20, kInputQ8x32, bm_blk::dequant_q4_1, bm_blk::ScalarQ4_1, bm_blk::Avx2Q4_1,
                  BM_AVX2_X8(Avx2Q4_1x8, Avx2Q4_1)),
-    BM_BLOCK_ROW("q5_0", 32, 22, kInputQ8x32, bm_blk::dequant_q5_0, bm_blk::ScalarQ5_0, bm_blk::Avx2Q5_0, {}),
+    BM_BLOCK_ROW("q5_0", 32, 22, kInputQ8x32, bm_blk::dequant_q5_0, bm_blk::ScalarQ5_0, bm_blk::Avx2Q5_0,
+                 BM_AVX2_X8(Avx2Q5_0x8, Avx2Q5_0)),
     BM_BLOCK_ROW("q4_k", 256, 144, kInputQ8K, bm_blk::dequant_q4_k, bm_blk::ScalarQ4_K, bm_blk::Avx2Q4_K, {}),
     BM_BLOCK_ROW("q5_k", 256, 176, kInputQ8K, bm_blk::dequant_q5_k, bm_blk::ScalarQ5_K, bm_blk::Avx2Q5_K, {}),
     BM_BLOCK_ROW("q6_k", 256, 210, kInputQ8K, bm_blk::dequant_q6_k, bm_blk::ScalarQ6_K, bm_blk::Avx2Q6_K, {}),

@@ -4,7 +4,9 @@
 //   q4_1: unsigned nibbles directly, its min as m * d_x * s;
 //   q4_k, q5_k, q6_k: unsigned codes (<= 63) by vpmaddubsw, vpmaddwd with the sub-block scales as
 //       its multiplier; mins (q4_k, q5_k) and q6_k's -32 through the input's bsums.
-// Per block (32) or super-block (256) one fma(float(isum), d_w * d_x, acc).
+// Per block (32) or super-block (256) one fma(float(isum), d_w * d_x, acc). q8_0, q4_0, q4_1 also
+// over the 8-row interleaved layout (below): 8 outputs per vector, one fma per block for all 8.
+// The weight stream is prefetched 2 KiB ahead.
 #pragma once
 
 #ifdef __AVX2__
@@ -187,8 +189,9 @@ struct Avx2Q6_K {
 
 // ---- the 8-row interleaved layout ("x8", a bound weight's repacked copy; blocks.py's repack) ----
 // Rows 8g .. 8g + 7 of a weight become one group of the same 8 * row_bytes bytes: per block i, the
-// 8 rows' fp16 d (then q4_1's 8 m) and their codes in 32-byte vectors whose 4-byte lane j is row
-// j's qs[4c .. 4c + 3] (vector c: 4 of q4_x's 16 code bytes, 8 of q8_0's 32). One vpmaddubsw per
+// 8 rows' fp16 d (then q4_1's 8 m; q5_0's fifth bits, 4 bytes a row, see Avx2Q5_0x8) and their
+// codes in 32-byte vectors whose 4-byte lane j is row j's qs[4c .. 4c + 3] (vector c: 4 of the 16
+// code bytes of q4_0 / q4_1 / q5_0, 8 of q8_0's 32). One vpmaddubsw per
 // vector against 4 input bytes broadcast gives every row's products in its own lane: the 8 outputs
 // end in one vector (no horizontal sums) and one fma per block scales all 8 (d[8] by one F16C
 // conversion). Rows after the last whole group keep ggml's layout (the driver runs them so).
@@ -237,6 +240,47 @@ struct Avx2Nib8 {
       }
     }
     for (int r = 0; r < R; ++r) out[r] = kHasMin ? _mm256_add_ps(acc[r], accm[r]) : acc[r];
+  }
+};
+
+// q5_0: q4_0's nibbles with the fifth bits from 32 bytes whose lane j byte b holds, in bit t, row
+// j's element 4t + b (blocks.py spreads qh so): one shift and mask per chunk put it at bit 4. Codes
+// 0..31 by vpmaddubsw (<= 2 * 31 * 127 per pair; 4 products summed in int16 <= 31496), the -16 as
+// 16 * s.
+struct Avx2Q5_0x8 {
+  static constexpr int kGroupBlock = 16 + 32 + 128;
+
+  template <int R>
+  static void group(const uint8_t* g, const QInput& x, __m256 out[R]) {
+    const int64_t nb = x.k / kQ;
+    const __m256i m4 = _mm256_set1_epi8(15), bit4 = _mm256_set1_epi8(16), ones = _mm256_set1_epi16(1);
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nb; ++i, g += kGroupBlock) {
+      prefetch_ahead(g, kGroupBlock);
+      const __m256i high = load32(g + 16);
+      __m256i lo[4], hi[4];
+      for (int c = 0; c < 4; ++c) {   // element 4c + b: bit c of byte b; element 16 + 4c + b: bit 4 + c
+        const __m256i v = load32(g + 48 + 32 * c);
+        lo[c] = _mm256_or_si256(_mm256_and_si256(v, m4), _mm256_and_si256(_mm256_slli_epi16(high, 4 - c), bit4));
+        hi[c] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4),
+                                _mm256_and_si256(_mm256_srli_epi16(high, c), bit4));
+      }
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)g));
+      for (int r = 0; r < R; ++r) {
+        const int8_t* q = x.q + r * x.k + i * kQ;
+        __m256i p[4];
+        for (int c = 0; c < 4; ++c)
+          p[c] = _mm256_add_epi16(_mm256_maddubs_epi16(lo[c], bcast4(q + 4 * c)),
+                                  _mm256_maddubs_epi16(hi[c], bcast4(q + 16 + 4 * c)));
+        const __m256i isum = _mm256_sub_epi32(
+            _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(p[0], p[1]), ones),
+                             _mm256_madd_epi16(_mm256_add_epi16(p[2], p[3]), ones)),
+            _mm256_set1_epi32(16 * x.s[r * nb + i]));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_set1_ps(x.d[r * x.nd + i])), acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) out[r] = acc[r];
   }
 };
 

@@ -15,8 +15,8 @@ import torch
 from runtime.config import ConfigError
 from runtime.kernels.cpu import isa as isa_tiers
 from runtime.kernels.cpu.act_quant import act_quant_ops
-from runtime.kernels.cpu.blocks import (BLOCK_FORMATS, X8_HALF_FIELDS, block_geometry, block_ops, input_type, repack_x8,
-                                        unpack_x8)
+from runtime.kernels.cpu.blocks import (BLOCK_FORMATS, HIGH_BITS_BYTES, X8_HALF_FIELDS, block_geometry, block_ops,
+                                        input_type, repack_x8, unpack_x8)
 from runtime.kernels.cpu.isa import Isa
 from runtime.kernels.torch_kernels.block_reference import (block_linear_reference, dequantize_blocks,
                                                          dequantize_input, quantize_input)
@@ -228,15 +228,19 @@ def test_the_x8_layout_interleaves_8_rows_and_round_trips(fmt):
     assert packed.shape == blocks.shape and torch.equal(unpack_x8(packed, fmt, k), blocks)
     assert torch.equal(packed[16:], blocks[16:])
     elems, size = block_geometry(fmt)
-    head, rows = 2 * X8_HALF_FIELDS[fmt], blocks.view(n, k // elems, size)
+    head, high, rows = 2 * X8_HALF_FIELDS[fmt], HIGH_BITS_BYTES.get(fmt, 0), blocks.view(n, k // elems, size)
     for g, i, r in [(0, 0, 0), (0, 1, 5), (1, 1, 7), (1, 0, 3)]:   # group, block, row in the group
         block = packed[8 * g:8 * g + 8].flatten()[i * 8 * size:(i + 1) * 8 * size]
         source = rows[8 * g + r, i]
         for field in range(head // 2):   # the 8 rows' float16 fields, field by field
             assert torch.equal(block[16 * field + 2 * r:16 * field + 2 * r + 2], source[2 * field:2 * field + 2])
-        for c in range((size - head) // 4):   # code chunk c: the 8 rows' bytes 4c .. 4c + 3
-            at = 8 * head + 32 * c + 4 * r
-            assert torch.equal(block[at:at + 4], source[head + 4 * c:head + 4 * c + 4])
+        if high:   # q5_0: row r's 4 bytes, byte b bit t = the fifth bit of element 4t + b
+            word = int.from_bytes(bytes(source[head:head + 4].tolist()), "little")
+            spread = block[8 * head + 4 * r:8 * head + 4 * r + 4].tolist()
+            assert all((spread[b] >> t) & 1 == (word >> (4 * t + b)) & 1 for t in range(8) for b in range(4))
+        for c in range((size - head - high) // 4):   # code chunk c: the 8 rows' bytes 4c .. 4c + 3
+            at, code = 8 * (head + high) + 32 * c + 4 * r, head + high + 4 * c
+            assert torch.equal(block[at:at + 4], source[code:code + 4])
 
 
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS)
