@@ -29,7 +29,7 @@ K_BLOCK = 256   # a K format's super-block, and the q8k input block
 SUM_GROUP = {"q8x32": 32, "q8k": 16}   # input type -> elements per integer sum
 LAYOUT_X8 = 1 << 8   # bm_blk_linear's format flag: the weight is in the 8-row interleaved layout
 # format -> float16 fields leading its block (d; q4_1: d, m): the x8 layout's head per block
-X8_HALF_FIELDS = {"q8_0": 1, "q4_0": 1, "q4_1": 2, "q5_0": 1}
+X8_HALF_FIELDS = {"q8_0": 1, "q4_0": 1, "q4_1": 2, "q5_0": 1, "q4_k": 2}
 HIGH_BITS_BYTES = {"q5_0": 4}   # format -> bytes of fifth bits after its float16 fields (qh)
 
 

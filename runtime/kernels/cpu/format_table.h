@@ -56,7 +56,8 @@ inline constexpr FormatTraits kFormats[] = {
                  BM_AVX2_X8(Avx2Q4_1x8, Avx2Q4_1)),
     BM_BLOCK_ROW("q5_0", 32, 22, kInputQ8x32, bm_blk::dequant_q5_0, bm_blk::ScalarQ5_0, bm_blk::Avx2Q5_0,
                  BM_AVX2_X8(Avx2Q5_0x8, Avx2Q5_0)),
-    BM_BLOCK_ROW("q4_k", 256, 144, kInputQ8K, bm_blk::dequant_q4_k, bm_blk::ScalarQ4_K, bm_blk::Avx2Q4_K, {}),
+    BM_BLOCK_ROW("q4_k", 256, 144, kInputQ8K, bm_blk::dequant_q4_k, bm_blk::ScalarQ4_K, bm_blk::Avx2Q4_K,
+                 BM_AVX2_X8(Avx2Q4_Kx8, Avx2Q4_K)),
     BM_BLOCK_ROW("q5_k", 256, 176, kInputQ8K, bm_blk::dequant_q5_k, bm_blk::ScalarQ5_K, bm_blk::Avx2Q5_K, {}),
     BM_BLOCK_ROW("q6_k", 256, 210, kInputQ8K, bm_blk::dequant_q6_k, bm_blk::ScalarQ6_K, bm_blk::Avx2Q6_K, {}),
 };

@@ -284,6 +284,74 @@ struct Avx2Q5_0x8 {
   }
 };
 
+// q4_k: per super-block the 8 rows' d, dmin, their 12 scale bytes as 3 vectors of 4-byte lanes
+// (unpacked for the 8 rows at once: scales_mins_k4's word operations lane by lane) and the codes as
+// 32 vectors (c-th of chunk j: elements 4c .. 4c + 3 of sub-blocks 2j (low nibbles) and 2j + 1).
+// Per sub-block the 8 products summed in int16 (<= 8 * 2 * 15 * 127), then vpmaddwd by the rows'
+// scales (each lane's byte s of the unpacked words); the mins against the input's bsums likewise.
+struct Avx2Q4_Kx8 {
+  static constexpr int kGroupBlock = 8 * 144;
+
+  // lane j's byte `s % 4` of u as an int16 in both halves of lane j
+  static __m256i lane_byte(__m256i u, int s) {
+    const int b = s % 4;
+    return _mm256_shuffle_epi8(u, _mm256_setr_epi8(b, -1, b, -1, 4 + b, -1, 4 + b, -1, 8 + b, -1, 8 + b, -1, 12 + b, -1,
+                                                   12 + b, -1, b, -1, b, -1, 4 + b, -1, 4 + b, -1, 8 + b, -1, 8 + b, -1,
+                                                   12 + b, -1, 12 + b, -1));
+  }
+
+  template <int R>
+  static void group(const uint8_t* g, const QInput& x, __m256 out[R]) {
+    const int64_t nb = x.k / kQK;
+    const __m256i m4 = _mm256_set1_epi8(15), low6 = _mm256_set1_epi8(0x3f), low4 = _mm256_set1_epi8(15),
+                  low2 = _mm256_set1_epi8(3);
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nb; ++i, g += kGroupBlock) {
+      prefetch_ahead(g, kGroupBlock);
+      const __m256i w0 = load32(g + 32), w1 = load32(g + 64), w2 = load32(g + 96);
+      __m256i u[4];   // scales 0..3, 4..7, mins 0..3, 4..7 (bytes of each lane)
+      u[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(w2, 4), low4),
+                             _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(w1, 6), low2), 4));
+      u[2] = _mm256_and_si256(w1, low6);
+      u[1] = _mm256_or_si256(_mm256_and_si256(w2, low4),
+                             _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(w0, 6), low2), 4));
+      u[0] = _mm256_and_si256(w0, low6);
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)g));
+      const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(g + 16)));
+      const int8_t* q = x.q + i * kQK;
+      __m256i isum[R];
+      for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
+      for (int j = 0; j < 4; ++j) {
+        __m256i plo[R], phi[R];
+        for (int r = 0; r < R; ++r) plo[r] = phi[r] = _mm256_setzero_si256();
+        for (int c = 0; c < 8; ++c) {
+          const __m256i v = load32(g + 128 + 256 * j + 32 * c);
+          const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+          for (int r = 0; r < R; ++r) {
+            plo[r] = _mm256_add_epi16(plo[r], _mm256_maddubs_epi16(lo, bcast4(q + r * x.k + 64 * j + 4 * c)));
+            phi[r] = _mm256_add_epi16(phi[r], _mm256_maddubs_epi16(hi, bcast4(q + r * x.k + 64 * j + 32 + 4 * c)));
+          }
+        }
+        const __m256i sl = lane_byte(u[j / 2], 2 * j), sh = lane_byte(u[j / 2], 2 * j + 1);
+        for (int r = 0; r < R; ++r)
+          isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(_mm256_madd_epi16(plo[r], sl), _mm256_madd_epi16(phi[r], sh)));
+      }
+      for (int r = 0; r < R; ++r) {   // the mins against the input's sums of 32 (two bsums of 16 each)
+        const int16_t* bs = x.bsums + r * (x.k / 16) + i * 16;
+        __m256i msum = _mm256_setzero_si256();
+        for (int s = 0; s < 8; ++s)
+          msum = _mm256_add_epi32(msum, _mm256_madd_epi16(lane_byte(u[2 + s / 4], s),
+                                                          _mm256_set1_epi32((bs[2 * s] + bs[2 * s + 1]) & 0xffff)));
+        const __m256 dx = _mm256_set1_ps(x.d[r * x.nd + i]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, dx), acc[r]);
+        acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(dmin, dx), acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) out[r] = acc[r];
+  }
+};
+
 // q8_0: signed codes by the sign trick per vector (pairs <= 2 * 128 * 127: no saturation), each
 // vector's pairs by vpmaddwd (two would overflow int16).
 struct Avx2Q8_0x8 {

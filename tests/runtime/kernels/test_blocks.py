@@ -222,7 +222,7 @@ def test_threads_split_outputs_without_changing_them(fmt):
 
 @pytest.mark.parametrize("fmt", sorted(X8_HALF_FIELDS))
 def test_the_x8_layout_interleaves_8_rows_and_round_trips(fmt):
-    k, n = 64, 19   # two whole groups, 3 rows left in ggml's layout
+    k, n = 512, 19   # two whole groups, 3 rows left in ggml's layout
     blocks = random_blocks(fmt, n, k, np.random.default_rng(11))
     packed = repack_x8(blocks, fmt, k)
     assert packed.shape == blocks.shape and torch.equal(unpack_x8(packed, fmt, k), blocks)
