@@ -6,7 +6,8 @@
                                             [--clock wall|thread]
 
 Per shape (k -> n), format, threads and rows: ms per call (input quantization included; bound
-linears, BlockOps.bind) and GB/s of weight bytes read. Each pass calls the linear on enough copies of
+linears, BlockOps.bind: the 8-row interleaved layout where the format has kernels over it) and GB/s
+of weight bytes read. Each pass calls the linear on enough copies of
 the weight (>= 64 MB in all) that they stream from memory as in a generation step; best of `--reps`
 passes, divided by the copies.
 Shapes whose k is not a multiple of a format's block skip that format. `--clock thread` times the

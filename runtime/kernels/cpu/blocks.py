@@ -7,7 +7,7 @@ library cannot run (as weight_only_ops()); torch_kernels/block_reference.py is t
 Weights are ggml's block bytes as a GGUF file stores them: uint8 [n, row_bytes], row_bytes =
 k / block_elems * block_bytes. Tiers: scalar and avx2 (isa.py); the best one at or below the cap
 (the `isa` argument, else BATCH_MANAGER_CPU_ISA, else this CPU's best) runs. A bound linear
-(`BlockOps.bind`) of q8_0 / q4_0 / q4_1 / q5_0 on a tier with such kernels holds its weight repacked into
+(`BlockOps.bind`) of q8_0 / q4_0 / q4_1 / q5_0 / q4_k on a tier with such kernels holds its weight repacked into
 the 8-row interleaved layout (`repack_x8`, same bytes) instead of ggml's: its `.blocks`.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ BLOCK_FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q4_k", "q5_k", "q6_k")
 K_BLOCK = 256   # a K format's super-block, and the q8k input block
 SUM_GROUP = {"q8x32": 32, "q8k": 16}   # input type -> elements per integer sum
 LAYOUT_X8 = 1 << 8   # bm_blk_linear's format flag: the weight is in the 8-row interleaved layout
-# format -> float16 fields leading its block (d; q4_1: d, m): the x8 layout's head per block
+# format -> float16 fields leading its block (d; q4_1: d, m; q4_k: d, dmin): the x8 layout's head per block
 X8_HALF_FIELDS = {"q8_0": 1, "q4_0": 1, "q4_1": 2, "q5_0": 1, "q4_k": 2}
 HIGH_BITS_BYTES = {"q5_0": 4}   # format -> bytes of fifth bits after its float16 fields (qh)
 
@@ -95,8 +95,9 @@ def _gather_high_bits(spread: torch.Tensor) -> torch.Tensor:
 def repack_x8(blocks: torch.Tensor, fmt: str, k: int) -> torch.Tensor:
     """ggml's rows uint8 [n, row_bytes] -> the 8-row interleaved layout (linear_blocks_avx2.h), same
     shape: rows 8g .. 8g + 7 become one group holding per block the 8 rows' float16 fields (field
-    by field), q5_0's fifth bits (4 bytes a row, _spread_high_bits), then their code bytes 4 at a
-    time (chunk c: the 8 rows' bytes 4c .. 4c + 3); the rows after the last whole group stay."""
+    by field), q5_0's fifth bits (4 bytes a row, _spread_high_bits), then the rest of their bytes
+    (codes; q4_k: scales, codes) 4 at a time (chunk c: the 8 rows' bytes 4c .. 4c + 3 of the rest);
+    the rows after the last whole group stay as they are."""
     n, fields, high = check_blocks(blocks, fmt, k), X8_HALF_FIELDS[fmt], HIGH_BITS_BYTES.get(fmt, 0)
     groups, (elems, size), head = n // 8, block_geometry(fmt), 2 * X8_HALF_FIELDS[fmt]
     nb = k // elems
@@ -201,7 +202,7 @@ class BlockOps:
         """A BoundLinear `fn(x, out=None, accumulate=False)`: linear() of this weight with its checks
         and constant arguments done once (a generation step calls ~100 linears; linear()'s checks
         cost ~30 us a call). On a tier with kernels over the 8-row interleaved layout (q8_0, q4_0,
-        q4_1, q5_0 on avx2) it holds the weight repacked (a copy of the same bytes, `fn.blocks`: drop
+        q4_1, q5_0, q4_k on avx2) it holds the weight repacked (a copy of the same bytes, `fn.blocks`: drop
         your own reference to `blocks` to keep one copy); else `fn.blocks` is `blocks`."""
         check_blocks(blocks, fmt, k)
         self.linear(torch.zeros(1, k), blocks, fmt, k, bias, isa=isa)   # checks bias and isa

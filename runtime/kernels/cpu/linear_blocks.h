@@ -1,8 +1,8 @@
 // Linear family, llama.cpp's quantized block formats (quants_blocks.h) x 8-bit input blocks: per
 // format a dot kernel per ISA tier over R input rows at once (R <= kMaxRows: each weight block is
 // loaded and unpacked once and fed to the R rows), and the range driver that format_table.h makes
-// a row of the format table. blocks.cpp's bm_blk_linear runs it over threads. q8_0 / q4_0 / q4_1
-// also have AVX2 kernels over an 8-row interleaved layout (linear_blocks_avx2.h) and their driver
+// a row of the format table. blocks.cpp's bm_blk_linear runs it over threads. q8_0, q4_0, q4_1,
+// q5_0 and q4_k also have AVX2 kernels over an 8-row interleaved layout (linear_blocks_avx2.h) and their driver
 // linear_range_x8 (a bound weight's repacked copy, blocks.py's repack_x8).
 //
 // Contract of linear_range<K>(a, o0, o1): for outputs o in [o0, o1) and every input row r < a.rows

@@ -4,8 +4,9 @@
 //   q4_1: unsigned nibbles directly, its min as m * d_x * s;
 //   q4_k, q5_k, q6_k: unsigned codes (<= 63) by vpmaddubsw, vpmaddwd with the sub-block scales as
 //       its multiplier; mins (q4_k, q5_k) and q6_k's -32 through the input's bsums.
-// Per block (32) or super-block (256) one fma(float(isum), d_w * d_x, acc). q8_0, q4_0, q4_1 also
-// over the 8-row interleaved layout (below): 8 outputs per vector, one fma per block for all 8.
+// Per block (32) or super-block (256) one fma(float(isum), d_w * d_x, acc). q8_0, q4_0, q4_1, q5_0
+// and q4_k also over the 8-row interleaved layout (below): 8 outputs per vector, one fma per block
+// for all 8.
 // The weight stream is prefetched 2 KiB ahead.
 #pragma once
 
@@ -189,9 +190,10 @@ struct Avx2Q6_K {
 
 // ---- the 8-row interleaved layout ("x8", a bound weight's repacked copy; blocks.py's repack) ----
 // Rows 8g .. 8g + 7 of a weight become one group of the same 8 * row_bytes bytes: per block i, the
-// 8 rows' fp16 d (then q4_1's 8 m; q5_0's fifth bits, 4 bytes a row, see Avx2Q5_0x8) and their
-// codes in 32-byte vectors whose 4-byte lane j is row j's qs[4c .. 4c + 3] (vector c: 4 of the 16
-// code bytes of q4_0 / q4_1 / q5_0, 8 of q8_0's 32). One vpmaddubsw per
+// 8 rows' fp16 d (then q4_1's m, q4_k's dmin; q5_0's fifth bits, 4 bytes a row, see Avx2Q5_0x8)
+// and the rest of their bytes in 32-byte vectors whose 4-byte lane j is row j's bytes 4c .. 4c + 3
+// of that rest (q4_0 / q4_1 / q5_0: qs, 4 vectors; q8_0: qs, 8; q4_k: scales then qs, 3 + 32).
+// One vpmaddubsw per
 // vector against 4 input bytes broadcast gives every row's products in its own lane: the 8 outputs
 // end in one vector (no horizontal sums) and one fma per block scales all 8 (d[8] by one F16C
 // conversion). Rows after the last whole group keep ggml's layout (the driver runs them so).
@@ -228,7 +230,8 @@ struct Avx2Nib8 {
         for (int c = 0; c < 4; ++c)
           p[c] = _mm256_add_epi16(_mm256_maddubs_epi16(lo[c], bcast4(q + 4 * c)),
                                   _mm256_maddubs_epi16(hi[c], bcast4(q + 16 + 4 * c)));
-        __m256i isum = _mm256_madd_epi16(_mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3])), ones);
+        const __m256i p16 = _mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3]));
+        __m256i isum = _mm256_madd_epi16(p16, ones);
         const int32_t s = x.s[r * nb + i];
         if (!kHasMin) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(8 * s));
         const float dx = x.d[r * x.nd + i];
@@ -335,7 +338,8 @@ struct Avx2Q4_Kx8 {
         }
         const __m256i sl = lane_byte(u[j / 2], 2 * j), sh = lane_byte(u[j / 2], 2 * j + 1);
         for (int r = 0; r < R; ++r)
-          isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(_mm256_madd_epi16(plo[r], sl), _mm256_madd_epi16(phi[r], sh)));
+          isum[r] = _mm256_add_epi32(isum[r],
+                                     _mm256_add_epi32(_mm256_madd_epi16(plo[r], sl), _mm256_madd_epi16(phi[r], sh)));
       }
       for (int r = 0; r < R; ++r) {   // the mins against the input's sums of 32 (two bsums of 16 each)
         const int16_t* bs = x.bsums + r * (x.k / 16) + i * 16;
