@@ -34,9 +34,12 @@ struct FormatTraits {
 
 #ifdef __AVX2__
 #define BM_AVX2_KERNEL(K) &bm_blk::linear_range<K>
-#define BM_AVX2_X8(KX8, K) {nullptr, &bm_blk::linear_range_x8<bm_blk::KX8, bm_blk::K>}
 #else
 #define BM_AVX2_KERNEL(K) nullptr
+#endif
+#ifdef BM_BLK_X8
+#define BM_AVX2_X8(KX8, K) {nullptr, &bm_blk::linear_range_x8<bm_blk::KX8, bm_blk::K>}
+#else
 #define BM_AVX2_X8(KX8, K) {}
 #endif
 

@@ -232,7 +232,7 @@ void linear_range(const LinearArgs& a, int64_t o0, int64_t o1) {
   }
 }
 
-#ifdef __AVX2__
+#ifdef BM_BLK_X8
 // The 8-row interleaved layout (linear_blocks_avx2.h): groups of 8 outputs by KX8, the rows after
 // the last whole group (n % 8, still in ggml's layout at their usual offsets) by K. o0 is a multiple
 // of 8 (the callers split at whole tiles).
@@ -266,6 +266,6 @@ void linear_range_x8(const LinearArgs& a, int64_t o0, int64_t o1) {
     }
   }
 }
-#endif  // __AVX2__
+#endif  // BM_BLK_X8
 
 }  // namespace bm_blk

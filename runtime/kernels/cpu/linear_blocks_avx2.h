@@ -189,6 +189,10 @@ struct Avx2Q6_K {
 };
 
 // ---- the 8-row interleaved layout ("x8", a bound weight's repacked copy; blocks.py's repack) ----
+// (F16C converts the 8 rows' scales: every AVX2 CPU has it, -march=native enables it; without it
+// no x8 kernels are compiled in and bound weights keep ggml's layout.)
+#ifdef __F16C__
+#define BM_BLK_X8 1
 // Rows 8g .. 8g + 7 of a weight become one group of the same 8 * row_bytes bytes: per block i, the
 // 8 rows' fp16 d (then q4_1's m, q4_k's dmin; q5_0's fifth bits, 4 bytes a row, see Avx2Q5_0x8)
 // and the rest of their bytes in 32-byte vectors whose 4-byte lane j is row j's bytes 4c .. 4c + 3
@@ -387,14 +391,18 @@ struct Avx2Q8_0x8 {
   }
 };
 
+#endif  // __F16C__
+
 using Avx2Q8_0 = Avx2Small<BlockQ8_0, false>;
 using Avx2Q4_0 = Avx2Small<BlockQ4_0, false>;
 using Avx2Q4_1 = Avx2Small<BlockQ4_1, true>;
 using Avx2Q5_0 = Avx2Small<BlockQ5_0, false>;
 using Avx2Q4_K = Avx2K4<BlockQ4_K>;
 using Avx2Q5_K = Avx2K4<BlockQ5_K>;
+#ifdef BM_BLK_X8
 using Avx2Q4_0x8 = Avx2Nib8<false>;
 using Avx2Q4_1x8 = Avx2Nib8<true>;
+#endif
 
 }  // namespace bm_blk
 
