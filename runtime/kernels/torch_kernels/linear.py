@@ -126,11 +126,16 @@ class Linear:
         # bf16 weights: rows <= NATIVE_MAX_ROWS_BF16 take the native bf16 kernel (bias in float32).
         self.native_bf16 = bf16_ops() if device.type == "cpu" and weight.dtype == torch.bfloat16 else None
         self.bias_f32 = bias.float().contiguous() if self.native_bf16 is not None and bias is not None else None
+        # One copy of the weight (NOTE: at the top of this module): the [out, in] matrix where a
+        # native kernel reads it, oneDNN then multiplying that same tensor above its rows; oneDNN's
+        # reordered weight (replacing the original) only where no native kernel runs.
         self.plain = weight.contiguous() if self.native is not None or self.native_bf16 is not None else None
-        # NOTE: oneDNN's reordered weight replaces the original (same byte count); nothing else
-        # may read it as an [out, in] matrix.
-        self.weight = (torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
-                       if self.impl == "onednn" else weight)
+        if self.plain is not None:
+            self.weight = self.plain
+        elif self.impl == "onednn":   # nothing else may read it as an [out, in] matrix
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
+        else:
+            self.weight = weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in] -> [rows, out] (on CPU's w_xt path a transposed view of [out, rows])."""
