@@ -22,8 +22,10 @@ from samples.microbench.llama_cpp_compare import in_fresh_process
 
 
 def memory_kib(path: str) -> dict[str, int]:
-    """This process's resident KiB: "anonymous", "file" (file-backed) and "path" (the mappings of
-    the file `path`), summed over /proc/self/smaps."""
+    """This process's resident KiB: "anonymous", "file" (other files' pages) and "path" (the mappings of
+    the file `path`), summed over /proc/self/smaps. "path" sums Pss, not Rss: each stored tensor is
+    its own mapping (runtime.loading.tensor_files), and the page two neighbours share is one page
+    of memory mapped twice, which Rss would count twice."""
     out = {"anonymous": 0, "file": 0, "path": 0}
     mapped = ""
     with open("/proc/self/smaps") as f:
@@ -33,9 +35,10 @@ def memory_kib(path: str) -> dict[str, int]:
                 mapped = fields[5] if len(fields) > 5 else ""
             elif fields[0] == "Anonymous:":
                 out["anonymous"] += int(fields[1])
-            elif fields[0] == "Rss:" and mapped.startswith("/"):
+            elif fields[0] == "Rss:" and mapped.startswith("/") and mapped != path:
                 out["file"] += int(fields[1])
-                out["path"] += int(fields[1]) if mapped == path else 0
+            elif fields[0] == "Pss:" and mapped == path:
+                out["path"] += int(fields[1])
     return out
 
 
@@ -54,7 +57,7 @@ def growth_bytes(before: dict[str, int], after: dict[str, int], kv_bytes: int) -
     anonymous = (after["anonymous"] - before["anonymous"]) * 1024 - kv_bytes
     return {"resident": anonymous + (after["path"] - before["path"]) * 1024, "anonymous": anonymous,
             "weights_file": (after["path"] - before["path"]) * 1024,
-            "other_file": (after["file"] - after["path"] - before["file"] + before["path"]) * 1024}
+            "other_file": (after["file"] - before["file"]) * 1024}
 
 
 def serving_growth(engine_dir: str, kv_tokens: int, kv_bytes: int) -> dict[str, int]:

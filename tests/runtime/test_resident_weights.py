@@ -20,7 +20,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # process allocates besides its weights, small enough to build in seconds.
 MODEL = dict(vocab_size=16384, hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
              intermediate_size=2048, tie_word_embeddings=True)
-MODES = {"fp32": {}, "int8": {"weight_only": "int8"}, "int8+a8": {"weight_only": "int8", "act_quant": "int8"},
+MODES = {"fp32": {}, "bf16": {"dtype": "bfloat16"}, "int8": {"weight_only": "int8"},
+         "int4": {"weight_only": "int4", "group_size": 32},
+         "int8+a8": {"weight_only": "int8", "act_quant": "int8"},
          "int4+a8": {"weight_only": "int4", "group_size": 128, "act_quant": "int8"}}
 # The measured resident bytes over the weight bytes stay below this. One copy measures 1.00-1.06
 # (int4 + a8: the repacked scales and minimums are float32 where the stored ones are float16); two
