@@ -206,8 +206,8 @@ class _File:
         NOTE: one mapping per tensor (from the page holding its first byte), not one per file: a
         mapping lives while any tensor views it, so with one per file a single small tensor kept
         (a norm) held every page of the file that was ever read, such as those of a weight the
-        runtime repacked and dropped. The page a tensor shares with its neighbour may be resident
-        twice (one page per tensor at most)."""
+        runtime repacked and dropped. The page a tensor shares with its neighbour is then mapped
+        twice (the same page of memory)."""
         count = math.prod(stored.shape)
         if not count:
             return torch.empty(stored.shape, dtype=stored.dtype)
