@@ -37,6 +37,8 @@ class PreparedLinear(Protocol):
     backend's linear / linear_add, but for `weight`."""
     weight: torch.Tensor   # the tensor it holds, in whatever layout the backend chose (what memory
                            # accounting counts; the original when the backend kept it as given)
+    # A weight-only one also has `parts` (its format's parts as held, in the format's order: they
+    # replace the stored ones) and `rows(ids int64 [T]) -> float32 [T, in]` (a tied table's lookup).
 
 
 @runtime_checkable
@@ -99,7 +101,8 @@ class KernelBackend(Protocol):
                                    bias: torch.Tensor | None, act_quant: str | None = None) -> PreparedLinear:
         """A weight-only quantized weight ready for linear / linear_add: W and its format's parts
         (runtime.quantization, the format named by W's dtype: int8 W with scale and minimum None,
-        packed int4 W with scale and minimum); bias [out] (the compute dtype) or None. .weight is `weight`.
+        packed int4 W with scale and minimum); bias [out] (the compute dtype) or None. .weight is `weight`,
+        or what replaces it (a CPU backend's repacked layout for act_quant: one copy held).
         act_quant "int8": the activations are quantized per block of 32 columns and the products
         are integer (runtime/kernels/cpu/act_quant.py defines the arithmetic); None: exact."""
 

@@ -142,7 +142,6 @@ class _File:
             self.fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
         except OSError as e:
             raise WeightError(f"{path}: not a readable safetensors file: {e}") from None
-        self.mapped: mmap.mmap | None = None
         try:
             self.tensors = self._read_header()
         except OSError as e:
@@ -202,13 +201,21 @@ class _File:
 
     def view(self, stored: StoredTensor) -> torch.Tensor:
         """A whole stored tensor without a copy: a private (copy-on-write) mapping of its bytes, paged
-        in on first use, as safetensors' own loader gives."""
-        if not math.prod(stored.shape):
+        in on first use, as safetensors' own loader gives.
+
+        NOTE: one mapping per tensor (from the page holding its first byte), not one per file: a
+        mapping lives while any tensor views it, so with one per file a single small tensor kept
+        (a norm) held every page of the file that was ever read, such as those of a weight the
+        runtime repacked and dropped. The page a tensor shares with its neighbour is then mapped
+        twice (the same page of memory)."""
+        count = math.prod(stored.shape)
+        if not count:
             return torch.empty(stored.shape, dtype=stored.dtype)
-        if self.mapped is None:
-            self.mapped = mmap.mmap(self.fd, 0, access=mmap.ACCESS_COPY)
-        return torch.frombuffer(self.mapped, dtype=stored.dtype, count=math.prod(stored.shape),
-                                offset=stored.offset).view(stored.shape)
+        start = stored.offset - stored.offset % mmap.ALLOCATIONGRANULARITY
+        mapped = mmap.mmap(self.fd, stored.offset - start + count * stored.dtype.itemsize, access=mmap.ACCESS_COPY,
+                           offset=start)
+        return torch.frombuffer(mapped, dtype=stored.dtype, count=count, offset=stored.offset - start
+                                ).view(stored.shape)
 
     def close(self) -> None:
         os.close(self.fd)   # a mapping (and the tensors viewing it) outlives the descriptor

@@ -121,15 +121,16 @@ class Transformer:
             if not self.is_reducing_rank and prefix.endswith(("out", "mlp_out")):
                 bias = None
             self.linears[prefix] = self._prepare_linear(self.w, name, bias, linear_impl)
-            self.w[name] = self.linears[prefix].weight
+            self._hold_prepared(name, self.linears[prefix])
         self.lm_head = None   # the last pipeline stage's (every rank's without one)
         if self.is_last_stage:
             self._prepare_head(linear_impl)
 
     def _prepare_head(self, linear_impl: str | None) -> None:
-        """Tied embeddings keep their [V, H] table for the lookup; the head gets its own prepared
-        copy where the CPU kernel reorders it. Under TP each rank's head is padded with zero rows
-        to the vocab chunk (the gather needs equal parts; the padding columns are dropped)."""
+        """Tied embeddings: one table. A float one is the head's weight where the CPU kernel reads
+        it as stored (a reordered head is a second copy); a quantized one is the head's as prepared
+        (repacked for act_quant), the lookup reading its rows. Under TP each rank's head is padded
+        with zero rows to the vocab chunk (the gather needs equal parts; the padding columns are dropped)."""
         shard = self.shard
         head_name = "lm_head" if "lm_head" in self.w else "embed_tokens"
         head_bias, head_weights = self.w.get("lm_head.bias"), self.w
@@ -138,8 +139,22 @@ class Transformer:
             head_weights = padded_rows(self.w, head_name, pad)
             head_bias = F.pad(head_bias, (0, pad)) if head_bias is not None else None
         self.lm_head = self._prepare_linear(head_weights, head_name, head_bias, linear_impl)
-        if "lm_head" in self.w or self.lm_head.weight is not self.w["embed_tokens"]:
+        if head_name == "embed_tokens" and self.embed_format is not None and \
+                self.lm_head.weight is not self.w["embed_tokens"]:
+            # One copy of a tied quantized table: the head's (repacked) one, whose rows the lookup reads
+            self.embed_parts = None
+            self._hold_prepared("embed_tokens", self.lm_head)
+        elif "lm_head" in self.w or self.lm_head.weight is not self.w["embed_tokens"]:
             self.w["lm_head"] = self.lm_head.weight
+
+    def _hold_prepared(self, name: str, linear: PreparedLinear) -> None:
+        """The prepared tensors replace the weight `name` (and its stored parts) in self.w: the
+        model holds one copy, the one its kernels read."""
+        self.w[name] = linear.weight
+        weight_format = lookup_stored(self.w, name)
+        if weight_format is not None:
+            for suffix, part in zip(weight_format.suffixes, linear.parts, strict=True):
+                self.w[name + suffix] = part
 
     def _prepare_linear(self, weights: Weights, name: str, bias: torch.Tensor | None,
                         linear_impl: str | None) -> PreparedLinear:
@@ -215,11 +230,16 @@ class Transformer:
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """int64 [T] -> [T, H]. Under TP a rank holds the rows of its vocabulary range: the others
         look up zeros, and an all-reduce sums them."""
-        table, weight_format = self.w["embed_tokens"], self.embed_format
-        if weight_format is not None:
+        weight_format = self.embed_format
+        if weight_format is not None and self.embed_parts is None:   # read from the tied head's copy
+            def rows(ids: torch.Tensor) -> torch.Tensor:
+                return self.lm_head.rows(ids).to(self.dtype)
+        elif weight_format is not None:
             def rows(ids: torch.Tensor) -> torch.Tensor:
                 return weight_format.dequantize(*(part[ids] for part in self.embed_parts)).to(self.dtype)
         else:
+            table = self.w["embed_tokens"]
+
             def rows(ids: torch.Tensor) -> torch.Tensor:
                 return table[ids]
         if self.shard is None:

@@ -1,12 +1,13 @@
 """Resident memory of a serving process against its engine's weight bytes, per precision mode.
 
 For each mode: an engine built from the same checkpoint (the real default model unless
---random-model), then in a fresh process: the imports, RSS read (anonymous and file-backed, from
-/proc/self/status), an Executor on the engine with a small KV pool (--kv-tokens), one greedy request
-of a few tokens, RSS read again. The growth, less the KV pool's bytes, is what serving the weights
-costs; the ratio to `Engine.weight_bytes()` (the quantized weights with their scales) is 1.0 when
-the weights are held once and nothing else of size is. Beside it: how much of the growth is
-file-backed (pages of the mapped weights file still resident).
+--random-model), then in a fresh process: the imports and the native library loaded, memory read
+(/proc/self/smaps), an Executor on the engine with a small KV pool (--kv-tokens), one greedy
+request of a few tokens, memory read again. The resident weights are the anonymous growth less the
+KV pool's bytes plus the resident pages of the engine's weights file (a mapped tensor is read in
+place); the ratio to `Engine.weight_bytes()` (the weights as stored, quantized ones with their
+scales) is 1.0 when the weights are held once and nothing else of size is. Other file-backed growth
+(code pages of the libraries a first request touches) is shown apart.
 
     python -m samples.microbench.resident_memory [--modes fp32 bf16 int8 int4 int8+a8 int4+a8] [--kv-tokens 512]
 """
@@ -20,23 +21,52 @@ from samples.microbench.decode_step import MODES
 from samples.microbench.llama_cpp_compare import in_fresh_process
 
 
-def rss_kib() -> dict[str, int]:
-    """RssAnon and RssFile of this process, KiB."""
-    out = {}
-    with open("/proc/self/status") as f:
+def memory_kib(path: str) -> dict[str, int]:
+    """This process's resident KiB: "anonymous", "file" (other files' pages) and "path" (the mappings of
+    the file `path`), summed over /proc/self/smaps. "path" sums Pss, not Rss: each stored tensor is
+    its own mapping (runtime.loading.tensor_files), and the page two neighbours share is one page
+    of memory mapped twice, which Rss would count twice."""
+    out = {"anonymous": 0, "file": 0, "path": 0}
+    mapped = ""
+    with open("/proc/self/smaps") as f:
         for line in f:
-            key, _, value = line.partition(":")
-            if key in ("RssAnon", "RssFile"):
-                out[key] = int(value.split()[0])
+            fields = line.split()
+            if "-" in fields[0] and not fields[0].endswith(":"):   # a mapping's header line
+                mapped = fields[5] if len(fields) > 5 else ""
+            elif fields[0] == "Anonymous:":
+                out["anonymous"] += int(fields[1])
+            elif fields[0] == "Rss:" and mapped.startswith("/") and mapped != path:
+                out["file"] += int(fields[1])
+            elif fields[0] == "Pss:" and mapped == path:
+                out["path"] += int(fields[1])
     return out
 
 
-def serving_growth(engine_dir: str, kv_tokens: int) -> dict[str, int]:
-    """(RssAnon, RssFile) growth in bytes from before the Executor is built to after one request."""
-    import torch   # noqa: F401  (imported before the first reading: its own pages are not the engine's)
+def warm_process() -> None:
+    """What every mode's process loads before the first reading: torch's thread pool, the native library."""
+    import torch
+    from runtime.kernels.cpu.act_quant import act_quant_ops
+    from runtime.kernels.cpu.cpu_native import native_ops
+    native_ops(), act_quant_ops()
+    torch.ones(64, 64) @ torch.ones(64, 64)
 
+
+def growth_bytes(before: dict[str, int], after: dict[str, int], kv_bytes: int) -> dict[str, int]:
+    """The resident weights (anonymous growth less the KV pool, plus the weights file's pages) and
+    the other file-backed growth, bytes."""
+    anonymous = (after["anonymous"] - before["anonymous"]) * 1024 - kv_bytes
+    return {"resident": anonymous + (after["path"] - before["path"]) * 1024, "anonymous": anonymous,
+            "weights_file": (after["path"] - before["path"]) * 1024,
+            "other_file": (after["file"] - before["file"]) * 1024}
+
+
+def serving_growth(engine_dir: str, kv_tokens: int, kv_bytes: int) -> dict[str, int]:
+    """growth_bytes from before the Executor is built to after one request."""
+    warm_process()
     from batch_manager.executor import Executor, ExecutorConfig, KvCacheConfig, ModelType, Request
-    before = rss_kib()
+    from runtime.engine import ENGINE_WEIGHTS_FILE
+    path = os.path.realpath(os.path.join(engine_dir, ENGINE_WEIGHTS_FILE))
+    before = memory_kib(path)
     config = ExecutorConfig(kv_cache_config=KvCacheConfig(max_tokens=kv_tokens))
     with Executor(engine_dir, ModelType.DECODER_ONLY, config) as executor:
         request_id = executor.enqueue_request(Request(list(range(10, 26)), 8))
@@ -46,8 +76,8 @@ def serving_growth(engine_dir: str, kv_tokens: int) -> dict[str, int]:
                 if response.has_error():
                     raise RuntimeError(response.error_msg)
                 done = response.result.is_final
-        after = rss_kib()
-    return {key: (after[key] - before[key]) * 1024 for key in after}
+        after = memory_kib(path)
+    return growth_bytes(before, after, kv_bytes)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -61,8 +91,8 @@ def main(argv: list[str] | None = None) -> dict:
     from samples.microbench.weight_only import cpu_description
     source = random_model_dir() if args.random_model else real_model_gguf()
     results = {}
-    print(f"{cpu_description()}; resident growth of a serving process against its weight bytes "
-          f"(KV pool of {args.kv_tokens} tokens subtracted):")
+    print(f"{cpu_description()}; resident weights of a serving process (anonymous growth less the KV pool of "
+          f"{args.kv_tokens} tokens, plus the weights file's pages) against the weight bytes:")
     with tempfile.TemporaryDirectory() as work:
         for mode in args.modes:
             engine_dir = os.path.join(work, mode)
@@ -71,12 +101,12 @@ def main(argv: list[str] | None = None) -> dict:
             weight_bytes = engine.weight_bytes()
             kv_bytes = engine.kv_bytes_per_token() * args.kv_tokens
             del engine
-            growth = in_fresh_process(serving_growth, engine_dir, args.kv_tokens)
-            resident = growth["RssAnon"] + growth["RssFile"] - kv_bytes
-            results[mode] = {"weight_bytes": weight_bytes, "resident_bytes": resident, **growth}
-            print(f"  {mode:8s} weights {weight_bytes / 2**20:7.1f} MiB  resident {resident / 2**20:7.1f} MiB "
-                  f"({resident / weight_bytes:.2f}x; anonymous {growth['RssAnon'] / 2**20:.1f}, "
-                  f"file-backed {growth['RssFile'] / 2**20:.1f} MiB)")
+            growth = in_fresh_process(serving_growth, engine_dir, args.kv_tokens, kv_bytes)
+            results[mode] = {"weight_bytes": weight_bytes, **growth}
+            print(f"  {mode:8s} weights {weight_bytes / 2**20:7.1f} MiB  resident {growth['resident'] / 2**20:7.1f} "
+                  f"MiB ({growth['resident'] / weight_bytes:.3f}x; anonymous {growth['anonymous'] / 2**20:.1f}, "
+                  f"weights file {growth['weights_file'] / 2**20:.1f} MiB; other file-backed "
+                  f"{growth['other_file'] / 2**20:.1f} MiB)")
     return results
 
 

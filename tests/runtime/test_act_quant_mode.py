@@ -106,3 +106,40 @@ def test_a_tier_the_environment_names_but_cannot_run_is_a_config_error(checkpoin
     monkeypatch.setenv(isa_tiers.ENV_VAR, "avx1024")
     with pytest.raises(ConfigError, match=f"^{isa_tiers.ENV_VAR}: unknown ISA tier 'avx1024'"):
         ModelRunner(engine, 4)
+
+
+@pytest.mark.parametrize("fmt,group_size", [("int8", 0), ("int4", 32), ("int4", 64), ("int4", 128)])
+def test_packed_rows_equal_the_stored_rows(fmt, group_size):
+    """A tied table's lookup reads the repacked copy: the same float32 rows as the stored one."""
+    gen = torch.Generator().manual_seed(group_size)
+    weight = torch.randn(37, 256, generator=gen)   # 37: a last unit of 16 rows partly padding
+    parts = quantize_int8(weight) + (None,) if fmt == "int8" else quantize_int4(weight, group_size)
+    stored = QuantizedLinear(*parts, None).format.dequantize(*(p for p in parts if p is not None))
+    ids = torch.tensor([0, 36, 15, 16, 5, 5, 31, 32])
+    assert torch.equal(aq.packed_rows(aq.pack(*parts), ids), stored[ids])
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_a_repacked_weight_replaces_the_stored_one(tmp_path, fmt):
+    """act_quant: the model holds the repacked weights only; the tied table's lookup reads the
+    head's copy and gives the stored table's rows."""
+    if aq.act_quant_ops() is None:
+        pytest.skip("the act-quant kernels cannot run here")
+    make_checkpoint(tmp_path, "qwen2")  # ties lm_head to the embeddings
+    engine = Engine.from_dir(tmp_path, tokens_per_block=4, weight_only=fmt, group_size=32, act_quant="int8")
+    runner = ModelRunner(engine, 4)
+    model = runner.model
+    stored = {t.data_ptr() for name, t in engine.weights.items() if name.startswith(("embed_tokens", "layers."))
+              and t.dim() == 2}
+    held = model.weight_tensors()
+    assert not stored & {t.data_ptr() for t in held}
+    packed = [model.lm_head.packed, *(linear.packed for linear in model.linears.values())]
+    packed_bytes = sum(t.numel() * t.element_size() for p in packed for t in (p.packed, p.scale, p.minimum)
+                       if t is not None)
+    other_bytes = sum(t.numel() * t.element_size() for name, t in model.w.items() if "norm" in name or "bias" in name)
+    assert sum(t.numel() * t.element_size() for t in held) == packed_bytes + other_bytes
+    ids = torch.tensor([0, 3, 17, engine.model_config.vocab_size - 1])
+    weight_format = model.embed_format
+    expected = weight_format.dequantize(*(engine.weights[n][ids] for n in
+                                          ["embed_tokens", *("embed_tokens" + s for s in weight_format.suffixes)]))
+    assert torch.equal(model._embed(ids).float(), expected.to(model.dtype).float())

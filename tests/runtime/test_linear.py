@@ -84,14 +84,19 @@ def test_float16_weights_take_the_portable_kernel():
     assert default_cpu_impl(torch.bfloat16) == ("onednn" if onednn_available(torch.bfloat16) else "w_xt")
 
 
+@pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("impl", IMPLS)
-def test_weight_tensors_count_tied_head_once_unless_reordered(tmp_path, impl):
+def test_weight_tensors_count_tied_head_once_unless_reordered(tmp_path, monkeypatch, impl, native):
+    if not native:   # no native kernel: oneDNN's reordered weight is the one copy of each matmul weight
+        monkeypatch.setattr(linear_module, "native_ops", lambda: None)
     make_checkpoint(tmp_path, "qwen2")  # ties lm_head to the embeddings
     engine = Engine.from_dir(tmp_path, tokens_per_block=4)
     runner = ModelRunner(engine, num_blocks=4, linear_impl=impl)
     cfg = engine.model_config
     weights = runner.model.weight_tensors()
+    reordered = impl == "onednn" and runner.model.lm_head.plain is None
+    assert reordered == (impl == "onednn" and (not native or linear_module.native_ops() is None))
     assert sum(t.numel() * t.element_size() for t in weights) == (
         sum(t.numel() * t.element_size() for t in engine.weights.values())
         # A reordered head is a second copy of the [V, H] table, which the lookup still needs.
-        + (cfg.vocab_size * cfg.hidden_size * 4 if impl == "onednn" else 0))
+        + (cfg.vocab_size * cfg.hidden_size * 4 if reordered else 0))

@@ -115,6 +115,22 @@ def pack(weight: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None
     return PackedActWeight(packed, per_unit(scale), per_unit(minimum), n, k, group_size, INT4_CODE)
 
 
+def packed_rows(w: PackedActWeight, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` (int64 [T], each < w.n) of the weight `pack` repacked, de-quantized as the stored
+    format de-quantizes them (the same float32 products): float32 [T, k]. A tied table's lookup
+    reads the one copy the head holds."""
+    unit, lane, num_rows = ids // UNIT, ids % UNIT, ids.numel()
+    lanes = w.packed[unit, :, :, lane, :]                          # [T, k/32, 8 or 4, 4]
+    if w.format == INT8_CODE:
+        q = (lanes.reshape(num_rows, w.k).to(torch.int16) - 128).float()
+        return q * w.scale[ids][:, None]
+    nib = torch.cat([(lanes & 15).reshape(num_rows, -1, 16), (lanes >> 4).reshape(num_rows, -1, 16)], dim=2)
+    groups = w.k // w.group_size
+    q = nib.reshape(num_rows, groups, w.group_size).float()
+    scale, minimum = w.scale[unit, :, lane], w.minimum[unit, :, lane]   # [T, groups]
+    return (q * scale[..., None] + minimum[..., None]).reshape(num_rows, w.k)
+
+
 # ---- the native kernels -----------------------------------------------------------------------
 
 class ActLinearStruct(ctypes.Structure):

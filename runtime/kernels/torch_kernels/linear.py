@@ -27,8 +27,19 @@ second process against w_xt as the common yardstick: 1.61/1.24/1.15/1.00x).
 Generation steps of a few sequences are a matrix-vector product bound by reading the weights:
 there, wherever cpu_native.py can run (float32; BATCH_MANAGER_CPU_NATIVE=0 turns it off), inputs
 of at most NATIVE_MAX_ROWS rows go to the native kernel, which multiplies by the [out, in] weight
-as stored; larger ones to the impl above. NOTE: that [out, in] weight is the
-engine's own tensor (held as `Linear.plain`), so the native path adds no copy. Measured
+as stored; larger ones to the impl above.
+
+NOTE: one copy of each weight. Where the native kernel runs, the [out, in] weight it reads is the
+engine's own tensor (`Linear.plain`: an engine directory's mapped file pages) and oneDNN multiplies
+that same tensor above NATIVE_MAX_ROWS; oneDNN's reordered weight replaces it only where no native
+kernel runs. Measured on SmolLM2-135M float32 (AMD EPYC, AVX2, 1 thread, in one process,
+interleaved, best of 3, on a machine busy with other work: ratios only), ms per 1-row step / 32-row
+step / 512-token context step: plain + reordered (the two copies before) 223 / 1384 / 13831;
+plain, oneDNN on it 193 / 958 / 12549; plain, w_xt above 16 rows 203 / 1149 / 17169; reordered
+alone (no native kernel, so no fused step) 428 / 1474 / 11974. The reordered copy alone makes a
+one-stream step 2.2x slower (context steps within noise); the plain weight alone costs nothing
+measurable, and a serving process holds 1.0x the weight bytes instead of 2.04x
+(samples.microbench.resident_memory). Measured
 (samples.microbench.linear, every weight of the default model per pass, 2 threads, best of 15,
 ms native / oneDNN): 1 row 6.6 / 7.9, 4 rows 7.8 / 9.3, 8 rows 9.5 / 10.9, 12 rows 12.0 / 12.7,
 16 rows 13.8 / 14.8, 64 rows 40.5 / 38.9: the kernel is a dot product per (row, output) tile,
@@ -36,8 +47,10 @@ bound by the weight stream up to a few rows and by its FMA issue rate beyond; on
 GEMM wins at 64.
 
 bf16 weights (an engine in bfloat16): up to NATIVE_MAX_ROWS_BF16 rows the native bf16 kernel
-(cpu_native_bf16.py: half the bytes of float32, summed in float32), beyond it oneDNN's prepacked
-bf16 GEMM (AMX or AVX512-BF16 kernels, as the CPU has them; `w_xt` where this torch build has none).
+(cpu_native_bf16.py: half the bytes of float32, summed in float32), beyond it oneDNN's bf16 GEMM
+(AMX or AVX512-BF16 kernels, as the CPU has them; `w_xt` where this torch build has none), on the
+same [out, in] tensor (one copy, as for float32; on an AMX CPU oneDNN then lays the weight out per
+call: not measured, no AMX machine here).
 """
 from __future__ import annotations
 
@@ -126,11 +139,16 @@ class Linear:
         # bf16 weights: rows <= NATIVE_MAX_ROWS_BF16 take the native bf16 kernel (bias in float32).
         self.native_bf16 = bf16_ops() if device.type == "cpu" and weight.dtype == torch.bfloat16 else None
         self.bias_f32 = bias.float().contiguous() if self.native_bf16 is not None and bias is not None else None
+        # One copy of the weight (NOTE: at the top of this module): the [out, in] matrix where a
+        # native kernel reads it, oneDNN then multiplying that same tensor above its rows; oneDNN's
+        # reordered weight (replacing the original) only where no native kernel runs.
         self.plain = weight.contiguous() if self.native is not None or self.native_bf16 is not None else None
-        # NOTE: oneDNN's reordered weight replaces the original (same byte count); nothing else
-        # may read it as an [out, in] matrix.
-        self.weight = (torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
-                       if self.impl == "onednn" else weight)
+        if self.plain is not None:
+            self.weight = self.plain
+        elif self.impl == "onednn":   # nothing else may read it as an [out, in] matrix
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
+        else:
+            self.weight = weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in] -> [rows, out] (on CPU's w_xt path a transposed view of [out, rows])."""

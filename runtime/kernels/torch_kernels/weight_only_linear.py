@@ -24,7 +24,8 @@ class QuantizedLinear:
 
     act_quant "int8": x is quantized per block of 32 columns first and the products are integer
     (act_quant.py), at every row count: the native kernels over the weight repacked once here
-    (`packed`) on a CPU that runs them, act_quant's torch reference elsewhere."""
+    (`packed`, which then replaces the stored weight: `weight` and `parts` are its tensors) on a
+    CPU that runs them, act_quant's torch reference over the stored weight elsewhere."""
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None,
                  bias: torch.Tensor | None, act_quant: str | None = None):
@@ -34,18 +35,32 @@ class QuantizedLinear:
         self.bias = bias
         self.bias_f32 = None if bias is None else bias.float().contiguous()
         self.act_quant = act_quant
+        self.num_outputs = self.weight.shape[0]
+        self.max_native_rows = self.format.native_max_rows
         self.packed, self.act_kernel = None, None
         if act_quant is not None:
             act_ops = aq.act_quant_ops() if weight.device.type == "cpu" else None
             if act_ops is not None:
                 self.packed = aq.pack(weight, scale, minimum)
                 self.act_kernel = act_ops.bind(self.packed, self.bias_f32)
+        if self.act_kernel is not None:
+            # One copy: the repacked weight replaces the stored one (every row count runs on it;
+            # `rows` reads a tied table's lookups from it).
+            self.weight, self.scale, self.minimum = self.packed.packed, self.packed.scale, self.packed.minimum
+            self.parts = tuple(part for part in (self.scale, self.minimum) if part is not None)
+            self.ops = self.kernel = self.dequantize_kernel = None
+            return
         self.ops = weight_only_ops() if weight.device.type == "cpu" else None
-        self.num_outputs = self.weight.shape[0]
         self.kernel = (None if self.ops is None
                        else self.ops.bind(self.weight, self.scale, self.minimum, self.bias_f32))
         self.dequantize_kernel = None if self.ops is None else self.ops.dequantize_kernel(self.weight)
-        self.max_native_rows = self.format.native_max_rows
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` (int64 [T]) of the de-quantized weight: float32 [T, in] (a tied table's lookup
+        reads the head's one copy: the stored rows, or the repacked ones)."""
+        if self.packed is not None:
+            return aq.packed_rows(self.packed, ids)
+        return self.format.dequantize(*(t[ids] for t in (self.weight, *self.parts))).float()
 
     def _native(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         xf = x.float() if x.dtype != torch.float32 else x

@@ -1,0 +1,22 @@
+"""samples.microbench.gemv_bandwidth runs end to end on a small shape: every format this machine
+runs timed against the measured bandwidth."""
+from __future__ import annotations
+
+from runtime.kernels.cpu.act_quant import act_quant_ops
+from runtime.kernels.cpu.cpu_native import native_ops
+from samples.microbench import gemv_bandwidth
+
+
+def test_every_format_is_timed_against_the_bandwidth(capsys):
+    results = gemv_bandwidth.main(["--threads", "1", "--shapes", "64x128", "--bandwidth-gib", "0.01",
+                                   "--stream-mib", "1", "--repeats", "1"])
+    expected = set()
+    if native_ops() is not None:
+        expected |= {"float32", "bf16", "int8", "int4"}
+    if act_quant_ops() is not None:
+        expected |= {"int8+a8", "int4+a8"}
+    measured = results[1]
+    assert measured["bandwidth"] > 0
+    assert {name for _, name in measured["gemv"]} == expected
+    assert all(row["ms"] > 0 and row["bytes_per_s"] > 0 for row in measured["gemv"].values())
+    assert "of the bandwidth" in capsys.readouterr().out or not expected
