@@ -31,7 +31,6 @@ class WeightFormat(abc.ABC):
     weight_dtype: torch.dtype   # W's stored dtype; no two entries share one (the kernels' lookup key)
     suffixes: tuple[str, ...]   # the parts stored beside W; no two entries share a set (the names' lookup key)
     is_grouped: bool            # parts per group of BuildConfig.group_size input columns (else per output row)
-    native_max_rows: int        # rows up to which the native CPU kernel beats a GEMM on de-quantized tiles
 
     @property
     def native_code(self) -> int | None:

@@ -87,7 +87,4 @@ class Int4Format(WeightFormat):
 
 
 INT4 = Int4Format(name="int4", quant_mode=QuantMode.INT4_WEIGHTS | QuantMode.PER_GROUP, weight_dtype=torch.uint8,
-                  suffixes=("_scale", "_min"), is_grouped=True,
-                  # Measured on SmolLM2's shapes (1 thread, AVX-512, ms native / tiled): g32 at 16 rows
-                  # 1.18 / 1.25, at 24 1.79 / 1.57 (lm_head alike).
-                  native_max_rows=16)
+                  suffixes=("_scale", "_min"), is_grouped=True)

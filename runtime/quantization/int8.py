@@ -43,7 +43,4 @@ class Int8Format(WeightFormat):
 
 
 INT8 = Int8Format(name="int8", quant_mode=QuantMode.INT8_WEIGHTS | QuantMode.PER_CHANNEL, weight_dtype=torch.int8,
-                  suffixes=("_scale",), is_grouped=False,
-                  # Measured on SmolLM2's shapes (1 thread, AVX-512, ms native / tiled): 3072x576 at 24
-                  # rows 0.81 / 0.91, at 32 1.07 / 0.89 (lm_head alike).
-                  native_max_rows=24)
+                  suffixes=("_scale",), is_grouped=False)

@@ -91,6 +91,37 @@ def test_native_kernel_matches_reference(out, width, mode, group_size, isa):
 
 
 @needs_native
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("mode,group_size", [("int8", 32), ("int4", 32), ("int4", 64), ("int4", 128)])
+@pytest.mark.parametrize("rows", [16, 17, 64, 65, 512])
+def test_batch_gemm_matches_reference(rows, mode, group_size, isa):
+    """The fused de-quantize-and-multiply GEMM (from bm_wo::kGemmMinRows = 16 rows) on every tier:
+    outputs not a multiple of its 6-output tile nor of its 96-output chunk, columns a multiple of
+    32 but not of 256 (its column blocks), rows not a multiple of its panel; with a bias, added into
+    `out`, from strided rows."""
+    if isa_tiers.NAMES[isa] not in isa_tiers.cpu_tiers():
+        pytest.skip(f"this CPU lacks {isa}")
+    out, width = 301, 640
+    weight, scale, minimum = quantized(mode, out, width, group_size)
+    gen = torch.Generator().manual_seed(rows)
+    bias = torch.randn(out, generator=gen)
+    x = torch.randn(rows, width + 32, generator=gen)[:, :width]
+    ref = reference_linear(x, weight, scale, minimum, bias)
+    if mode == "int8":
+        y = OPS.int8_linear(x, weight, scale, bias, isa=isa)
+    else:
+        y = OPS.int4_linear(x, weight, scale, minimum, bias, isa=isa)
+    assert_matches(y, ref)
+    start = torch.randn(rows, out + 8, generator=gen)[:, :out]
+    summed = start.clone()
+    if mode == "int8":
+        OPS.int8_linear(x, weight, scale, None, out=summed, isa=isa)
+    else:
+        OPS.int4_linear(x, weight, scale, minimum, None, out=summed, isa=isa)
+    assert_matches(summed, start + reference_linear(x, weight, scale, minimum, None))
+
+
+@needs_native
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_native_kernel_adds_into_out_and_takes_strided_rows(mode):
     weight, scale, minimum = quantized(mode, 37, 64)

@@ -1,6 +1,7 @@
 """Weight-only int8 / int4 entry points of the native CPU layer (ops.cpp's bm_wo_*, over
-linear_weight_only.h): the few-row linear and the tile de-quantization of the many-row path,
-float32 activations. `weight_only_ops()` is None where they cannot run (no AVX2/FMA, no compiler,
+linear_weight_only.h, linear_weight_only_gemm.h): int8 / int4 weights with float32 activations at
+any row count (a GEMV below bm_wo::kGemmMinRows rows, a fused de-quantize-and-multiply GEMM from
+there). `weight_only_ops()` is None where they cannot run (no AVX2/FMA, no compiler,
 BATCH_MANAGER_CPU_NATIVE=0). Caller: weight_only_linear.py; tests hold them to its torch reference.
 
 Tiers: scalar, avx2, avx512 (isa.py); the best one at or below the cap (the `isa` argument, else
@@ -14,7 +15,7 @@ import ctypes
 import torch
 
 from . import cpu_native, isa as isa_tiers
-from .cpu_native import INT4_CODE, INT8_CODE, _ptr, quantized_code
+from .cpu_native import INT8_CODE, _ptr, quantized_code
 from .isa import Isa
 
 TIERS = (Isa.SCALAR, Isa.AVX2, Isa.AVX512)   # this family's kernels (linear_weight_only.h)
@@ -105,27 +106,6 @@ class WeightOnlyOps:
                    sums.data_ptr(), torch.get_num_threads(), level)
             return y
         return linear
-
-    def dequantize_kernel(self, weight: torch.Tensor):
-        """The row de-quantization kernel of a quantized weight's format (its native code):
-        dequant_int8 or dequant_int4, taken once when a linear is prepared."""
-        return {INT8_CODE: self.dequant_int8, INT4_CODE: self.dequant_int4}[quantized_code(weight)]
-
-    def dequant_int8(self, weight: torch.Tensor, scale: torch.Tensor, start: int, stop: int,
-                     out: torch.Tensor) -> torch.Tensor:
-        """float32 rows [start, stop) of the de-quantized weight into out [stop - start, in] (contiguous)."""
-        assert out.dtype == torch.float32 and out.is_contiguous() and out.shape == (stop - start, weight.shape[1])
-        self._lib.bm_wo_dequant_int8(weight.data_ptr(), scale.data_ptr(), start, stop, weight.shape[1],
-                                     out.data_ptr(), torch.get_num_threads())
-        return out
-
-    def dequant_int4(self, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, start: int, stop: int,
-                     out: torch.Tensor) -> torch.Tensor:
-        k = packed.shape[1] * 2
-        assert out.dtype == torch.float32 and out.is_contiguous() and out.shape == (stop - start, k)
-        self._lib.bm_wo_dequant_int4(packed.data_ptr(), scale.data_ptr(), minimum.data_ptr(), start, stop, k,
-                                     k // scale.shape[1], out.data_ptr(), torch.get_num_threads())
-        return out
 
 
 def weight_only_ops() -> WeightOnlyOps | None:

@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 HERE = Path(__file__).parent
 SOURCES = ("ops.cpp", "collectives.cpp", "decode_step.cpp", "blocks.cpp")
 HEADERS = ("isa.h", "formats.h", "vec.h", "norm_activation.h", "attention.h",
-           "linear_float.h", "linear_weight_only.h", "linear_act_quant.h",
+           "linear_float.h", "linear_weight_only.h", "linear_weight_only_gemm.h", "linear_act_quant.h",
            "quants_blocks.h", "linear_blocks.h", "linear_blocks_avx2.h", "format_table.h")
 CXX_FLAGS = ("-std=c++17", "-O3", "-march=native", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared")
 NAME = "cpu-native"
@@ -52,8 +52,6 @@ SIGNATURES: dict[str, tuple[list, object]] = {
     "bm_bf16_has_dot_product": ([], _INT),
     "bm_wo_int8_linear": ([_P, _I64, _I64, _P, _P, _I64, _I64, _P, _P, _I64, _INT, _INT, _INT], None),
     "bm_wo_int4_linear": ([_P, _I64, _I64, _P, _P, _P, _I64, _I64, _I64, _P, _P, _I64, _INT, _P, _INT, _INT], None),
-    "bm_wo_dequant_int8": ([_P, _P, _I64, _I64, _I64, _P, _INT], None),
-    "bm_wo_dequant_int4": ([_P, _P, _P, _I64, _I64, _I64, _I64, _P, _INT], None),
     "bm_aq_quantize": ([_P, _I64, _I64, _P, _P, _P], None),
     "bm_aq_linear": ([_P, _P, _I64, _P, _I64, _INT, _INT, _INT], None),
     "bm_blk_format_info": ([_INT, _P], _INT),

@@ -12,8 +12,10 @@
 //       int8: y[r, o] (+)= scale[o] * sum_b d[r, b] * (sum_{j in b} w[o, j] q[r, j]) (+ bias[o])
 //       int4: y[r, o] (+)= sum_b d[r, b] * (scale[o, g] * (sum_{j in b} nib[o, j] q[r, j])
 //                                             + min[o, g] * s[r, b]) (+ bias[o]),  g = b * 32 / gs
-//       n0 a multiple of kActUnit, n1 too or n1 == n; any number of rows (blocks of up to 8 share
-//       each weight vector load). Single-threaded: callers split the units over threads.
+//       n0 a multiple of kActUnit, n1 too or n1 == n; any number of rows (blocks of up to V::kRows
+//       share each weight vector load; at batch the units go in panels of kPanelBytes of weights,
+//       each met by every row block while it sits in L2). Single-threaded: callers split the units
+//       over threads.
 //   Packed layouts (act_quant.pack builds them once at load; n_units = ceil(n / 16), rows past n are
 //   zero weights with zero scales), per unit of 16 output rows and per 32-column block b:
 //       int8: 8 vectors of 64 bytes; vector j, lane i (output 16u + i) holds w[o, 32b + 4j .. +3] + 128
@@ -138,6 +140,7 @@ struct Avx2Base {
 
 struct Avx2 : Avx2Base {
   static constexpr bool kBiased8 = false;
+  static constexpr int kRows = 6;   // rows per block: 8 spills the int8 sums out of the 16 ymm registers
   // s16 products: nibble (<= 15) x q (|q| <= 127), 2 per maddubs lane, 8 maddubs per block: <= 30480.
   static I acc4(I acc, I u, I q) { return _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, q)); }
   static I done4(I acc) { return _mm256_madd_epi16(acc, _mm256_set1_epi16(1)); }
@@ -152,6 +155,7 @@ struct Avx2 : Avx2Base {
 #ifdef __AVXVNNI__
 struct AvxVnni : Avx2Base {
   static constexpr bool kBiased8 = true;
+  static constexpr int kRows = 8;
   static I acc4(I acc, I u, I q) { return _mm256_dpbusd_avx_epi32(acc, u, q); }
   static I done4(I acc) { return acc; }
   static I acc8(I acc, I wb, I q) { return _mm256_dpbusd_avx_epi32(acc, wb, q); }
@@ -164,6 +168,7 @@ struct Avx512Vnni {
   using F = __m512;
   static constexpr int L = 16;
   static constexpr bool kBiased8 = true;
+  static constexpr int kRows = 8;
   static I zero() { return _mm512_setzero_si512(); }
   static I load(const uint8_t* p) { return _mm512_loadu_si512((const void*)p); }
   static I bcast(const int8_t* p) { return _mm512_set1_epi32(load_i32(p)); }
@@ -254,33 +259,42 @@ void unit_rows(const ActLinear& a, int64_t unit, const int8_t* q, const float* d
   for (int r = 0; r < R; ++r) finish_unit(out[r], a.bias, y + r * ldy, o0, o1, accumulate);
 }
 
-// Rows in blocks of up to 8 (the row loop outside, so a block's activations stay in L1 over the units).
+// Weight bytes of the units that one pass of row blocks covers (kept in L2 while every row block
+// of the call meets them: at batch the weights are read from memory once, not once per row block).
+constexpr int64_t kPanelBytes = 128 << 10;
+
+// Rows in blocks of up to V::kRows (the row loop inside a panel of units, so a block's activations
+// stay in L1 over the panel's units and the panel's weights in L2 over the row blocks). A row's
+// arithmetic does not depend on the blocking: every split of rows and units gives the same numbers.
 template <class V>
 void range_rows(const ActLinear& a, const int8_t* q, const float* d, const int32_t* s, int64_t rows,
                 float* y, int64_t ldy, int accumulate, int64_t u0, int64_t u1) {
   const int64_t blocks = a.k / kBlock;
-  for (int64_t r0 = 0; r0 < rows; r0 += 8) {
-    const int64_t R = std::min<int64_t>(8, rows - r0);
-    const int8_t* qr = q + r0 * a.k;
-    const float* dr = d + r0 * blocks;
-    const int32_t* sr = s + r0 * blocks;
-    float* yr = y + r0 * ldy;
-    for (int64_t u = u0; u < u1; ++u) {
-      switch (R) {
-        case 1: unit_rows<V, 1>(a, u, qr, dr, sr, yr, ldy, accumulate); break;
-        case 2: unit_rows<V, 2>(a, u, qr, dr, sr, yr, ldy, accumulate); break;
-        case 3: unit_rows<V, 3>(a, u, qr, dr, sr, yr, ldy, accumulate); break;
-        case 4: unit_rows<V, 4>(a, u, qr, dr, sr, yr, ldy, accumulate); break;
-        case 5: unit_rows<V, 5>(a, u, qr, dr, sr, yr, ldy, accumulate); break;
-        case 6: unit_rows<V, 6>(a, u, qr, dr, sr, yr, ldy, accumulate); break;
-        case 7: unit_rows<V, 7>(a, u, qr, dr, sr, yr, ldy, accumulate); break;
-        default: unit_rows<V, 8>(a, u, qr, dr, sr, yr, ldy, accumulate); break;
+  const int64_t unit_bytes = kActUnit * a.k / (a.format == bm::kWeightInt8 ? 1 : 2);
+  const int64_t panel_units = std::max<int64_t>(1, kPanelBytes / unit_bytes);
+  for (int64_t p0 = u0; p0 < u1; p0 += panel_units) {
+    const int64_t p1 = std::min(u1, p0 + panel_units);
+    for (int64_t r0 = 0; r0 < rows; r0 += V::kRows) {
+      const int64_t R = std::min<int64_t>(V::kRows, rows - r0);
+      const int8_t* qr = q + r0 * a.k;
+      const float* dr = d + r0 * blocks;
+      const int32_t* sr = s + r0 * blocks;
+      float* yr = y + r0 * ldy;
+      for (int64_t u = p0; u < p1; ++u) {
+        switch (R) {
+          case 1: unit_rows<V, 1>(a, u, qr, dr, sr, yr, ldy, accumulate); break;
+          case 2: unit_rows<V, 2>(a, u, qr, dr, sr, yr, ldy, accumulate); break;
+          case 3: unit_rows<V, 3>(a, u, qr, dr, sr, yr, ldy, accumulate); break;
+          case 4: unit_rows<V, 4>(a, u, qr, dr, sr, yr, ldy, accumulate); break;
+          case 5: unit_rows<V, 5>(a, u, qr, dr, sr, yr, ldy, accumulate); break;
+          case 6: unit_rows<V, 6>(a, u, qr, dr, sr, yr, ldy, accumulate); break;
+          case 7: unit_rows<V, 7>(a, u, qr, dr, sr, yr, ldy, accumulate); break;
+          default: unit_rows<V, 8>(a, u, qr, dr, sr, yr, ldy, accumulate); break;
+        }
       }
     }
   }
 }
-
-
 
 inline void quantize_rows(const float* x, int64_t rows, int64_t k, int8_t* q, float* d, int32_t* s) {
   const int64_t blocks = k / kBlock;

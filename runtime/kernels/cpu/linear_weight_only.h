@@ -32,6 +32,7 @@ struct Scalar {
   static constexpr bool kLut = false;
   static F zero() { return 0.f; }
   static F load(const float* p) { return *p; }
+  static void store(float* p, F v) { *p = v; }
   static F set1(float v) { return v; }
   static F fma(F a, F b, F c) { return a * b + c; }
   static float hsum(F v) { return v; }
@@ -45,6 +46,7 @@ struct Avx2 {
   static constexpr bool kLut = false;
   static F zero() { return _mm256_setzero_ps(); }
   static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
   static F set1(float v) { return _mm256_set1_ps(v); }
   static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static float hsum(F v) {
@@ -77,6 +79,7 @@ struct Avx512 {
   }
   static F zero() { return _mm512_setzero_ps(); }
   static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
   static F set1(float v) { return _mm512_set1_ps(v); }
   static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static float hsum(F v) { return _mm512_reduce_add_ps(v); }

@@ -22,8 +22,9 @@
 //               (attention.h); _int8: k_scales, v_scales float32 [num_blocks, tpb, kvH];
 //               block_tables int32 [B, bt_stride]; seq_lens int64 [B]; window < 0 means none.
 //   bm_token_bitmask: logits[rows[i], v] = -inf where bit v % 32 of bitmask[i, v / 32] is clear.
-//   bm_wo_*: the weight-only linears (linear_weight_only.h) and their row de-quantization into
-//               out [n1 - n0, k] contiguous (the many-row path multiplies them with torch's GEMM).
+//   bm_wo_*: the weight-only linears: the GEMV ranges (linear_weight_only.h) below
+//               bm_wo::kGemmMinRows rows, the fused de-quantize-and-multiply GEMM
+//               (linear_weight_only_gemm.h) from there.
 //   bm_aq_*: the int8-activation linears (linear_act_quant.h).
 //   isa arguments: a bm::Isa cap (isa.h); each family runs its best tier at or below it.
 #include <omp.h>
@@ -37,6 +38,7 @@
 #include "linear_act_quant.h"
 #include "linear_float.h"
 #include "linear_weight_only.h"
+#include "linear_weight_only_gemm.h"
 #include "norm_activation.h"
 #include "vec.h"
 
@@ -161,12 +163,18 @@ extern "C" void bm_wo_int8_linear(const float* x, int64_t rows, int64_t ldx, con
                                   int64_t n, int64_t k, const float* bias, float* y, int64_t ldy, int accumulate,
                                   int num_threads, int isa) {
   const bm_wo::Int8Args a{x, ldx, w, scale, n, k, bias, y, ldy, accumulate};
-  bm_wo::parallel_linear<bm_wo::Int8Args, bm_wo::Int8K>(a, rows, isa, num_threads);
+  if (rows >= bm_wo::kGemmMinRows) bm_wo::gemm(a, rows, isa, num_threads);
+  else bm_wo::parallel_linear<bm_wo::Int8Args, bm_wo::Int8K>(a, rows, isa, num_threads);
 }
 
 extern "C" void bm_wo_int4_linear(const float* x, int64_t rows, int64_t ldx, const uint8_t* w, const uint16_t* scale,
                                   const uint16_t* min, int64_t n, int64_t k, int64_t gs, const float* bias, float* y,
                                   int64_t ldy, int accumulate, float* xsum, int num_threads, int isa) {
+  if (rows >= bm_wo::kGemmMinRows) {
+    const bm_wo::Int4Args a{x, ldx, w, scale, min, n, k, gs, bias, y, ldy, accumulate, nullptr};
+    bm_wo::gemm(a, rows, isa, num_threads);
+    return;
+  }
   const int64_t groups = k / gs;
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t g = 0; g < groups; ++g) {
@@ -176,35 +184,6 @@ extern "C" void bm_wo_int4_linear(const float* x, int64_t rows, int64_t ldx, con
     }
   const bm_wo::Int4Args a{x, ldx, w, scale, min, n, k, gs, bias, y, ldy, accumulate, xsum};
   bm_wo::parallel_linear<bm_wo::Int4Args, bm_wo::Int4K>(a, rows, isa, num_threads);
-}
-
-extern "C" void bm_wo_dequant_int8(const int8_t* w, const float* scale, int64_t n0, int64_t n1, int64_t k,
-                                   float* out, int num_threads) {
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-  for (int64_t o = n0; o < n1; ++o) {
-    const float s = scale[o];
-    float* dst = out + (o - n0) * k;
-#pragma omp simd
-    for (int64_t t = 0; t < k; ++t) dst[t] = (float)w[o * k + t] * s;
-  }
-}
-
-extern "C" void bm_wo_dequant_int4(const uint8_t* w, const uint16_t* scale, const uint16_t* min, int64_t n0, int64_t n1,
-                                   int64_t k, int64_t gs, float* out, int num_threads) {
-  const int64_t groups = k / gs, half = gs / 2;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-  for (int64_t o = n0; o < n1; ++o) {
-    float* dst = out + (o - n0) * k;
-    for (int64_t g = 0; g < groups; ++g) {
-      const float d = bm::half_to_float(scale[o * groups + g]), m = bm::half_to_float(min[o * groups + g]);
-      const uint8_t* b = w + o * (k / 2) + g * half;
-#pragma omp simd
-      for (int64_t j = 0; j < half; ++j) {
-        dst[g * gs + j] = (float)(b[j] & 15) * d + m;
-        dst[g * gs + half + j] = (float)(b[j] >> 4) * d + m;
-      }
-    }
-  }
 }
 
 // ---- int8 activations ----

@@ -14,13 +14,15 @@ from .torch_dense import weight_only_linear
 # NOTE: torch's aten._weight_int8pack_mm (bf16 activations) is not used: measured slower than the
 # native kernel with bf16 activations too (1 thread, AVX-512, ms native / aten: 1536x576 1 row
 # 0.038 / 0.052, 8 rows 0.171 / 0.198; 49152x576 1 row 1.02 / 1.67, 8 rows 4.37 / 6.23).
-# Output channels de-quantized at a time on the many-row path (a float32 tile of 256 x 1536 is 1.5 MiB).
+# Output channels de-quantized at a time on the torch path (no native kernels on this CPU).
 TILE_OUTPUTS = 256
 
 
 class QuantizedLinear:
-    """`x @ W^T + bias` for a quantized W on W's device: the native kernel up to its format's
-    native_max_rows rows on CPU, torch's GEMM on de-quantized tiles above (and the torch reference off CPU).
+    """`x @ W^T + bias` for a quantized W on W's device: on a CPU with the native kernels, at every
+    row count their GEMV (few rows) or fused de-quantize-and-multiply GEMM (linear_weight_only_gemm.h:
+    a bounded per-thread float32 buffer, no de-quantized copy of the weight); torch's GEMM on
+    de-quantized tiles on a CPU without them; the torch reference off CPU.
 
     act_quant "int8": x is quantized per block of 32 columns first and the products are integer
     (act_quant.py), at every row count: the native kernels over the weight repacked once here
@@ -36,7 +38,6 @@ class QuantizedLinear:
         self.bias_f32 = None if bias is None else bias.float().contiguous()
         self.act_quant = act_quant
         self.num_outputs = self.weight.shape[0]
-        self.max_native_rows = self.format.native_max_rows
         self.packed, self.act_kernel = None, None
         if act_quant is not None:
             act_ops = aq.act_quant_ops() if weight.device.type == "cpu" else None
@@ -48,12 +49,11 @@ class QuantizedLinear:
             # `rows` reads a tied table's lookups from it).
             self.weight, self.scale, self.minimum = self.packed.packed, self.packed.scale, self.packed.minimum
             self.parts = tuple(part for part in (self.scale, self.minimum) if part is not None)
-            self.ops = self.kernel = self.dequantize_kernel = None
+            self.ops = self.kernel = None
             return
         self.ops = weight_only_ops() if weight.device.type == "cpu" else None
         self.kernel = (None if self.ops is None
                        else self.ops.bind(self.weight, self.scale, self.minimum, self.bias_f32))
-        self.dequantize_kernel = None if self.ops is None else self.ops.dequantize_kernel(self.weight)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` (int64 [T]) of the de-quantized weight: float32 [T, in] (a tied table's lookup
@@ -67,10 +67,7 @@ class QuantizedLinear:
         return self.kernel(xf if xf.stride(1) == 1 else xf.contiguous(), out)
 
     def _dequantized_tile(self, start: int, stop: int) -> torch.Tensor:
-        if self.ops is None:
-            return self.format.dequantize(*(t[start:stop] for t in (self.weight, *self.parts)))
-        tile = torch.empty(stop - start, self.format.input_width(self.weight))
-        return self.dequantize_kernel(self.weight, *self.parts, start, stop, tile)
+        return self.format.dequantize(*(t[start:stop] for t in (self.weight, *self.parts)))
 
     def _tiled(self, x: torch.Tensor) -> torch.Tensor:
         """[rows, in] -> [rows, out] as a transposed view of [out, rows] (consumers take strided inputs)."""
@@ -90,7 +87,7 @@ class QuantizedLinear:
                 return self.act_kernel(x.float()).to(x.dtype)
             return aq.int8_act_linear_reference(x.float(), self.weight, self.scale, self.minimum,
                                                 self.bias_f32).to(x.dtype)
-        if self.ops is not None and x.shape[0] <= self.max_native_rows:
+        if self.ops is not None:
             y = self._native(x)
             return y if x.dtype == torch.float32 else y.to(x.dtype)
         if self.ops is None and x.device.type != "cpu":
@@ -103,7 +100,6 @@ class QuantizedLinear:
             return self.act_kernel(x.float(), residual)
         if self.act_quant is not None:
             return residual + self(x)
-        if (self.ops is not None and x.shape[0] <= self.max_native_rows and residual.dtype == torch.float32
-                and residual.stride(1) == 1):
+        if self.ops is not None and residual.dtype == torch.float32 and residual.stride(1) == 1:
             return self._native(x, out=residual)
         return residual + self(x)

@@ -86,7 +86,7 @@ def test_quantizer_matches_reference_exactly():
 
 @pytest.mark.parametrize("isa", list(ISAS))
 @pytest.mark.parametrize("fmt,gs,k", FORMATS)
-@pytest.mark.parametrize("rows", [1, 3, 8, 17])
+@pytest.mark.parametrize("rows", [1, 3, 8, 16, 17, 64, 65])
 def test_integer_path_exact(isa, fmt, gs, k, rows):
     require(isa)
     gen = torch.Generator().manual_seed(rows * 1000 + k + gs)
@@ -104,8 +104,24 @@ def test_integer_path_exact(isa, fmt, gs, k, rows):
 
 
 @pytest.mark.parametrize("isa", list(ISAS))
+@pytest.mark.parametrize("fmt,gs", [("int8", 0), ("int4", 32), ("int4", 128)])
+@pytest.mark.parametrize("rows", [17, 512])
+def test_batch_panels_exact(isa, fmt, gs, rows):
+    """At batch the units are taken in panels of kPanelBytes of weights, every row block per panel:
+    31 units of 640 columns span three panels of int8 (two of int4); the last unit half empty."""
+    require(isa)
+    k, n = 640, 16 * 30 + 8
+    gen = torch.Generator().manual_seed(rows + gs)
+    x = exact_activations(rows, k, gen)
+    weight, scale, minimum = exact_weights(fmt, gs, n, k, gen)
+    bias = torch.randint(-32, 33, (n,), generator=gen).float() / 4
+    ref = int8_act_linear_reference(x, weight, scale, minimum, bias)
+    assert torch.equal(OPS.act_linear(x, pack(weight, scale, minimum), bias, isa=isa), ref)
+
+
+@pytest.mark.parametrize("isa", list(ISAS))
 @pytest.mark.parametrize("fmt,gs,k", FORMATS)
-@pytest.mark.parametrize("rows", [1, 3, 8, 17])
+@pytest.mark.parametrize("rows", [1, 3, 8, 17, 64])
 def test_random_to_float_rounding(isa, fmt, gs, k, rows):
     require(isa)
     gen = torch.Generator().manual_seed(rows * 1000 + k + gs + 1)
