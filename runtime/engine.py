@@ -1,8 +1,10 @@
 """Engine directories: load (engine dir, HF checkpoint dir or GGUF file) and save (the build step).
 
 An engine directory holds `engine.json` ({"format", "version", "model": ModelConfig,
-"build": BuildConfig}) and `weights.safetensors` with the canonical weight names in the build
-dtype (a weight-only build: the quantized matmul weights and their parts, runtime.quantization).
+"build": BuildConfig}, and "weight_formats" where weights are kept in GGUF block formats) and
+`weights.safetensors` with the canonical weight names in the build dtype (a weight-only build: the
+quantized matmul weights and their parts, runtime.quantization; kept blocks: each weight's row
+segments, runtime.quantization.block_weights, their formats recorded in "weight_formats").
 An HF checkpoint directory (`config.json` + safetensors), a `.gguf` file or a directory holding
 exactly one (runtime.loading.gguf_checkpoint) is accepted wherever an engine directory is; its
 limits then come from `default_build_config` plus any overrides.
@@ -27,8 +29,9 @@ from .precision import QuantMode, resolve_dtype
 from .parallel.pipeline import StageLayers, StagePlan
 from .parallel.tensor_shard import TensorShard, num_local_kv_heads
 from .quantization import lookup_build
+from .quantization.block_weights import is_segment, stored_block_layout, weight_formats
 from .quantization.stored import quantize_weights, stored_layout
-from .loading.weights import Weights, check_weights, load_engine_weights, load_hf_weights
+from .loading.weights import Weights, check_weights, expected_shapes, load_engine_weights, load_hf_weights
 
 if TYPE_CHECKING:
     from .loading.gguf_checkpoint import GgufCheckpoint
@@ -116,6 +119,9 @@ class Engine:
         save_file(tensors, os.path.join(directory, ENGINE_WEIGHTS_FILE), metadata={"format": ENGINE_FORMAT})
         config = {"format": ENGINE_FORMAT, "version": ENGINE_VERSION,
                   "model": self.model_config.to_dict(), "build": self.build_config.to_dict()}
+        formats = weight_formats({name: tuple(t.shape) for name, t in self.weights.items()})
+        if formats:
+            config["weight_formats"] = formats
         with open(os.path.join(directory, ENGINE_CONFIG_FILE), "w") as f:
             json.dump(config, f, indent=2)
 
@@ -190,6 +196,8 @@ def _load_engine_dir(directory: str, overrides: dict, shard: TensorShard | tuple
     build.validated(model)
     model, build, shard, stage = _settled(model, build, shard, plan)
     stored = _stored_weight_only(data["build"], build, model)
+    if "weight_formats" in data:   # GGUF blocks kept: each weight's row segments, as they are
+        stored.update(stored_block_layout(data["weight_formats"], expected_shapes(model), ENGINE_CONFIG_FILE))
     path, dtype = os.path.join(directory, ENGINE_WEIGHTS_FILE), TORCH_DTYPES[model.dtype]
     if stored:   # built quantized: the rank's slices of the stored tensors, as they are
         weights, num_bytes_read = load_engine_weights(path, model, dtype, shard, stored, stage)
@@ -257,14 +265,35 @@ def _gguf_source(path: str) -> str | None:
 
 def _load_gguf(checkpoint: GgufCheckpoint, source: str, overrides: dict,
                shard: TensorShard | tuple[int, int] | None, plan: StagePlan | None) -> Engine:
-    """The weights de-quantized to the build dtype; `source`: the path the caller gave."""
+    """The weights in the build dtype, the matmul weights' blocks kept where the build's
+    weight_format (resolved here) says; `source`: the path the caller gave."""
     model = checkpoint.model_config
-    model, build, shard, stage = _settled(model, default_build_config(model, **overrides), shard, plan)
-    dtype = TORCH_DTYPES[model.dtype]
-    weights, num_bytes_read = _read_quantized(
-        lambda s: (check_weights(checkpoint.read_weights(dtype), model, dtype, checkpoint.path, s, stage),
-                   checkpoint.num_bytes_read), model, build, shard)
+    build = with_weight_format(default_build_config(model, **overrides))
+    model, build, shard, stage = _settled(model, build, shard, plan)
+    dtype, keep = TORCH_DTYPES[model.dtype], build.weight_format == "keep"
+
+    def read(s: TensorShard | None) -> tuple[Weights, int]:
+        raw = checkpoint.read_weights(dtype, keep_blocks=keep)
+        kept = {name: (t.dtype, tuple(t.shape)) for name, t in raw.items() if is_segment(name)}
+        return check_weights(raw, model, dtype, checkpoint.path, s, stage, kept), checkpoint.num_bytes_read
+
+    weights, num_bytes_read = _read_quantized(read, model, build, shard)
     return Engine(model, build, weights, source, shard, num_bytes_read, stage)
+
+
+def with_weight_format(build: BuildConfig) -> BuildConfig:
+    """`build` with weight_format "auto" resolved: keep a GGUF file's blocks where the native block
+    kernels run on this machine and no weight_only mode is asked for, else de-quantize.
+
+    NOTE: without the native kernels a kept weight is de-quantized tile by tile at every step
+    (torch), many times slower at one stream than a de-quantized engine's GEMV (README, "GGUF
+    files"), so "auto" keeps blocks only where they run natively; "keep" forces them (tests,
+    memory-bound deployments)."""
+    if build.weight_format != "auto":
+        return build
+    from .kernels.torch_kernels.block_linear import block_ops
+    keep = build.weight_only is None and block_ops() is not None
+    return dataclasses.replace(build, weight_format="keep" if keep else "dequantize")
 
 
 def build_engine(checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike, **build_fields) -> Engine:
