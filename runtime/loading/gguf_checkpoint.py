@@ -13,7 +13,7 @@ import os
 import torch
 
 from ..config import ConfigError
-from ..quantization.block_weights import segment_name
+from ..quantization.block_weights import can_hold_blocks, segment_name
 from ..quantization.gguf_blocks import FLOAT_TYPE_IDS, BlockFormat, format_of_type
 from .gguf_archs import ROPE_FREQS, model_config_from_gguf
 from .gguf_file import GgufFile
@@ -40,11 +40,6 @@ LAYER_TO_GGUF = {
     "mlp_in": (("ffn_gate", "ffn_up"), ("ffn_up",)),         # ffn_up alone: fused gate-up (Phi-3) or no gate
     "mlp_out": (("ffn_down",),),
 }
-
-
-# canonical weights that may be kept as blocks: the matmuls (the embedding's rows are read by the lookup)
-BLOCK_WEIGHT_SUFFIXES = (".qkv.weight", ".out.weight", ".mlp_in.weight", ".mlp_out.weight")
-BLOCK_WEIGHT_NAMES = ("embed_tokens", "lm_head")
 
 
 def find_gguf(path: str | os.PathLike) -> str | None:
@@ -149,7 +144,7 @@ class GgufCheckpoint:
         """Each part's block format where canonical weight `name` is kept as blocks; None: read as
         floats (not a matmul weight, or a part stored as floats: the whole weight is de-quantized).
         WeightError naming the GGUF tensor for a quantized type this runtime does not run."""
-        if not (name in BLOCK_WEIGHT_NAMES or name.endswith(BLOCK_WEIGHT_SUFFIXES)):
+        if not can_hold_blocks(name):
             return None
         formats = []
         for gguf_name, shape in parts:

@@ -23,8 +23,15 @@ from .format import Ranges
 from .gguf_blocks import BlockFormat, block_format
 
 SEGMENT_MARK = "@"
+# the canonical weights that may be held as blocks: the matmuls and the embedding table
+BLOCK_WEIGHT_SUFFIXES = (".qkv.weight", ".out.weight", ".mlp_in.weight", ".mlp_out.weight")
+BLOCK_WEIGHT_NAMES = ("embed_tokens", "lm_head")
 # format -> rows of one segment, in order; a whole weight's record in engine.json
 FormatRecord = str | list[list]
+
+
+def can_hold_blocks(name: str) -> bool:
+    return name in BLOCK_WEIGHT_NAMES or (name.startswith("layers.") and name.endswith(BLOCK_WEIGHT_SUFFIXES))
 
 
 def segment_name(base: str, index: int, fmt: BlockFormat) -> str:
@@ -96,10 +103,10 @@ def stored_block_layout(record: object, expected: Mapping[str, tuple[int, ...]],
         raise ConfigError(f"{where}: weight_formats: expected an object, got {type(record).__name__}")
     layout = {}
     for base, entry in record.items():
-        if base not in expected or len(expected[base]) != 2:
+        if base not in expected or not can_hold_blocks(base):
             raise ConfigError(f"{where}: weight_formats: {base!r} is not a matmul weight of this model")
         rows, columns = expected[base]
-        segments = [(entry, rows)] if isinstance(entry, str) else entry
+        segments = [[entry, rows]] if isinstance(entry, str) else entry
         if not isinstance(segments, list) or not all(isinstance(s, list) and len(s) == 2 for s in segments):
             raise ConfigError(f"{where}: weight_formats: {base!r}: expected a format or [[format, rows], ...]")
         counts = [n for _, n in segments]
