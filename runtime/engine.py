@@ -29,7 +29,7 @@ from .precision import QuantMode, resolve_dtype
 from .parallel.pipeline import StageLayers, StagePlan
 from .parallel.tensor_shard import TensorShard, num_local_kv_heads
 from .quantization import lookup_build
-from .quantization.block_weights import is_segment, stored_block_layout, weight_formats
+from .quantization.block_weights import dequantize_segments, is_segment, stored_block_layout, weight_formats
 from .quantization.stored import quantize_weights, stored_layout
 from .loading.weights import Weights, check_weights, expected_shapes, load_engine_weights, load_hf_weights
 
@@ -188,19 +188,28 @@ def _load_engine_dir(directory: str, overrides: dict, shard: TensorShard | tuple
                           f"({ENGINE_FORMAT!r}, {ENGINE_VERSION})")
     if not isinstance(data.get("model"), dict) or not isinstance(data.get("build"), dict):
         raise ConfigError(f"{ENGINE_CONFIG_FILE}: 'model' and 'build' must be objects")
+    if overrides.get("weight_only") is not None and data["build"].get("weight_format") == "keep":
+        overrides = {"weight_format": "dequantize", **overrides}   # kept blocks, quantized as asked
     try:
         model = model_config_from_dict(data["model"])
         build = BuildConfig.from_dict({**data["build"], **overrides})
     except TypeError as e:
         raise ConfigError(f"{ENGINE_CONFIG_FILE}: {e}") from None
     build.validated(model)
+    if "weight_formats" in data:
+        build = with_weight_format(build)
     model, build, shard, stage = _settled(model, build, shard, plan)
     stored = _stored_weight_only(data["build"], build, model)
-    if "weight_formats" in data:   # GGUF blocks kept: each weight's row segments, as they are
-        stored.update(stored_block_layout(data["weight_formats"], expected_shapes(model), ENGINE_CONFIG_FILE))
+    blocks = ({} if "weight_formats" not in data   # GGUF blocks kept: each weight's row segments
+              else stored_block_layout(data["weight_formats"], expected_shapes(model), ENGINE_CONFIG_FILE))
     path, dtype = os.path.join(directory, ENGINE_WEIGHTS_FILE), TORCH_DTYPES[model.dtype]
-    if stored:   # built quantized: the rank's slices of the stored tensors, as they are
-        weights, num_bytes_read = load_engine_weights(path, model, dtype, shard, stored, stage)
+    if blocks and build.weight_format != "keep":   # de-quantized (then quantized) as the load asks
+        def read(s: TensorShard | None) -> tuple[Weights, int]:
+            weights, num_bytes = load_engine_weights(path, model, dtype, s, blocks, stage)
+            return dequantize_segments(weights, dtype), num_bytes
+        weights, num_bytes_read = _read_quantized(read, model, build, shard)
+    elif stored or blocks:   # built quantized or kept: the rank's slices of the stored tensors, as they are
+        weights, num_bytes_read = load_engine_weights(path, model, dtype, shard, {**stored, **blocks}, stage)
     else:
         weights, num_bytes_read = _read_quantized(lambda s: load_engine_weights(path, model, dtype, s, stage=stage),
                                                   model, build, shard)

@@ -125,19 +125,25 @@ def real_model_gguf() -> str:
 
 
 def real_model_dir(cache_dir: str | None = None) -> str:
-    """SmolLM2-135M-Instruct as an engine directory (float32 weights de-quantized from the GGUF,
-    tokenizer files beside them), built on first use; keyed by the GGUF's size and mtime."""
-    from runtime.engine import ENGINE_CONFIG_FILE, build_engine
+    """SmolLM2-135M-Instruct as an engine directory (tokenizer files beside the weights), built on
+    first use; keyed by the GGUF's size and mtime and by what its blocks become: its Q4_1 / Q8_0
+    blocks kept where the native block kernels run here (weight_format "auto"), else float32
+    weights de-quantized from them (README, "GGUF files")."""
+    from runtime.config import BuildConfig
+    from runtime.engine import ENGINE_CONFIG_FILE, build_engine, with_weight_format
     from samples.quality.reference import SOURCE_FILE
     gguf_path = real_model_gguf()
     stat = os.stat(gguf_path)
-    # The leaf is the model's name (what the serving sample calls the model); its parent keys the build.
-    parent = os.path.join(_cache_dir(cache_dir), f"smollm2-{stat.st_size}-{int(stat.st_mtime)}")
+    weight_format = with_weight_format(BuildConfig()).weight_format
+    # The leaf is the model's name (what the serving sample calls the model); its parent keys the build
+    # (a kept build's key says so: a cache built de-quantized before the kernels ran is not reused).
+    keep = "-keep" if weight_format == "keep" else ""
+    parent = os.path.join(_cache_dir(cache_dir), f"smollm2-{stat.st_size}-{int(stat.st_mtime)}{keep}")
     os.makedirs(parent, exist_ok=True)
     directory = os.path.join(parent, REAL_MODEL_NAME)
 
     def write(tmp: str) -> None:
-        build_engine(gguf_path, tmp, dtype="float32", max_seq_len=2048)
+        build_engine(gguf_path, tmp, dtype="float32", max_seq_len=2048, weight_format=weight_format)
         with open(os.path.join(tmp, SOURCE_FILE), "w") as f:   # transformers' baselines load the GGUF itself
             json.dump({"gguf": gguf_path}, f)
 

@@ -150,6 +150,14 @@ def padded_segments(weights: Mapping[str, torch.Tensor], base: str, num_rows: in
     return out
 
 
+def dequantize_segments(weights: Mapping[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """`weights` with every block weight de-quantized back under its canonical name, in `dtype`."""
+    out = {name: t for name, t in weights.items() if not is_segment(name)}
+    for base in block_bases(weights):
+        out[base] = torch.cat([fmt.dequantize(weights[name]) for name, fmt in segments_of(weights, base)]).to(dtype)
+    return out
+
+
 def dequantize_rows(weights: Mapping[str, torch.Tensor], base: str, ids: torch.Tensor) -> torch.Tensor:
     """float32 [len(ids), columns]: rows `ids` of block weight `base`, only those de-quantized (the
     embedding lookup; one segment, as a GGUF stores token_embd)."""

@@ -128,6 +128,13 @@ def test_a_kept_engine_is_built_recorded_and_reloaded(mix_path, tmp_path):
     assert loaded.weights.keys() == built.weights.keys()
     assert all(torch.equal(loaded.weights[name], built.weights[name]) for name in built.weights)
     assert torch.equal(context_logits(loaded, PROMPTS[0]), context_logits(built, PROMPTS[0]))
+    # loaded as other precisions: the kept blocks de-quantized (and quantized) as asked
+    floats = Engine.from_dir(tmp_path / "engine", weight_format="dequantize")
+    dequantized = Engine.from_dir(mix_path, weight_format="dequantize", tokens_per_block=8)
+    assert floats.weights.keys() == dequantized.weights.keys() and not block_bases(floats.weights)
+    assert all(torch.equal(floats.weights[name], dequantized.weights[name]) for name in floats.weights)
+    int8 = Engine.from_dir(tmp_path / "engine", weight_only="int8")
+    assert int8.build_config.weight_format == "dequantize" and int8.weights["lm_head"].dtype == torch.int8
     # an engine built de-quantized records no formats and loads as before
     build_engine(mix_path, tmp_path / "old", weight_format="dequantize", tokens_per_block=8)
     assert "weight_formats" not in json.loads((tmp_path / "old" / "engine.json").read_text())
