@@ -2,7 +2,8 @@
 renamed by the gguf package's own name map, laid out as llama.cpp stores them (LLaMA's Q/K rows
 permuted, GPT-2's Conv1D weights transposed, fused QKV reordered to [q, k, v]), with the metadata
 keys llama.cpp writes and a small byte-level BPE vocabulary; each matmul weight in a chosen tensor
-type. Also raw single-tensor files for the de-quantization tests."""
+type. Also raw single-tensor files for the de-quantization tests, and ReferenceBlockOps (the native
+block kernels' API in float32) for tests of the kept-block paths."""
 from __future__ import annotations
 
 import os
@@ -226,3 +227,27 @@ def write_tensors(path: str | os.PathLike, tensors: dict[str, tuple[np.ndarray, 
 def state_dict_copy(model) -> dict[str, torch.Tensor]:
     """A transformers model's tensors, each its own copy (tied ones too), for save_file."""
     return {name: t.detach().clone().contiguous() for name, t in model.state_dict().items()}
+
+
+class ReferenceBlockOps:
+    """The native block kernels' API (runtime.kernels.cpu.blocks.BlockOps) in float32 from the
+    de-quantized blocks, recording each call's (op, format, rows): a stand-in where a test needs the
+    native dispatch without the library."""
+
+    def __init__(self):
+        self.calls = []
+
+    def linear(self, x, blocks, fmt, k, bias=None, out=None, accumulate=False, isa=None):
+        from runtime.quantization.gguf_blocks import BLOCK_FORMATS
+        assert x.dtype == torch.float32 and x.is_contiguous() and blocks.dtype == torch.uint8
+        assert BLOCK_FORMATS[fmt].columns(blocks.shape[1]) == k == x.shape[1]
+        self.calls.append(("linear", fmt, x.shape[0]))
+        y = torch.nn.functional.linear(x, BLOCK_FORMATS[fmt].dequantize(blocks), bias)
+        if out is None:
+            return y
+        return out.add_(y) if accumulate else out.copy_(y)
+
+    def dequantize(self, blocks, fmt, k, start, stop, out=None):
+        from runtime.quantization.gguf_blocks import BLOCK_FORMATS
+        self.calls.append(("dequantize", fmt, stop - start))
+        return BLOCK_FORMATS[fmt].dequantize(blocks[start:stop])

@@ -1,7 +1,7 @@
 """BlockLinear (runtime.kernels.torch_kernels.block_linear): a weight of row segments in different
 block formats against F.linear of its de-quantized weight, on the de-quantized-tile path (every
 row count; also where the native block kernels run, above their row limit) and through the
-native kernels' API (a recording stand-in with their signature), bias and accumulation too."""
+native kernels' API (ReferenceBlockOps: a recording stand-in with their signature), bias and accumulation too."""
 from __future__ import annotations
 
 import numpy as np
@@ -13,6 +13,7 @@ from runtime.kernels import get_kernels
 from runtime.kernels.torch_kernels import block_linear
 from runtime.kernels.torch_kernels.block_linear import NATIVE_MAX_ROWS, TILE_OUTPUTS, BlockLinear
 from runtime.quantization.gguf_blocks import BLOCK_FORMATS
+from tests.runtime.gguf_factories import ReferenceBlockOps
 
 
 def segments(names: list[str], rows: list[int], columns: int, seed: int = 0):
@@ -26,31 +27,6 @@ def segments(names: list[str], rows: list[int], columns: int, seed: int = 0):
 
 def dequantized(parts) -> torch.Tensor:
     return torch.cat([fmt.dequantize(blocks) for fmt, blocks in parts])
-
-
-class RecordingOps:
-    """The native block kernels' API (runtime.kernels.cpu.blocks.BlockOps) computed in float32 from
-    the de-quantized blocks; records each call's format and row count."""
-
-    def __init__(self):
-        self.calls = []
-
-    def linear(self, x, blocks, fmt, k, bias=None, out=None, accumulate=False, isa=None):
-        assert x.dtype == torch.float32 and x.is_contiguous() and blocks.dtype == torch.uint8
-        self.calls.append(("linear", fmt, x.shape[0]))
-        y = F.linear(x, BLOCK_FORMATS[fmt].dequantize(blocks), bias)
-        assert BLOCK_FORMATS[fmt].columns(blocks.shape[1]) == k
-        if out is None:
-            return y
-        if accumulate:
-            out += y
-        else:
-            out.copy_(y)
-        return out
-
-    def dequantize(self, blocks, fmt, k, start, stop, out=None):
-        self.calls.append(("dequantize", fmt, stop - start))
-        return BLOCK_FORMATS[fmt].dequantize(blocks[start:stop])
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 17, 300])
@@ -70,7 +46,7 @@ def test_mixed_segments_match_the_dequantized_weight_on_tiles(monkeypatch, rows)
 
 
 def test_the_native_kernels_take_few_rows_per_segment_and_tiles_take_many(monkeypatch):
-    ops = RecordingOps()
+    ops = ReferenceBlockOps()
     monkeypatch.setattr(block_linear, "block_ops", lambda: ops)
     parts = segments(["q4_1", "q5_0"], [48, 16], 256, seed=1)
     bias = torch.randn(64)
@@ -86,7 +62,7 @@ def test_the_native_kernels_take_few_rows_per_segment_and_tiles_take_many(monkey
 
 
 def test_one_segment_accumulates_into_the_residual_natively(monkeypatch):
-    ops = RecordingOps()
+    ops = ReferenceBlockOps()
     monkeypatch.setattr(block_linear, "block_ops", lambda: ops)
     parts = segments(["q8_0"], [40], 64, seed=2)
     linear = BlockLinear(parts, None)
