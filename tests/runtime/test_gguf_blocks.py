@@ -142,6 +142,17 @@ def test_a_kept_engine_is_built_recorded_and_reloaded(mix_path, tmp_path):
     assert not block_bases(old.weights) and old.weights["layers.0.qkv.weight"].dtype == torch.float32
 
 
+def test_the_build_command_keeps_blocks_when_asked(mix_path, tmp_path):
+    from runtime.build import main
+    assert main(["--checkpoint", mix_path, "--output", str(tmp_path / "kept"), "--weight-format", "keep"]) == 0
+    assert "lm_head" in json.loads((tmp_path / "kept" / "engine.json").read_text())["weight_formats"]
+    # rebuilt without the flag, an engine directory keeps its recorded choice
+    assert main(["--checkpoint", str(tmp_path / "kept"), "--output", str(tmp_path / "again")]) == 0
+    assert "weight_formats" in json.loads((tmp_path / "again" / "engine.json").read_text())
+    assert main(["--checkpoint", mix_path, "--output", str(tmp_path / "bad"), "--weight-format", "keep",
+                 "--weight-only", "int8"]) == 2
+
+
 def test_weight_only_and_dtype_still_apply_to_a_gguf_file(mix_path):
     int8 = Engine.from_dir(mix_path, weight_only="int8")
     assert int8.build_config.weight_format == "dequantize" and int8.weights["layers.0.qkv.weight"].dtype == torch.int8
