@@ -5,13 +5,17 @@ built with keep and reloaded (engine.json's weight_formats), older engine direct
 rule, tensor-parallel slices by whole blocks and the refusal of a split that cuts one, the fused
 step declining, and hostile files (NaN / infinite scales, types we do not run, partial blocks).
 
-Tolerance: where the native block kernels run (runtime.kernels.cpu.blocks) the matmuls quantize
-their activations to 8 bits, and logits agree with float32 to 3 % of their largest magnitude;
-without them the kept weights are de-quantized exactly and multiplied in float32: 1e-3."""
+Tolerances: on de-quantized tiles (the block kernels off) the kept weights are exact and multiplied in
+float32: logits within 1e-3 of the de-quantized file's, greedy tokens equal. On the native block
+kernels (runtime.kernels.cpu.blocks: inputs quantized to 8 bits, as llama.cpp's) against the same
+arithmetic in torch (float64 sums): 2 % of the largest logit (a last-bit difference in an input can
+move one of its 8-bit levels, and this widened random model amplifies that), greedy tokens equal;
+against float32 only loosely (the 8-bit inputs' ~0.5 % per linear grows to several % here)."""
 from __future__ import annotations
 
 import json
 import struct
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -25,7 +29,7 @@ from runtime.kernels.torch_kernels.block_linear import BlockLinear, block_ops
 from runtime.quantization.block_weights import block_bases, parse_segment, segments_of
 from runtime.quantization.gguf_blocks import BLOCK_FORMATS
 from tests import factories
-from tests.runtime.gguf_factories import Q, k_quant_blocks, random_blocks, write_gguf
+from tests.runtime.gguf_factories import Q, ReferenceBlockOps, k_quant_blocks, random_blocks, write_gguf
 
 NUM_NEW_TOKENS = 6
 PROMPTS = ([5, 17, 99, 42, 7, 64, 3, 88], [120, 4, 33])
@@ -67,12 +71,36 @@ def greedy(engine: Engine, prompt: list[int]) -> list[int]:
 
 
 def assert_runs_like_dequantized(kept: Engine, dequantized: Engine) -> None:
-    exact = block_ops() is None
+    """Tiles: logits within 1e-3 of the de-quantized engine's, the same greedy tokens. Native: the
+    native kernels' logits within 2 % of the largest of the same model whose matmuls run their
+    arithmetic in torch (ReferenceBlockOps with 8-bit inputs), the same greedy tokens."""
+    native = any(isinstance(linear, BlockLinear) and linear.ops is not None
+                 for linear in ModelRunner(kept, 4).model.linears.values())
     for prompt in PROMPTS:
-        expected = context_logits(dequantized, prompt)
-        atol = 1e-3 if exact else 0.03 * float(expected.abs().max())
-        torch.testing.assert_close(context_logits(kept, prompt), expected, atol=atol, rtol=1e-3 if exact else 0)
-        assert greedy(kept, prompt) == greedy(dequantized, prompt)
+        if not native:
+            tokens = greedy(dequantized, prompt)
+            torch.testing.assert_close(context_logits(kept, tokens), context_logits(dequantized, tokens),
+                                       atol=1e-3, rtol=1e-3)
+            assert greedy(kept, prompt) == tokens
+            continue
+        tokens = greedy(kept, prompt)
+        got = context_logits(kept, tokens)
+        with mock.patch.object(block_linear, "block_ops", lambda: ReferenceBlockOps(quantized_inputs=True)):
+            expected = context_logits(kept, tokens)
+            assert greedy(kept, prompt) == tokens
+        torch.testing.assert_close(got, expected, atol=0.02 * float(expected.abs().max()), rtol=0)
+        # and near the de-quantized model (8-bit inputs: each linear within ~0.5-0.8 % of its largest output)
+        assert float((got - context_logits(dequantized, tokens)).abs().max()) < 0.2 * float(expected.abs().max())
+
+
+@pytest.fixture(params=["tiles", "native"])
+def matmul_path(request, monkeypatch):
+    """The kept matmuls on de-quantized tiles (block kernels off) or on the native block kernels."""
+    if request.param == "tiles":
+        monkeypatch.setattr(block_linear, "block_ops", lambda: None)
+    elif block_ops() is None:
+        pytest.skip("the native block kernels do not run here")
+    return request.param
 
 
 def formats_of(engine: Engine) -> dict[str, list[str]]:
@@ -85,7 +113,7 @@ def mix_path(tmp_path_factory) -> str:
 
 
 @pytest.mark.parametrize("name", BLOCK_FORMATS)
-def test_each_format_runs_kept_like_the_dequantized_file(tmp_path, name):
+def test_each_format_runs_kept_like_the_dequantized_file(tmp_path, name, matmul_path):
     path = block_llama(tmp_path / f"{name}.gguf", lambda _: name, seed=1, tie_word_embeddings=True)
     kept = Engine.from_dir(path, weight_format="keep", tokens_per_block=8)
     dequantized = Engine.from_dir(path, weight_format="dequantize", tokens_per_block=8)
@@ -100,7 +128,7 @@ def test_each_format_runs_kept_like_the_dequantized_file(tmp_path, name):
     assert_runs_like_dequantized(kept, dequantized)
 
 
-def test_a_q4_k_m_mix_keeps_each_tensor_in_its_own_format(mix_path):
+def test_a_q4_k_m_mix_keeps_each_tensor_in_its_own_format(mix_path, matmul_path):
     kept = Engine.from_dir(mix_path, weight_format="keep", tokens_per_block=8)
     formats = formats_of(kept)
     assert formats["layers.0.qkv.weight"] == ["q4_k", "q6_k"]   # q and k in Q4_K, v in Q6_K

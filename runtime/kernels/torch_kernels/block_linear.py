@@ -56,24 +56,22 @@ class BlockLinear:
         self.bias = bias
         self.bias_f32 = None if bias is None else bias.float().contiguous()
         self.ops = block_ops() if self.weight.device.type == "cpu" else None
+        # per segment: the native linear bound once (its checks and constant arguments), or None
+        self.kernels = ([self.ops.bind(blocks, fmt.name, self.in_features, self._segment_bias(first, last))
+                         for fmt, blocks, first, last in self.segments] if self.ops is not None else None)
 
     def _segment_bias(self, first: int, last: int) -> torch.Tensor | None:
         return None if self.bias_f32 is None else self.bias_f32[first:last]
 
     def _native(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """float32 [rows, out] (into `out`, accumulated, where given) by the native kernels."""
-        xf = x.float().contiguous()
-        if out is not None:
-            fmt, blocks, first, last = self.segments[0]
-            return self.ops.linear(xf, blocks, fmt.name, self.in_features, bias=self._segment_bias(first, last),
-                                   out=out, accumulate=True)
-        if len(self.segments) == 1:
-            fmt, blocks, first, last = self.segments[0]
-            return self.ops.linear(xf, blocks, fmt.name, self.in_features, bias=self._segment_bias(first, last))
-        y = torch.empty(x.shape[0], self.num_outputs, dtype=torch.float32)
-        for fmt, blocks, first, last in self.segments:
-            y[:, first:last] = self.ops.linear(xf, blocks, fmt.name, self.in_features,
-                                               bias=self._segment_bias(first, last))
+        """float32 [rows, out] by the native kernels, each segment into its columns (strided rows);
+        into `out`, accumulated, where given."""
+        xf = x.float()
+        xf = xf if xf.stride(1) == 1 else xf.contiguous()
+        accumulate = out is not None
+        y = out if accumulate else torch.empty(x.shape[0], self.num_outputs, dtype=torch.float32)
+        for kernel, (_, _, first, last) in zip(self.kernels, self.segments):
+            kernel(xf, y[:, first:last], accumulate)
         return y
 
     def _dequantized_tile(self, fmt: BlockFormat, blocks: torch.Tensor, start: int, stop: int) -> torch.Tensor:
@@ -107,9 +105,9 @@ class BlockLinear:
         return self._tiled(x)
 
     def add_to(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """residual + self(x), into `residual` (float32, rows contiguous, one segment) where the
-        native kernel runs, else a new tensor."""
-        if (self.ops is not None and x.shape[0] <= NATIVE_MAX_ROWS and len(self.segments) == 1
-                and residual.dtype == torch.float32 and residual.stride(1) == 1):
+        """residual + self(x), into `residual` (float32, rows contiguous) where the native kernels
+        run, else a new tensor."""
+        if (self.ops is not None and x.shape[0] <= NATIVE_MAX_ROWS and residual.dtype == torch.float32
+                and residual.stride(1) == 1):
             return self._native(x, out=residual)
         return residual + self(x)
