@@ -277,12 +277,13 @@ def _load_gguf(checkpoint: GgufCheckpoint, source: str, overrides: dict,
     """The weights in the build dtype, the matmul weights' blocks kept where the build's
     weight_format (resolved here) says; `source`: the path the caller gave."""
     model = checkpoint.model_config
-    build = with_weight_format(default_build_config(model, **overrides))
-    model, build, shard, stage = _settled(model, build, shard, plan)
+    asked = default_build_config(model, **overrides)
+    model, build, shard, stage = _settled(model, with_weight_format(asked), shard, plan)
     dtype, keep = TORCH_DTYPES[model.dtype], build.weight_format == "keep"
 
     def read(s: TensorShard | None) -> tuple[Weights, int]:
-        raw = checkpoint.read_weights(dtype, keep_blocks=keep)
+        # auto: a weight in a quantized type without a kept format is de-quantized; keep: refused
+        raw = checkpoint.read_weights(dtype, keep_blocks=keep, strict=asked.weight_format == "keep")
         kept = {name: (t.dtype, tuple(t.shape)) for name, t in raw.items() if is_segment(name)}
         return check_weights(raw, model, dtype, checkpoint.path, s, stage, kept), checkpoint.num_bytes_read
 

@@ -79,16 +79,18 @@ class GgufCheckpoint:
     def num_bytes_read(self) -> int:
         return self.file.num_bytes_read
 
-    def read_weights(self, dtype: torch.dtype, keep_blocks: bool = False) -> dict[str, torch.Tensor]:
+    def read_weights(self, dtype: torch.dtype, keep_blocks: bool = False, strict: bool = True
+                     ) -> dict[str, torch.Tensor]:
         """Every canonical tensor of the config, de-quantized to `dtype` (WeightError naming the GGUF
         tensor when one is missing or misshaped). keep_blocks: a matmul weight whose GGUF tensors
-        are all in block formats is kept as its row segments (uint8; a type this runtime does not
-        run is a WeightError naming the tensor, a block with a NaN or infinite scale too)."""
+        are all in block formats is kept as its row segments (uint8; a block with a NaN or infinite
+        scale is a WeightError naming the tensor); a part in another quantized type is a WeightError
+        naming it when `strict` (keep asked for), else the weight is de-quantized (auto)."""
         cfg, used = self.model_config, set()
         weights = {}
         for name, shape in expected_shapes(cfg).items():
             parts = self._parts(name, shape)
-            formats = self._kept_formats(name, parts) if keep_blocks else None
+            formats = self._kept_formats(name, parts, strict) if keep_blocks else None
             if formats is not None:
                 weights.update(self._segments(name, parts, formats))
             else:
@@ -140,7 +142,8 @@ class GgufCheckpoint:
         tensor = self.file.read(gguf_name)   # float32: the permutation, then one cast
         return self._unpermuted(tensor, gguf_name).to(dtype)
 
-    def _kept_formats(self, name: str, parts: list[tuple[str, tuple[int, ...]]]) -> list[BlockFormat] | None:
+    def _kept_formats(self, name: str, parts: list[tuple[str, tuple[int, ...]]], strict: bool
+                      ) -> list[BlockFormat] | None:
         """Each part's block format where canonical weight `name` is kept as blocks; None: read as
         floats (not a matmul weight, or a part stored as floats: the whole weight is de-quantized).
         WeightError naming the GGUF tensor for a quantized type this runtime does not run."""
@@ -150,7 +153,7 @@ class GgufCheckpoint:
         for gguf_name, shape in parts:
             info = self._info(gguf_name, shape, name)
             fmt = format_of_type(info.type_id)
-            if fmt is None and info.type_id not in FLOAT_TYPE_IDS:
+            if fmt is None and info.type_id not in FLOAT_TYPE_IDS and strict:
                 raise WeightError(f"{self.path}: tensor {gguf_name!r}: type {info.type_name} is not a block format "
                                   f"this runtime runs (q8_0, q4_0, q4_1, q5_0, q4_k, q5_k, q6_k); load it with "
                                   "weight_format='dequantize' (--weight-format dequantize) to de-quantize it")

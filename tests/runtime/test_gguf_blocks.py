@@ -239,7 +239,7 @@ def test_a_nan_or_infinite_scale_is_refused_naming_the_tensor(tmp_path):
 
 
 @pytest.mark.parametrize("kind", [Q.Q2_K, Q.IQ2_XXS, Q.Q5_1])
-def test_a_type_we_do_not_run_is_refused_naming_the_tensor(tmp_path, kind):
+def test_a_type_we_do_not_run_is_refused_naming_the_tensor(tmp_path, kind, monkeypatch):
     def stored(name: str, w: np.ndarray):
         if name == "blk.0.ffn_gate.weight":
             blocks = k_quant_blocks(kind, *w.shape) if kind == Q.Q2_K else random_blocks(kind, *w.shape)
@@ -249,6 +249,11 @@ def test_a_type_we_do_not_run_is_refused_naming_the_tensor(tmp_path, kind):
     path = write_gguf(tmp_path / "odd.gguf", "llama", factories.hf_model("llama", 0, **SHAPE), stored)
     with pytest.raises(WeightError, match=rf"'blk\.0\.ffn_gate\.weight': type {kind.name} is not a block format"):
         Engine.from_dir(path, weight_format="keep")
+    if kind == Q.Q2_K:   # asked for nothing (auto, where the kernels run): that weight alone de-quantized
+        monkeypatch.setattr(block_linear, "block_ops", lambda: ReferenceBlockOps())
+        engine = Engine.from_dir(path)
+        assert engine.weights["layers.0.mlp_in.weight"].dtype == torch.float32
+        assert "layers.0.qkv.weight" in formats_of(engine) and "layers.1.mlp_in.weight" in formats_of(engine)
 
 
 def test_rows_of_partial_blocks_are_refused_naming_the_tensor(tmp_path, mix_path):
