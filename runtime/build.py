@@ -7,7 +7,8 @@ import sys
 
 from .config import BuildConfig, ConfigError
 from .engine import build_engine
-from .precision import ACT_QUANT_MODES, BUILD_DTYPES, GROUP_SIZES, KV_CACHE_DTYPES, WEIGHT_ONLY_SKIPPABLE, QuantMode
+from .precision import (ACT_QUANT_MODES, BUILD_DTYPES, GROUP_SIZES, KV_CACHE_DTYPES, WEIGHT_FORMATS,
+                        WEIGHT_ONLY_SKIPPABLE, QuantMode)
 from .loading.weights import WeightError
 from .quantization import supported_formats
 
@@ -22,6 +23,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="auto: bfloat16 where the loading machine has AMX-BF16 / AVX512-BF16 or CUDA, else float32")
     p.add_argument("--weight-only", choices=list(supported_formats()), default=None,
                    help="int8 (a scale per output channel) or int4 (a scale per group of input columns) weights")
+    p.add_argument("--weight-format", choices=list(WEIGHT_FORMATS), default=None,
+                   help="a GGUF file's quantized blocks: keep (the matmuls run in the file's formats, one per "
+                        "tensor), dequantize (every tensor in --dtype), auto (keep where the native block "
+                        "kernels run on this machine; the default, or an engine directory's recorded choice)")
     p.add_argument("--group-size", type=int, default=defaults.group_size, choices=list(GROUP_SIZES))
     p.add_argument("--weight-only-skip", action="append", choices=list(WEIGHT_ONLY_SKIPPABLE), default=[],
                    help="keep this layer in --dtype (repeatable)")
@@ -51,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
                   weight_only=args.weight_only, group_size=args.group_size,
                   weight_only_skip=tuple(args.weight_only_skip), kv_cache_dtype=args.kv_cache_dtype,
                   act_quant=args.act_quant)
+    if args.weight_format is not None:
+        fields["weight_format"] = args.weight_format
     if args.max_seq_len is not None:
         fields["max_seq_len"] = args.max_seq_len
     if args.max_input_len is not None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import ConfigError
-from .precision import ACT_QUANT_BLOCK, BUILD_DTYPES, check_precision_fields
+from .precision import ACT_QUANT_BLOCK, BUILD_DTYPES, WEIGHT_FORMATS, check_precision_fields
 
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")   # what runs; a build may also say "auto"
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16",
@@ -227,6 +227,7 @@ class BuildConfig:
     kv_cache_scale: str | None = None       # "block_head" | "token_head": recorded by the loader that chose it
     act_quant: str | None = None            # None | "int8": the weight-only matmuls' activations quantized per
                                             # block of 32 columns (integer dot products; needs weight_only)
+    weight_format: str = "auto"             # a GGUF file's blocks: auto | keep | dequantize (runtime.precision)
 
     def validated(self, model: ModelConfig | None = None) -> "BuildConfig":
         for name in ("max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens",
@@ -238,6 +239,7 @@ class BuildConfig:
         from .quantization.registry import lookup_build, supported_formats   # NOTE: lazy: keeps this module torch-free
         check_precision_fields(self.weight_only, supported_formats(), self.group_size, self.weight_only_skip,
                                self.kv_cache_dtype, self.kv_cache_scale, ConfigError, self.act_quant)
+        self._check_weight_format()
         if self.max_input_len > self.max_seq_len:
             raise ConfigError(f"max_input_len: {self.max_input_len} exceeds max_seq_len {self.max_seq_len}")
         if model is not None and self.max_seq_len > model.max_position_embeddings \
@@ -249,6 +251,14 @@ class BuildConfig:
         if model is not None and self.act_quant is not None:
             self._check_act_quant_widths(model)
         return self
+
+    def _check_weight_format(self) -> None:
+        if self.weight_format not in WEIGHT_FORMATS:
+            raise ConfigError(f"weight_format: unsupported value {self.weight_format!r}; supported: "
+                              f"{', '.join(map(repr, WEIGHT_FORMATS))}")
+        if self.weight_format == "keep" and self.weight_only is not None:
+            raise ConfigError(f"weight_format: 'keep' runs a GGUF file's blocks as they are; weight_only "
+                              f"{self.weight_only!r} re-quantizes de-quantized weights: choose one")
 
     def _check_act_quant_widths(self, model: ModelConfig) -> None:
         """ConfigError naming act_quant and the model's field unless every input width of the weight-only

@@ -1,8 +1,10 @@
 """Engine directories: load (engine dir, HF checkpoint dir or GGUF file) and save (the build step).
 
 An engine directory holds `engine.json` ({"format", "version", "model": ModelConfig,
-"build": BuildConfig}) and `weights.safetensors` with the canonical weight names in the build
-dtype (a weight-only build: the quantized matmul weights and their parts, runtime.quantization).
+"build": BuildConfig}, and "weight_formats" where weights are kept in GGUF block formats) and
+`weights.safetensors` with the canonical weight names in the build dtype (a weight-only build: the
+quantized matmul weights and their parts, runtime.quantization; kept blocks: each weight's row
+segments, runtime.quantization.block_weights, their formats recorded in "weight_formats").
 An HF checkpoint directory (`config.json` + safetensors), a `.gguf` file or a directory holding
 exactly one (runtime.loading.gguf_checkpoint) is accepted wherever an engine directory is; its
 limits then come from `default_build_config` plus any overrides.
@@ -27,8 +29,9 @@ from .precision import QuantMode, resolve_dtype
 from .parallel.pipeline import StageLayers, StagePlan
 from .parallel.tensor_shard import TensorShard, num_local_kv_heads
 from .quantization import lookup_build
+from .quantization.block_weights import dequantize_segments, is_segment, stored_block_layout, weight_formats
 from .quantization.stored import quantize_weights, stored_layout
-from .loading.weights import Weights, check_weights, load_engine_weights, load_hf_weights
+from .loading.weights import Weights, check_weights, expected_shapes, load_engine_weights, load_hf_weights
 
 if TYPE_CHECKING:
     from .loading.gguf_checkpoint import GgufCheckpoint
@@ -116,6 +119,9 @@ class Engine:
         save_file(tensors, os.path.join(directory, ENGINE_WEIGHTS_FILE), metadata={"format": ENGINE_FORMAT})
         config = {"format": ENGINE_FORMAT, "version": ENGINE_VERSION,
                   "model": self.model_config.to_dict(), "build": self.build_config.to_dict()}
+        formats = weight_formats({name: tuple(t.shape) for name, t in self.weights.items()})
+        if formats:
+            config["weight_formats"] = formats
         with open(os.path.join(directory, ENGINE_CONFIG_FILE), "w") as f:
             json.dump(config, f, indent=2)
 
@@ -182,17 +188,28 @@ def _load_engine_dir(directory: str, overrides: dict, shard: TensorShard | tuple
                           f"({ENGINE_FORMAT!r}, {ENGINE_VERSION})")
     if not isinstance(data.get("model"), dict) or not isinstance(data.get("build"), dict):
         raise ConfigError(f"{ENGINE_CONFIG_FILE}: 'model' and 'build' must be objects")
+    if overrides.get("weight_only") is not None and data["build"].get("weight_format") == "keep":
+        overrides = {"weight_format": "dequantize", **overrides}   # kept blocks, quantized as asked
     try:
         model = model_config_from_dict(data["model"])
         build = BuildConfig.from_dict({**data["build"], **overrides})
     except TypeError as e:
         raise ConfigError(f"{ENGINE_CONFIG_FILE}: {e}") from None
     build.validated(model)
+    if "weight_formats" in data:
+        build = with_weight_format(build)
     model, build, shard, stage = _settled(model, build, shard, plan)
     stored = _stored_weight_only(data["build"], build, model)
+    blocks = ({} if "weight_formats" not in data   # GGUF blocks kept: each weight's row segments
+              else stored_block_layout(data["weight_formats"], expected_shapes(model), ENGINE_CONFIG_FILE))
     path, dtype = os.path.join(directory, ENGINE_WEIGHTS_FILE), TORCH_DTYPES[model.dtype]
-    if stored:   # built quantized: the rank's slices of the stored tensors, as they are
-        weights, num_bytes_read = load_engine_weights(path, model, dtype, shard, stored, stage)
+    if blocks and build.weight_format != "keep":   # de-quantized (then quantized) as the load asks
+        def read(s: TensorShard | None) -> tuple[Weights, int]:
+            weights, num_bytes = load_engine_weights(path, model, dtype, s, blocks, stage)
+            return dequantize_segments(weights, dtype), num_bytes
+        weights, num_bytes_read = _read_quantized(read, model, build, shard)
+    elif stored or blocks:   # built quantized or kept: the rank's slices of the stored tensors, as they are
+        weights, num_bytes_read = load_engine_weights(path, model, dtype, shard, {**stored, **blocks}, stage)
     else:
         weights, num_bytes_read = _read_quantized(lambda s: load_engine_weights(path, model, dtype, s, stage=stage),
                                                   model, build, shard)
@@ -257,14 +274,36 @@ def _gguf_source(path: str) -> str | None:
 
 def _load_gguf(checkpoint: GgufCheckpoint, source: str, overrides: dict,
                shard: TensorShard | tuple[int, int] | None, plan: StagePlan | None) -> Engine:
-    """The weights de-quantized to the build dtype; `source`: the path the caller gave."""
+    """The weights in the build dtype, the matmul weights' blocks kept where the build's
+    weight_format (resolved here) says; `source`: the path the caller gave."""
     model = checkpoint.model_config
-    model, build, shard, stage = _settled(model, default_build_config(model, **overrides), shard, plan)
-    dtype = TORCH_DTYPES[model.dtype]
-    weights, num_bytes_read = _read_quantized(
-        lambda s: (check_weights(checkpoint.read_weights(dtype), model, dtype, checkpoint.path, s, stage),
-                   checkpoint.num_bytes_read), model, build, shard)
+    asked = default_build_config(model, **overrides)
+    model, build, shard, stage = _settled(model, with_weight_format(asked), shard, plan)
+    dtype, keep = TORCH_DTYPES[model.dtype], build.weight_format == "keep"
+
+    def read(s: TensorShard | None) -> tuple[Weights, int]:
+        # auto: a weight in a quantized type without a kept format is de-quantized; keep: refused
+        raw = checkpoint.read_weights(dtype, keep_blocks=keep, strict=asked.weight_format == "keep")
+        kept = {name: (t.dtype, tuple(t.shape)) for name, t in raw.items() if is_segment(name)}
+        return check_weights(raw, model, dtype, checkpoint.path, s, stage, kept), checkpoint.num_bytes_read
+
+    weights, num_bytes_read = _read_quantized(read, model, build, shard)
     return Engine(model, build, weights, source, shard, num_bytes_read, stage)
+
+
+def with_weight_format(build: BuildConfig) -> BuildConfig:
+    """`build` with weight_format "auto" resolved: keep a GGUF file's blocks where the native block
+    kernels run on this machine and no weight_only mode is asked for, else de-quantize.
+
+    NOTE: without the native kernels a kept weight is de-quantized tile by tile at every step
+    (torch), many times slower at one stream than a de-quantized engine's GEMV (README, "GGUF
+    files"), so "auto" keeps blocks only where they run natively; "keep" forces them (tests,
+    memory-bound deployments)."""
+    if build.weight_format != "auto":
+        return build
+    from .kernels.torch_kernels.block_linear import block_ops
+    keep = build.weight_only is None and block_ops() is not None
+    return dataclasses.replace(build, weight_format="keep" if keep else "dequantize")
 
 
 def build_engine(checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike, **build_fields) -> Engine:

@@ -51,6 +51,7 @@ from .models.transformer import StepLayout, Transformer
 from .parallel.pipeline import LOGITS_TAG, PendingReceive
 from .parallel.tensor_parallel import TensorParallel
 from .parallel.tensor_shard import TensorShard
+from .quantization.block_weights import has_weight
 from .step_layout import StepPlanner
 
 
@@ -189,7 +190,7 @@ class ModelRunner:
             if engine.stage != layers:
                 raise ValueError(f"engine: holds the layers of stage {engine.stage}, but this rank runs {layers}")
             return engine.weights
-        tied = "lm_head" not in engine.weights
+        tied = not has_weight(engine.weights, "lm_head")
         return {name: t for name, t in engine.weights.items() if layers.holds(name, tied)}
 
     @staticmethod

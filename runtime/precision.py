@@ -14,6 +14,10 @@ BUILD_DTYPES = ("auto", "float32", "float16", "bfloat16")
 # Activation quantization of a weight-only engine's matmuls (BuildConfig.act_quant): "int8", per
 # block of 32 input columns (runtime/kernels/cpu/act_quant.py states the arithmetic).
 ACT_QUANT_MODES = ("int8",)
+# BuildConfig.weight_format: what a GGUF file's quantized blocks become. keep: the matmul weights run in
+# their block formats (runtime.quantization.gguf_blocks); dequantize: every tensor in the build dtype;
+# auto: keep where the native block kernels run here, else dequantize (resolved and recorded at load).
+WEIGHT_FORMATS = ("auto", "keep", "dequantize")
 ACT_QUANT_BLOCK = 32   # input columns per activation quantization block: every such matmul's width divides by it
 GROUP_SIZES = (32, 64, 128)
 WEIGHT_ONLY_SKIPPABLE = ("lm_head",)

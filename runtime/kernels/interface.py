@@ -106,6 +106,13 @@ class KernelBackend(Protocol):
         act_quant "int8": the activations are quantized per block of 32 columns and the products
         are integer (runtime/kernels/cpu/act_quant.py defines the arithmetic); None: exact."""
 
+    def prepare_block_linear(self, segments, bias: torch.Tensor | None) -> PreparedLinear:
+        """A weight kept in llama.cpp's block formats ready for linear / linear_add: `segments`, a
+        sequence of (runtime.quantization.gguf_blocks.BlockFormat, uint8 [rows_i, row_bytes_i]) whose
+        rows are the output rows in order, each segment in its own format, all of one input width
+        (runtime.quantization.block_weights); bias [out] (the compute dtype) or None. .weight is the
+        first segment's tensor."""
+
     def prepare_decode_step(self, model, kv_pool: torch.Tensor, kv_scales: torch.Tensor | None,
                             tokens_per_block: int):
         """The whole generation step of `model` (runtime.models.transformer.Transformer) over its

@@ -1,7 +1,9 @@
 """GGUF checkpoints: a `.gguf` file, or a directory holding exactly one, as a model: its ModelConfig
-(runtime.loading.gguf_archs) and its weights under the canonical names (runtime.loading.weights), each de-quantized
-in memory to the engine dtype (the loader then checks them and takes a tensor-parallel rank's
-slices). Called by runtime.engine.
+(runtime.loading.gguf_archs) and its weights under the canonical names (runtime.loading.weights), each
+de-quantized in memory to the engine dtype, or, with `keep_blocks`, each matmul weight stored in a
+block format this runtime runs kept as its bytes (runtime.quantization.block_weights' row
+segments; norms and float tensors as floats). The loader then checks them and takes a
+tensor-parallel rank's slices. Called by runtime.engine.
 """
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ import os
 import torch
 
 from ..config import ConfigError
+from ..quantization.block_weights import can_hold_blocks, segment_name
+from ..quantization.gguf_blocks import FLOAT_TYPE_IDS, BlockFormat, format_of_type
 from .gguf_archs import ROPE_FREQS, model_config_from_gguf
 from .gguf_file import GgufFile
 from .tensor_files import WeightError
@@ -75,15 +79,23 @@ class GgufCheckpoint:
     def num_bytes_read(self) -> int:
         return self.file.num_bytes_read
 
-    def read_weights(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    def read_weights(self, dtype: torch.dtype, keep_blocks: bool = False, strict: bool = True
+                     ) -> dict[str, torch.Tensor]:
         """Every canonical tensor of the config, de-quantized to `dtype` (WeightError naming the GGUF
-        tensor when one is missing or misshaped)."""
+        tensor when one is missing or misshaped). keep_blocks: a matmul weight whose GGUF tensors
+        are all in block formats is kept as its row segments (uint8; a block with a NaN or infinite
+        scale is a WeightError naming the tensor); a part in another quantized type is a WeightError
+        naming it when `strict` (keep asked for), else the weight is de-quantized (auto)."""
         cfg, used = self.model_config, set()
         weights = {}
         for name, shape in expected_shapes(cfg).items():
             parts = self._parts(name, shape)
-            tensors = [self._read_part(gguf_name, part_shape, name, dtype) for gguf_name, part_shape in parts]
-            weights[name] = tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+            formats = self._kept_formats(name, parts, strict) if keep_blocks else None
+            if formats is not None:
+                weights.update(self._segments(name, parts, formats))
+            else:
+                tensors = [self._read_part(gguf_name, part_shape, name, dtype) for gguf_name, part_shape in parts]
+                weights[name] = tensors[0] if len(tensors) == 1 else torch.cat(tensors)
             used.update(gguf_name for gguf_name, _ in parts)
         unused = sorted(set(self.file.tensors) - used - {ROPE_FREQS})
         if unused:
@@ -108,17 +120,63 @@ class GgufCheckpoint:
             rows = (shape[0],)
         return [(f"blk.{layer}.{s}.{kind}", (n, *shape[1:])) for s, n in zip(stems, rows)]
 
-    def _read_part(self, gguf_name: str, shape: tuple[int, ...], name: str, dtype: torch.dtype) -> torch.Tensor:
+    def _info(self, gguf_name: str, shape: tuple[int, ...], name: str):
         info = self.file.tensors.get(gguf_name)
         if info is None:
             raise WeightError(f"{self.path}: missing tensor {gguf_name!r} (for {name!r})")
         if info.shape != shape:
             raise WeightError(f"{self.path}: tensor {gguf_name!r} has shape {list(info.shape)}, expected "
                               f"{list(shape)} from the metadata")
-        tensor = self.file.read(gguf_name)   # float32: the permutation below, then one cast
+        return info
+
+    def _unpermuted(self, tensor: torch.Tensor, gguf_name: str) -> torch.Tensor:
+        """LLaMA's Q / K rows back in transformers' order (whole rows: floats or a row's blocks)."""
         if self.arch.permuted_qk and ".attn_q." in gguf_name:
-            tensor = unpermute_rows(tensor, self.model_config.num_heads)
-        elif self.arch.permuted_qk and ".attn_k." in gguf_name:
-            tensor = unpermute_rows(tensor, self.model_config.num_kv_heads)
-        return tensor.to(dtype)
+            return unpermute_rows(tensor, self.model_config.num_heads)
+        if self.arch.permuted_qk and ".attn_k." in gguf_name:
+            return unpermute_rows(tensor, self.model_config.num_kv_heads)
+        return tensor
+
+    def _read_part(self, gguf_name: str, shape: tuple[int, ...], name: str, dtype: torch.dtype) -> torch.Tensor:
+        self._info(gguf_name, shape, name)
+        tensor = self.file.read(gguf_name)   # float32: the permutation, then one cast
+        return self._unpermuted(tensor, gguf_name).to(dtype)
+
+    def _kept_formats(self, name: str, parts: list[tuple[str, tuple[int, ...]]], strict: bool
+                      ) -> list[BlockFormat] | None:
+        """Each part's block format where canonical weight `name` is kept as blocks; None: read as
+        floats (not a matmul weight, or a part stored as floats: the whole weight is de-quantized).
+        WeightError naming the GGUF tensor for a quantized type this runtime does not run."""
+        if not can_hold_blocks(name):
+            return None
+        formats = []
+        for gguf_name, shape in parts:
+            info = self._info(gguf_name, shape, name)
+            fmt = format_of_type(info.type_id)
+            if fmt is None and info.type_id not in FLOAT_TYPE_IDS and strict:
+                raise WeightError(f"{self.path}: tensor {gguf_name!r}: type {info.type_name} is not a block format "
+                                  f"this runtime runs (q8_0, q4_0, q4_1, q5_0, q4_k, q5_k, q6_k); load it with "
+                                  "weight_format='dequantize' (--weight-format dequantize) to de-quantize it")
+            formats.append(fmt)
+        return None if None in formats else formats
+
+    def _segments(self, name: str, parts: list[tuple[str, tuple[int, ...]]], formats: list[BlockFormat]
+                  ) -> dict[str, torch.Tensor]:
+        """`name`'s row segments: consecutive parts of one format concatenated (block_weights.py)."""
+        groups: list[tuple[BlockFormat, list[torch.Tensor]]] = []
+        for (gguf_name, _), fmt in zip(parts, formats):
+            info = self.file.tensors[gguf_name]
+            blocks = torch.from_numpy(self.file.raw(gguf_name).copy()).reshape(info.shape[0], -1)
+            self.file.num_bytes_read += info.num_bytes
+            try:
+                fmt.check_blocks(blocks, gguf_name)
+            except WeightError as e:
+                raise WeightError(f"{self.path}: {e}") from None
+            blocks = self._unpermuted(blocks, gguf_name)
+            if groups and groups[-1][0] is fmt:
+                groups[-1][1].append(blocks)
+            else:
+                groups.append((fmt, [blocks]))
+        return {segment_name(name, index, fmt): torch.cat(tensors) if len(tensors) > 1 else tensors[0]
+                for index, (fmt, tensors) in enumerate(groups)}
 

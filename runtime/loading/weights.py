@@ -118,9 +118,13 @@ def _checked(raw: RawWeights, cfg: ModelConfig, dtype: torch.dtype, where: str, 
              ) -> Weights:
     """Check every canonical tensor's presence, whole shape and dtype; then read each (the rank's
     slice of it with a shard; only the stage's tensors with a stage) and convert to `dtype`;
-    `stored` names tensors read as they are."""
+    `stored` names tensors read as they are (block segments, runtime.quantization.block_weights,
+    in place of their canonical weight)."""
+    from ..quantization.block_weights import block_bases, has_weight, parse_segment   # NOTE: lazy: no cycle
     stored = stored or {}
-    shapes = {**expected_shapes(cfg), **{name: shape for name, (_, shape) in stored.items()}}
+    kept = set(block_bases(stored))
+    shapes = {**{name: shape for name, shape in expected_shapes(cfg).items() if name not in kept},
+              **{name: shape for name, (_, shape) in stored.items()}}
     for name, shape in shapes.items():
         tensor = raw.get(name)
         if tensor is None:
@@ -134,7 +138,7 @@ def _checked(raw: RawWeights, cfg: ModelConfig, dtype: torch.dtype, where: str, 
         elif not tensor.is_floating_point():
             raise WeightError(f"{where}: tensor {name!r} has dtype {tensor.dtype}, expected floating point")
     out: Weights = {}
-    tied = "lm_head" not in shapes
+    tied = not has_weight(shapes, "lm_head")
     for name in shapes:
         if stage is not None and not stage.holds(name, tied):
             continue
@@ -145,7 +149,18 @@ def _checked(raw: RawWeights, cfg: ModelConfig, dtype: torch.dtype, where: str, 
             tensor = shard.slice(name, tensor, shapes)
         out[name] = tensor.to(stored[name][0]).contiguous() if name in stored else tensor.to(dtype).contiguous()
         _check_finite(out[name], name, where)
+        if name in stored and parse_segment(name) is not None:
+            _check_blocks(out[name], name, where)
     return out
+
+
+def _check_blocks(tensor: torch.Tensor, name: str, where: str) -> None:
+    """WeightError naming `where` and the segment when a block holds a NaN or infinite scale."""
+    from ..quantization.block_weights import parse_segment
+    try:
+        parse_segment(name)[2].check_blocks(tensor, name)
+    except WeightError as e:
+        raise WeightError(f"{where}: {e}") from None
 
 
 def _older_stored_dtype(found: torch.dtype, expected: torch.dtype) -> bool:
@@ -170,10 +185,11 @@ def _check_finite(tensor: torch.Tensor, name: str, where: str) -> None:
 
 
 def check_weights(raw: dict[str, torch.Tensor], cfg: ModelConfig, dtype: torch.dtype, where: str,
-                  shard: TensorShard | None = None, stage: StageLayers | None = None) -> Weights:
-    """Canonical weights a reader built in memory (a GGUF's, de-quantized): checked as a checkpoint's
-    are, then whole or the shard's slices, in `dtype`."""
-    return _checked(raw, cfg, dtype, where, None, shard, stage=stage)
+                  shard: TensorShard | None = None, stage: StageLayers | None = None,
+                  stored: StoredLayout | None = None) -> Weights:
+    """Canonical weights a reader built in memory (a GGUF's, de-quantized or its block segments as
+    `stored` lays them out): checked as a checkpoint's are, then whole or the shard's slices, in `dtype`."""
+    return _checked(raw, cfg, dtype, where, None, shard, stored, stage)
 
 
 def load_hf_weights(directory: str, cfg: ModelConfig, dtype: torch.dtype, read: WeightReader,

@@ -23,6 +23,7 @@ from .rope import apply_rope, rope_cos_sin, rope_inv_freq
 from ..parallel.pipeline import StageLayers
 from ..parallel.tensor_parallel import TensorParallel
 from ..parallel.tensor_shard import TensorShard
+from ..quantization.block_weights import block_bases, dequantize_rows, has_weight, padded_segments, segments_of
 from ..quantization.registry import lookup_stored
 from ..quantization.stored import is_quantized, padded_rows, stored_parts
 from ..loading.weights import Weights
@@ -94,6 +95,8 @@ class Transformer:
         # A tied weight-only table: its format and stored parts, read de-quantized a row at a time
         self.embed_format = lookup_stored(self.w, "embed_tokens") if "embed_tokens" in self.w else None
         self.embed_parts = stored_parts(self.w, "embed_tokens") if self.embed_format is not None else None
+        # A table kept in a GGUF block format (block_weights.py): only the looked-up rows de-quantized
+        self.embed_is_blocks = bool(segments_of(self.w, "embed_tokens"))
         self.scale = 1.0 / math.sqrt(config.head_dim)
         act = _ACTIVATIONS.get(config.activation)
         if act is None:
@@ -114,14 +117,15 @@ class Transformer:
             self.alibi_slopes = (slopes[shard.head_index()] if shard is not None else slopes).to(device)
         self.act_quant = act_quant
         self.linears: dict[str, PreparedLinear] = {}
-        for name in [n for n in self.w if n.endswith((".qkv.weight", ".out.weight", ".mlp_in.weight",
-                                                       ".mlp_out.weight"))]:
+        linear_suffixes = (".qkv.weight", ".out.weight", ".mlp_in.weight", ".mlp_out.weight")
+        for name in [n for n in [*self.w, *block_bases(self.w)] if n.endswith(linear_suffixes)]:
             prefix = name[:-len(".weight")]
             bias = self.w.get(prefix + ".bias")
             if not self.is_reducing_rank and prefix.endswith(("out", "mlp_out")):
                 bias = None
             self.linears[prefix] = self._prepare_linear(self.w, name, bias, linear_impl)
-            self._hold_prepared(name, self.linears[prefix])
+            if name in self.w:   # block segments stay under their own names, shared with the prepared linear
+                self._hold_prepared(name, self.linears[prefix])
         self.lm_head = None   # the last pipeline stage's (every rank's without one)
         if self.is_last_stage:
             self._prepare_head(linear_impl)
@@ -132,13 +136,18 @@ class Transformer:
         (repacked for act_quant), the lookup reading its rows. Under TP each rank's head is padded
         with zero rows to the vocab chunk (the gather needs equal parts; the padding columns are dropped)."""
         shard = self.shard
-        head_name = "lm_head" if "lm_head" in self.w else "embed_tokens"
+        head_name = "lm_head" if has_weight(self.w, "lm_head") else "embed_tokens"
         head_bias, head_weights = self.w.get("lm_head.bias"), self.w
-        if shard is not None and self.w[head_name].shape[0] < shard.vocab_chunk:
-            pad = shard.vocab_chunk - self.w[head_name].shape[0]
-            head_weights = padded_rows(self.w, head_name, pad)
+        segments = segments_of(self.w, head_name)
+        num_rows = sum(self.w[n].shape[0] for n, _ in segments) if segments else self.w[head_name].shape[0]
+        if shard is not None and num_rows < shard.vocab_chunk:
+            pad = shard.vocab_chunk - num_rows
+            head_weights = ({**self.w, **padded_segments(self.w, head_name, pad)} if segments
+                            else padded_rows(self.w, head_name, pad))
             head_bias = F.pad(head_bias, (0, pad)) if head_bias is not None else None
         self.lm_head = self._prepare_linear(head_weights, head_name, head_bias, linear_impl)
+        if segments:   # the segments stay in self.w (a tied table's shared with the lookup)
+            return
         if head_name == "embed_tokens" and self.embed_format is not None and \
                 self.lm_head.weight is not self.w["embed_tokens"]:
             # One copy of a tied quantized table: the head's (repacked) one, whose rows the lookup reads
@@ -158,7 +167,11 @@ class Transformer:
 
     def _prepare_linear(self, weights: Weights, name: str, bias: torch.Tensor | None,
                         linear_impl: str | None) -> PreparedLinear:
-        """The matmul weight `name` of `weights` (weight-only quantized or not), prepared by the backend."""
+        """The matmul weight `name` of `weights` (weight-only quantized, block segments or float),
+        prepared by the backend."""
+        segments = segments_of(weights, name)
+        if segments:
+            return self.kernels.prepare_block_linear([(fmt, weights[n]) for n, fmt in segments], bias)
         if is_quantized(weights, name):
             weight, *parts = stored_parts(weights, name)
             return self.kernels.prepare_weight_only_linear(weight, *parts, *[None] * (2 - len(parts)), bias,
@@ -231,7 +244,10 @@ class Transformer:
         """int64 [T] -> [T, H]. Under TP a rank holds the rows of its vocabulary range: the others
         look up zeros, and an all-reduce sums them."""
         weight_format = self.embed_format
-        if weight_format is not None and self.embed_parts is None:   # read from the tied head's copy
+        if self.embed_is_blocks:
+            def rows(ids: torch.Tensor) -> torch.Tensor:
+                return dequantize_rows(self.w, "embed_tokens", ids).to(self.dtype)
+        elif weight_format is not None and self.embed_parts is None:   # read from the tied head's copy
             def rows(ids: torch.Tensor) -> torch.Tensor:
                 return self.lm_head.rows(ids).to(self.dtype)
         elif weight_format is not None:

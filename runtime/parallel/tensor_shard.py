@@ -18,6 +18,7 @@ import torch
 
 from ..config import ModelConfig
 from ..quantization import WeightFormat, lookup_stored, split_part
+from ..quantization.block_weights import is_segment, parse_segment, segment_spans
 from ..quantization.format import Ranges
 
 
@@ -140,7 +141,15 @@ class TensorShard:
         A weight-only tensor (runtime.quantization: `W` and its parts `W_scale`, ...) takes its
         float weight's rows; of a row-parallel weight's input columns, each part takes what its
         format says (WeightFormat.column_spans). `shapes` (whole shapes by name) tells a quantized
-        weight's format; a span that splits a group is a ConfigError naming group_size."""
+        weight's format; a span that splits a group is a ConfigError naming group_size.
+        A block segment (`W@i.<format>`, runtime.quantization.block_weights) takes whole rows of
+        its own, or whole blocks of its columns: a span that cuts a block is a ConfigError naming W."""
+        if is_segment(name):
+            sel = self._float_selection(parse_segment(name)[0])
+            if sel is None:
+                return None
+            assert shapes is not None, f"{name}: a block segment's slice needs the weights' shapes"
+            return sel[0], segment_spans(name, sel[0], sel[1], shapes, self.size)
         base, suffix = split_part(name)
         sel = self._float_selection(base)
         weight_format = None if shapes is None else lookup_stored(shapes, base)

@@ -14,7 +14,8 @@ from runtime import Engine, GenerationInput, GenerationOutput, GptSession, Sampl
 from runtime import save_gguf_tokenizer
 from tests import factories
 from tests.batch_manager.executor.helpers import collect, executor_for, final_tokens, gpt_manager_tokens
-from tests.runtime.gguf_factories import Q, write_gguf
+from runtime.kernels.torch_kernels import block_linear
+from tests.runtime.gguf_factories import Q, ReferenceBlockOps, write_gguf
 
 pytest.importorskip("transformers")
 PROMPTS = [[5, 9, 40, 41, 17], [70, 3, 3, 99, 12, 8, 64, 1, 30], [100]]
@@ -53,6 +54,23 @@ def test_executor_serves_a_gguf_file(gguf_path, session_tokens):
         ids = executor.enqueue_requests([Request(p, NUM_NEW_TOKENS) for p in PROMPTS])
         responses = collect(executor, ids)
     assert [final_tokens(responses[i], False)[0] for i in ids] == session_tokens
+
+
+def test_front_ends_keep_the_files_blocks_where_the_native_kernels_run(gguf_path, session_tokens, monkeypatch):
+    """weight_format "auto" with native block kernels (a float32 stand-in with their API): GptManager
+    and the Executor run the file's Q8_0 blocks through them, with the de-quantized engine's tokens."""
+    ops = ReferenceBlockOps()
+    monkeypatch.setattr(block_linear, "block_ops", lambda: ops)
+    got = gpt_manager_tokens(gguf_path, [(p, NUM_NEW_TOKENS, {}) for p in PROMPTS], False, 1,
+                             KvCacheConfig(max_tokens=256))
+    assert [beams[0] for beams in got] == session_tokens
+    assert {fmt for op, fmt, _ in ops.calls if op == "linear"} == {"q8_0"}
+    ops.calls.clear()
+    with executor_for(gguf_path, kv_cache_config=ExecutorKvCacheConfig(max_tokens=256)) as executor:
+        ids = executor.enqueue_requests([Request(p, NUM_NEW_TOKENS) for p in PROMPTS])
+        responses = collect(executor, ids)
+    assert [final_tokens(responses[i], False)[0] for i in ids] == session_tokens
+    assert ops.calls
 
 
 def test_guided_decoding_config_from_a_gguf_file(gguf_path, tmp_path):

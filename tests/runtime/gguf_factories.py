@@ -2,7 +2,8 @@
 renamed by the gguf package's own name map, laid out as llama.cpp stores them (LLaMA's Q/K rows
 permuted, GPT-2's Conv1D weights transposed, fused QKV reordered to [q, k, v]), with the metadata
 keys llama.cpp writes and a small byte-level BPE vocabulary; each matmul weight in a chosen tensor
-type. Also raw single-tensor files for the de-quantization tests."""
+type. Also raw single-tensor files for the de-quantization tests, and ReferenceBlockOps (the native
+block kernels' API in float32) for tests of the kept-block paths."""
 from __future__ import annotations
 
 import os
@@ -226,3 +227,37 @@ def write_tensors(path: str | os.PathLike, tensors: dict[str, tuple[np.ndarray, 
 def state_dict_copy(model) -> dict[str, torch.Tensor]:
     """A transformers model's tensors, each its own copy (tied ones too), for save_file."""
     return {name: t.detach().clone().contiguous() for name, t in model.state_dict().items()}
+
+
+class ReferenceBlockOps:
+    """The native block kernels' API (runtime.kernels.cpu.blocks.BlockOps) in torch, recording each
+    call's (op, format, rows): with `quantized_inputs`, their arithmetic (inputs quantized to 8 bits,
+    torch_kernels/block_reference.py), else float32 products of the de-quantized blocks; a stand-in
+    where a test needs the native dispatch without the library, or its reference."""
+
+    def __init__(self, quantized_inputs: bool = False):
+        self.calls = []
+        self.quantized_inputs = quantized_inputs
+
+    def linear(self, x, blocks, fmt, k, bias=None, out=None, accumulate=False, isa=None):
+        from runtime.quantization.gguf_blocks import BLOCK_FORMATS
+        assert x.dtype == torch.float32 and x.stride(1) == 1 and blocks.dtype == torch.uint8
+        assert out is None or out.stride(1) == 1
+        assert BLOCK_FORMATS[fmt].columns(blocks.shape[1]) == k == x.shape[1]
+        self.calls.append(("linear", fmt, x.shape[0]))
+        if self.quantized_inputs:
+            from runtime.kernels.torch_kernels.block_reference import block_linear_reference
+            y = block_linear_reference(x, blocks, fmt, k, bias)
+        else:
+            y = torch.nn.functional.linear(x, BLOCK_FORMATS[fmt].dequantize(blocks), bias)
+        if out is None:
+            return y
+        return out.add_(y) if accumulate else out.copy_(y)
+
+    def bind(self, blocks, fmt, k, bias=None, isa=None):
+        return lambda x, out=None, accumulate=False: self.linear(x, blocks, fmt, k, bias, out, accumulate)
+
+    def dequantize(self, blocks, fmt, k, start, stop, out=None):
+        from runtime.quantization.gguf_blocks import BLOCK_FORMATS
+        self.calls.append(("dequantize", fmt, stop - start))
+        return BLOCK_FORMATS[fmt].dequantize(blocks[start:stop])

@@ -185,6 +185,9 @@ class CudaKernels:
     def prepare_weight_only_linear(self, weight, scale, minimum, bias, act_quant=None):
         return self._reference.prepare_weight_only_linear(weight, scale, minimum, bias, act_quant)
 
+    def prepare_block_linear(self, segments, bias):
+        return self._reference.prepare_block_linear(segments, bias)
+
     def prepare_decode_step(self, model, kv_pool, kv_scales, tokens_per_block):
         return None   # the GPU runs the model op by op
 

@@ -5,8 +5,9 @@ context attention go through cpu_attention.py instead, with equal results; with 
 (also the default), float32 decode attention runs in the native kernel of cpu_native.py where it can.
 
 The dense ops take their CPU fast paths whatever those flags say, as the model always did:
-matmul weights prepared by linear.py (oneDNN, BLAS or the native few-row kernels) and
-weight_only_linear.py, RMSNorm and silu * up in the native kernels (float32, bf16) where they run.
+matmul weights prepared by linear.py (oneDNN, BLAS or the native few-row kernels),
+weight_only_linear.py and block_linear.py (llama.cpp's block formats), RMSNorm and silu * up in
+the native kernels (float32, bf16) where they run.
 BATCH_MANAGER_CPU_NATIVE=0 turns the native ones off, read when a model prepares its weights.
 """
 from __future__ import annotations
@@ -20,6 +21,7 @@ from ..cpu.cpu_native import native_ops
 from ..cpu.cpu_native_bf16 import bf16_ops
 from ..interface import PreparedLinear
 from .linear import Linear
+from .block_linear import BlockLinear
 from .weight_only_linear import QuantizedLinear
 
 
@@ -69,6 +71,11 @@ class TorchKernels:
         if weight.is_cpu:
             self.native_dense_ops()   # captured with the weights' own kernels, when the model is built
         return QuantizedLinear(weight, scale, minimum, bias, act_quant)
+
+    def prepare_block_linear(self, segments, bias: torch.Tensor | None) -> PreparedLinear:
+        if segments[0][1].is_cpu:
+            self.native_dense_ops()   # captured with the weights' own kernels, when the model is built
+        return BlockLinear(segments, bias)
 
     def prepare_decode_step(self, model, kv_pool: torch.Tensor, kv_scales: torch.Tensor | None,
                             tokens_per_block: int):

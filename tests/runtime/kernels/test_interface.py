@@ -17,7 +17,7 @@ from runtime.kernels.cuda.emu_backend import EmuKernels
 EXPECTED_OPS = {"write_kv", "copy_blocks", "decode_attention", "context_attention", "dense_attention", "uniforms",
                 "apply_penalties", "ban_tokens", "repeat_ngram_bans", "greedy", "log_softmax", "top_k_top_p_mask",
                 "sample", "beam_candidates", "apply_token_bitmask", "apply_min_p", "top_log_probs",
-                "prepare_linear", "prepare_weight_only_linear", "prepare_decode_step", "linear", "linear_add", "rms_norm",
+                "prepare_linear", "prepare_weight_only_linear", "prepare_block_linear", "prepare_decode_step", "linear", "linear_add", "rms_norm",
                 "silu_mul"}
 
 

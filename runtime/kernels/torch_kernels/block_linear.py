@@ -1,0 +1,113 @@
+"""Matmuls over weights kept in llama.cpp's block formats, the torch backend's prepare_block_linear /
+linear / linear_add (interface.KernelBackend): `BlockLinear`, one prepared linear per canonical
+weight, made of row segments each in its own format (runtime.quantization.block_weights).
+
+Each segment computes its columns of the output. On a CPU where the native block kernels run
+(runtime.kernels.cpu.blocks: integer dot products against 8-bit-quantized activations) inputs of
+up to NATIVE_MAX_ROWS rows go to them; larger inputs, and every input where they do not run,
+de-quantize tiles of TILE_OUTPUTS output rows (the native row de-quantization, else the formats'
+torch de-quantization) and multiply with torch's GEMM, as QuantizedLinear._tiled does.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ...quantization.gguf_blocks import BlockFormat
+
+# Output rows de-quantized at a time on the GEMM path (a float32 tile of 256 x 2048 is 2 MiB).
+TILE_OUTPUTS = 256
+# NOTE: rows up to which the native block kernels run, the de-quantized tiles + GEMM above: the
+# int4 weight-only crossover (QuantizedLinear, 16 rows on SmolLM2's shapes), not yet measured for
+# the block kernels (they land separately); samples.microbench.linear measures both paths.
+NATIVE_MAX_ROWS = 16
+
+
+def block_ops():
+    """The native block kernels' binding where it is built and runs here, else None. NOTE: lazy
+    and guarded: the binding (runtime.kernels.cpu.blocks) is its own module and may be absent."""
+    try:
+        from ..cpu.blocks import block_ops as native_block_ops
+    except ModuleNotFoundError as e:
+        if e.name != f"{__package__.rsplit('.', 1)[0]}.cpu.blocks":
+            raise
+        return None
+    return native_block_ops()
+
+
+class BlockLinear:
+    """`x @ W^T + bias` for W held as row segments [(format, uint8 [rows_i, row_bytes_i]), ...];
+    `weight` (PreparedLinear's) is the first segment's tensor, `segments` all of them."""
+
+    def __init__(self, segments: Sequence[tuple[BlockFormat, torch.Tensor]], bias: torch.Tensor | None):
+        assert segments, "a block weight has at least one segment"
+        self.segments: list[tuple[BlockFormat, torch.Tensor, int, int]] = []   # (format, blocks, first, last column)
+        start = 0
+        widths = set()
+        for fmt, blocks in segments:
+            self.segments.append((fmt, blocks.contiguous(), start, start + blocks.shape[0]))
+            widths.add(fmt.columns(blocks.shape[1]))
+            start += blocks.shape[0]
+        assert len(widths) == 1, f"segments of different input widths {sorted(widths)}"
+        self.in_features, = widths
+        self.num_outputs = start
+        self.weight = self.segments[0][1]
+        self.bias = bias
+        self.bias_f32 = None if bias is None else bias.float().contiguous()
+        self.ops = block_ops() if self.weight.device.type == "cpu" else None
+        # per segment: the native linear bound once (its checks and constant arguments), or None
+        self.kernels = ([self.ops.bind(blocks, fmt.name, self.in_features, self._segment_bias(first, last))
+                         for fmt, blocks, first, last in self.segments] if self.ops is not None else None)
+
+    def _segment_bias(self, first: int, last: int) -> torch.Tensor | None:
+        return None if self.bias_f32 is None else self.bias_f32[first:last]
+
+    def _native(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 [rows, out] by the native kernels, each segment into its columns (strided rows);
+        into `out`, accumulated, where given."""
+        xf = x.float()
+        xf = xf if xf.stride(1) == 1 else xf.contiguous()
+        accumulate = out is not None
+        y = out if accumulate else torch.empty(x.shape[0], self.num_outputs, dtype=torch.float32)
+        for kernel, (_, _, first, last) in zip(self.kernels, self.segments):
+            kernel(xf, y[:, first:last], accumulate)
+        return y
+
+    def _dequantized_tile(self, fmt: BlockFormat, blocks: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        if self.ops is None:
+            return fmt.dequantize(blocks[start:stop])
+        return self.ops.dequantize(blocks, fmt.name, self.in_features, start, stop)
+
+    def dequantized(self) -> torch.Tensor:
+        """float32 [out, in]: the whole weight (tests, references)."""
+        return torch.cat([self._dequantized_tile(fmt, blocks, 0, last - first)
+                          for fmt, blocks, first, last in self.segments])
+
+    def _tiled(self, x: torch.Tensor) -> torch.Tensor:
+        """[rows, in] -> [rows, out] as a transposed view of [out, rows] (consumers take strided inputs)."""
+        x_t = x.t()
+        y_t = torch.empty(self.num_outputs, x.shape[0], dtype=x.dtype, device=x.device)
+        for fmt, blocks, first, last in self.segments:
+            for start in range(0, last - first, TILE_OUTPUTS):
+                stop = min(start + TILE_OUTPUTS, last - first)
+                tile = self._dequantized_tile(fmt, blocks, start, stop).to(x.dtype)
+                torch.mm(tile, x_t, out=y_t[first + start:first + stop])
+        if self.bias is not None:
+            y_t += self.bias.to(x.dtype)[:, None]
+        return y_t.t()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, in] -> [rows, out] in x's dtype."""
+        if self.ops is not None and x.shape[0] <= NATIVE_MAX_ROWS:
+            y = self._native(x)
+            return y if x.dtype == torch.float32 else y.to(x.dtype)
+        return self._tiled(x)
+
+    def add_to(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + self(x), into `residual` (float32, rows contiguous) where the native kernels
+        run, else a new tensor."""
+        if (self.ops is not None and x.shape[0] <= NATIVE_MAX_ROWS and residual.dtype == torch.float32
+                and residual.stride(1) == 1):
+            return self._native(x, out=residual)
+        return residual + self(x)
