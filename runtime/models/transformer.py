@@ -97,6 +97,7 @@ class Transformer:
         self.embed_parts = stored_parts(self.w, "embed_tokens") if self.embed_format is not None else None
         # A table kept in a GGUF block format (block_weights.py): only the looked-up rows de-quantized
         self.embed_is_blocks = bool(segments_of(self.w, "embed_tokens"))
+        self.embed_rows_from_head = False   # set by _prepare_head for a tied block table
         self.scale = 1.0 / math.sqrt(config.head_dim)
         act = _ACTIVATIONS.get(config.activation)
         if act is None:
@@ -124,8 +125,10 @@ class Transformer:
             if not self.is_reducing_rank and prefix.endswith(("out", "mlp_out")):
                 bias = None
             self.linears[prefix] = self._prepare_linear(self.w, name, bias, linear_impl)
-            if name in self.w:   # block segments stay under their own names, shared with the prepared linear
+            if name in self.w:
                 self._hold_prepared(name, self.linears[prefix])
+            else:   # block segments, under their own names
+                self._hold_segments(name, self.linears[prefix])
         self.lm_head = None   # the last pipeline stage's (every rank's without one)
         if self.is_last_stage:
             self._prepare_head(linear_impl)
@@ -146,7 +149,10 @@ class Transformer:
                             else padded_rows(self.w, head_name, pad))
             head_bias = F.pad(head_bias, (0, pad)) if head_bias is not None else None
         self.lm_head = self._prepare_linear(head_weights, head_name, head_bias, linear_impl)
-        if segments:   # the segments stay in self.w (a tied table's shared with the lookup)
+        if segments:
+            self._hold_segments(head_name, self.lm_head)
+            # a tied table's lookup reads the head's rows (in the layout its kernels hold)
+            self.embed_rows_from_head = head_name == "embed_tokens"
             return
         if head_name == "embed_tokens" and self.embed_format is not None and \
                 self.lm_head.weight is not self.w["embed_tokens"]:
@@ -164,6 +170,12 @@ class Transformer:
         if weight_format is not None:
             for suffix, part in zip(weight_format.suffixes, linear.parts, strict=True):
                 self.w[name + suffix] = part
+
+    def _hold_segments(self, name: str, linear: PreparedLinear) -> None:
+        """The block segments the prepared linear holds (repacked where its kernels read another
+        layout) replace those of `name` in self.w: one copy."""
+        for (segment_name, _), held in zip(segments_of(self.w, name), linear.segment_tensors(), strict=True):
+            self.w[segment_name] = held
 
     def _prepare_linear(self, weights: Weights, name: str, bias: torch.Tensor | None,
                         linear_impl: str | None) -> PreparedLinear:
@@ -244,7 +256,10 @@ class Transformer:
         """int64 [T] -> [T, H]. Under TP a rank holds the rows of its vocabulary range: the others
         look up zeros, and an all-reduce sums them."""
         weight_format = self.embed_format
-        if self.embed_is_blocks:
+        if self.embed_rows_from_head:
+            def rows(ids: torch.Tensor) -> torch.Tensor:
+                return self.lm_head.rows(ids).to(self.dtype)
+        elif self.embed_is_blocks:
             def rows(ids: torch.Tensor) -> torch.Tensor:
                 return dequantize_rows(self.w, "embed_tokens", ids).to(self.dtype)
         elif weight_format is not None and self.embed_parts is None:   # read from the tied head's copy

@@ -255,9 +255,23 @@ class ReferenceBlockOps:
         return out.add_(y) if accumulate else out.copy_(y)
 
     def bind(self, blocks, fmt, k, bias=None, isa=None):
-        return lambda x, out=None, accumulate=False: self.linear(x, blocks, fmt, k, bias, out, accumulate)
+        return ReferenceBoundLinear(self, blocks, fmt, k, bias)
 
     def dequantize(self, blocks, fmt, k, start, stop, out=None):
         from runtime.quantization.gguf_blocks import BLOCK_FORMATS
         self.calls.append(("dequantize", fmt, stop - start))
         return BLOCK_FORMATS[fmt].dequantize(blocks[start:stop])
+
+
+class ReferenceBoundLinear:
+    """BlockOps.bind's result (cpu/blocks.BoundLinear) over ReferenceBlockOps: the blocks held as
+    given (ggml's layout), called as a linear, de-quantized by row range."""
+
+    def __init__(self, ops: ReferenceBlockOps, blocks, fmt, k, bias):
+        self.ops, self.blocks, self.fmt, self.k, self.bias = ops, blocks, fmt, k, bias
+
+    def __call__(self, x, out=None, accumulate=False):
+        return self.ops.linear(x, self.blocks, self.fmt, self.k, self.bias, out, accumulate)
+
+    def dequantize(self, start, stop, out=None):
+        return self.ops.dequantize(self.blocks, self.fmt, self.k, start, stop, out)

@@ -294,3 +294,23 @@ def test_segment_names_parse():
     assert parse_segment("layers.0.qkv.weight") is None
     with pytest.raises(ConfigError, match="unknown weight format"):
         parse_segment("lm_head@0.iq2_xxs")
+
+
+@pytest.mark.parametrize("name", ["q4_1", "q8_0", "q6_k"])
+def test_the_model_holds_one_copy_of_kept_blocks(tmp_path, name):
+    """Where a bound kernel repacks its blocks (cpu/blocks.py's x8 layout), the repacked tensor
+    replaces the file's in the model; a tied table's lookup reads the head's rows."""
+    if block_ops() is None:
+        pytest.skip("the native block kernels do not run here")
+    path = block_llama(tmp_path / f"{name}.gguf", lambda _: name, seed=1, tie_word_embeddings=True)
+    kept = Engine.from_dir(path, weight_format="keep", tokens_per_block=8)
+    model = ModelRunner(kept, 4).model
+    # what the kernels read: a bound kernel's own tensor (repacked for q4_1 / q8_0 on AVX2 + F16C)
+    held = {id(kernel.blocks) for linear in [*model.linears.values(), model.lm_head] for kernel in linear.kernels}
+    segments = [n for base in block_bases(kept.weights) for n, _ in segments_of(kept.weights, base)]
+    assert segments and all(id(model.w[n]) in held for n in segments)
+    block_bytes = sum(kept.weights[n].numel() for n in segments)
+    assert sum(t.numel() for t in model.weight_tensors() if t.dtype == torch.uint8) == block_bytes
+    ids = torch.tensor([0, 7, 8, 63, 5])
+    (table, fmt), = segments_of(kept.weights, "embed_tokens")
+    assert torch.equal(model._embed(ids), fmt.dequantize(kept.weights[table])[ids])

@@ -59,6 +59,28 @@ class BlockLinear:
         # per segment: the native linear bound once (its checks and constant arguments), or None
         self.kernels = ([self.ops.bind(blocks, fmt.name, self.in_features, self._segment_bias(first, last))
                          for fmt, blocks, first, last in self.segments] if self.ops is not None else None)
+        if self.kernels is not None:
+            # One copy: a bound kernel may hold its segment repacked (cpu/blocks.py's x8 layout);
+            # that tensor replaces the file's blocks, read back through the kernel's dequantize.
+            self.segments = [(fmt, kernel.blocks, first, last)
+                             for kernel, (fmt, _, first, last) in zip(self.kernels, self.segments)]
+            self.weight = self.segments[0][1]
+
+    def segment_tensors(self) -> list[torch.Tensor]:
+        """The tensor each segment is held as, in order (the model's weights refer to these)."""
+        return [blocks for _, blocks, _, _ in self.segments]
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` (int64 [T]) of the de-quantized weight, float32 [T, in] (a tied table's lookup)."""
+        out = torch.empty(ids.shape[0], self.in_features, dtype=torch.float32)
+        for index, row in enumerate(ids.tolist()):
+            for segment, (fmt, blocks, first, last) in enumerate(self.segments):
+                if first <= row < last:
+                    out[index] = self._dequantized_tile(segment, row - first, row - first + 1)[0]
+                    break
+            else:
+                raise IndexError(f"ids: row {row} is outside the {self.num_outputs} rows")
+        return out
 
     def _segment_bias(self, first: int, last: int) -> torch.Tensor | None:
         return None if self.bias_f32 is None else self.bias_f32[first:last]
@@ -74,24 +96,26 @@ class BlockLinear:
             kernel(xf, y[:, first:last], accumulate)
         return y
 
-    def _dequantized_tile(self, fmt: BlockFormat, blocks: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-        if self.ops is None:
-            return fmt.dequantize(blocks[start:stop])
-        return self.ops.dequantize(blocks, fmt.name, self.in_features, start, stop)
+    def _dequantized_tile(self, segment: int, start: int, stop: int) -> torch.Tensor:
+        """float32 rows [start, stop) of segment `segment`."""
+        if self.kernels is not None:
+            return self.kernels[segment].dequantize(start, stop)
+        fmt, blocks, _, _ = self.segments[segment]
+        return fmt.dequantize(blocks[start:stop])
 
     def dequantized(self) -> torch.Tensor:
         """float32 [out, in]: the whole weight (tests, references)."""
-        return torch.cat([self._dequantized_tile(fmt, blocks, 0, last - first)
-                          for fmt, blocks, first, last in self.segments])
+        return torch.cat([self._dequantized_tile(segment, 0, last - first)
+                          for segment, (_, _, first, last) in enumerate(self.segments)])
 
     def _tiled(self, x: torch.Tensor) -> torch.Tensor:
         """[rows, in] -> [rows, out] as a transposed view of [out, rows] (consumers take strided inputs)."""
         x_t = x.t()
         y_t = torch.empty(self.num_outputs, x.shape[0], dtype=x.dtype, device=x.device)
-        for fmt, blocks, first, last in self.segments:
+        for segment, (_, _, first, last) in enumerate(self.segments):
             for start in range(0, last - first, TILE_OUTPUTS):
                 stop = min(start + TILE_OUTPUTS, last - first)
-                tile = self._dequantized_tile(fmt, blocks, start, stop).to(x.dtype)
+                tile = self._dequantized_tile(segment, start, stop).to(x.dtype)
                 torch.mm(tile, x_t, out=y_t[first + start:first + stop])
         if self.bias is not None:
             y_t += self.bias.to(x.dtype)[:, None]
