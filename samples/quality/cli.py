@@ -4,25 +4,29 @@
     python -m samples.quality --windows 64 --window-len 512 --prompts 32 --json out.json
     python -m samples.quality --model DIR_OR_GGUF --sections perplexity,greedy
     python -m samples.quality --sections precision --precision bf16,int8,int4,kv-int8
+    python -m samples.quality --sections gguf --gguf-formats Q8_0,Q6_K,Q4_K_M,Q4_1,Q4_0 --max-tokens 32
 
 Sections: perplexity (fixed windows of pydoc's documentation text through our runtime, GptSession
 and transformers; ours within 1e-4 relative), greedy (chat prompts: our Executor's greedy tokens
 against transformers' generate), sampled (the log prob of each drawn token against transformers'
 logits, within 1e-4), lookup (prompt lookup on prompts the answer copies: acceptance and speedup
 at one request), guided (a JSON-schema answer), precision (with --precision MODES: each mode's
-perplexity and greedy answers against float32's, with weight and KV bytes).
+perplexity and greedy answers against float32's, with weight and KV bytes), gguf (with
+--gguf-formats TYPES: the real model's GGUF written in each llama.cpp format, its blocks kept:
+perplexity against the float32 file's, greedy agreement with llama.cpp on the same file).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 from samples.default_model import add_model_arguments, model_from_arguments
 from samples.real_text import chat_messages, chat_prompt_ids, end_ids, load_tokenizer, quote_messages, text_windows
 
-SECTIONS = ("perplexity", "greedy", "sampled", "lookup", "guided", "precision")
-DEFAULT_SECTIONS = SECTIONS[:-1]   # precision runs when --precision names modes
+SECTIONS = ("perplexity", "greedy", "sampled", "lookup", "guided", "precision", "gguf")
+DEFAULT_SECTIONS = SECTIONS[:-2]   # precision / gguf run when --precision / --gguf-formats name modes
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -33,6 +37,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--precision", default="", help="modes to compare with float32, comma-separated: fp32, bf16, "
                                                    "fp16, auto, int8, int4, int4-g64, int4-g128, kv-int8, kv-fp8, a8 (int8 activations), "
                                                    "combined with '+' (bf16+int8, int4+a8)")
+    p.add_argument("--gguf-formats", default="", help="GGUF types (Q8_0, Q4_0, Q4_1, Q5_0, Q6_K, ...) or the "
+                                                      "Q4_K_M recipe, comma-separated: the gguf section")
+    p.add_argument("--work-dir", help="gguf: keep the written files and engines here (default: a temporary one)")
     p.add_argument("--windows", type=int, default=16, help="perplexity: windows of real text")
     p.add_argument("--window-len", type=int, default=512, help="perplexity: tokens per window")
     p.add_argument("--prompts", type=int, default=32, help="greedy: chat prompts (sampled: a quarter of them)")
@@ -42,7 +49,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--json", help="write every figure here")
     args = p.parse_args(argv)
     if args.sections is None:
-        args.sections = ",".join(DEFAULT_SECTIONS + (("precision",) if args.precision else ()))
+        args.sections = ",".join(DEFAULT_SECTIONS + (("precision",) if args.precision else ())
+                                 + (("gguf",) if args.gguf_formats else ()))
     unknown = set(args.sections.split(",")) - set(SECTIONS)
     if unknown:
         p.error(f"--sections: unknown {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
@@ -117,6 +125,26 @@ def precision_section(model_dir: str, tokenizer, prompts: list[list[int]], args)
     return figures
 
 
+def gguf_section(tokenizer, prompts: list[list[int]], args) -> dict:
+    import tempfile
+
+    import torch
+
+    from samples.microbench.llama_cpp_compare import LLAMA_CPP_TYPES
+    from samples.quality.gguf_formats import compare_formats, print_formats
+    formats = [f for f in args.gguf_formats.split(",") if f] or ["Q8_0", "Q4_0"]
+    unknown = sorted(set(formats) - set(LLAMA_CPP_TYPES))
+    if unknown:
+        raise ValueError(f"--gguf-formats: unknown {unknown}; known: {', '.join(LLAMA_CPP_TYPES)}")
+    windows = text_windows(tokenizer, args.windows, args.window_len)
+    with tempfile.TemporaryDirectory() as scratch:
+        work_dir = args.work_dir or scratch
+        os.makedirs(work_dir, exist_ok=True)
+        figures = compare_formats(formats, windows, prompts, args.max_tokens, work_dir, torch.get_num_threads())
+    print_formats(figures, len(prompts), args.max_tokens)
+    return figures
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     sections = args.sections.split(",")
@@ -141,8 +169,10 @@ def main(argv: list[str] | None = None) -> int:
             report[section] = lookup_section(model_dir, tokenizer, args)
         elif section == "guided":
             report[section] = guided_section(model_dir, tokenizer)
-        else:
+        elif section == "precision":
             report[section] = precision_section(model_dir, tokenizer, prompts, args)
+        else:
+            report[section] = gguf_section(tokenizer, prompts, args)
         report[section]["seconds"] = time.perf_counter() - start
     if args.json:
         with open(args.json, "w") as f:

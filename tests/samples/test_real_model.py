@@ -101,3 +101,18 @@ def test_quality_sections_agree_with_transformers(real_model_dir, tmp_path):
     assert precision["fp32"]["perplexity"] == pytest.approx(perplexity["runtime (packed, paged)"]["perplexity"])
     assert precision["bf16"]["dtype"] == "bfloat16" and abs(precision["bf16"]["perplexity_vs_fp32"]) < 0.01
     assert precision["bf16"]["weight_bytes"] * 2 == precision["fp32"]["weight_bytes"]
+
+
+@needs_smollm2
+def test_quality_gguf_section_runs_each_format_with_its_blocks_kept(real_model_dir, tmp_path):
+    from samples.quality.cli import main
+    out = tmp_path / "quality.json"
+    assert main(["--model", real_model_dir, "--sections", "gguf", "--gguf-formats", "Q8_0,Q4_0", "--windows", "2",
+                 "--window-len", "48", "--prompts", "2", "--max-tokens", "8", "--work-dir", str(tmp_path / "work"),
+                 "--json", str(out)]) == 0
+    report = json.loads(out.read_text())["gguf"]
+    assert report["F32"]["perplexity_vs_f32"] == 0.0
+    # the block files hold ~1/4 (Q8_0) and ~1/7 (Q4_0) of the float32 bytes of the matmuls
+    assert report["Q8_0"]["weight_bytes"] < 0.3 * report["F32"]["weight_bytes"]
+    assert report["Q4_0"]["weight_bytes"] < report["Q8_0"]["weight_bytes"]
+    assert abs(report["Q8_0"]["perplexity_vs_f32"]) < 0.01 < report["Q4_0"]["perplexity_vs_f32"] < 0.5
