@@ -185,7 +185,8 @@ def test_gguf_checkpoint_quantizes_at_load(tmp_path, kind, mode):
     from tests.factories import hf_model
     from tests.runtime.gguf_factories import Q, write_gguf
     path = write_gguf(tmp_path / "m.gguf", "llama", hf_model("llama", seed=7), getattr(Q, kind))
-    source, engine = Engine.from_dir(path, tokens_per_block=4), Engine.from_dir(path, tokens_per_block=4, **mode)
+    source = Engine.from_dir(path, tokens_per_block=4, weight_format="dequantize")
+    engine = Engine.from_dir(path, tokens_per_block=4, **mode)
     name = "layers.0.mlp_in.weight"
     restored = dequantize(engine.weights[name], engine.weights[name + "_scale"], engine.weights.get(name + "_min"))
     tolerance = 1e-5 if kind == "Q4_1" else engine.weights[name + "_scale"].max().item() / 2 + 1e-6
