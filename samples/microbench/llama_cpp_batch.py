@@ -25,7 +25,8 @@ import time
 import torch
 
 from samples.benchmark.dataset import LengthDistribution, synthetic_dataset
-from samples.microbench.llama_cpp_compare import LLAMA_CPP_TYPES, in_fresh_process, model_files, our_modes
+from samples.microbench.llama_cpp_compare import (LLAMA_CPP_TYPES, in_fresh_process, llama_cpp_completion,
+                                                   llama_cpp_server, model_files, our_modes)
 from samples.microbench.weight_only import cpu_description
 
 NUM_REQUESTS, PROMPT_LEN, OUTPUT_LEN, PREFILL_LEN = 64, "uniform:16:256", "uniform:16:128", 512
@@ -41,25 +42,6 @@ def w64_requests(vocab_size: int) -> list[tuple[list[int], int]]:
 def prefill_prompt(vocab_size: int) -> list[int]:
     rng = random.Random(1)
     return [rng.randrange(3, vocab_size) for _ in range(PREFILL_LEN)]
-
-
-def llama_cpp_server(path: str, threads: int, parallel: int, context_per_slot: int):
-    import xllamacpp
-    params = xllamacpp.CommonParams()
-    params.model.path = path
-    params.n_parallel = parallel
-    params.n_ctx = parallel * context_per_slot
-    params.cpuparams.n_threads = threads
-    params.cpuparams_batch.n_threads = threads
-    return xllamacpp.Server(params)
-
-
-def llama_cpp_completion(server, prompt: list[int], new_tokens: int) -> dict:
-    body = {"prompt": prompt, "n_predict": new_tokens, "temperature": 0.0, "ignore_eos": True, "cache_prompt": False}
-    result = server.handle_completions(body)
-    if not isinstance(result, dict) or "timings" not in result:
-        raise RuntimeError(f"llama.cpp: {result!r:.500}")
-    return result
 
 
 def llama_cpp_w64(path: str, requests: list[tuple[list[int], int]], threads: int) -> float:

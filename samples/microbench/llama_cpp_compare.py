@@ -91,22 +91,30 @@ def in_fresh_process(fn, *args):
         return pool.submit(fn, *args).result()
 
 
-def llama_cpp_rate(path: str, prompt: str | list[int], new_tokens: int, threads: int) -> float:
-    """llama.cpp's generation tokens/s for one greedy request (its own timings); `prompt` as text or
-    token ids."""
+def llama_cpp_server(path: str, threads: int, parallel: int, context_per_slot: int):
     import xllamacpp
     params = xllamacpp.CommonParams()
     params.model.path = path
-    params.n_ctx = 1024
-    params.n_parallel = 1
+    params.n_parallel = parallel
+    params.n_ctx = parallel * context_per_slot
     params.cpuparams.n_threads = threads
     params.cpuparams_batch.n_threads = threads
-    server = xllamacpp.Server(params)
+    return xllamacpp.Server(params)
+
+
+def llama_cpp_completion(server, prompt: str | list[int], new_tokens: int) -> dict:
     body = {"prompt": prompt, "n_predict": new_tokens, "temperature": 0.0, "ignore_eos": True, "cache_prompt": False}
-    result = server.handle_completions(body)   # a dict (the server's JSON)
+    result = server.handle_completions(body)
     if not isinstance(result, dict) or "timings" not in result:
         raise RuntimeError(f"llama.cpp: {result!r:.500}")
-    return float(result["timings"]["predicted_per_second"])
+    return result
+
+
+def llama_cpp_rate(path: str, prompt: str | list[int], new_tokens: int, threads: int) -> float:
+    """llama.cpp's generation tokens/s for one greedy request (its own timings); `prompt` as text or
+    token ids."""
+    server = llama_cpp_server(path, threads, 1, 1024)
+    return float(llama_cpp_completion(server, prompt, new_tokens)["timings"]["predicted_per_second"])
 
 
 def our_rate(engine_dir: str, prompt_ids: list[int], new_tokens: int, threads: int | None = None) -> float:

@@ -17,7 +17,7 @@ from runtime import ConfigError, build_engine
 
 def llama_cpp_greedy(path: str, prompts: list[list[int]], max_tokens: int, threads: int) -> list[list[int]]:
     """llama.cpp's greedy tokens per prompt (one slot; the end id ignored)."""
-    from samples.microbench.llama_cpp_batch import llama_cpp_completion, llama_cpp_server
+    from samples.microbench.llama_cpp_compare import llama_cpp_server
     server = llama_cpp_server(path, threads, 1, max(map(len, prompts)) + max_tokens + 16)
     answers = []
     for prompt in prompts:
