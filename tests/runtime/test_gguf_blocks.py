@@ -3,7 +3,7 @@ each block format and as a Q4_K / Q6_K mix (Q4_K_M's recipe: attn_v, ffn_down an
 Q6_K, the rest Q4_K), run with its blocks against the same file de-quantized to float32; engines
 built with keep and reloaded (engine.json's weight_formats), older engine directories, the auto
 rule, tensor-parallel slices by whole blocks and the refusal of a split that cuts one, the fused
-step declining, and hostile files (NaN / infinite scales, types we do not run, partial blocks).
+step against the eager model, and hostile files (NaN / infinite scales, types we do not run, partial blocks).
 
 Tolerances: on de-quantized tiles (the block kernels off) the kept weights are exact and multiplied in
 float32: logits within 1e-3 of the de-quantized file's, greedy tokens equal. On the native block
@@ -30,9 +30,13 @@ from runtime.quantization.block_weights import block_bases, parse_segment, segme
 from runtime.quantization.gguf_blocks import BLOCK_FORMATS
 from tests import factories
 from tests.runtime.gguf_factories import Q, ReferenceBlockOps, k_quant_blocks, random_blocks, write_gguf
+from tests.runtime.kernels.test_decode_step import run_both
 
 NUM_NEW_TOKENS = 6
 PROMPTS = ([5, 17, 99, 42, 7, 64, 3, 88], [120, 4, 33])
+# fused against eager: three sequences over shuffled blocks of 4 tokens
+FUSED_PROMPTS = [[5, 17, 99, 42, 7], [120, 4, 33, 8, 9, 10, 11, 12, 13], [2, 3]]
+FUSED_TABLES = [[5, 1, 9, 13, 17], [30, 2, 40, 41, 7, 3], [60, 50, 22, 23, 24]]
 # 256 wide (the K formats' super-blocks), 4 heads of 64, 2 KV heads
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4)
 Q6_K_IN_Q4_K_M = ("attn_v", "ffn_down")   # and the output
@@ -140,10 +144,41 @@ def test_a_q4_k_m_mix_keeps_each_tensor_in_its_own_format(mix_path, matmul_path)
     assert_runs_like_dequantized(kept, Engine.from_dir(mix_path, weight_format="dequantize", tokens_per_block=8))
 
 
-def test_the_fused_step_declines_block_weights_and_the_model_runs_op_by_op(mix_path):
-    runner = ModelRunner(Engine.from_dir(mix_path, weight_format="keep", tokens_per_block=8), 4)
-    assert runner.decode_step is None
-    assert all(isinstance(linear, BlockLinear) for linear in [runner.model.lm_head, *runner.model.linears.values()])
+def fused_and_eager(path) -> tuple[ModelRunner, ModelRunner]:
+    engine = Engine.from_dir(path, weight_format="keep", tokens_per_block=4)
+    return ModelRunner(engine, 64), ModelRunner(engine, 64, fused_decode=False)
+
+
+@pytest.mark.parametrize("name", BLOCK_FORMATS)
+def test_the_fused_step_runs_kept_blocks_as_the_eager_model(tmp_path, name):
+    """Each format, tied table: the fused step's logits, greedy tokens and KV cache equal the eager
+    model's bit for bit (both run the format table's kernels on the same quantized inputs)."""
+    if block_ops() is None:
+        pytest.skip("the native block kernels do not run here")
+    path = block_llama(tmp_path / f"{name}.gguf", lambda _: name, seed=3, tie_word_embeddings=True)
+    fused, eager = fused_and_eager(path)
+    assert fused.decode_step is not None
+    worst, fused_tokens, eager_tokens = run_both(fused, eager, FUSED_PROMPTS, FUSED_TABLES, num_steps=10)
+    assert worst == 0 and fused_tokens == eager_tokens
+    assert torch.equal(fused.kv_pool, eager.kv_pool)
+
+
+def test_the_fused_step_runs_a_q4_k_m_mix_segment_by_segment(mix_path):
+    fused, eager = fused_and_eager(mix_path)
+    if block_ops() is None:
+        pytest.skip("the native block kernels do not run here")
+    assert fused.decode_step is not None
+    assert all(isinstance(linear, BlockLinear) for linear in [fused.model.lm_head, *fused.model.linears.values()])
+    worst, fused_tokens, eager_tokens = run_both(fused, eager, FUSED_PROMPTS, FUSED_TABLES, num_steps=10)
+    assert worst == 0 and fused_tokens == eager_tokens
+
+
+def test_the_fused_step_declines_a_segment_off_its_thread_units(tmp_path):
+    """32 query heads of 8 and 2 KV heads: v's Q6_K rows start at 272, inside a 32-output unit."""
+    path = block_llama(tmp_path / "heads.gguf", q4_k_m, seed=4, num_attention_heads=32, num_key_value_heads=2)
+    fused, eager = fused_and_eager(path)
+    assert fused.decode_step is None
+    assert fused.model.linears["layers.0.qkv"].segments[1][2] == 272
 
 
 def test_a_kept_engine_is_built_recorded_and_reloaded(mix_path, tmp_path):

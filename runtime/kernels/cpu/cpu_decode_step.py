@@ -11,7 +11,9 @@ paged decode attention, so the eager native path and the fused step compute the 
 What it covers (`DecodeStep.build` says None otherwise; the eager model stays the reference and
 the fallback): RMSNorm, rotary positions with the neox pairing (partial rotary too), the
 sequential residual, a SiLU-gated MLP, biases on any linear; weights float32, bf16, int8 or int4
-(exact, or with int8 activations: act_quant.py, each thread quantizing each GEMV input once);
+(exact, or with int8 activations: act_quant.py, each thread quantizing each GEMV input once), or
+llama.cpp's blocks kept from a GGUF file (BlockLinear: one format per run of rows, each by its
+format table kernel, as the eager path's bound block kernels compute it);
 a float32, bf16 or int8 KV cache; one process (no tensor or pipeline parallelism), CPU. The runner
 routes a step to it when every sequence has one new token, there are at most MAX_ROWS of them,
 and nothing changes the forward (no LoRA, prompt tables, context logits or draft logits).
@@ -31,6 +33,8 @@ import torch
 
 from . import isa as isa_tiers, library as native_library
 from ...quantization.native_codes import input_code, kv_code, weight_code
+from .blocks import input_type as _input_type
+from ..torch_kernels.block_linear import BlockLinear
 from ..torch_kernels.linear import Linear
 from ..torch_kernels.weight_only_linear import QuantizedLinear
 
@@ -50,9 +54,13 @@ _KV_FORMATS = {torch.float32: kv_code("float32"), torch.bfloat16: kv_code("bf16"
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 
 
+class _Segment(ctypes.Structure):
+    _fields_ = [("format", _I32), ("x8", _I32), ("w", _P), ("first", _I64), ("last", _I64), ("row_bytes", _I64)]
+
+
 class _Linear(ctypes.Structure):
     _fields_ = [("format", _I32), ("input", _I32), ("w", _P), ("scale", _P), ("min", _P), ("bias", _P),
-                ("n", _I64), ("k", _I64), ("gs", _I64)]
+                ("n", _I64), ("k", _I64), ("gs", _I64), ("segments", _P), ("num_segments", _I64)]
 
 
 class _Layer(ctypes.Structure):
@@ -126,7 +134,7 @@ class DecodeStep:
                  tokens_per_block: int, isa: int):
         cfg = model.config
         self._lib, self._model = lib, model
-        self._keep: list[torch.Tensor] = []   # float32 copies of norms and biases the structs point at
+        self._keep: list = []   # float32 copies of norms and biases, segment arrays: what the structs point at
         layers = (_Layer * cfg.num_layers)()
         for i in range(cfg.num_layers):
             p = f"layers.{i}."
@@ -192,6 +200,17 @@ class DecodeStep:
 
     def _linear(self, linear) -> _Linear:
         fmt, input_type = _format(linear)
+        if isinstance(linear, BlockLinear):
+            segments = (_Segment * len(linear.segments))()
+            for segment, kernel, (block_format, blocks, first, last) in zip(segments, linear.kernels,
+                                                                             linear.segments):
+                segment.format, segment.x8 = weight_code(block_format.name), int(kernel.layout == "x8")
+                segment.w, segment.first, segment.last = blocks.data_ptr(), first, last
+                segment.row_bytes = blocks.shape[1]
+            self._keep.append(segments)
+            return _Linear(format=fmt, input=input_type, bias=self._hold(linear.bias_f32), n=linear.num_outputs,
+                           k=linear.in_features, segments=ctypes.addressof(segments),
+                           num_segments=len(linear.segments))
         if isinstance(linear, QuantizedLinear) and linear.act_kernel is not None:
             packed = linear.packed
             return _Linear(format=fmt, input=input_type, w=packed.packed.data_ptr(),
@@ -237,7 +256,14 @@ class DecodeStep:
 
 def _format(linear) -> tuple[int, int] | None:
     """(weight format code, input type code) of a prepared linear the fused step can read in place,
-    else None. int8 activations are the q8x32 input type of the int8 / int4 dot kernels."""
+    else None. int8 activations are the q8x32 input type of the int8 / int4 dot kernels. Block
+    weights: their first segment's (each segment carries its own), where their native kernels are
+    bound and every segment starts on a thread unit (decode_step.cpp's kUnit = 32 outputs)."""
+    if isinstance(linear, BlockLinear):
+        if linear.kernels is None or any(first % 32 for _, _, first, _ in linear.segments):
+            return None
+        block_format = linear.segments[0][0]
+        return weight_code(block_format.name), input_code(_input_type(block_format.name))
     if isinstance(linear, QuantizedLinear) and linear.act_quant is not None:
         return None if linear.act_kernel is None else (linear.format.native_code, _INPUT_Q8X32)
     if isinstance(linear, QuantizedLinear):   # its kernel was bound: the group size is one the kernels run

@@ -26,7 +26,9 @@
 //       [n, k] + scale [n] and int4 packed [n, k / 2] + scale, min float16 [n, k / gs] take float32
 //       inputs (linear_weight_only.h's layouts), or q8x32 inputs (int8 activations: the input
 //       quantized per block of 32 columns, once per input by each thread) over linear_act_quant.h's
-//       repacked layout.
+//       repacked layout. Block weights (llama.cpp's q8_0 ... q6_k): Linear.segments, runs of
+//       output rows each in its own format, by the format table's kernels (format_table.h) over
+//       the q8x32 or q8k input their format takes (quantized once per input by each thread).
 //   KV formats (Model.kv_format): attention.h's KvFormat (0 float32, 1 bf16, 2 int8 with float32
 //       scales per (slot, head)).
 //   rope_cos, rope_sin: float32 [rope_positions, rotary_dim / 2] (neox pairing: dim i with
@@ -40,6 +42,7 @@
 #include <vector>
 
 #include "attention.h"
+#include "format_table.h"
 #include "formats.h"
 #include "isa.h"
 #include "linear_act_quant.h"
@@ -50,13 +53,23 @@
 
 namespace {
 
+// A run of output rows [first, last) of a block-format weight (llama.cpp's blocks, format_table.h):
+// uint8 [last - first, row_bytes] at w, in ggml's layout or (x8) the 8-row interleaved one.
+struct Segment {
+  int32_t format, x8;  // bm::WeightFormat (a block format); 1: the 8-row interleaved layout
+  const uint8_t* w;
+  int64_t first, last, row_bytes;
+};
+
 struct Linear {
-  int32_t format, input;  // bm::WeightFormat, bm::InputType (formats.h)
+  int32_t format, input;  // bm::WeightFormat, bm::InputType (formats.h); block weights: their segments'
   const void* w;
   const void* scale;  // formats 2, 4, 5: float32; 3: float16 (uint16_t bits)
   const void* min;
   const float* bias;  // float32 [n] or null
   int64_t n, k, gs;
+  const Segment* segments;  // block weights (one format per run of rows; Q4_K_M mixes two), else null
+  int64_t num_segments;
 };
 
 struct Layer {
@@ -103,9 +116,12 @@ struct Input {
   const uint16_t* x_bf16;  // null unless a bf16 weight reads it with the dot-product instruction
   const float* xsum;       // [rows, k / gs] for int4 weights, else null
   int64_t rows, k;
-  const int8_t* q;         // int8-activation weights: x quantized per block of 32 (bm_aq::quantize_rows)
-  const float* d;
+  const int8_t* q;         // q8x32 inputs (int8-activation and 32-element block weights): x quantized
+  const float* d;          // per block of 32 (bm_blk::quantize_q8x32)
   const int32_t* s;
+  const int8_t* kq;        // q8k inputs (the K block formats): blocks of 256 (bm_blk::quantize_q8k)
+  const float* kd;
+  const int16_t* kbsums;
 };
 
 void weight_only_range(const Linear& L, const Input& in, float* y, int64_t ldy, int accumulate, int64_t n0,
@@ -121,11 +137,31 @@ void weight_only_range(const Linear& L, const Input& in, float* y, int64_t ldy, 
   }
 }
 
+// A block weight's outputs [n0, n1): each segment's share by its format table row's kernel (the
+// same kernels as bm_blk_linear; an x8 segment's local start is a multiple of 8: cpu_decode_step.py
+// binds only segments starting at a multiple of kUnit).
+void block_range(const Linear& L, const Input& in, float* y, int64_t ldy, int accumulate, int64_t n0, int64_t n1,
+                 int isa) {
+  for (int64_t i = 0; i < L.num_segments; ++i) {
+    const Segment& seg = L.segments[i];
+    const int64_t o0 = std::max(n0, seg.first), o1 = std::min(n1, seg.last);
+    if (o0 >= o1) continue;
+    const bm::FormatTraits& t = *bm::format_traits(seg.format);
+    const bool is_k = t.input == bm::kInputQ8K;
+    const bm_blk::QInput x = is_k ? bm_blk::QInput{in.kq, in.kd, nullptr, in.kbsums, in.k, in.k / bm_blk::kQK}
+                                  : bm_blk::QInput{in.q, in.d, in.s, nullptr, in.k, in.k / bm_blk::kQ};
+    const bm_blk::LinearArgs a{seg.w, seg.row_bytes, seg.last - seg.first, in.k, x, in.rows,
+                               L.bias ? L.bias + seg.first : nullptr, y + seg.first, ldy, accumulate};
+    bm::linear_kernel(t, isa, seg.x8)(a, o0 - seg.first, o1 - seg.first);
+  }
+}
+
 // y[r, o] (+)= sum_k in.x[r, k] W[o, k] (+ bias[o]) for the outputs o in [n0, n1).
 void linear_range(const Linear& L, const Input& in, float* y, int64_t ldy, int accumulate, int64_t n0, int64_t n1,
                   int isa) {
   if (n0 >= n1) return;
   const int64_t rows = in.rows;
+  if (L.segments) return block_range(L, in, y, ldy, accumulate, n0, n1, isa);
   switch (L.format) {
     case bm::kWeightFloat32:
       bm_float::linear_rows_range(in.x, rows, in.k, (const float*)L.w, n0, n1, L.k, L.bias, y, ldy, accumulate);
@@ -153,19 +189,35 @@ void linear_range(const Linear& L, const Input& in, float* y, int64_t ldy, int a
 // weights `uses` need them.
 struct InputScratch {
   std::vector<uint16_t> bf16;
-  std::vector<float> xsum, d;
-  std::vector<int8_t> q;
+  std::vector<float> xsum, d, kd;
+  std::vector<int8_t> q, kq;
   std::vector<int32_t> s;
+  std::vector<int16_t> kbsums;
+
+  // The q8x32 / q8k input types a linear's kernels take: its own, or its segments'.
+  static bool takes(const Linear& L, bm::InputType type) {
+    if (!L.segments) return L.input == type;
+    for (int64_t i = 0; i < L.num_segments; ++i)
+      if (bm::format_traits(L.segments[i].format)->input == type) return true;
+    return false;
+  }
 
   Input prepare(const float* x, int64_t rows, int64_t k, int isa, std::initializer_list<const Linear*> uses) {
-    Input in{x, nullptr, nullptr, rows, k, nullptr, nullptr, nullptr};
+    Input in{x, nullptr, nullptr, rows, k, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
     for (const Linear* L : uses) {
-      if (L->input == bm::kInputQ8x32 && in.q == nullptr) {
+      if (takes(*L, bm::kInputQ8x32) && in.q == nullptr) {
         q.resize(rows * k);
-        d.resize(rows * k / 32);
-        s.resize(rows * k / 32);
-        bm_aq::quantize_rows(x, rows, k, q.data(), d.data(), s.data());
+        d.resize(rows * k / bm_blk::kQ);
+        s.resize(rows * k / bm_blk::kQ);
+        bm_blk::quantize_q8x32(x, rows, k, k, q.data(), d.data(), s.data());
         in.q = q.data(), in.d = d.data(), in.s = s.data();
+      }
+      if (takes(*L, bm::kInputQ8K) && in.kq == nullptr) {
+        kq.resize(rows * k);
+        kd.resize(rows * k / bm_blk::kQK);
+        kbsums.resize(rows * k / 16);
+        bm_blk::quantize_q8k(x, rows, k, k, kq.data(), kd.data(), kbsums.data());
+        in.kq = kq.data(), in.kd = kd.data(), in.kbsums = kbsums.data();
       }
       const bool dot_product = bm_float::kHasDpbf16 && isa >= bm::kAvx512Bf16 && k % 32 == 0;
       if (L->format == bm::kWeightBf16 && dot_product && in.x_bf16 == nullptr) {

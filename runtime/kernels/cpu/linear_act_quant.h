@@ -40,6 +40,7 @@
 
 #include "formats.h"
 #include "isa.h"
+#include "quants_blocks.h"
 
 namespace bm_aq {
 
@@ -296,30 +297,9 @@ void range_rows(const ActLinear& a, const int8_t* q, const float* d, const int32
   }
 }
 
+// The q8x32 input type: the one from_float of the 32-element block formats (quants_blocks.h).
 inline void quantize_rows(const float* x, int64_t rows, int64_t k, int8_t* q, float* d, int32_t* s) {
-  const int64_t blocks = k / kBlock;
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t b = 0; b < blocks; ++b) {
-      const float* xb = x + r * k + b * kBlock;
-      int8_t* qb = q + r * k + b * kBlock;
-      float amax = 0.f;
-#pragma omp simd reduction(max : amax)
-      for (int j = 0; j < kBlock; ++j) amax = std::max(amax, fabsf(xb[j]));
-      const float db = amax / 127.f;
-      int32_t sum = 0;
-      if (db != 0.f) {
-#pragma omp simd reduction(+ : sum)
-        for (int j = 0; j < kBlock; ++j) {
-          const float v = std::min(127.f, std::max(-127.f, rintf(xb[j] / db)));  // round half to even
-          qb[j] = (int8_t)v;
-          sum += (int32_t)v;
-        }
-      } else {
-        memset(qb, 0, kBlock);
-      }
-      d[r * blocks + b] = db;
-      s[r * blocks + b] = sum;
-    }
+  bm_blk::quantize_q8x32(x, rows, k, k, q, d, s);
 }
 
 inline void act_linear_range(const ActLinear& w, const int8_t* q, const float* d, const int32_t* s, int64_t rows,
