@@ -275,3 +275,7 @@ class ReferenceBoundLinear:
 
     def dequantize(self, start, stop, out=None):
         return self.ops.dequantize(self.blocks, self.fmt, self.k, start, stop, out)
+
+    def rows(self, ids):
+        picked = self.blocks[ids].contiguous()
+        return self.ops.dequantize(picked, self.fmt, self.k, 0, picked.shape[0])

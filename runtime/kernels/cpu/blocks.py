@@ -254,6 +254,26 @@ class BoundLinear:
             assert status == 0, self.fmt
         return y
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """float32 [len(ids), k]: rows `ids` (int64, each in [0, n), checked by the caller) of the
+        weight, whatever the layout: the x8 groups holding them unpacked once each (a table lookup
+        of a whole prompt costs one call, not one per token)."""
+        out = torch.empty(ids.shape[0], self.k, dtype=torch.float32)
+        grouped = self.n // 8 * 8 if self.layout == "x8" else 0
+        in_group = ids < grouped
+        if bool(in_group.any()):
+            wanted = ids[in_group]
+            groups, which = torch.unique(wanted // 8, return_inverse=True)
+            row_bytes = self.blocks.shape[1]
+            packed = self.blocks[:grouped].view(grouped // 8, 8 * row_bytes)[groups].view(-1, row_bytes)
+            plain = unpack_x8(packed, self.fmt, self.k).view(groups.shape[0], 8, row_bytes)
+            picked = plain[which, wanted % 8].contiguous()
+            out[in_group] = self._ops.dequantize(picked, self.fmt, self.k, 0, picked.shape[0])
+        if not bool(in_group.all()):
+            picked = self.blocks[ids[~in_group]].contiguous()
+            out[~in_group] = self._ops.dequantize(picked, self.fmt, self.k, 0, picked.shape[0])
+        return out
+
     def dequantize(self, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """float32 rows [start, stop) of the weight (BlockOps.dequantize, whatever the layout)."""
         if self.layout == "ggml" or not 0 <= start <= stop <= self.n:

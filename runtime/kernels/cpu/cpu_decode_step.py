@@ -33,7 +33,7 @@ import torch
 
 from . import isa as isa_tiers, library as native_library
 from ...quantization.native_codes import input_code, kv_code, weight_code
-from .blocks import input_type as _input_type
+from .blocks import BoundLinear, input_type as _input_type
 from ..torch_kernels.block_linear import BlockLinear
 from ..torch_kernels.linear import Linear
 from ..torch_kernels.weight_only_linear import QuantizedLinear
@@ -258,9 +258,10 @@ def _format(linear) -> tuple[int, int] | None:
     """(weight format code, input type code) of a prepared linear the fused step can read in place,
     else None. int8 activations are the q8x32 input type of the int8 / int4 dot kernels. Block
     weights: their first segment's (each segment carries its own), where their native kernels are
-    bound and every segment starts on a thread unit (decode_step.cpp's kUnit = 32 outputs)."""
+    bound (this library's BoundLinear) and every segment starts on a thread unit (decode_step.cpp's kUnit = 32 outputs)."""
     if isinstance(linear, BlockLinear):
-        if linear.kernels is None or any(first % 32 for _, _, first, _ in linear.segments):
+        if (linear.kernels is None or not all(isinstance(kernel, BoundLinear) for kernel in linear.kernels)
+                or any(first % 32 for _, _, first, _ in linear.segments)):
             return None
         block_format = linear.segments[0][0]
         return weight_code(block_format.name), input_code(_input_type(block_format.name))

@@ -3,10 +3,17 @@ linear / linear_add (interface.KernelBackend): `BlockLinear`, one prepared linea
 weight, made of row segments each in its own format (runtime.quantization.block_weights).
 
 Each segment computes its columns of the output. On a CPU where the native block kernels run
-(runtime.kernels.cpu.blocks: integer dot products against 8-bit-quantized activations) inputs of
-up to NATIVE_MAX_ROWS rows go to them; larger inputs, and every input where they do not run,
-de-quantize tiles of TILE_OUTPUTS output rows (the native row de-quantization, else the formats'
-torch de-quantization) and multiply with torch's GEMM, as QuantizedLinear._tiled does.
+(runtime.kernels.cpu.blocks: integer dot products against 8-bit-quantized activations) every input
+goes to them, whatever its row count; where they do not run, tiles of TILE_OUTPUTS output rows are
+de-quantized (the formats' torch de-quantization) and multiplied with torch's GEMM, as
+QuantizedLinear._tiled does.
+
+Why the native kernels at every row count: they read each weight tile once per group of 4 input
+rows from cache, where the tiles path de-quantizes every weight again per call. One thread of CPU
+time on an AMD EPYC (AVX2), GFLOP/s native / tiles: q4_0 8192x2048 at 16, 64, 256 rows 93 / 7,
+93 / 16, 91 / 47; q8_0 68 / 6, 76 / 16, 68 / 33; q4_k 67 / 7, 61 / 19, 57 / 40; q6_k 71 / 9,
+79 / 28, 62 / 43; SmolLM2's 1536x576 q4_0 67 / 4, 81 / 14, 74 / 29. Only q5_k (no 8-row
+interleaved kernel) fell behind, at 256 rows (52 / 58): not worth a second path.
 """
 from __future__ import annotations
 
@@ -18,10 +25,6 @@ from ...quantization.gguf_blocks import BlockFormat
 
 # Output rows de-quantized at a time on the GEMM path (a float32 tile of 256 x 2048 is 2 MiB).
 TILE_OUTPUTS = 256
-# NOTE: rows up to which the native block kernels run, the de-quantized tiles + GEMM above: the
-# int4 weight-only crossover (QuantizedLinear, 16 rows on SmolLM2's shapes), not yet measured for
-# the block kernels (they land separately); samples.microbench.linear measures both paths.
-NATIVE_MAX_ROWS = 16
 
 
 def block_ops():
@@ -71,15 +74,21 @@ class BlockLinear:
         return [blocks for _, blocks, _, _ in self.segments]
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` (int64 [T]) of the de-quantized weight, float32 [T, in] (a tied table's lookup)."""
+        """Rows `ids` (int64 [T]) of the de-quantized weight, float32 [T, in] (a tied table's lookup):
+        per segment one gather of the rows it holds."""
+        outside = (ids < 0) | (ids >= self.num_outputs)
+        if bool(outside.any()):
+            raise IndexError(f"ids: row {int(ids[outside][0])} is outside the {self.num_outputs} rows")
         out = torch.empty(ids.shape[0], self.in_features, dtype=torch.float32)
-        for index, row in enumerate(ids.tolist()):
-            for segment, (fmt, blocks, first, last) in enumerate(self.segments):
-                if first <= row < last:
-                    out[index] = self._dequantized_tile(segment, row - first, row - first + 1)[0]
-                    break
+        for segment, (fmt, blocks, first, last) in enumerate(self.segments):
+            held = (ids >= first) & (ids < last)
+            if not bool(held.any()):
+                continue
+            local = ids[held] - first
+            if self.kernels is not None:
+                out[held] = self.kernels[segment].rows(local)
             else:
-                raise IndexError(f"ids: row {row} is outside the {self.num_outputs} rows")
+                out[held] = fmt.dequantize(blocks[local]).float()
         return out
 
     def _segment_bias(self, first: int, last: int) -> torch.Tensor | None:
@@ -123,7 +132,7 @@ class BlockLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in] -> [rows, out] in x's dtype."""
-        if self.ops is not None and x.shape[0] <= NATIVE_MAX_ROWS:
+        if self.ops is not None:
             y = self._native(x)
             return y if x.dtype == torch.float32 else y.to(x.dtype)
         return self._tiled(x)
@@ -131,7 +140,7 @@ class BlockLinear:
     def add_to(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """residual + self(x), into `residual` (float32, rows contiguous) where the native kernels
         run, else a new tensor."""
-        if (self.ops is not None and x.shape[0] <= NATIVE_MAX_ROWS and residual.dtype == torch.float32
+        if (self.ops is not None and residual.dtype == torch.float32
                 and residual.stride(1) == 1):
             return self._native(x, out=residual)
         return residual + self(x)

@@ -1,7 +1,8 @@
 """BlockLinear (runtime.kernels.torch_kernels.block_linear): a weight of row segments in different
-block formats against F.linear of its de-quantized weight, on the de-quantized-tile path (every
-row count; also where the native block kernels run, above their row limit) and through the
-native kernels' API (ReferenceBlockOps: a recording stand-in with their signature), bias and accumulation too."""
+block formats against F.linear of its de-quantized weight, on the de-quantized-tile path (where the
+native block kernels do not run) and through the native kernels' API (ReferenceBlockOps: a
+recording stand-in with their signature) at every row count, bias and accumulation too; and the
+table lookup `rows` against the de-quantized weight, on the native kernels' x8 layout too."""
 from __future__ import annotations
 
 import numpy as np
@@ -11,7 +12,7 @@ import torch.nn.functional as F
 
 from runtime.kernels import get_kernels
 from runtime.kernels.torch_kernels import block_linear
-from runtime.kernels.torch_kernels.block_linear import NATIVE_MAX_ROWS, TILE_OUTPUTS, BlockLinear
+from runtime.kernels.torch_kernels.block_linear import TILE_OUTPUTS, BlockLinear, block_ops
 from runtime.quantization.gguf_blocks import BLOCK_FORMATS
 from tests.runtime.gguf_factories import ReferenceBlockOps
 
@@ -45,20 +46,34 @@ def test_mixed_segments_match_the_dequantized_weight_on_tiles(monkeypatch, rows)
     assert torch.equal(linear.dequantized(), dequantized(parts))
 
 
-def test_the_native_kernels_take_few_rows_per_segment_and_tiles_take_many(monkeypatch):
+@pytest.mark.parametrize("rows", [1, 16, 17, 300])
+def test_the_native_kernels_take_every_row_count_per_segment(monkeypatch, rows):
     ops = ReferenceBlockOps()
     monkeypatch.setattr(block_linear, "block_ops", lambda: ops)
     parts = segments(["q4_1", "q5_0"], [48, 16], 256, seed=1)
     bias = torch.randn(64)
     linear = BlockLinear(parts, bias)
-    weight = dequantized(parts)
-    x = torch.randn(NATIVE_MAX_ROWS, 256)
-    torch.testing.assert_close(linear(x), F.linear(x, weight, bias), atol=1e-4, rtol=1e-4)
-    assert ops.calls == [("linear", "q4_1", NATIVE_MAX_ROWS), ("linear", "q5_0", NATIVE_MAX_ROWS)]
-    ops.calls.clear()
-    many = torch.randn(NATIVE_MAX_ROWS + 1, 256)
-    torch.testing.assert_close(linear(many), F.linear(many, weight, bias), atol=1e-4, rtol=1e-4)
-    assert [call[0] for call in ops.calls] == ["dequantize", "dequantize"]
+    x = torch.randn(rows, 256)
+    torch.testing.assert_close(linear(x), F.linear(x, dequantized(parts), bias), atol=1e-4, rtol=1e-4)
+    assert ops.calls == [("linear", "q4_1", rows), ("linear", "q5_0", rows)]
+
+
+@pytest.mark.parametrize("path", ["tiles", "reference", "native"])
+def test_rows_gathers_each_segment_once_equal_to_the_dequantized_weight(monkeypatch, path):
+    """Ids in any order, repeated, in whole x8 groups and in the tail rows after the last group
+    (44 = 5 groups of 8 + 4), across three segments; an id outside is an IndexError naming it."""
+    if path == "native" and block_ops() is None:
+        pytest.skip("the native block kernels do not run here")
+    if path != "native":
+        monkeypatch.setattr(block_linear, "block_ops", (lambda: None) if path == "tiles" else ReferenceBlockOps)
+    parts = segments(["q4_0", "q4_k", "q8_0"], [44, 19, 32], 512, seed=4)
+    linear = BlockLinear(parts, None)
+    ids = torch.tensor([43, 0, 7, 8, 40, 43, 63, 44, 50, 94, 62, 3, 3, 41], dtype=torch.int64)
+    assert torch.equal(linear.rows(ids), dequantized(parts)[ids])
+    if path == "native":
+        assert linear.kernels[0].layout == "x8"
+    with pytest.raises(IndexError, match="row 95 "):
+        linear.rows(torch.tensor([1, 95]))
 
 
 def test_one_segment_accumulates_into_the_residual_natively(monkeypatch):
