@@ -4,8 +4,8 @@
 // silu_mul_range (norm_activation.h), the KV rows and attend_rows (attention.h). One OpenMP
 // parallel region runs every layer:
 //
-//   per layer:  RMSNorm (each thread its own copy: no barrier) -> QKV GEMV (outputs split over
-//               threads) | barrier | per (sequence, KV head): rotary, the KV-cache write, paged
+//   per layer:  RMSNorm (each thread its own copy: no barrier) -> QKV GEMV (outputs in chunks that
+//               the threads claim as they go: Chunks) | barrier | per (sequence, KV head): rotary, the KV-cache write, paged
 //               decode attention | barrier | out-projection GEMV added into the residual |
 //               barrier | RMSNorm -> gate and up GEMV over the same outputs, silu(gate) * up |
 //               barrier | down GEMV added into the residual | barrier
@@ -38,7 +38,9 @@
 #include <stdint.h>
 
 #include <algorithm>
+#include <atomic>
 #include <initializer_list>
+#include <memory>
 #include <vector>
 
 #include "attention.h"
@@ -98,12 +100,26 @@ struct Model {
 constexpr int64_t kUnit = 32;  // outputs per unit of thread work (a multiple of every tile's O and of kActUnit)
 static_assert(kUnit % bm_aq::kActUnit == 0, "thread ranges must start on act-quant units");
 
-// The outputs [n0, n1) of thread t of nt over n outputs: contiguous runs of whole units.
-inline void thread_range(int64_t n, int t, int nt, int64_t& n0, int64_t& n1) {
-  const int64_t units = (n + kUnit - 1) / kUnit;
-  n0 = std::min(n, units * t / nt * kUnit);
-  n1 = std::min(n, units * (t + 1) / nt * kUnit);
-}
+constexpr int64_t kChunksPerThread = 4;
+
+// One GEMV's outputs handed out in chunks of whole units to whichever thread asks next (ggml's
+// chunked matmul): a thread slowed by another process or by a slower share of the kernels does not
+// hold the others at the next barrier. `next` is this GEMV's own counter, zero before the region.
+struct Chunks {
+  std::atomic<int64_t>* next;
+  int64_t n, chunk;
+
+  Chunks(std::atomic<int64_t>* counter, int64_t outputs, int nt) : next(counter), n(outputs) {
+    const int64_t units = (n + kUnit - 1) / kUnit;
+    chunk = std::max<int64_t>(1, (units + nt * kChunksPerThread - 1) / (nt * kChunksPerThread)) * kUnit;
+  }
+  // The next unclaimed chunk [n0, n1); false when none is left.
+  bool claim(int64_t& n0, int64_t& n1) {
+    n0 = next->fetch_add(1, std::memory_order_relaxed) * chunk;
+    n1 = std::min(n, n0 + chunk);
+    return n0 < n;
+  }
+};
 
 inline void rms_norm_rows(const float* x, int64_t rows, int64_t h, const float* w, float eps, float* y) {
   for (int64_t r = 0; r < rows; ++r) bm::rms_norm_row(x + r * h, h, w, eps, y + r * h);
@@ -286,19 +302,24 @@ extern "C" void bm_decode_step(const Model* model, int64_t rows, float* x, const
   const int64_t qkv_width = (m.num_heads + 2 * m.num_kv_heads) * d, q_size = m.num_heads * d;
   // shared between the threads, each written by one thread per phase
   std::vector<float> qkv(rows * qkv_width), attn(rows * q_size, 0.f), gate_up(rows * 2 * inter), act(rows * inter, 0.f);
+  // one chunk counter per GEMV of the step: 4 per layer and the lm_head
+  const int64_t num_gemvs = 4 * m.num_layers + 1;
+  std::unique_ptr<std::atomic<int64_t>[]> counters(new std::atomic<int64_t>[num_gemvs]);
+  for (int64_t i = 0; i < num_gemvs; ++i) counters[i].store(0, std::memory_order_relaxed);
 #pragma omp parallel num_threads(num_threads)
   {
-    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int nt = omp_get_num_threads();
     std::vector<float> normed(rows * h, 0.f);
     InputScratch input_scratch;
     bm::AttentionScratch attention_scratch;
     int64_t n0, n1;
     for (int64_t layer = 0; layer < m.num_layers; ++layer) {
       const Layer& L = m.layers[layer];
+      std::atomic<int64_t>* counter = &counters[4 * layer];
       if (m.matmuls_only != 1) rms_norm_rows(x, rows, h, L.input_norm, m.eps, normed.data());
       Input in = input_scratch.prepare(normed.data(), rows, h, m.isa, {&L.qkv});
-      thread_range(L.qkv.n, t, nt, n0, n1);
-      linear_range(L.qkv, in, qkv.data(), qkv_width, 0, n0, n1, m.isa);
+      for (Chunks c(counter, L.qkv.n, nt); c.claim(n0, n1);)
+        linear_range(L.qkv, in, qkv.data(), qkv_width, 0, n0, n1, m.isa);
 #pragma omp barrier
 #pragma omp for schedule(dynamic, 1)
       for (int64_t task = 0; task < rows * m.num_kv_heads; ++task)
@@ -307,26 +328,26 @@ extern "C" void bm_decode_step(const Model* model, int64_t rows, float* x, const
                  bt_stride, seq_lens, attn.data(), attention_scratch);
       // (the for's implied barrier)
       in = input_scratch.prepare(attn.data(), rows, q_size, m.isa, {&L.out});
-      thread_range(L.out.n, t, nt, n0, n1);
-      linear_range(L.out, in, x, h, 1, n0, n1, m.isa);
+      for (Chunks c(counter + 1, L.out.n, nt); c.claim(n0, n1);) linear_range(L.out, in, x, h, 1, n0, n1, m.isa);
 #pragma omp barrier
       if (m.matmuls_only != 1) rms_norm_rows(x, rows, h, L.post_norm, m.eps, normed.data());
       in = input_scratch.prepare(normed.data(), rows, h, m.isa, {&L.mlp_in});
-      thread_range(inter, t, nt, n0, n1);   // gate outputs [n0, n1) and the same up outputs
-      linear_range(L.mlp_in, in, gate_up.data(), 2 * inter, 0, n0, n1, m.isa);
-      linear_range(L.mlp_in, in, gate_up.data(), 2 * inter, 0, inter + n0, inter + n1, m.isa);
-      for (int64_t r = 0; r < rows && m.matmuls_only != 1; ++r)
-        bm::silu_mul_range(gate_up.data() + r * 2 * inter, gate_up.data() + r * 2 * inter + inter,
-                       act.data() + r * inter, n0, n1);
+      for (Chunks c(counter + 2, inter, nt); c.claim(n0, n1);) {   // gate outputs [n0, n1) and the same up outputs
+        linear_range(L.mlp_in, in, gate_up.data(), 2 * inter, 0, n0, n1, m.isa);
+        linear_range(L.mlp_in, in, gate_up.data(), 2 * inter, 0, inter + n0, inter + n1, m.isa);
+        for (int64_t r = 0; r < rows && m.matmuls_only != 1; ++r)
+          bm::silu_mul_range(gate_up.data() + r * 2 * inter, gate_up.data() + r * 2 * inter + inter,
+                             act.data() + r * inter, n0, n1);
+      }
 #pragma omp barrier
       in = input_scratch.prepare(act.data(), rows, inter, m.isa, {&L.mlp_out});
-      thread_range(L.mlp_out.n, t, nt, n0, n1);
-      linear_range(L.mlp_out, in, x, h, 1, n0, n1, m.isa);
+      for (Chunks c(counter + 3, L.mlp_out.n, nt); c.claim(n0, n1);)
+        linear_range(L.mlp_out, in, x, h, 1, n0, n1, m.isa);
 #pragma omp barrier
     }
     if (m.matmuls_only != 1) rms_norm_rows(x, rows, h, m.final_norm, m.eps, normed.data());
     Input in = input_scratch.prepare(normed.data(), rows, h, m.isa, {&m.lm_head});
-    thread_range(m.vocab, t, nt, n0, n1);
-    linear_range(m.lm_head, in, logits, m.vocab, 0, n0, n1, m.isa);
+    for (Chunks c(&counters[4 * m.num_layers], m.vocab, nt); c.claim(n0, n1);)
+      linear_range(m.lm_head, in, logits, m.vocab, 0, n0, n1, m.isa);
   }
 }
