@@ -9,7 +9,8 @@ calls the same functions as the per-op entry points: the linear ranges, RMSNorm,
 paged decode attention, so the eager native path and the fused step compute the same numbers.
 
 What it covers (`DecodeStep.build` says None otherwise; the eager model stays the reference and
-the fallback): RMSNorm, rotary positions with the neox pairing (partial rotary too), the
+the fallback): RMSNorm, Qwen3's per-head RMSNorm of queries and keys before rotary, rotary
+positions with the neox pairing (partial rotary too; any scaling of the frequencies), the
 sequential residual, a SiLU-gated MLP, biases on any linear; weights float32, bf16, int8 or int4
 (exact, or with int8 activations: act_quant.py, each thread quantizing each GEMV input once), or
 llama.cpp's blocks kept from a GGUF file (BlockLinear: one format per run of rows, each by its
@@ -65,7 +66,8 @@ class _Linear(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", _Linear), ("out", _Linear), ("mlp_in", _Linear),
-                ("mlp_out", _Linear), ("k_cache", _P), ("v_cache", _P), ("k_scales", _P), ("v_scales", _P)]
+                ("mlp_out", _Linear), ("k_cache", _P), ("v_cache", _P), ("k_scales", _P), ("v_scales", _P),
+                ("q_norm", _P), ("k_norm", _P)]
 
 
 class _Model(ctypes.Structure):
@@ -141,6 +143,9 @@ class DecodeStep:
             layer = layers[i]
             layer.input_norm = self._hold(_f32(model.w[p + "input_norm.weight"]))
             layer.post_norm = self._hold(_f32(model.w[p + "post_norm.weight"]))
+            if cfg.qk_norm:
+                layer.q_norm = self._hold(_f32(model.w[p + "q_norm.weight"]))
+                layer.k_norm = self._hold(_f32(model.w[p + "k_norm.weight"]))
             for field, name in (("qkv", "qkv"), ("out", "out"), ("mlp_in", "mlp_in"), ("mlp_out", "mlp_out")):
                 setattr(layer, field, self._linear(model.linears[p + name]))
             layer.k_cache, layer.v_cache = kv_pool[i, 0].data_ptr(), kv_pool[i, 1].data_ptr()
@@ -169,7 +174,7 @@ class DecodeStep:
                 or not model.is_first_stage or not model.is_last_stage or cfg.norm_type != "rmsnorm"
                 or cfg.mlp_type != "gated" or cfg.activation not in ("silu", "swish")
                 or cfg.position_embedding != "rope" or cfg.rotary_style != "neox" or cfg.residual != "sequential"
-                or cfg.embedding_norm or cfg.qk_norm or model.alibi_slopes is not None or kv_pool.dtype not in _KV_FORMATS
+                or cfg.embedding_norm or model.alibi_slopes is not None or kv_pool.dtype not in _KV_FORMATS
                 or model.dtype not in (torch.float32, torch.bfloat16)):
             return None
         prepared = [model.lm_head] + list(model.linears.values())

@@ -5,10 +5,11 @@
 // parallel region runs every layer:
 //
 //   per layer:  RMSNorm (each thread its own copy: no barrier) -> QKV GEMV (outputs in chunks that
-//               the threads claim as they go: Chunks) | barrier | per (sequence, KV head): rotary, the KV-cache write, paged
-//               decode attention | barrier | out-projection GEMV added into the residual |
-//               barrier | RMSNorm -> gate and up GEMV over the same outputs, silu(gate) * up |
-//               barrier | down GEMV added into the residual | barrier
+//               the threads claim as they go: Chunks) | barrier | per (sequence, KV head): the q / k
+//               RMSNorm (Qwen3), rotary, the KV-cache write, paged decode attention | barrier |
+//               out-projection GEMV added into the residual | barrier | RMSNorm -> gate and up GEMV
+//               over the same outputs, silu(gate) * up | barrier | down GEMV added into the residual
+//               | barrier
 //   then:       final RMSNorm -> lm_head GEMV -> logits
 //
 // so a step costs 5 barriers per layer instead of ~15 Python-dispatched ops. Activations stay
@@ -82,6 +83,8 @@ struct Layer {
   void* v_cache;
   float* k_scales;                   // int8 only: float32 [num_blocks, tpb, kv_heads]
   float* v_scales;
+  const float* q_norm;               // float32 [head_dim] or null: every query head's RMSNorm (Qwen3)
+  const float* k_norm;               // float32 [head_dim] or null: every key head's
 };
 
 struct Model {
@@ -271,8 +274,9 @@ __attribute__((optimize("fp-contract=off"))) inline void rotate(const Model& m, 
   }
 }
 
-// Sequence b, KV head kvh: rotate its query heads and key, write the key and value into the
-// cache, attend over the visible keys; out [num_heads * head_dim] of the sequence's row.
+// Sequence b, KV head kvh: RMS-normalize (Layer.q_norm / k_norm, where set) and rotate its query
+// heads and key, write the key and value into the cache, attend over the visible keys;
+// out [num_heads * head_dim] of the sequence's row.
 void attend(const Model& m, const Layer& L, const float* qkv, int64_t b, int64_t kvh, const int64_t* positions,
             const int64_t* slots, const int32_t* block_tables, int64_t bt_stride, const int64_t* seq_lens,
             float* out, bm::AttentionScratch& s) {
@@ -282,6 +286,11 @@ void attend(const Model& m, const Layer& L, const float* qkv, int64_t b, int64_t
   const float* row = qkv + b * (q_size + 2 * kv_size);
   s.q.assign(row + kvh * group * d, row + (kvh + 1) * group * d);
   s.row.assign(row + q_size + kvh * d, row + q_size + (kvh + 1) * d);
+  if (L.q_norm != nullptr) {  // before rotary, as the eager model's _qk_norm
+    for (int64_t g = 0; g < group; ++g)
+      bm::rms_norm_row(s.q.data() + g * d, d, L.q_norm, m.eps, s.q.data() + g * d);
+    bm::rms_norm_row(s.row.data(), d, L.k_norm, m.eps, s.row.data());
+  }
   for (int64_t g = 0; g < group; ++g) rotate(m, s.q.data() + g * d, positions[b]);
   rotate(m, s.row.data(), positions[b]);
   const int64_t new_row = slots[b] * m.num_kv_heads + kvh;
