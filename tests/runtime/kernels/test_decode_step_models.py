@@ -1,8 +1,9 @@
 """The fused generation step on the LLaMA-family variants of Llama 3.x and Qwen3 files: Qwen3's
 per-head RMSNorm of queries and keys before rotary, and the `llama3` rope scaling (a Hugging Face
 config's rope_parameters, or a GGUF file's rope_freqs tensor). Each from a tiny random checkpoint
-(Hugging Face and GGUF): the fused step taken, logits, greedy tokens and KV cache equal to the
-eager model's (test_decode_step.py's bounds), and greedy tokens equal to transformers'."""
+(Hugging Face and GGUF, float and kept quantized blocks): the fused step taken, logits, greedy
+tokens and KV cache equal to the eager model's (test_decode_step.py's bounds), and greedy tokens
+equal to transformers'."""
 from __future__ import annotations
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 
 from runtime import Engine, ModelRunner
 from runtime.config import RopeConfig
+from runtime.kernels.torch_kernels.block_linear import BlockLinear, block_ops
 from runtime.models.rope import rope_inv_freq
 from tests import factories
 from tests.runtime import arch_factories
@@ -19,11 +21,12 @@ from tests.runtime.kernels.test_decode_step import (BF16_TOLERANCE, PROMPTS, TAB
 pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 
-from tests.runtime.gguf_factories import llama3_rope_freqs, write_gguf  # noqa: E402 (needs gguf)
+from tests.runtime.gguf_factories import Q, llama3_rope_freqs, write_gguf  # noqa: E402 (needs gguf)
 from tests.runtime.test_model_parity import ATOL, ROPE_VARIANTS, hf_logits, random_tokens, run_prompt  # noqa: E402
 
 MODES = ["fp32", "int8", "int4", "int8_act", "int8_kv", "bf16"]
 GGUF_MODES = ["fp32", "int8", "int8_act"]
+BLOCK_KINDS = (Q.Q8_0, Q.Q4_0)   # kept as blocks, run by the format table's kernels
 
 
 @pytest.fixture(scope="module")
@@ -34,11 +37,16 @@ def models(tmp_path_factory):
     qwen3 = arch_factories.make_checkpoint(directory / "hf", "qwen3", seed=11)
     out["qwen3"] = (directory / "hf", qwen3)
     out["qwen3_gguf"] = (write_gguf(directory / "m.gguf", "qwen3", qwen3), qwen3)
+    for kind in BLOCK_KINDS:
+        out[f"qwen3_{kind.name}"] = (write_gguf(directory / f"{kind.name}.gguf", "qwen3", qwen3, kind), qwen3)
     directory = tmp_path_factory.mktemp("llama3")
     llama3 = factories.make_checkpoint(directory / "hf", "llama", seed=12, **ROPE_VARIANTS["llama3"])
     out["llama3"] = (directory / "hf", llama3)
-    out["llama3_gguf"] = (write_gguf(directory / "m.gguf", "llama", llama3,
-                                     extra={"rope_freqs.weight": llama3_rope_freqs(llama3.config)}), llama3)
+    rope_freqs = {"rope_freqs.weight": llama3_rope_freqs(llama3.config)}
+    out["llama3_gguf"] = (write_gguf(directory / "m.gguf", "llama", llama3, extra=rope_freqs), llama3)
+    for kind in BLOCK_KINDS:
+        out[f"llama3_{kind.name}"] = (write_gguf(directory / f"{kind.name}.gguf", "llama", llama3, kind,
+                                                 extra=rope_freqs), llama3)
     return out
 
 
@@ -101,3 +109,18 @@ def test_fused_logits_and_greedy_tokens_match_transformers(models, name):
         ours.append(int(logits.argmax()))
         logits = runner.forward(factories.step_inputs([(ours[-1:], len(prompt) + step, [4, 5])]))["logits"][0]
     assert ours == generated
+
+
+@pytest.mark.parametrize("kind", BLOCK_KINDS, ids=lambda kind: kind.name)
+@pytest.mark.parametrize("variant", ["qwen3", "llama3"])
+def test_fused_step_equals_the_eager_model_on_kept_blocks(models, variant, kind):
+    skip_without_kernels()
+    if block_ops() is None:
+        pytest.skip("the native block kernels do not run here")
+    engine = Engine.from_dir(models[f"{variant}_{kind.name}"][0], weight_format="keep", tokens_per_block=4)
+    fused, eager = ModelRunner(engine, 64), ModelRunner(engine, 64, fused_decode=False)
+    assert fused.decode_step is not None and engine.model_config.qk_norm == (variant == "qwen3")
+    assert all(isinstance(linear, BlockLinear) for linear in fused.model.linears.values())
+    worst, fused_tokens, eager_tokens = run_both(fused, eager, PROMPTS, TABLES, num_steps=12)
+    assert worst == 0 and fused_tokens == eager_tokens
+    assert torch.equal(fused.kv_pool, eager.kv_pool)
