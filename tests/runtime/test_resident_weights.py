@@ -23,11 +23,14 @@ MODEL = dict(vocab_size=16384, hidden_size=512, num_hidden_layers=4, num_attenti
 MODES = {"fp32": {}, "bf16": {"dtype": "bfloat16"}, "int8": {"weight_only": "int8"},
          "int4": {"weight_only": "int4", "group_size": 32},
          "int8+a8": {"weight_only": "int8", "act_quant": "int8"},
-         "int4+a8": {"weight_only": "int4", "group_size": 128, "act_quant": "int8"}}
-# The measured resident bytes over the weight bytes stay below this. One copy measures 1.00-1.06
-# (int4 + a8: the repacked scales and minimums are float32 where the stored ones are float16); two
-# copies measured 2.0-2.5 (the stored weights beside oneDNN's reordered or act_quant's repacked ones).
-MAX_RATIO = 1.3
+         "int4+a8": {"weight_only": "int4", "group_size": 32, "act_quant": "int8"}}
+# The measured resident bytes over the weight bytes stay below this. One copy measures 1.013-1.059
+# (int4 g32, exact or with int8 activations, the highest: ~2 % margin; the non-weight growth of the
+# step's buffers and the serving loop is ~5 % of this int4 model's bytes); a repacked int4 layout
+# with float32 scales and minimums (group 32: 8 bytes beside 16 of codes, not the stored 4)
+# measured 1.25, two copies 2.0-2.5 (the stored weights beside oneDNN's reordered or act_quant's
+# repacked ones).
+MAX_RATIO = 1.08
 
 PROBE = """
 import gc, json, sys, torch

@@ -73,8 +73,8 @@ def int8_act_linear_reference(x: torch.Tensor, weight: torch.Tensor, scale: torc
 class PackedActWeight:
     """One linear's weights in linear_act_quant.h's layout (n_units = ceil(n / 16))."""
     packed: torch.Tensor            # uint8: int8 [n_units, k/32, 8, 16, 4]; int4 [n_units, k/32, 4, 16, 4]
-    scale: torch.Tensor             # float32: int8 [n_units * 16]; int4 [n_units, k/gs, 16]
-    minimum: torch.Tensor | None    # float32 int4 [n_units, k/gs, 16]; int8 None
+    scale: torch.Tensor             # int8 float32 [n_units * 16]; int4 float16 [n_units, k/gs, 16]
+    minimum: torch.Tensor | None    # int4 float16 [n_units, k/gs, 16] (the stored values); int8 None
     n: int
     k: int
     group_size: int                 # int4: 32 / 64 / 128; int8: 0
@@ -87,8 +87,8 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
 
 def pack(weight: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None) -> PackedActWeight:
     """int8 weight [n, k] + scale [n] (minimum None), or int4 packed uint8 [n, k/2] + scale and
-    minimum [n, k/gs] (cpu_weight_only's layouts) -> the repacked tensors. ConfigError for a weight
-    format without a native kernel."""
+    minimum [n, k/gs] (cpu_weight_only's layouts; float16, or values float16 holds exactly) -> the
+    repacked tensors. ConfigError for a weight format without a native kernel."""
     n = weight.shape[0]
     units = -(-n // UNIT)
     if quantized_code(weight) == INT8_CODE:
@@ -110,9 +110,19 @@ def pack(weight: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None
     nib = _pad_rows(unpack_int4(weight, group_size), units * UNIT).reshape(units, UNIT, k // BLOCK, 2, 4, 4)
     packed = (nib[:, :, :, 0] | (nib[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).contiguous()
 
-    def per_unit(t: torch.Tensor) -> torch.Tensor:
-        return _pad_rows(t.float(), units * UNIT).reshape(units, UNIT, groups).transpose(1, 2).contiguous()
-    return PackedActWeight(packed, per_unit(scale), per_unit(minimum), n, k, group_size, INT4_CODE)
+    def per_unit(name: str, t: torch.Tensor) -> torch.Tensor:
+        return _pad_rows(_float16(name, t), units * UNIT).reshape(units, UNIT, groups).transpose(1, 2).contiguous()
+    return PackedActWeight(packed, per_unit("scale", scale), per_unit("minimum", minimum), n, k, group_size,
+                           INT4_CODE)
+
+
+def _float16(name: str, t: torch.Tensor) -> torch.Tensor:
+    """An int4 scale or minimum as float16 (the kernels read float16): ValueError where a value
+    would round (float16 -> float32 is exact, so the results equal the stored format's)."""
+    half = t.to(torch.float16)
+    if t.dtype != torch.float16 and not torch.equal(half.to(t.dtype), t):
+        raise ValueError(f"int4 {name}: expected float16 values, got {t.dtype} values float16 does not hold")
+    return half
 
 
 def packed_rows(w: PackedActWeight, ids: torch.Tensor) -> torch.Tensor:
@@ -127,7 +137,7 @@ def packed_rows(w: PackedActWeight, ids: torch.Tensor) -> torch.Tensor:
     nib = torch.cat([(lanes & 15).reshape(num_rows, -1, 16), (lanes >> 4).reshape(num_rows, -1, 16)], dim=2)
     groups = w.k // w.group_size
     q = nib.reshape(num_rows, groups, w.group_size).float()
-    scale, minimum = w.scale[unit, :, lane], w.minimum[unit, :, lane]   # [T, groups]
+    scale, minimum = w.scale[unit, :, lane].float(), w.minimum[unit, :, lane].float()   # [T, groups]
     return (q * scale[..., None] + minimum[..., None]).reshape(num_rows, w.k)
 
 

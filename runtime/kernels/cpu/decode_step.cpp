@@ -195,8 +195,7 @@ void linear_range(const Linear& L, const Input& in, float* y, int64_t ldy, int a
     }
     default:   // kWeightInt8, kWeightInt4
       if (L.input == bm::kInputQ8x32) {
-        const bm_aq::ActLinear a{L.format, 0, L.w, (const float*)L.scale, (const float*)L.min, L.bias, L.n, L.k,
-                                 L.gs};
+        const bm_aq::ActLinear a{L.format, 0, L.w, L.scale, (const uint16_t*)L.min, L.bias, L.n, L.k, L.gs};
         bm_aq::act_linear_range(a, in.q, in.d, in.s, rows, in.k, y, ldy, accumulate, n0, n1, isa);
       } else {
         weight_only_range(L, in, y, ldy, accumulate, n0, n1, isa);

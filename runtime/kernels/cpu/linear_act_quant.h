@@ -22,7 +22,8 @@
 //             (unsigned). scale float32 [n_units * 16].
 //       int4: 4 vectors of 64 bytes; vector j, lane i holds in its low nibbles columns 32b + 4j .. +3
 //             and in its high nibbles columns 32b + 16 + 4j .. +3 (unsigned 0..15).
-//             scale, min float32 [n_units, k / gs, 16].
+//             scale, min float16 [n_units, k / gs, 16] (the stored format's float16 values, read
+//             as float32: the conversion is exact).
 //   isa (bm::Isa, isa.h): this family's best tier at or below it runs: scalar, AVX2 (vpmaddubsw +
 //       vpmaddwd; int8 via the sign trick on w = u8 ^ 0x80), AVX-VNNI (ymm vpdpbusd), AVX512-VNNI
 //       (zmm vpdpbusd); a tier not compiled in falls back to the next lower one.
@@ -41,6 +42,7 @@
 #include "formats.h"
 #include "isa.h"
 #include "quants_blocks.h"
+#include "vec.h"
 
 namespace bm_aq {
 
@@ -52,8 +54,8 @@ struct ActLinear {
   int32_t format;      // bm::kWeightInt8 or bm::kWeightInt4 (formats.h)
   int32_t pad;
   const void* packed;  // uint8: int8 [n_units, k/32, 8, 16, 4] (w + 128); int4 [n_units, k/32, 4, 16, 4]
-  const float* scale;  // int8 [n_units * 16]; int4 [n_units, k / gs, 16]
-  const float* min;    // int4 [n_units, k / gs, 16]; int8 nullptr
+  const void* scale;   // int8 float32 [n_units * 16]; int4 float16 bits (uint16_t) [n_units, k / gs, 16]
+  const uint16_t* min; // int4 float16 bits [n_units, k / gs, 16]; int8 nullptr
   const float* bias;   // [n] or nullptr
   int64_t n, k, gs;    // outputs, inputs (k % 32 == 0), int4 group size (32, 64, 128; int8: 0)
 };
@@ -102,13 +104,14 @@ inline void unit_scalar(const ActLinear& a, int64_t unit, const int8_t* q, const
               isum += (byte & 15) * qb[4 * j + t] + (byte >> 4) * qb[16 + 4 * j + t];
             }
           const int64_t g = (unit * (a.k / a.gs) + b * kBlock / a.gs) * 16 + i;
-          const float t = fmaf(a.min[g], (float)sb, (float)isum * a.scale[g]);
+          const float t = fmaf(bm::half_to_float(a.min[g]), (float)sb,
+                               (float)isum * bm::half_to_float(((const uint16_t*)a.scale)[g]));
           acc[i] = fmaf(t, db, acc[i]);
         }
       }
     }
     if (a.format == bm::kWeightInt8)
-      for (int i = 0; i < 16; ++i) acc[i] *= a.scale[o0 + i];
+      for (int i = 0; i < 16; ++i) acc[i] *= ((const float*)a.scale)[o0 + i];
     finish_unit(acc, a.bias, y + r * ldy, o0, o1, accumulate);
   }
 }
@@ -133,6 +136,15 @@ struct Avx2Base {
   static F cvt(I v) { return _mm256_cvtepi32_ps(v); }
   static F fzero() { return _mm256_setzero_ps(); }
   static F fload(const float* p) { return _mm256_loadu_ps(p); }
+  static F hload(const uint16_t* p) {   // 8 float16 -> float32 (exact)
+#ifdef __F16C__
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+#else
+    float f[8];
+    bm::halves_to_floats(p, 8, f);
+    return _mm256_loadu_ps(f);
+#endif
+  }
   static F fset1(float v) { return _mm256_set1_ps(v); }
   static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
@@ -183,6 +195,7 @@ struct Avx512Vnni {
   static F cvt(I v) { return _mm512_cvtepi32_ps(v); }
   static F fzero() { return _mm512_setzero_ps(); }
   static F fload(const float* p) { return _mm512_loadu_ps(p); }
+  static F hload(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
   static F fset1(float v) { return _mm512_set1_ps(v); }
   static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
@@ -213,7 +226,7 @@ void int8_lanes(const ActLinear& a, int64_t unit, int part, const int8_t* q, con
       acc[r] = V::fma(V::cvt(isum[r]), V::fset1(d[r * blocks + b]), acc[r]);
     }
   }
-  const typename V::F scale = V::fload(a.scale + unit * 16 + part * V::L);
+  const typename V::F scale = V::fload((const float*)a.scale + unit * 16 + part * V::L);
   for (int r = 0; r < R; ++r) V::fstore(out[r] + part * V::L, V::mul(acc[r], scale));
 }
 
@@ -222,8 +235,8 @@ void int4_lanes(const ActLinear& a, int64_t unit, int part, const int8_t* q, con
                 const int32_t* s, float out[R][16]) {
   const int64_t blocks = a.k / kBlock, groups = a.k / a.gs;
   const uint8_t* w = (const uint8_t*)a.packed + unit * blocks * 256 + part * V::L * 4;
-  const float* scale = a.scale + unit * groups * 16 + part * V::L;
-  const float* min = a.min + unit * groups * 16 + part * V::L;
+  const uint16_t* scale = (const uint16_t*)a.scale + unit * groups * 16 + part * V::L;
+  const uint16_t* min = a.min + unit * groups * 16 + part * V::L;
   typename V::F acc[R];
   for (int r = 0; r < R; ++r) acc[r] = V::fzero();
   for (int64_t b = 0; b < blocks; ++b) {
@@ -239,7 +252,7 @@ void int4_lanes(const ActLinear& a, int64_t unit, int part, const int8_t* q, con
       }
     }
     const int64_t g = b * kBlock / a.gs;
-    const typename V::F sc = V::fload(scale + g * 16), mn = V::fload(min + g * 16);
+    const typename V::F sc = V::hload(scale + g * 16), mn = V::hload(min + g * 16);
     for (int r = 0; r < R; ++r) {
       const typename V::F t = V::fma(mn, V::fset1((float)s[r * blocks + b]), V::mul(V::cvt(V::done4(isum[r])), sc));
       acc[r] = V::fma(t, V::fset1(d[r * blocks + b]), acc[r]);
