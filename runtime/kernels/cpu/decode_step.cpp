@@ -67,7 +67,7 @@ struct Segment {
 struct Linear {
   int32_t format, input;  // bm::WeightFormat, bm::InputType (formats.h); block weights: their segments'
   const void* w;
-  const void* scale;  // formats 2, 4, 5: float32; 3: float16 (uint16_t bits)
+  const void* scale;  // int8: float32 [n]; int4: float16 bits [n, k / gs] (repacked for q8x32 inputs: [units, k / gs, 16])
   const void* min;
   const float* bias;  // float32 [n] or null
   int64_t n, k, gs;
