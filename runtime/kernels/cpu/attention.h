@@ -5,9 +5,12 @@
 //   bf16 (rounded to nearest even); int8 with a float32 scale per row (scale = max|x| / 127,
 //   q = round-half-even(x / scale), read as q * scale).
 // The per-op decode attention (ops.cpp) and the fused step (decode_step.cpp) both call
-// attend_rows, so they compute the same numbers.
+// attend_rows, so they compute the same numbers. Its dot products and V sums are AVX2 + FMA
+// intrinsics without a lower tier, as softmax's exp8 (vec.h) is: the library builds only for
+// AVX2 / FMA CPUs (library.cpu_supported), and the ISA cap (isa.h) selects the linear tiers only.
 #pragma once
 
+#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 
