@@ -31,6 +31,10 @@ inline __m256i lane_int16(__m256i v, int b0, int b1, bool is_signed) {
   return is_signed ? _mm256_srai_epi16(picked, 8) : picked;
 }
 
+// An empty asm that takes v in a register where the source has it: GCC would otherwise move the
+// unrolled loops' sums to the end of their chains, keeping every product live (spills at 4 rows).
+inline void in_order(__m256i& v) { asm("" : "+x"(v)); }
+
 // Two int16 input sums as one int32 (low: p[0], high: p[1]) in every lane.
 inline __m256i bcast_pair(const int16_t* p) {
   int32_t v;
@@ -39,8 +43,8 @@ inline __m256i bcast_pair(const int16_t* p) {
 }
 
 // q4_k (kHigh false) and q5_k: the 6-bit scales and mins of the 8 rows unpacked at once
-// (scales_mins_k4's word operations lane by lane); per sub-block the rows' int16 sums by vpmaddwd
-// with the rows' scale; the mins against the input's sums of 32 (two bsums of 16), 2 mins per vpmaddwd.
+// (scales_mins_k4's word operations lane by lane); sub-block by sub-block (2j: chunk j's low
+// nibbles, 2j + 1: its high ones) the rows' int16 sums, then vpmaddwd with the rows' scale; the mins against the input's sums of 32 (two bsums of 16), 2 mins per vpmaddwd.
 template <bool kHigh>
 struct Avx2K4x8 {
   static constexpr int kHighBits = 128, kCodes = kHigh ? 128 + 256 : 128, kGroupBlock = kCodes + 1024;
@@ -67,34 +71,36 @@ struct Avx2K4x8 {
       u[1] = _mm256_or_si256(_mm256_and_si256(w2, m4),
                              _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(w0, 6), low2), 4));
       u[0] = _mm256_and_si256(w0, low6);
-      const int8_t* q = x.q + i * kQK;
+      const int8_t* q[R];   // the input rows' super-block i
+      for (int r = 0; r < R; ++r) q[r] = x.q + r * x.k + i * kQK;
       __m256i isum[R];
       for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
-      for (int j = 0; j < 4; ++j) {
-        const int s = 2 * j % 4;
-        const __m256i sl = lane_int16(u[j / 2], s, s, false), sh = lane_int16(u[j / 2], s + 1, s + 1, false);
+#pragma GCC unroll 8
+      for (int s = 0; s < 8; ++s) {   // sub-block s: chunk j = s / 2, its low nibbles (s even) or high
+        const int j = s / 2;
+        const __m256i scale = lane_int16(u[s / 4], s % 4, s % 4, false);
+#pragma GCC unroll 2
         for (int c0 = 0; c0 < 8; c0 += kSum) {
-          __m256i plo[R], phi[R];
-          for (int r = 0; r < R; ++r) plo[r] = phi[r] = _mm256_setzero_si256();
+          __m256i p[R];
+          for (int r = 0; r < R; ++r) p[r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
           for (int c = c0; c < c0 + kSum; ++c) {
             const __m256i v = load32(g + kCodes + 256 * j + 32 * c);
-            __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-            if (kHigh) {
-              const __m256i h = load32(g + kHighBits + 32 * c);
-              lo = _mm256_or_si256(lo, bit_to_4(h, 2 * j));
-              hi = _mm256_or_si256(hi, bit_to_4(h, 2 * j + 1));
-            }
+            __m256i code = _mm256_and_si256(s % 2 ? _mm256_srli_epi16(v, 4) : v, m4);
+            if (kHigh) code = _mm256_or_si256(code, bit_to_4(load32(g + kHighBits + 32 * c), s));
             for (int r = 0; r < R; ++r) {
-              plo[r] = _mm256_add_epi16(plo[r], _mm256_maddubs_epi16(lo, bcast4(q + r * x.k + 64 * j + 4 * c)));
-              phi[r] = _mm256_add_epi16(phi[r], _mm256_maddubs_epi16(hi, bcast4(q + r * x.k + 64 * j + 32 + 4 * c)));
+              p[r] = _mm256_add_epi16(p[r], _mm256_maddubs_epi16(code, bcast4(q[r] + 32 * s + 4 * c)));
+              in_order(p[r]);
             }
           }
-          for (int r = 0; r < R; ++r)
-            isum[r] = _mm256_add_epi32(isum[r],
-                                       _mm256_add_epi32(_mm256_madd_epi16(plo[r], sl), _mm256_madd_epi16(phi[r], sh)));
+          for (int r = 0; r < R; ++r) {
+            isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(p[r], scale));
+            in_order(isum[r]);
+          }
         }
       }
       __m256i mins[4];   // mins 2p, 2p + 1 of each row as the two int16 of its lane
+#pragma GCC unroll 4
       for (int p = 0; p < 4; ++p) mins[p] = lane_int16(u[2 + p / 2], 2 * p % 4, 2 * p % 4 + 1, false);
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)g));
       const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(g + 16)));
@@ -131,17 +137,22 @@ struct Avx2Q6_Kx8 {
       prefetch_ahead(g, kGroupBlock);
       __m256i sc[4];   // scales 4m .. 4m + 3 of each row (bytes of its lane)
       for (int m = 0; m < 4; ++m) sc[m] = load32(g + kScales + 32 * m);
-      const int8_t* q = x.q + i * kQK;
+      const int8_t* q[R];   // the input rows' super-block i
+      for (int r = 0; r < R; ++r) q[r] = x.q + r * x.k + i * kQK;
       __m256i isum[R];
       for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
+#pragma GCC unroll 2
       for (int h = 0; h < 2; ++h)
+#pragma GCC unroll 4
         for (int c = 0; c < 4; ++c) {
           const int s = 8 * h + 2 * c;
           const __m256i scale[2] = {lane_int16(sc[s / 4], s % 4, s % 4, true),
                                     lane_int16(sc[s / 4], s % 4 + 1, s % 4 + 1, true)};
+#pragma GCC unroll 4
           for (int t0 = 0; t0 < 8; t0 += 2) {
             __m256i p[R];
             for (int r = 0; r < R; ++r) p[r] = _mm256_setzero_si256();
+#pragma GCC unroll 2
             for (int t = t0; t < t0 + 2; ++t) {
               const __m256i ql = load32(g + kQl + 32 * (16 * h + 8 * (c & 1) + t));
               const __m256i qh = load32(g + kQh + 32 * (8 * h + t));
@@ -149,13 +160,19 @@ struct Avx2Q6_Kx8 {
               const __m256i high = c == 0 ? _mm256_slli_epi16(qh, 4) : c == 1 ? _mm256_slli_epi16(qh, 2)
                                    : c == 2 ? qh : _mm256_srli_epi16(qh, 2);
               const __m256i u = _mm256_or_si256(low, _mm256_and_si256(high, bits45));
-              for (int r = 0; r < R; ++r)
-                p[r] = _mm256_add_epi16(p[r], _mm256_maddubs_epi16(u, bcast4(q + r * x.k + 128 * h + 32 * c + 4 * t)));
+              for (int r = 0; r < R; ++r) {
+                p[r] = _mm256_add_epi16(p[r], _mm256_maddubs_epi16(u, bcast4(q[r] + 128 * h + 32 * c + 4 * t)));
+                in_order(p[r]);
+              }
             }
-            for (int r = 0; r < R; ++r) isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(p[r], scale[t0 / 4]));
+            for (int r = 0; r < R; ++r) {
+              isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(p[r], scale[t0 / 4]));
+              in_order(isum[r]);
+            }
           }
         }
       __m256i pairs[8];   // scales 2m, 2m + 1 of each row as the two int16 of its lane
+#pragma GCC unroll 8
       for (int m = 0; m < 8; ++m) pairs[m] = lane_int16(sc[m / 2], 2 * m % 4, 2 * m % 4 + 1, true);
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)g));
       for (int r = 0; r < R; ++r) {
