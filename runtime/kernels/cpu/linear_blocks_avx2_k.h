@@ -44,7 +44,8 @@ inline __m256i bcast_pair(const int16_t* p) {
 
 // q4_k (kHigh false) and q5_k: the 6-bit scales and mins of the 8 rows unpacked at once
 // (scales_mins_k4's word operations lane by lane); sub-block by sub-block (2j: chunk j's low
-// nibbles, 2j + 1: its high ones) the rows' int16 sums, then vpmaddwd with the rows' scale; the mins against the input's sums of 32 (two bsums of 16), 2 mins per vpmaddwd.
+// nibbles, 2j + 1: its high ones) the rows' int16 sums, then vpmaddwd with the rows' scale; the
+// mins against the input's sums of 32 (two bsums of 16), 2 mins per vpmaddwd.
 template <bool kHigh>
 struct Avx2K4x8 {
   static constexpr int kHighBits = 128, kCodes = kHigh ? 128 + 256 : 128, kGroupBlock = kCodes + 1024;
@@ -178,9 +179,11 @@ struct Avx2Q6_Kx8 {
       for (int r = 0; r < R; ++r) {
         const int16_t* bs = x.bsums + r * (x.k / 16) + i * 16;
         __m256i offset = _mm256_setzero_si256();
-        for (int m = 0; m < 8; ++m) offset = _mm256_add_epi32(offset, _mm256_madd_epi16(pairs[m], bcast_pair(bs + 2 * m)));
+        for (int m = 0; m < 8; ++m)
+          offset = _mm256_add_epi32(offset, _mm256_madd_epi16(pairs[m], bcast_pair(bs + 2 * m)));
         const __m256i total = _mm256_sub_epi32(isum[r], _mm256_slli_epi32(offset, 5));
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(d, _mm256_set1_ps(x.d[r * x.nd + i])), acc[r]);
+        const __m256 dx = _mm256_set1_ps(x.d[r * x.nd + i]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(d, dx), acc[r]);
       }
     }
     for (int r = 0; r < R; ++r) out[r] = acc[r];
