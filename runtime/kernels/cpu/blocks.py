@@ -7,8 +7,9 @@ library cannot run (as weight_only_ops()); torch_kernels/block_reference.py is t
 Weights are ggml's block bytes as a GGUF file stores them: uint8 [n, row_bytes], row_bytes =
 k / block_elems * block_bytes. Tiers: scalar and avx2 (isa.py); the best one at or below the cap
 (the `isa` argument, else BATCH_MANAGER_CPU_ISA, else this CPU's best) runs. A bound linear
-(`BlockOps.bind`) of q8_0 / q4_0 / q4_1 / q5_0 / q4_k on a tier with such kernels holds its weight repacked into
-the 8-row interleaved layout (`repack_x8`, same bytes) instead of ggml's: its `.blocks`.
+(`BlockOps.bind`) of a format in X8_HALF_FIELDS (all seven) on a tier with kernels over the 8-row
+interleaved layout (avx2) holds its weight repacked into it (`repack_x8`, same bytes) instead of
+ggml's: its `.blocks`.
 """
 from __future__ import annotations
 
@@ -28,9 +29,11 @@ BLOCK_FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q4_k", "q5_k", "q6_k")
 K_BLOCK = 256   # a K format's super-block, and the q8k input block
 SUM_GROUP = {"q8x32": 32, "q8k": 16}   # input type -> elements per integer sum
 LAYOUT_X8 = 1 << 8   # bm_blk_linear's format flag: the weight is in the 8-row interleaved layout
-# format -> float16 fields leading its block (d; q4_1: d, m; q4_k: d, dmin): the x8 layout's head per block
-X8_HALF_FIELDS = {"q8_0": 1, "q4_0": 1, "q4_1": 2, "q5_0": 1, "q4_k": 2}
-HIGH_BITS_BYTES = {"q5_0": 4}   # format -> bytes of fifth bits after its float16 fields (qh)
+# format -> byte offsets of the float16 fields in its block (d; q4_1: d, m; q4_k / q5_k: d, dmin; q6_k:
+# its trailing d): the x8 layout's head per block, field by field
+X8_HALF_FIELDS = {"q8_0": (0,), "q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q4_k": (0, 2), "q5_k": (0, 2),
+                  "q6_k": (208,)}
+HIGH_BITS_BYTES = {"q5_0": 4}   # format -> bytes of fifth bits after its float16 fields (qh), spread for x8
 
 
 def _check_format(fmt: str) -> str:
@@ -92,34 +95,43 @@ def _gather_high_bits(spread: torch.Tensor) -> torch.Tensor:
     return ((word[..., None] >> torch.arange(0, 32, 8)) & 255).to(torch.uint8)
 
 
+def _x8_byte_order(fmt: str) -> tuple[list[int], list[int], list[int]]:
+    """A block's byte indices in the x8 layout's order: its float16 fields, q5_0's fifth bits, the rest."""
+    size = block_geometry(fmt)[1]
+    halves = [offset + b for offset in X8_HALF_FIELDS[fmt] for b in (0, 1)]
+    high = list(range(max(halves) + 1, max(halves) + 1 + HIGH_BITS_BYTES.get(fmt, 0)))
+    return halves, high, [b for b in range(size) if b not in halves and b not in high]
+
+
 def repack_x8(blocks: torch.Tensor, fmt: str, k: int) -> torch.Tensor:
-    """ggml's rows uint8 [n, row_bytes] -> the 8-row interleaved layout (linear_blocks_avx2.h), same
+    """ggml's rows uint8 [n, row_bytes] -> the 8-row interleaved layout (linear_blocks_avx2*.h), same
     shape: rows 8g .. 8g + 7 become one group holding per block the 8 rows' float16 fields (field
-    by field), q5_0's fifth bits (4 bytes a row, _spread_high_bits), then the rest of their bytes
-    (codes; q4_k: scales, codes) 4 at a time (chunk c: the 8 rows' bytes 4c .. 4c + 3 of the rest);
-    the rows after the last whole group stay as they are."""
-    n, fields, high = check_blocks(blocks, fmt, k), X8_HALF_FIELDS[fmt], HIGH_BITS_BYTES.get(fmt, 0)
-    groups, (elems, size), head = n // 8, block_geometry(fmt), 2 * X8_HALF_FIELDS[fmt]
+    by field), q5_0's fifth bits (4 bytes a row, _spread_high_bits), then the rest of their bytes in
+    block order (codes; q4_k: scales, codes; q5_k: scales, fifth bits, codes; q6_k: ql, qh, scales) 4
+    at a time (chunk c: the 8 rows' bytes 4c .. 4c + 3 of the rest); the rows after the last whole
+    group stay as they are."""
+    n, (halves, high, rest) = check_blocks(blocks, fmt, k), _x8_byte_order(fmt)
+    groups, (elems, size) = n // 8, block_geometry(fmt)
     nb = k // elems
     g = blocks[:groups * 8].view(groups, 8, nb, size).permute(0, 2, 1, 3)   # [G, nb, 8, size]
-    halves = g[..., :head].reshape(groups, nb, 8, fields, 2).transpose(2, 3)
-    spread = _spread_high_bits(g[..., head:head + high]) if high else g[..., :0]
-    codes = g[..., head + high:].reshape(groups, nb, 8, (size - head - high) // 4, 4).transpose(2, 3)
-    parts = [part.reshape(groups, nb, -1) for part in (halves, spread, codes)]
+    heads = g[..., halves].reshape(groups, nb, 8, len(halves) // 2, 2).transpose(2, 3)
+    spread = _spread_high_bits(g[..., high]) if high else g[..., :0]
+    codes = g[..., rest].reshape(groups, nb, 8, len(rest) // 4, 4).transpose(2, 3)
+    parts = [part.reshape(groups, nb, -1) for part in (heads, spread, codes)]
     return torch.cat([torch.cat(parts, dim=2).reshape(groups * 8, -1), blocks[groups * 8:]])
 
 
 def unpack_x8(packed: torch.Tensor, fmt: str, k: int) -> torch.Tensor:
     """The inverse of repack_x8: ggml's rows uint8 [n, row_bytes]."""
-    n, fields, high = check_blocks(packed, fmt, k), X8_HALF_FIELDS[fmt], HIGH_BITS_BYTES.get(fmt, 0)
-    groups, (elems, size), head = n // 8, block_geometry(fmt), 2 * X8_HALF_FIELDS[fmt]
-    nb = k // elems
+    n, (halves, high, rest) = check_blocks(packed, fmt, k), _x8_byte_order(fmt)
+    groups, (elems, size) = n // 8, block_geometry(fmt)
+    nb, fields = k // elems, len(halves) // 2
     g = packed[:groups * 8].reshape(groups, nb, 8 * size)
-    halves = g[..., :8 * head].reshape(groups, nb, fields, 8, 2).transpose(2, 3).reshape(groups, nb, 8, head)
-    spread = g[..., 8 * head:8 * (head + high)].reshape(groups, nb, 8, high)
-    codes = g[..., 8 * (head + high):].reshape(groups, nb, (size - head - high) // 4, 8, 4).transpose(2, 3)
-    parts = [halves, _gather_high_bits(spread) if high else spread, codes.reshape(groups, nb, 8, -1)]
-    rows = torch.cat(parts, dim=3)
+    heads = g[..., :16 * fields].reshape(groups, nb, fields, 8, 2).transpose(2, 3).reshape(groups, nb, 8, -1)
+    spread = g[..., 16 * fields:8 * (2 * fields + len(high))].reshape(groups, nb, 8, len(high))
+    codes = g[..., 8 * (2 * fields + len(high)):].reshape(groups, nb, len(rest) // 4, 8, 4).transpose(2, 3)
+    ordered = torch.cat([heads, _gather_high_bits(spread) if high else spread, codes.reshape(groups, nb, 8, -1)], 3)
+    rows = ordered[..., torch.argsort(torch.tensor(halves + high + rest))]   # back to ggml's byte order
     return torch.cat([rows.transpose(1, 2).reshape(groups * 8, -1), packed[groups * 8:]])
 
 
@@ -201,9 +213,9 @@ class BlockOps:
              isa: int | str | None = None) -> BoundLinear:
         """A BoundLinear `fn(x, out=None, accumulate=False)`: linear() of this weight with its checks
         and constant arguments done once (a generation step calls ~100 linears; linear()'s checks
-        cost ~30 us a call). On a tier with kernels over the 8-row interleaved layout (q8_0, q4_0,
-        q4_1, q5_0, q4_k on avx2) it holds the weight repacked (a copy of the same bytes, `fn.blocks`: drop
-        your own reference to `blocks` to keep one copy); else `fn.blocks` is `blocks`."""
+        cost ~30 us a call). On a tier with kernels over the 8-row interleaved layout (every format
+        on avx2) it holds the weight repacked (a copy of the same bytes, `fn.blocks`: drop your own
+        reference to `blocks` to keep one copy); else `fn.blocks` is `blocks`."""
         check_blocks(blocks, fmt, k)
         self.linear(torch.zeros(1, k), blocks, fmt, k, bias, isa=isa)   # checks bias and isa
         level = self.isa_level(fmt, isa)

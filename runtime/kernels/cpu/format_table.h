@@ -2,8 +2,9 @@
 // (formats.h) with its block geometry, the input type its dot kernel takes (vec_dot_type), its row
 // de-quantization and its linear range kernel per ISA tier (isa.h; null: no kernel at that tier,
 // the driver takes the next lower one), and per tier its kernel over the 8-row interleaved layout
-// (linear_blocks_avx2.h; null: none, its weights stay in ggml's layout). Adding a block format: its
-// layout and de-quantization in quants_blocks.h, its kernels in linear_blocks*.h, one row here.
+// (linear_blocks_avx2.h, linear_blocks_avx2_k.h; null: none, its weights stay in ggml's layout).
+// Adding a block format: its layout and de-quantization in quants_blocks.h, its kernels in
+// linear_blocks*.h, one row here.
 //
 // float32 / bf16 / int8 / int4 keep their own drivers (linear_float.h, linear_weight_only.h,
 // linear_act_quant.h); their rows give the geometry and input type, float32 / bf16 their row
@@ -29,7 +30,7 @@ struct FormatTraits {
   InputType input;                    // what from_float makes of an input row for the dot kernel
   DequantRow dequant_row;             // one row of k elements -> float32 [k]; null: none
   LinearRange linear[kNumIsa];        // by Isa tier; null: none at that tier
-  LinearRange linear_x8[kNumIsa];     // the same over the 8-row interleaved layout (linear_blocks_avx2.h)
+  LinearRange linear_x8[kNumIsa];     // the same over the 8-row interleaved layout (linear_blocks_avx2*.h)
 };
 
 #ifdef __AVX2__
@@ -61,8 +62,10 @@ inline constexpr FormatTraits kFormats[] = {
                  BM_AVX2_X8(Avx2Q5_0x8, Avx2Q5_0)),
     BM_BLOCK_ROW("q4_k", 256, 144, kInputQ8K, bm_blk::dequant_q4_k, bm_blk::ScalarQ4_K, bm_blk::Avx2Q4_K,
                  BM_AVX2_X8(Avx2Q4_Kx8, Avx2Q4_K)),
-    BM_BLOCK_ROW("q5_k", 256, 176, kInputQ8K, bm_blk::dequant_q5_k, bm_blk::ScalarQ5_K, bm_blk::Avx2Q5_K, {}),
-    BM_BLOCK_ROW("q6_k", 256, 210, kInputQ8K, bm_blk::dequant_q6_k, bm_blk::ScalarQ6_K, bm_blk::Avx2Q6_K, {}),
+    BM_BLOCK_ROW("q5_k", 256, 176, kInputQ8K, bm_blk::dequant_q5_k, bm_blk::ScalarQ5_K, bm_blk::Avx2Q5_K,
+                 BM_AVX2_X8(Avx2Q5_Kx8, Avx2Q5_K)),
+    BM_BLOCK_ROW("q6_k", 256, 210, kInputQ8K, bm_blk::dequant_q6_k, bm_blk::ScalarQ6_K, bm_blk::Avx2Q6_K,
+                 BM_AVX2_X8(Avx2Q6_Kx8, Avx2Q6_K)),
 };
 constexpr int kNumFormats = sizeof(kFormats) / sizeof(kFormats[0]);
 static_assert(kNumFormats == kWeightQ6_K + 1, "one row per WeightFormat code");

@@ -1,8 +1,8 @@
 """The native CPU layer's one library: its C++ sources (tiers and format codes: isa.h, formats.h; by
 op family: vec.h, norm_activation.h, attention.h, linear_float.h, linear_weight_only.h,
-linear_act_quant.h; llama.cpp's block formats: quants_blocks.h, linear_blocks.h, linear_blocks_avx2.h
-and their table format_table.h; entry points ops.cpp, collectives.cpp, decode_step.cpp, blocks.cpp)
-compiled once into one shared object, loaded once with ctypes, with the one signature table of every
+linear_act_quant.h; llama.cpp's block formats: quants_blocks.h, linear_blocks.h, linear_blocks_avx2.h,
+linear_blocks_avx2_k.h and their table format_table.h; entry points ops.cpp, collectives.cpp,
+decode_step.cpp, blocks.cpp) compiled once into one shared object, loaded once with ctypes, with the one signature table of every
 entry point. The binding modules (cpu_native.py, cpu_native_bf16.py, cpu_weight_only.py, act_quant.py,
 cpu_decode_step.py, blocks.py) wrap its functions.
 
@@ -27,7 +27,8 @@ HERE = Path(__file__).parent
 SOURCES = ("ops.cpp", "collectives.cpp", "decode_step.cpp", "blocks.cpp")
 HEADERS = ("isa.h", "formats.h", "vec.h", "norm_activation.h", "attention.h",
            "linear_float.h", "linear_weight_only.h", "linear_weight_only_gemm.h", "linear_act_quant.h",
-           "quants_blocks.h", "linear_blocks.h", "linear_blocks_avx2.h", "format_table.h")
+           "quants_blocks.h", "linear_blocks.h", "linear_blocks_avx2.h", "linear_blocks_avx2_k.h",
+           "format_table.h")
 CXX_FLAGS = ("-std=c++17", "-O3", "-march=native", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared")
 NAME = "cpu-native"
 

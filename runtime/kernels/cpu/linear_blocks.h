@@ -1,9 +1,10 @@
 // Linear family, llama.cpp's quantized block formats (quants_blocks.h) x 8-bit input blocks: per
 // format a dot kernel per ISA tier over R input rows at once (R <= kMaxRows: each weight block is
 // loaded and unpacked once and fed to the R rows), and the range driver that format_table.h makes
-// a row of the format table. blocks.cpp's bm_blk_linear runs it over threads. q8_0, q4_0, q4_1,
-// q5_0 and q4_k also have AVX2 kernels over an 8-row interleaved layout (linear_blocks_avx2.h) and their driver
-// linear_range_x8 (a bound weight's repacked copy, blocks.py's repack_x8).
+// a row of the format table. blocks.cpp's bm_blk_linear runs it over threads. Every format also
+// has AVX2 kernels over an 8-row interleaved layout (linear_blocks_avx2.h, the K formats'
+// linear_blocks_avx2_k.h) and their driver linear_range_x8 (a bound weight's repacked copy,
+// blocks.py's repack_x8).
 //
 // Contract of linear_range<K>(a, o0, o1): for outputs o in [o0, o1) and every input row r < a.rows
 //     y[r, o] (+)= dot(w row o, input row r) (+ bias[o])
@@ -14,9 +15,12 @@
 // Arithmetic (ggml's x86 approach): per block the integer dot of the weight codes with the int8
 // inputs, exact in int32; code offsets (q4_0: 8, q5_0: 16, q6_k: 32) and the K formats' mins either
 // in the codes (AVX2's signed q4_0 / q5_0 codes) or through the input's integer block sums (s,
-// bsums); then per block one float fma(isum, d_w * d_x, acc) (the K formats: per super-block).
-// |isum| < 2^24 for real data, so its float conversion is exact; the float sums round as any float
-// dot product does (tests/runtime/kernels/test_blocks.py states its tolerance).
+// bsums); then per block one float fma(isum, d_w * d_x, acc). The K formats, on every tier and
+// layout, per super-block and row: acc = fma(float(isum), d_w * d_x, acc), then (q4_k, q5_k) acc =
+// fma(-float(msum), dmin_w * d_x, acc), isum and msum the row's exact integer totals, acc from 0
+// over the super-blocks in order: the same bits whichever kernel runs. |isum| < 2^24 for real data,
+// so its float conversion is exact; the float sums round as any float dot product does
+// (tests/runtime/kernels/test_blocks.py states its tolerance).
 #pragma once
 
 #include <immintrin.h>
@@ -154,7 +158,7 @@ struct ScalarK4 {
       const float d = f16(b[i].d), dmin = f16(b[i].dmin);
       for (int r = 0; r < R; ++r) {
         const float dx = x.d[r * x.nd + i];
-        out[r] += (float)isum[r] * (d * dx) - (float)msum[r] * (dmin * dx);
+        out[r] = fmaf(-(float)msum[r], dmin * dx, fmaf((float)isum[r], d * dx, out[r]));
       }
     }
   }
@@ -184,7 +188,7 @@ struct ScalarQ6_K {
         }
       }
       const float d = f16(b[i].d);
-      for (int r = 0; r < R; ++r) out[r] += (float)isum[r] * (d * x.d[r * x.nd + i]);
+      for (int r = 0; r < R; ++r) out[r] = fmaf((float)isum[r], d * x.d[r * x.nd + i], out[r]);
     }
   }
 };
@@ -198,6 +202,7 @@ using ScalarQ5_K = ScalarK4<BlockQ5_K>;
 }  // namespace bm_blk
 
 #include "linear_blocks_avx2.h"
+#include "linear_blocks_avx2_k.h"
 
 namespace bm_blk {
 

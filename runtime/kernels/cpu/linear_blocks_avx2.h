@@ -4,10 +4,12 @@
 //   q4_1: unsigned nibbles directly, its min as m * d_x * s;
 //   q4_k, q5_k, q6_k: unsigned codes (<= 63) by vpmaddubsw, vpmaddwd with the sub-block scales as
 //       its multiplier; mins (q4_k, q5_k) and q6_k's -32 through the input's bsums.
-// Per block (32) or super-block (256) one fma(float(isum), d_w * d_x, acc). q8_0, q4_0, q4_1, q5_0
-// and q4_k also over the 8-row interleaved layout (below): 8 outputs per vector, one fma per block
-// for all 8.
-// The weight stream is prefetched 2 KiB ahead.
+// Per block (32) one fma(float(isum), d_w * d_x, acc) per lane; per super-block (256) of the K
+// formats the integer total isum of the row and one scalar fma(float(isum), d_w * d_x, acc) (then
+// q4_k / q5_k's fma(-float(msum), dmin_w * d_x, acc)): the order their kernels over the 8-row
+// interleaved layout (linear_blocks_avx2_k.h) keep per lane, so both layouts give the same bits.
+// q8_0, q4_0, q4_1 and q5_0 also over the 8-row interleaved layout (below): 8 outputs per vector,
+// one fma per block for all 8. The weight stream is prefetched 2 KiB ahead.
 #pragma once
 
 #ifdef __AVX2__
@@ -41,9 +43,12 @@ inline void prefetch_ahead(const void* p, int bytes) {
   for (int line = 0; line < bytes; line += 64) _mm_prefetch((const char*)p + kPrefetch + line, _MM_HINT_T0);
 }
 inline __m256i pair_sums(__m256i p16) { return _mm256_madd_epi16(p16, _mm256_set1_epi16(1)); }
-inline float hsum4(__m128 v) {
-  v = _mm_add_ps(v, _mm_movehl_ps(v, v));
-  return _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
+inline int32_t hsum4_epi32(__m128i v) {
+  v = _mm_add_epi32(v, _mm_unpackhi_epi64(v, v));
+  return _mm_cvtsi128_si32(_mm_add_epi32(v, _mm_shuffle_epi32(v, 1)));
+}
+inline int32_t hsum8_epi32(__m256i v) {
+  return hsum4_epi32(_mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
 }
 
 // A block's 32 weight codes as int8: signed values (q8_0: q, q4_0: nib - 8, q5_0: q5 - 16; the sign
@@ -101,9 +106,7 @@ struct Avx2K4 {
     const B* b = (const B*)row;
     const int64_t nb = x.k / kQK;
     const __m256i m4 = _mm256_set1_epi8(15), m1 = _mm256_set1_epi8(1);
-    __m256 acc[R];
-    __m128 accm[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), accm[r] = _mm_setzero_ps();
+    float acc[R] = {};
     for (int64_t i = 0; i < nb; ++i) {
       prefetch_ahead(&b[i], sizeof(B));
       uint32_t sm[4];   // built in registers: a 16-byte load of 4-byte stores would miss store forwarding
@@ -135,13 +138,13 @@ struct Avx2K4 {
       const float d = f16(b[i].d), dmin = f16(b[i].dmin);
       for (int r = 0; r < R; ++r) {
         const float dx = x.d[r * x.nd + i];
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_set1_ps(d * dx), acc[r]);
         const __m256i bs = load32(x.bsums + r * (x.k / 16) + i * 16);
         const __m128i pairs = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
-        accm[r] = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_madd_epi16(mins, pairs)), _mm_set1_ps(-dmin * dx), accm[r]);
+        acc[r] = fmaf((float)hsum8_epi32(isum[r]), d * dx, acc[r]);
+        acc[r] = fmaf(-(float)hsum4_epi32(_mm_madd_epi16(mins, pairs)), dmin * dx, acc[r]);
       }
     }
-    for (int r = 0; r < R; ++r) out[r] = bm::hsum8(acc[r]) + hsum4(accm[r]);
+    for (int r = 0; r < R; ++r) out[r] = acc[r];
   }
 };
 
@@ -153,8 +156,7 @@ struct Avx2Q6_K {
     const BlockQ6_K* b = (const BlockQ6_K*)row;
     const int64_t nb = x.k / kQK;
     const __m256i m4 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3);
-    __m256 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    float acc[R] = {};
     for (int64_t i = 0; i < nb; ++i) {
       prefetch_ahead(&b[i], sizeof(BlockQ6_K));
       const __m128i sc8 = _mm_loadu_si128((const __m128i*)b[i].scales);
@@ -181,10 +183,10 @@ struct Avx2Q6_K {
       for (int r = 0; r < R; ++r) {
         const __m256i offset = _mm256_madd_epi16(sc16, load32(x.bsums + r * (x.k / 16) + i * 16));
         const __m256i total = _mm256_sub_epi32(isum[r], _mm256_slli_epi32(offset, 5));
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_set1_ps(d * x.d[r * x.nd + i]), acc[r]);
+        acc[r] = fmaf((float)hsum8_epi32(total), d * x.d[r * x.nd + i], acc[r]);
       }
     }
-    for (int r = 0; r < R; ++r) out[r] = bm::hsum8(acc[r]);
+    for (int r = 0; r < R; ++r) out[r] = acc[r];
   }
 };
 
@@ -285,75 +287,6 @@ struct Avx2Q5_0x8 {
                              _mm256_madd_epi16(_mm256_add_epi16(p[2], p[3]), ones)),
             _mm256_set1_epi32(16 * x.s[r * nb + i]));
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_set1_ps(x.d[r * x.nd + i])), acc[r]);
-      }
-    }
-    for (int r = 0; r < R; ++r) out[r] = acc[r];
-  }
-};
-
-// q4_k: per super-block the 8 rows' d, dmin, their 12 scale bytes as 3 vectors of 4-byte lanes
-// (unpacked for the 8 rows at once: scales_mins_k4's word operations lane by lane) and the codes as
-// 32 vectors (c-th of chunk j: elements 4c .. 4c + 3 of sub-blocks 2j (low nibbles) and 2j + 1).
-// Per sub-block the 8 products summed in int16 (<= 8 * 2 * 15 * 127), then vpmaddwd by the rows'
-// scales (each lane's byte s of the unpacked words); the mins against the input's bsums likewise.
-struct Avx2Q4_Kx8 {
-  static constexpr int kGroupBlock = 8 * 144;
-
-  // lane j's byte `s % 4` of u as an int16 in both halves of lane j
-  static __m256i lane_byte(__m256i u, int s) {
-    const int b = s % 4;
-    return _mm256_shuffle_epi8(u, _mm256_setr_epi8(b, -1, b, -1, 4 + b, -1, 4 + b, -1, 8 + b, -1, 8 + b, -1, 12 + b, -1,
-                                                   12 + b, -1, b, -1, b, -1, 4 + b, -1, 4 + b, -1, 8 + b, -1, 8 + b, -1,
-                                                   12 + b, -1, 12 + b, -1));
-  }
-
-  template <int R>
-  static void group(const uint8_t* g, const QInput& x, __m256 out[R]) {
-    const int64_t nb = x.k / kQK;
-    const __m256i m4 = _mm256_set1_epi8(15), low6 = _mm256_set1_epi8(0x3f), low4 = _mm256_set1_epi8(15),
-                  low2 = _mm256_set1_epi8(3);
-    __m256 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < nb; ++i, g += kGroupBlock) {
-      prefetch_ahead(g, kGroupBlock);
-      const __m256i w0 = load32(g + 32), w1 = load32(g + 64), w2 = load32(g + 96);
-      __m256i u[4];   // scales 0..3, 4..7, mins 0..3, 4..7 (bytes of each lane)
-      u[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(w2, 4), low4),
-                             _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(w1, 6), low2), 4));
-      u[2] = _mm256_and_si256(w1, low6);
-      u[1] = _mm256_or_si256(_mm256_and_si256(w2, low4),
-                             _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(w0, 6), low2), 4));
-      u[0] = _mm256_and_si256(w0, low6);
-      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)g));
-      const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(g + 16)));
-      const int8_t* q = x.q + i * kQK;
-      __m256i isum[R];
-      for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
-      for (int j = 0; j < 4; ++j) {
-        __m256i plo[R], phi[R];
-        for (int r = 0; r < R; ++r) plo[r] = phi[r] = _mm256_setzero_si256();
-        for (int c = 0; c < 8; ++c) {
-          const __m256i v = load32(g + 128 + 256 * j + 32 * c);
-          const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-          for (int r = 0; r < R; ++r) {
-            plo[r] = _mm256_add_epi16(plo[r], _mm256_maddubs_epi16(lo, bcast4(q + r * x.k + 64 * j + 4 * c)));
-            phi[r] = _mm256_add_epi16(phi[r], _mm256_maddubs_epi16(hi, bcast4(q + r * x.k + 64 * j + 32 + 4 * c)));
-          }
-        }
-        const __m256i sl = lane_byte(u[j / 2], 2 * j), sh = lane_byte(u[j / 2], 2 * j + 1);
-        for (int r = 0; r < R; ++r)
-          isum[r] = _mm256_add_epi32(isum[r],
-                                     _mm256_add_epi32(_mm256_madd_epi16(plo[r], sl), _mm256_madd_epi16(phi[r], sh)));
-      }
-      for (int r = 0; r < R; ++r) {   // the mins against the input's sums of 32 (two bsums of 16 each)
-        const int16_t* bs = x.bsums + r * (x.k / 16) + i * 16;
-        __m256i msum = _mm256_setzero_si256();
-        for (int s = 0; s < 8; ++s)
-          msum = _mm256_add_epi32(msum, _mm256_madd_epi16(lane_byte(u[2 + s / 4], s),
-                                                          _mm256_set1_epi32((bs[2 * s] + bs[2 * s + 1]) & 0xffff)));
-        const __m256 dx = _mm256_set1_ps(x.d[r * x.nd + i]);
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, dx), acc[r]);
-        acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(dmin, dx), acc[r]);
       }
     }
     for (int r = 0; r < R; ++r) out[r] = acc[r];

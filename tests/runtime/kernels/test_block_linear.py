@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.kernels import get_kernels
+from runtime.kernels.cpu.blocks import unpack_x8
 from runtime.kernels.torch_kernels import block_linear
 from runtime.kernels.torch_kernels.block_linear import TILE_OUTPUTS, BlockLinear, block_ops
 from runtime.quantization.gguf_blocks import BLOCK_FORMATS
@@ -91,4 +92,9 @@ def test_one_segment_accumulates_into_the_residual_natively(monkeypatch):
 def test_the_torch_backend_prepares_block_linears():
     parts = segments(["q6_k"], [8], 256, seed=3)
     prepared = get_kernels("torch").prepare_block_linear(parts, None)
-    assert isinstance(prepared, BlockLinear) and prepared.weight is parts[0][1]
+    assert isinstance(prepared, BlockLinear)
+    if prepared.kernels is not None and prepared.kernels[0].layout == "x8":   # the one copy is the repacked one
+        assert prepared.weight is prepared.kernels[0].blocks
+        assert torch.equal(unpack_x8(prepared.weight, "q6_k", 256), parts[0][1])
+    else:
+        assert prepared.weight is parts[0][1]

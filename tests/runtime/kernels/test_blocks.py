@@ -2,8 +2,10 @@
 linear_blocks*.h and format_table.h): the row de-quantization bit for bit gguf.quants.dequantize on
 random blocks and on quantizers' blocks; the input quantization exactly the reference's (and the
 int8-activation mode's for q8x32); every dot kernel on every tier this CPU runs against the reference,
-exactly where the inputs make the float part exact and to float rounding elsewhere; the driver's
-shapes, bias, accumulate, row strides and threads; bad arguments."""
+exactly where the inputs make the float part exact and to float rounding elsewhere, over ggml's
+layout and the 8-row interleaved one (x8: its byte positions and round trip); the K formats' tiers
+and layouts bit for bit alike; the driver's shapes, bias, accumulate, row strides and threads; bad
+arguments."""
 from __future__ import annotations
 
 import ctypes
@@ -34,7 +36,9 @@ RTOL = 1e-5
 HALF_FIELDS = {"q8_0": (0,), "q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q4_k": (0, 2), "q5_k": (0, 2),
                "q6_k": (208,)}
 TIERS = [Isa.SCALAR, Isa.AVX2]
-OUTPUTS = 37   # not a multiple of the 16-output tile
+LAYOUTS = ["ggml", "x8"]   # the weight as the file holds it, or repacked 8 rows interleaved (BlockOps.bind)
+K_FORMATS = [fmt for fmt in BLOCK_FORMATS if block_geometry(fmt)[0] == 256]
+OUTPUTS = 37   # not a multiple of the 16-output tile; x8: 4 whole groups and 5 rows in ggml's layout
 
 
 def columns(fmt: str) -> list[int]:
@@ -44,6 +48,17 @@ def columns(fmt: str) -> list[int]:
 def require(tier: Isa, fmt: str) -> None:
     if tier not in OPS.tiers(fmt):
         pytest.skip(f"this CPU or build lacks {fmt}'s {tier.name.lower()} tier")
+
+
+def linear_of(fmt: str, tier: Isa, layout: str, blocks: torch.Tensor, k: int, bias=None):
+    """x -> y on `tier` over `blocks` in `layout` (x8: skipped where the tier has no such kernel)."""
+    require(tier, fmt)
+    if layout == "ggml":
+        return lambda x: OPS.linear(x, blocks, fmt, k, bias, isa=tier)
+    bound = OPS.bind(blocks, fmt, k, bias, isa=tier)
+    if bound.layout != "x8":
+        pytest.skip(f"{fmt} has no kernel over the x8 layout on {tier.name.lower()} here")
+    return bound
 
 
 def random_blocks(fmt: str, n: int, k: int, rng: np.random.Generator, halves: np.ndarray | None = None) -> torch.Tensor:
@@ -150,21 +165,21 @@ def exact_input(rows: int, k: int, fmt: str, gen: torch.Generator) -> torch.Tens
     return x.reshape(rows, k)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("tier", TIERS, ids=lambda t: t.name.lower())
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS)
-def test_integer_part_is_exact(fmt, tier):
+def test_integer_part_is_exact(fmt, tier, layout):
     """Power-of-two float16 fields and exact input blocks: every float operation of the kernel is
     exact, so it equals the reference bit for bit."""
-    require(tier, fmt)
     rng, gen = np.random.default_rng(4), torch.Generator().manual_seed(4)
     halves = np.array([2.0 ** -e * s for e in range(3, 7) for s in (1, -1)])
-    for k in (256, 2304):
+    for k in (256, 512, 2304):
         blocks = random_blocks(fmt, OUTPUTS, k, rng, halves)
-        x = exact_input(5, k, fmt, gen)
-        assert torch.equal(dequantize_input(quantize_input(x, fmt)), x.double())
-        expected = block_linear_reference(x, blocks, fmt, k)
-        assert torch.equal(OPS.linear(x, blocks, fmt, k, isa=tier), expected), k
-        assert torch.equal(OPS.bind(blocks, fmt, k, isa=tier)(x), expected), k   # x8 layout where it has kernels
+        linear = linear_of(fmt, tier, layout, blocks, k)
+        for rows in (1, 3, 8, 17):
+            x = exact_input(rows, k, fmt, gen)
+            assert torch.equal(dequantize_input(quantize_input(x, fmt)), x.double())
+            assert torch.equal(linear(x), block_linear_reference(x, blocks, fmt, k)), (k, rows)
 
 
 def close(y: torch.Tensor, x: torch.Tensor, blocks: torch.Tensor, fmt: str, k: int, bias=None) -> None:
@@ -174,19 +189,37 @@ def close(y: torch.Tensor, x: torch.Tensor, blocks: torch.Tensor, fmt: str, k: i
     assert (error <= RTOL * magnitude + 1e-30).all(), float((error / magnitude.clamp_min(1e-30)).max())
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("tier", TIERS, ids=lambda t: t.name.lower())
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS)
-def test_linear_matches_the_reference(fmt, tier):
-    require(tier, fmt)
+def test_linear_matches_the_reference(fmt, tier, layout):
     rng, gen = np.random.default_rng(5), torch.Generator().manual_seed(5)
     halves = np.float16(np.random.default_rng(6).standard_normal(64) * 0.01)
     for k in columns(fmt):
         blocks = random_blocks(fmt, OUTPUTS, k, rng, halves)
-        bound = OPS.bind(blocks, fmt, k, isa=tier)
+        linear = linear_of(fmt, tier, layout, blocks, k)
         for rows in (1, 3, 8, 17):
             x = torch.randn(rows, k, generator=gen)
-            close(OPS.linear(x, blocks, fmt, k, isa=tier), x, blocks, fmt, k)
-            close(bound(x), x, blocks, fmt, k)
+            close(linear(x), x, blocks, fmt, k)
+
+
+@pytest.mark.parametrize("fmt", K_FORMATS)
+def test_the_k_formats_give_the_same_bits_on_every_tier_and_layout(fmt):
+    """The K formats' kernels share one float order (linear_blocks.h): scalar, avx2 and avx2 over
+    the x8 layout agree bit for bit on random blocks (float16 fields over their whole range) and
+    random inputs, and a bias and an accumulated output too."""
+    rng, gen = np.random.default_rng(13), torch.Generator().manual_seed(13)
+    for k in (256, 512, 2304):
+        blocks = random_blocks(fmt, OUTPUTS, k, rng)
+        bias = torch.randn(OUTPUTS, generator=gen)
+        kernels = [linear_of(fmt, Isa.SCALAR, "ggml", blocks, k, bias)]
+        kernels += [linear_of(fmt, Isa.AVX2, layout, blocks, k, bias) for layout in LAYOUTS]
+        for rows in (1, 3, 8, 17):
+            x = torch.randn(rows, k, generator=gen) * torch.logspace(-2, 2, k)
+            first, *others = [kernel(x) for kernel in kernels]
+            assert torch.isfinite(first).all()
+            for other in others:
+                assert same_bits(other, first), (k, rows)
 
 
 @pytest.mark.parametrize("fmt", ["q4_1", "q5_k"])
@@ -220,27 +253,34 @@ def test_threads_split_outputs_without_changing_them(fmt):
     assert torch.equal(OPS.linear(x, blocks, fmt, k), one) and torch.equal(bound(x), bound_one)
 
 
-@pytest.mark.parametrize("fmt", sorted(X8_HALF_FIELDS))
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
 def test_the_x8_layout_interleaves_8_rows_and_round_trips(fmt):
+    """Byte positions: per block, the 8 rows' float16 fields field by field (q6_k's trailing d too),
+    q5_0's fifth bits spread, then every other byte of the block in its order, 4 bytes a row at a time."""
     k, n = 512, 19   # two whole groups, 3 rows left in ggml's layout
     blocks = random_blocks(fmt, n, k, np.random.default_rng(11))
     packed = repack_x8(blocks, fmt, k)
     assert packed.shape == blocks.shape and torch.equal(unpack_x8(packed, fmt, k), blocks)
     assert torch.equal(packed[16:], blocks[16:])
     elems, size = block_geometry(fmt)
-    head, high, rows = 2 * X8_HALF_FIELDS[fmt], HIGH_BITS_BYTES.get(fmt, 0), blocks.view(n, k // elems, size)
+    fields, high, rows = HALF_FIELDS[fmt], HIGH_BITS_BYTES.get(fmt, 0), blocks.view(n, k // elems, size)
+    assert X8_HALF_FIELDS[fmt] == fields
+    head = 2 * len(fields)
+    high_at = range(fields[-1] + 2, fields[-1] + 2 + high)
+    rest = [b for b in range(size) if b not in high_at and all(not 0 <= b - f < 2 for f in fields)]
+    assert len(rest) == size - head - high and len(rest) % 4 == 0
     for g, i, r in [(0, 0, 0), (0, 1, 5), (1, 1, 7), (1, 0, 3)]:   # group, block, row in the group
         block = packed[8 * g:8 * g + 8].flatten()[i * 8 * size:(i + 1) * 8 * size]
         source = rows[8 * g + r, i]
-        for field in range(head // 2):   # the 8 rows' float16 fields, field by field
-            assert torch.equal(block[16 * field + 2 * r:16 * field + 2 * r + 2], source[2 * field:2 * field + 2])
+        for field, offset in enumerate(fields):   # the 8 rows' float16 fields, field by field
+            assert torch.equal(block[16 * field + 2 * r:16 * field + 2 * r + 2], source[offset:offset + 2])
         if high:   # q5_0: row r's 4 bytes, byte b bit t = the fifth bit of element 4t + b
-            word = int.from_bytes(bytes(source[head:head + 4].tolist()), "little")
+            word = int.from_bytes(bytes(source[list(high_at)].tolist()), "little")
             spread = block[8 * head + 4 * r:8 * head + 4 * r + 4].tolist()
             assert all((spread[b] >> t) & 1 == (word >> (4 * t + b)) & 1 for t in range(8) for b in range(4))
-        for c in range((size - head - high) // 4):   # code chunk c: the 8 rows' bytes 4c .. 4c + 3
-            at, code = 8 * (head + high) + 32 * c + 4 * r, head + high + 4 * c
-            assert torch.equal(block[at:at + 4], source[code:code + 4])
+        for c in range(len(rest) // 4):   # chunk c: the 8 rows' bytes rest[4c .. 4c + 3]
+            at = 8 * (head + high) + 32 * c + 4 * r
+            assert torch.equal(block[at:at + 4], source[rest[4 * c:4 * c + 4]])
 
 
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS)
@@ -249,18 +289,19 @@ def test_bind_holds_one_copy_in_the_layout_its_kernel_reads(fmt):
     blocks = random_blocks(fmt, n, k, np.random.default_rng(12), np.float16([0.01, -0.02]))
     bound, scalar = OPS.bind(blocks, fmt, k), OPS.bind(blocks, fmt, k, isa=Isa.SCALAR)
     assert scalar.layout == "ggml" and scalar.blocks is blocks and (bound.n, bound.k, bound.fmt) == (n, k, fmt)
-    if fmt in X8_HALF_FIELDS and Isa.AVX2 in OPS.tiers(fmt):
+    original = blocks.clone()
+    if Isa.AVX2 in OPS.tiers(fmt) and OPS.bind(blocks[:8], fmt, k).layout == "x8":   # AVX2 + F16C
         assert bound.layout == "x8" and bound.blocks.shape == blocks.shape
         assert torch.equal(bound.blocks, repack_x8(blocks, fmt, k))
         assert OPS.bind(blocks[:7], fmt, k).layout == "ggml"   # no whole group: nothing to repack
     else:
         assert bound.layout == "ggml" and bound.blocks is blocks
     del blocks   # the bound linear alone keeps its weight
-    expected = dequantize_blocks(unpack_x8(bound.blocks, fmt, k) if bound.layout == "x8" else bound.blocks, fmt, k)
+    expected = dequantize_blocks(original, fmt, k)   # gguf.quants.dequantize of the file's bytes
     for start, stop in [(0, 37), (3, 5), (8, 16), (13, 35), (33, 37), (20, 20)]:
         assert same_bits(bound.dequantize(start, stop), expected[start:stop]), (start, stop)
     x = torch.randn(2, k)
-    close(bound(x), x, unpack_x8(bound.blocks, fmt, k) if bound.layout == "x8" else bound.blocks, fmt, k)
+    close(bound(x), x, original, fmt, k)
 
 
 def test_bad_arguments_are_value_errors_naming_them():
