@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 POLICIES = ("kv_aware", "cache_aware", "round_robin", "power_of_two")
 START_TIMEOUT_S = 600.0        # a replica builds its engine before it listens
+BIND_ATTEMPTS = 3              # starts of a replica whose KV-event port another process took first
 # NOTE: vllm-router's settings, not routing decisions. A failed request opens the worker's circuit
 # breaker at once: by default cache_aware retried on the same dead replica until health checks
 # caught up, and lost requests. Health checks every 2 s (not 60) notice a dead replica sooner.
@@ -113,8 +114,8 @@ class Replicas:
             ports = free_ports(2 * self.num_replicas + 1)
             for i in range(self.num_replicas):
                 self.replicas.append(self._start_replica(i, ports[2 * i], ports[2 * i + 1]))
-            for replica in self.replicas:
-                self._wait_listening(replica)
+            for replica in list(self.replicas):
+                self._wait_listening_or_rebind(replica)
             self.router = self._start_router(router, ports[-1])
             self._wait_router()
         except BaseException:
@@ -137,6 +138,22 @@ class Replicas:
         with open(log_path, "w") as log:
             process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
         return Replica(index, "", events, replay, process, log_path)
+
+    def _wait_listening_or_rebind(self, replica: Replica) -> None:
+        """_wait_listening, starting the replica again on fresh ports (up to BIND_ATTEMPTS times) when
+        it exited because another process took one of its KV-event ports: free_ports releases the
+        ports it found, so on a busy host one can be taken before the replica binds it."""
+        for attempt in range(BIND_ATTEMPTS):
+            try:
+                return self._wait_listening(replica)
+            except RuntimeError:
+                with open(replica.log_path) as f:
+                    taken = "Address already in use" in f.read()
+                if not taken or attempt + 1 == BIND_ATTEMPTS:
+                    raise
+                events_port, replay_port = free_ports(2)
+                replica = self._start_replica(replica.index, events_port, replay_port)
+                self.replicas[replica.index] = replica
 
     def _wait_listening(self, replica: Replica) -> None:
         """Fill in the replica's URL from the line it prints once it listens."""

@@ -11,6 +11,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -195,3 +196,33 @@ def test_the_router_fills_a_gap_from_the_replay_socket(tmp_path):
         publisher.close()
         for server in servers:
             server.shutdown()
+
+
+def test_a_replica_whose_event_port_was_taken_starts_again_on_fresh_ports(scripted, tmp_path, monkeypatch):
+    """free_ports releases what it finds: here another process holds replica 0's replay port when it
+    binds (Errno 98); the replicas start it again on fresh ports and serve."""
+    import samples.serve.replicas as replicas_module
+    tokenizer, _, engine_dir = scripted
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    taken = holder.getsockname()[1]
+    real_free_ports, calls = replicas_module.free_ports, []
+
+    def first_replay_port_taken(count: int) -> list[int]:
+        ports = real_free_ports(count)
+        calls.append(count)
+        if len(calls) == 1:
+            ports[1] = taken   # replica 0's replay endpoint
+        return ports
+
+    monkeypatch.setattr(replicas_module, "free_ports", first_replay_port_taken)
+    [port] = real_free_ports(1)
+    try:
+        with Replicas(engine_dir, 2, port, "round_robin", tokenizer.name_or_path, log_dir=str(tmp_path),
+                      served_model_name=MODEL) as replicas:
+            assert calls == [5, 2]   # the first layout, then fresh ports for replica 0 alone
+            assert replicas.replicas[0].replay_endpoint != f"tcp://127.0.0.1:{taken}"
+            assert completion(replicas.router_url, " 0").startswith(REPLY)
+    finally:
+        holder.close()
