@@ -203,9 +203,10 @@ struct Avx2Q6_K {
 // vector against 4 input bytes broadcast gives every row's products in its own lane: the 8 outputs
 // end in one vector (no horizontal sums) and one fma per block scales all 8 (d[8] by one F16C
 // conversion). Rows after the last whole group keep ggml's layout (the driver runs them so).
-inline __m256i bcast4(const int8_t* q) {
+// The 4 bytes at p (4 int8 inputs, or 2 int16 input sums: low p[0], high p[1]) in every 32-bit lane.
+inline __m256i bcast4(const void* p) {
   int32_t v;
-  memcpy(&v, q, 4);
+  memcpy(&v, p, 4);
   return _mm256_set1_epi32(v);
 }
 

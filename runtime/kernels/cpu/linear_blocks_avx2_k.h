@@ -35,13 +35,6 @@ inline __m256i lane_int16(__m256i v, int b0, int b1, bool is_signed) {
 // unrolled loops' sums to the end of their chains, keeping every product live (spills at 4 rows).
 inline void in_order(__m256i& v) { asm("" : "+x"(v)); }
 
-// Two int16 input sums as one int32 (low: p[0], high: p[1]) in every lane.
-inline __m256i bcast_pair(const int16_t* p) {
-  int32_t v;
-  memcpy(&v, p, 4);
-  return _mm256_set1_epi32(v);
-}
-
 // q4_k (kHigh false) and q5_k: the 6-bit scales and mins of the 8 rows unpacked at once
 // (scales_mins_k4's word operations lane by lane); sub-block by sub-block (2j: chunk j's low
 // nibbles, 2j + 1: its high ones) the rows' int16 sums, then vpmaddwd with the rows' scale; the
@@ -110,7 +103,7 @@ struct Avx2K4x8 {
         __m256i msum = _mm256_setzero_si256();
         for (int p = 0; p < 4; ++p) {
           const int16_t sums[2] = {(int16_t)(bs[4 * p] + bs[4 * p + 1]), (int16_t)(bs[4 * p + 2] + bs[4 * p + 3])};
-          msum = _mm256_add_epi32(msum, _mm256_madd_epi16(mins[p], bcast_pair(sums)));
+          msum = _mm256_add_epi32(msum, _mm256_madd_epi16(mins[p], bcast4(sums)));
         }
         const __m256 dx = _mm256_set1_ps(x.d[r * x.nd + i]);
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, dx), acc[r]);
@@ -180,7 +173,7 @@ struct Avx2Q6_Kx8 {
         const int16_t* bs = x.bsums + r * (x.k / 16) + i * 16;
         __m256i offset = _mm256_setzero_si256();
         for (int m = 0; m < 8; ++m)
-          offset = _mm256_add_epi32(offset, _mm256_madd_epi16(pairs[m], bcast_pair(bs + 2 * m)));
+          offset = _mm256_add_epi32(offset, _mm256_madd_epi16(pairs[m], bcast4(bs + 2 * m)));
         const __m256i total = _mm256_sub_epi32(isum[r], _mm256_slli_epi32(offset, 5));
         const __m256 dx = _mm256_set1_ps(x.d[r * x.nd + i]);
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(d, dx), acc[r]);
