@@ -30,13 +30,10 @@ from runtime.quantization.block_weights import block_bases, parse_segment, segme
 from runtime.quantization.gguf_blocks import BLOCK_FORMATS
 from tests import factories
 from tests.runtime.gguf_factories import Q, ReferenceBlockOps, k_quant_blocks, random_blocks, write_gguf
-from tests.runtime.kernels.test_decode_step import run_both
+from tests.runtime.kernels.test_decode_step import assert_runs_equal
 
 NUM_NEW_TOKENS = 6
 PROMPTS = ([5, 17, 99, 42, 7, 64, 3, 88], [120, 4, 33])
-# fused against eager: three sequences over shuffled blocks of 4 tokens
-FUSED_PROMPTS = [[5, 17, 99, 42, 7], [120, 4, 33, 8, 9, 10, 11, 12, 13], [2, 3]]
-FUSED_TABLES = [[5, 1, 9, 13, 17], [30, 2, 40, 41, 7, 3], [60, 50, 22, 23, 24]]
 # 256 wide (the K formats' super-blocks), 4 heads of 64, 2 KV heads
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4)
 Q6_K_IN_Q4_K_M = ("attn_v", "ffn_down")   # and the output
@@ -158,19 +155,16 @@ def test_the_fused_step_runs_kept_blocks_as_the_eager_model(tmp_path, name):
     path = block_llama(tmp_path / f"{name}.gguf", lambda _: name, seed=3, tie_word_embeddings=True)
     fused, eager = fused_and_eager(path)
     assert fused.decode_step is not None
-    worst, fused_tokens, eager_tokens = run_both(fused, eager, FUSED_PROMPTS, FUSED_TABLES, num_steps=10)
-    assert worst == 0 and fused_tokens == eager_tokens
-    assert torch.equal(fused.kv_pool, eager.kv_pool)
+    assert_runs_equal(fused, eager)
 
 
 def test_the_fused_step_runs_a_q4_k_m_mix_segment_by_segment(mix_path):
-    fused, eager = fused_and_eager(mix_path)
     if block_ops() is None:
         pytest.skip("the native block kernels do not run here")
+    fused, eager = fused_and_eager(mix_path)
     assert fused.decode_step is not None
     assert all(isinstance(linear, BlockLinear) for linear in [fused.model.lm_head, *fused.model.linears.values()])
-    worst, fused_tokens, eager_tokens = run_both(fused, eager, FUSED_PROMPTS, FUSED_TABLES, num_steps=10)
-    assert worst == 0 and fused_tokens == eager_tokens
+    assert_runs_equal(fused, eager)
 
 
 def test_the_fused_step_declines_a_segment_off_its_thread_units(tmp_path):

@@ -105,19 +105,31 @@ PROMPTS = [[3, 4, 5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16, 17], [2, 3], list(ra
 TABLES = [[5, 1, 9, 13, 17, 21], [30, 2, 40, 41, 7, 3], [60, 50, 22, 23, 24, 25], [8, 10, 12, 14, 16, 18, 19]]
 
 
-@pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
-def test_fused_step_equals_the_eager_model(checkpoints, arch, mode):
-    skip_without_kernels()
-    fused, eager = runners(checkpoints[arch], mode)
+def assert_fused_equals_eager(checkpoint, mode: str) -> None:
+    """Both runners of `checkpoint` in `mode` (assert_runs_equal)."""
+    fused, eager = runners(checkpoint, mode)   # asserts the fused runner holds the fused step
+    assert_runs_equal(fused, eager, bf16=mode.startswith("bf16"))
+
+
+def assert_runs_equal(fused: ModelRunner, eager: ModelRunner, bf16: bool = False) -> None:
+    """12 steps of PROMPTS over TABLES (pools of at least 64 blocks of TOKENS_PER_BLOCK) on both
+    runners: a bf16 engine within BF16_TOLERANCE, any other equal bit for bit (logits, greedy
+    tokens, KV cache and its scales)."""
     worst, fused_tokens, eager_tokens = run_both(fused, eager, PROMPTS, TABLES, num_steps=12)
-    if mode.startswith("bf16"):
+    if bf16:
         assert worst < BF16_TOLERANCE
     else:
         assert worst == 0 and fused_tokens == eager_tokens
         assert torch.equal(fused.kv_pool, eager.kv_pool)
         if fused.kv_scales is not None:
             assert torch.equal(fused.kv_scales, eager.kv_scales)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+def test_fused_step_equals_the_eager_model(checkpoints, arch, mode):
+    skip_without_kernels()
+    assert_fused_equals_eager(checkpoints[arch], mode)
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])

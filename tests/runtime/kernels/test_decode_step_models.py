@@ -15,8 +15,7 @@ from runtime.kernels.torch_kernels.block_linear import BlockLinear, block_ops
 from runtime.models.rope import rope_inv_freq
 from tests import factories
 from tests.runtime import arch_factories
-from tests.runtime.kernels.test_decode_step import (BF16_TOLERANCE, PROMPTS, TABLES, run_both, runners,
-                                                    skip_without_kernels)
+from tests.runtime.kernels.test_decode_step import assert_fused_equals_eager, assert_runs_equal, skip_without_kernels
 
 pytest.importorskip("transformers")
 pytest.importorskip("gguf")
@@ -61,18 +60,6 @@ def test_the_variants_are_what_the_fused_step_must_follow(models):
         config = Engine.from_dir(models[name][0]).model_config
         unscaled = rope_inv_freq(RopeConfig(theta=config.rope.theta), config.rotary_dim)
         assert (unscaled / rope_inv_freq(config.rope, config.rotary_dim)).max() > 7.9, name
-
-
-def assert_fused_equals_eager(checkpoint, mode: str) -> None:
-    fused, eager = runners(checkpoint, mode)   # asserts the fused runner holds the fused step
-    worst, fused_tokens, eager_tokens = run_both(fused, eager, PROMPTS, TABLES, num_steps=12)
-    if mode.startswith("bf16"):
-        assert worst < BF16_TOLERANCE
-    else:
-        assert worst == 0 and fused_tokens == eager_tokens
-        assert torch.equal(fused.kv_pool, eager.kv_pool)
-        if fused.kv_scales is not None:
-            assert torch.equal(fused.kv_scales, eager.kv_scales)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -121,6 +108,4 @@ def test_fused_step_equals_the_eager_model_on_kept_blocks(models, variant, kind)
     fused, eager = ModelRunner(engine, 64), ModelRunner(engine, 64, fused_decode=False)
     assert fused.decode_step is not None and engine.model_config.qk_norm == (variant == "qwen3")
     assert all(isinstance(linear, BlockLinear) for linear in fused.model.linears.values())
-    worst, fused_tokens, eager_tokens = run_both(fused, eager, PROMPTS, TABLES, num_steps=12)
-    assert worst == 0 and fused_tokens == eager_tokens
-    assert torch.equal(fused.kv_pool, eager.kv_pool)
+    assert_runs_equal(fused, eager)
