@@ -48,6 +48,13 @@ struct KvRows {
     return buffer;
   }
 
+  // Row `row`'s bytes toward L1 (the cache was written steps ago; the weight stream has evicted it).
+  void prefetch(int64_t row) const {
+    const int64_t bytes = head_dim * (format == kKvFloat32 ? 4 : format == kKvBf16 ? 2 : 1);
+    const char* p = (const char*)cache + row * bytes;
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+  }
+
   void write(int64_t row, const float* x) const {
     const int64_t d = head_dim;
     if (format == kKvFloat32) {
@@ -99,8 +106,8 @@ struct AttentionScratch {
   std::vector<int64_t> keys;
 };
 
-// Keys per step of attend_rows.
-constexpr int64_t kKeyTile = 4;
+// Keys per step of attend_rows, and how far ahead of the one being scored its K rows are prefetched.
+constexpr int64_t kKeyTile = 4, kPrefetchKeys = 16;
 
 // scores[g * n + t] = (q[g] . keys[t]) * scale for the group's heads and the tile's first `count` keys
 // (keys [4] float32 [d]; the unused ones point at a valid row). Each dot product: two 8-lane
@@ -175,8 +182,11 @@ BM_ONE_COPY void attend_rows(const float* q, int64_t group, int64_t d, const KvR
   s.row.resize(kKeyTile * d);
   float* scores = s.scores.data();
   const float* tile[kKeyTile];
+  for (int64_t j = 0; j < std::min(n, kPrefetchKeys); ++j) k.prefetch(rows[j]);
   for (int64_t i = 0; i < n; i += kKeyTile) {
     const int64_t count = std::min(kKeyTile, n - i);
+    for (int64_t j = i + kPrefetchKeys; j < std::min(n, i + kPrefetchKeys + kKeyTile); ++j) k.prefetch(rows[j]);
+    for (int64_t j = i; j < i + count; ++j) v.prefetch(rows[j]);
     for (int64_t t = 0; t < kKeyTile; ++t) tile[t] = k.read(rows[i + std::min(t, count - 1)], s.row.data() + t * d);
     score_tile(q, group, d, tile, count, scale, scores + i, n);
   }

@@ -81,3 +81,30 @@ extern "C" int bm_blk_dequant(int format, const uint8_t* w, int64_t n0, int64_t 
   for (int64_t o = n0; o < n1; ++o) t->dequant_row(w + o * row_bytes, k, out + (o - n0) * k);
   return 0;
 }
+
+// Rows ids[0, count) of a block weight w [n, row_bytes] -> out float32 [count, k] (an embedding
+// lookup), bit for bit bm_blk_dequant's: in ggml's layout, or (gather non-null) the x8 layout, whose
+// group of rows 8g .. 8g + 7 holds byte b of its row r at gather[r * row_bytes + b] (blocks.py's
+// x8_row_gather; rows past the last whole group in ggml's layout). -1: no row de-quantization;
+// -2: an id outside [0, n).
+extern "C" int bm_blk_rows(int format, const uint8_t* w, int64_t n, int64_t k, const int32_t* gather,
+                           const int64_t* ids, int64_t count, float* out) {
+  const bm::FormatTraits* t = bm::format_traits(format);
+  if (!t || !t->dequant_row) return -1;
+  const int64_t row_bytes = k / t->block_elems * t->block_bytes, grouped = gather ? n / 8 * 8 : 0;
+  std::vector<uint8_t> row(row_bytes);
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t id = ids[i];
+    if (id < 0 || id >= n) return -2;
+    const uint8_t* src = w + id * row_bytes;
+    if (id < grouped) {
+      const uint8_t* group = w + id / 8 * 8 * row_bytes;
+      const int32_t* map = gather + id % 8 * row_bytes;
+      for (int64_t b = 0; b < row_bytes; ++b) row[b] = group[map[b]];
+      src = row.data();
+    }
+    t->dequant_row(src, k, out + i * k);
+  }
+  return 0;
+}
+

@@ -59,6 +59,7 @@ SIGNATURES: dict[str, tuple[list, object]] = {
     "bm_blk_quantize": ([_INT, _P, _I64, _I64, _I64, _P, _P, _P], _INT),
     "bm_blk_linear": ([_INT, _P, _I64, _I64, _P, _I64, _I64, _P, _P, _I64, _INT, _INT, _INT], _INT),
     "bm_blk_dequant": ([_INT, _P, _I64, _I64, _I64, _P, _INT], _INT),
+    "bm_blk_rows": ([_INT, _P, _I64, _I64, _P, _P, _I64, _P], _INT),
     "bm_decode_step": ([_P, _I64, _P, _P, _P, _P, _I64, _P, _P, _INT], None),
 }
 

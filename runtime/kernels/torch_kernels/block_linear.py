@@ -75,7 +75,10 @@ class BlockLinear:
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` (int64 [T]) of the de-quantized weight, float32 [T, in] (a tied table's lookup):
-        per segment one gather of the rows it holds."""
+        per segment one gather of the rows it holds (one segment with a native kernel: its own lookup,
+        which checks the ids)."""
+        if len(self.segments) == 1 and self.kernels is not None:
+            return self.kernels[0].rows(ids)
         outside = (ids < 0) | (ids >= self.num_outputs)
         if bool(outside.any()):
             raise IndexError(f"ids: row {int(ids[outside][0])} is outside the {self.num_outputs} rows")

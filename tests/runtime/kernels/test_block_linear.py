@@ -77,6 +77,25 @@ def test_rows_gathers_each_segment_once_equal_to_the_dequantized_weight(monkeypa
         linear.rows(torch.tensor([1, 95]))
 
 
+@pytest.mark.parametrize("fmt", list(BLOCK_FORMATS))
+def test_one_segment_rows_come_from_one_native_lookup(fmt):
+    """One segment (a tied GGUF table) looks its rows up in one native call (bm_blk_rows: the x8
+    groups' bytes gathered by x8_row_gather's map; q5_0 unpacks its groups): bit for bit the
+    de-quantized rows, in whole groups and in the tail rows (21 = 2 groups of 8 + 5); an id outside
+    is an IndexError naming it."""
+    if block_ops() is None:
+        pytest.skip("the native block kernels do not run here")
+    parts = segments([fmt], [21], 512, seed=5)
+    linear = BlockLinear(parts, None)
+    assert linear.kernels[0].layout == "x8"
+    ids = torch.tensor([20, 0, 7, 8, 15, 16, 20, 3, 9], dtype=torch.int64)
+    assert torch.equal(linear.rows(ids), dequantized(parts)[ids])
+    with pytest.raises(IndexError, match="row 21 "):
+        linear.rows(torch.tensor([1, 21]))
+    with pytest.raises(IndexError, match="row -1 "):
+        linear.rows(torch.tensor([-1]))
+
+
 def test_one_segment_accumulates_into_the_residual_natively(monkeypatch):
     ops = ReferenceBlockOps()
     monkeypatch.setattr(block_linear, "block_ops", lambda: ops)
