@@ -120,6 +120,23 @@ class NativeCpuOps:
             self._lib.bm_token_bitmask(logits.data_ptr(), rows.data_ptr(), bitmask.data_ptr(), n, bitmask.shape[1],
                                        vocab, logits.stride(0), torch.get_num_threads())
 
+    def greedy(self, logits: torch.Tensor, no_token: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """interface.KernelBackend.greedy (its NO_TOKEN passed as `no_token`) for float32 logits
+        [rows, vocab] with contiguous columns:
+        one native pass for the maximum, one for the sum (torch: argmax, logsumexp, gather and the
+        empty-row check, ~0.45 ms for one row of 49152)."""
+        assert logits.dtype == torch.float32 and logits.device.type == "cpu" and logits.dim() == 2
+        assert logits.stride(1) == 1
+        rows, vocab = logits.shape
+        tokens = torch.empty(rows, dtype=torch.int64)
+        log_probs = torch.empty(rows, dtype=torch.float32)
+        if rows and vocab:
+            self._lib.bm_greedy(logits.data_ptr(), rows, vocab, logits.stride(0), no_token, tokens.data_ptr(),
+                                log_probs.data_ptr(), torch.get_num_threads())
+        elif rows:
+            tokens.fill_(no_token), log_probs.fill_(float("-inf"))
+        return tokens, log_probs
+
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                out: torch.Tensor | None = None) -> torch.Tensor:
         """x [rows, in] (rows contiguous), weight [out, in] contiguous, bias [out] or None ->

@@ -44,6 +44,7 @@ SIGNATURES: dict[str, tuple[list, object]] = {
     "bm_decode_attention": ([_P, _P, _P, *_DECODE_TAIL], None),
     "bm_decode_attention_int8": ([_P, _P, _P, _P, _P, *_DECODE_TAIL], None),
     "bm_token_bitmask": ([_P, _P, _P, _I64, _I64, _I64, _I64, _INT], None),
+    "bm_greedy": ([_P, _I64, _I64, _I64, _I64, _P, _P, _INT], None),
     "bm_shm_all_reduce": ([_P, _I64, _P, _I64, _INT, _INT, _I64, _I64, _P, _I64], _INT),
     "bm_linear_bf16": (_BF16_LINEAR, None),
     "bm_linear_bf16_avx2": (_BF16_LINEAR, None),

@@ -22,6 +22,8 @@
 //               (attention.h); _int8: k_scales, v_scales float32 [num_blocks, tpb, kvH];
 //               block_tables int32 [B, bt_stride]; seq_lens int64 [B]; window < 0 means none.
 //   bm_token_bitmask: logits[rows[i], v] = -inf where bit v % 32 of bitmask[i, v / 32] is clear.
+//   bm_greedy: interface.KernelBackend.greedy over logits [rows, vocab] row stride ld: tokens int64
+//               [rows], log_probs [rows] (torch_decoder.greedy is the reference).
 //   bm_wo_*: the weight-only linears: the GEMV ranges (linear_weight_only.h) below
 //               bm_wo::kGemmMinRows rows, the fused de-quantize-and-multiply GEMM
 //               (linear_weight_only_gemm.h) from there.
@@ -154,6 +156,66 @@ extern "C" void bm_token_bitmask(float* logits, const int64_t* rows, const int32
         if (!((bits >> b) & 1u)) x[w * 32 + b] = neg_inf;
       }
     }
+  }
+}
+
+// Greedy selection, torch_decoder.greedy's semantics in two passes over a row: the token is the first
+// maximum (a row holding a NaN: its first NaN, as torch.argmax; +inf: its first +inf), its log
+// probability x[t] - (log(sum_v exp(x[v] - max)) + max) (torch.logsumexp's order; NaN where the row
+// holds a NaN or +inf); a row with no logit above -inf (all -inf or NaN): no_token, -inf. The exp is
+// vec.h's exp8, summed in double (torch's exp and float sum differ in the last bits: log probs
+// agree to ~1e-6, tokens exactly).
+extern "C" void bm_greedy(const float* logits, int64_t rows, int64_t vocab, int64_t ld, int64_t no_token,
+                          int64_t* tokens, float* log_probs, int num_threads) {
+  const float inf = __builtin_inff();
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows >= 8)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* x = logits + r * ld;
+    __m256 top8 = _mm256_set1_ps(-inf), nan8 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= vocab; i += 8) {
+      const __m256 v = _mm256_loadu_ps(x + i);
+      nan8 = _mm256_or_ps(nan8, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+      top8 = _mm256_max_ps(v, top8);   // a NaN v gives the second operand: NaNs never enter the max
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, top8);
+    float top = *std::max_element(lanes, lanes + 8);
+    bool has_nan = _mm256_movemask_ps(nan8) != 0;
+    for (; i < vocab; ++i) {
+      if (x[i] != x[i]) has_nan = true;
+      else top = std::max(top, x[i]);
+    }
+    if (!(top > -inf)) {
+      tokens[r] = no_token, log_probs[r] = -inf;
+      continue;
+    }
+    if (has_nan || top == inf) {
+      int64_t token = 0;
+      if (has_nan) while (x[token] == x[token]) ++token;
+      else while (x[token] != inf) ++token;
+      tokens[r] = token, log_probs[r] = __builtin_nanf("");
+      continue;
+    }
+    const __m256 shift = _mm256_set1_ps(top), floor = _mm256_set1_ps(-88.3762626647949f);
+    __m256d sum4 = _mm256_setzero_pd();   // double: a float32 sum of 49152 terms would lose ~1e-5
+    for (i = 0; i + 8 <= vocab; i += 8) {
+      const __m256 v = _mm256_loadu_ps(x + i), d = _mm256_sub_ps(v, shift);
+      const __m256 e = _mm256_and_ps(bm::exp8(d), _mm256_cmp_ps(d, floor, _CMP_GE_OQ));
+      sum4 = _mm256_add_pd(sum4, _mm256_add_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(e)),
+                                               _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1))));
+    }
+    double parts[4];
+    _mm256_storeu_pd(parts, sum4);
+    double total = (parts[0] + parts[1]) + (parts[2] + parts[3]);
+    for (; i < vocab; ++i) total += expf(x[i] - top);
+    const float sum = (float)total;
+    for (i = 0; i + 8 <= vocab; i += 8) {
+      const int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), shift, _CMP_EQ_OQ));
+      if (mask) break;
+    }
+    while (x[i] != top) ++i;
+    tokens[r] = i, log_probs[r] = x[i] - (logf(sum) + top);
   }
 }
 

@@ -19,7 +19,7 @@ from .cpu_attention import CpuAttention
 from ..cpu.cpu_decode_step import DecodeStep
 from ..cpu.cpu_native import native_ops
 from ..cpu.cpu_native_bf16 import bf16_ops
-from ..interface import PreparedLinear
+from ..interface import NO_TOKEN, PreparedLinear
 from .linear import Linear
 from .block_linear import BlockLinear
 from .weight_only_linear import QuantizedLinear
@@ -114,7 +114,13 @@ class TorchKernels:
     apply_penalties = staticmethod(torch_decoder.apply_penalties)
     ban_tokens = staticmethod(torch_decoder.ban_tokens)
     repeat_ngram_bans = staticmethod(torch_decoder.repeat_ngram_bans)
-    greedy = staticmethod(torch_decoder.greedy)
+
+    def greedy(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if (self._native is not None and logits.device.type == "cpu" and logits.dtype == torch.float32
+                and logits.dim() == 2 and logits.stride(1) == 1):
+            return self._native.greedy(logits, NO_TOKEN)   # two passes over a row instead of ~6 torch ops
+        return torch_decoder.greedy(logits)
+
     log_softmax = staticmethod(torch_decoder.log_softmax)
     top_k_top_p_mask = staticmethod(torch_decoder.top_k_top_p_mask)
     sample = staticmethod(torch_decoder.sample)

@@ -163,3 +163,38 @@ def test_token_bitmask_equals_the_reference(ops, vocab, extra_words):
     through_backend = logits.clone()   # get_kernels("torch") takes this kernel for float32 CPU logits
     get_kernels("torch").apply_token_bitmask(through_backend, rows, bitmask)
     assert torch.equal(through_backend, expected)
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 8, 45, 49152])
+def test_greedy_equals_the_reference(ops, vocab):
+    """Tokens exactly torch_decoder.greedy's (first maximum; a row with a NaN: its first NaN; +inf: its
+    first +inf; every logit -inf or NaN: NO_TOKEN), log probs within 2e-6 (exp8 against torch's exp;
+    NaN / -inf where the reference has them), on strided rows (a wider tensor's columns)."""
+    from runtime.kernels.interface import NO_TOKEN
+    from runtime.kernels.torch_kernels.torch_decoder import greedy
+    gen = torch.Generator().manual_seed(vocab)
+    wide = torch.randn(9, vocab + 3, generator=gen) * 4
+    logits = wide[:, :vocab]
+    ninf, nan = float("-inf"), float("nan")
+    logits[1] = ninf                                    # no allowed token
+    logits[2] = nan                                     # no allowed token either (NaN is not > -inf)
+    logits[3, vocab // 2] = nan                         # a NaN among finite logits
+    logits[4, vocab - 1] = logits[4].max() + 1          # the maximum in the tail
+    logits[5, :] = 0.5                                  # a tie everywhere: the first
+    logits[6, vocab // 3:] = ninf                       # most of the row banned
+    logits[7, vocab - 1] = float("inf")                 # +inf
+    logits[8, ::2] = ninf
+    tokens, log_probs = ops.greedy(logits, NO_TOKEN)
+    expected_tokens, expected_log_probs = greedy(logits.clone())
+    assert tokens.tolist() == expected_tokens.tolist()
+    assert tokens[1] == tokens[2] == NO_TOKEN
+    torch.testing.assert_close(log_probs, expected_log_probs, atol=2e-6, rtol=2e-6, equal_nan=True)
+
+
+def test_the_torch_backend_selects_greedily_natively(monkeypatch):
+    calls = []
+    native = get_kernels("torch")._native
+    monkeypatch.setattr(type(native), "greedy", lambda self, logits, no_token: calls.append(logits.shape) or
+                        (torch.zeros(logits.shape[0], dtype=torch.int64), torch.zeros(logits.shape[0])))
+    get_kernels("torch").greedy(torch.randn(2, 10))
+    assert calls == [(2, 10)]
