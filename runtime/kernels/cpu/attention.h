@@ -30,10 +30,15 @@ struct KvRows {
   void* cache;
   float* scales;
   int64_t head_dim;
+  // A row read from `fresh` (float32 [head_dim], as read() would return it) instead of the cache: a
+  // task attending over a key another task is writing (decode_step.cpp's split of a KV head's queries).
+  int64_t fresh_row = -1;
+  const float* fresh = nullptr;
 
   // Row `row` as float32: the cache's own memory (float32) or `buffer` [head_dim] holding it converted.
   const float* read(int64_t row, float* buffer) const {
     const int64_t d = head_dim;
+    if (row == fresh_row) return fresh;
     if (format == kKvFloat32) return (const float*)cache + row * d;
     if (format == kKvBf16) {
       const uint16_t* p = (const uint16_t*)cache + row * d;
@@ -53,6 +58,16 @@ struct KvRows {
     const int64_t bytes = head_dim * (format == kKvFloat32 ? 4 : format == kKvBf16 ? 2 : 1);
     const char* p = (const char*)cache + row * bytes;
     for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+  }
+
+  // out [head_dim] = x as read() returns it once write() stored it (bf16, int8: rounded the same way);
+  // local: >= 4 * head_dim bytes of scratch. In place (out == x) is allowed.
+  void round_trip(const float* x, float* out, uint8_t* local) const {
+    float scale = 0.f;
+    const KvRows one{format, local, &scale, head_dim};
+    one.write(0, x);
+    const float* stored = one.read(0, out);
+    if (stored != out) std::copy(stored, stored + head_dim, out);
   }
 
   void write(int64_t row, const float* x) const {
@@ -102,7 +117,8 @@ inline void visible_rows(int64_t len, int64_t window, int64_t sink, const int32_
 }
 
 struct AttentionScratch {
-  std::vector<float> q, acc, row, scores;
+  std::vector<float> q, acc, row, scores, fresh_k, fresh_v;
+  std::vector<uint8_t> local;
   std::vector<int64_t> keys;
 };
 

@@ -5,8 +5,9 @@
 // parallel region runs every layer:
 //
 //   per layer:  RMSNorm (each thread its own copy: no barrier) -> QKV GEMV (outputs in chunks that
-//               the threads claim as they go: Chunks) | barrier | per (sequence, KV head): the q / k
-//               RMSNorm (Qwen3), rotary, the KV-cache write, paged decode attention | barrier |
+//               the threads claim as they go: Chunks) | barrier | per (sequence, KV head), or per
+//               query head when those are few (attend): the q / k RMSNorm (Qwen3), rotary, the
+//               KV-cache write, paged decode attention | barrier |
 //               out-projection GEMV added into the residual | barrier | RMSNorm -> gate and up GEMV
 //               over the same outputs, silu(gate) * up | barrier | down GEMV added into the residual
 //               | barrier
@@ -273,31 +274,43 @@ __attribute__((optimize("fp-contract=off"))) inline void rotate(const Model& m, 
   }
 }
 
-// Sequence b, KV head kvh: RMS-normalize (Layer.q_norm / k_norm, where set) and rotate its query
-// heads and key, write the key and value into the cache, attend over the visible keys;
-// out [num_heads * head_dim] of the sequence's row.
-void attend(const Model& m, const Layer& L, const float* qkv, int64_t b, int64_t kvh, const int64_t* positions,
-            const int64_t* slots, const int32_t* block_tables, int64_t bt_stride, const int64_t* seq_lens,
-            float* out, bm::AttentionScratch& s) {
-  const int64_t d = m.head_dim, group = m.num_heads / m.num_kv_heads;
+// Sequence b, KV head kvh, its query heads [g0, g1) of the group: RMS-normalize (Layer.q_norm / k_norm,
+// where set) and rotate them and the key, attend over the visible keys; out [num_heads * head_dim] of
+// the sequence's row. The task with g0 == 0 writes the key and value into the cache; the others
+// read their own copy of that row, rounded as the cache stores it (KvRows::round_trip), so every
+// query head computes the same numbers whichever way the group is split.
+void attend(const Model& m, const Layer& L, const float* qkv, int64_t b, int64_t kvh, int64_t g0, int64_t g1,
+            const int64_t* positions, const int64_t* slots, const int32_t* block_tables, int64_t bt_stride,
+            const int64_t* seq_lens, float* out, bm::AttentionScratch& s) {
+  const int64_t d = m.head_dim, group = m.num_heads / m.num_kv_heads, heads = g1 - g0;
   const int64_t q_size = m.num_heads * d, kv_size = m.num_kv_heads * d;
-  const bm::KvRows k{m.kv_format, L.k_cache, L.k_scales, d}, v{m.kv_format, L.v_cache, L.v_scales, d};
+  bm::KvRows k{m.kv_format, L.k_cache, L.k_scales, d}, v{m.kv_format, L.v_cache, L.v_scales, d};
   const float* row = qkv + b * (q_size + 2 * kv_size);
-  s.q.assign(row + kvh * group * d, row + (kvh + 1) * group * d);
-  s.row.assign(row + q_size + kvh * d, row + q_size + (kvh + 1) * d);
+  const float* value = row + q_size + kv_size + kvh * d;
+  s.q.assign(row + (kvh * group + g0) * d, row + (kvh * group + g1) * d);
+  s.fresh_k.assign(row + q_size + kvh * d, row + q_size + (kvh + 1) * d);
   if (L.q_norm != nullptr) {  // before rotary, as the eager model's _qk_norm
-    for (int64_t g = 0; g < group; ++g)
+    for (int64_t g = 0; g < heads; ++g)
       bm::rms_norm_row(s.q.data() + g * d, d, L.q_norm, m.eps, s.q.data() + g * d);
-    bm::rms_norm_row(s.row.data(), d, L.k_norm, m.eps, s.row.data());
+    bm::rms_norm_row(s.fresh_k.data(), d, L.k_norm, m.eps, s.fresh_k.data());
   }
-  for (int64_t g = 0; g < group; ++g) rotate(m, s.q.data() + g * d, positions[b]);
-  rotate(m, s.row.data(), positions[b]);
+  for (int64_t g = 0; g < heads; ++g) rotate(m, s.q.data() + g * d, positions[b]);
+  rotate(m, s.fresh_k.data(), positions[b]);
   const int64_t new_row = slots[b] * m.num_kv_heads + kvh;
-  k.write(new_row, s.row.data());
-  v.write(new_row, row + q_size + kv_size + kvh * d);
+  if (g0 == 0) {
+    k.write(new_row, s.fresh_k.data());
+    v.write(new_row, value);
+  } else {
+    s.local.resize(4 * d);
+    s.fresh_v.resize(d);
+    k.round_trip(s.fresh_k.data(), s.fresh_k.data(), s.local.data());
+    v.round_trip(value, s.fresh_v.data(), s.local.data());
+    k.fresh_row = v.fresh_row = new_row;
+    k.fresh = s.fresh_k.data(), v.fresh = s.fresh_v.data();
+  }
   bm::visible_rows(seq_lens[b], m.window, m.sink, block_tables + b * bt_stride, m.tokens_per_block, m.num_kv_heads,
                    kvh, s.keys);
-  bm::attend_rows(s.q.data(), group, d, k, v, s.keys, m.attention_scale, s, out + b * q_size + kvh * group * d);
+  bm::attend_rows(s.q.data(), heads, d, k, v, s.keys, m.attention_scale, s, out + b * q_size + (kvh * group + g0) * d);
 }
 
 }  // namespace
@@ -317,6 +330,10 @@ extern "C" void bm_decode_step(const Model* model, int64_t rows, float* x, const
 #pragma omp parallel num_threads(num_threads)
   {
     const int nt = omp_get_num_threads();
+    // Attention tasks: per (sequence, KV head), or, when those are too few to keep the threads busy
+    // (one sequence: 3 KV heads on 2 threads leave one idle half the time), per query head.
+    const int64_t group = m.num_heads / m.num_kv_heads;
+    const int64_t splits = rows * m.num_kv_heads < 2 * nt ? group : 1, num_attention_tasks = rows * m.num_kv_heads * splits;
     std::vector<float> normed(rows * h, 0.f);
     InputScratch input_scratch;
     bm::AttentionScratch attention_scratch;
@@ -330,10 +347,13 @@ extern "C" void bm_decode_step(const Model* model, int64_t rows, float* x, const
         linear_range(L.qkv, in, qkv.data(), qkv_width, 0, n0, n1, m.isa);
 #pragma omp barrier
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t task = 0; task < rows * m.num_kv_heads; ++task)
+      for (int64_t task = 0; task < num_attention_tasks; ++task) {
+        const int64_t part = task % splits, pair = task / splits;
         if (m.matmuls_only == 0)
-          attend(m, L, qkv.data(), task / m.num_kv_heads, task % m.num_kv_heads, positions, slots, block_tables,
-                 bt_stride, seq_lens, attn.data(), attention_scratch);
+          attend(m, L, qkv.data(), pair / m.num_kv_heads, pair % m.num_kv_heads, part * group / splits,
+                 (part + 1) * group / splits, positions, slots, block_tables, bt_stride, seq_lens, attn.data(),
+                 attention_scratch);
+      }
       // (the for's implied barrier)
       in = input_scratch.prepare(attn.data(), rows, q_size, m.isa, {&L.out});
       for (Chunks c(counter + 1, L.out.n, nt); c.claim(n0, n1);) linear_range(L.out, in, x, h, 1, n0, n1, m.isa);

@@ -132,6 +132,31 @@ def test_fused_step_equals_the_eager_model(checkpoints, arch, mode):
     assert_fused_equals_eager(checkpoints[arch], mode)
 
 
+@pytest.mark.parametrize("mode", ["fp32", "int8_kv", "int4_act_int8_kv", "bf16_int8_kv", "bf16"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+def test_one_sequence_gives_each_query_head_a_task_with_the_same_numbers(checkpoints, arch, mode):
+    """One sequence on 2 threads has fewer (sequence, KV head) attention tasks than 2 per thread
+    (these models: 2 or 1 KV heads of 2 or 4 query heads), so the fused step splits each KV head's
+    queries: one task writes the new key and value, the others read their own copy rounded as the
+    cache stores it (KvRows::round_trip). Logits, greedy tokens and the cache (int8: its scales too)
+    equal the eager step's bit for bit; bf16 engines within BF16_TOLERANCE."""
+    skip_without_kernels()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        fused, eager = runners(checkpoints[arch], mode)
+        worst, fused_tokens, eager_tokens = run_both(fused, eager, PROMPTS[3:], TABLES[3:], num_steps=12)
+    finally:
+        torch.set_num_threads(threads)
+    if mode.startswith("bf16"):
+        assert worst < BF16_TOLERANCE
+        return
+    assert worst == 0 and fused_tokens == eager_tokens
+    assert torch.equal(fused.kv_pool, eager.kv_pool)
+    if fused.kv_scales is not None:
+        assert torch.equal(fused.kv_scales, eager.kv_scales)
+
+
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
 def test_bf16_fused_is_no_farther_from_float32_than_the_eager_bf16(checkpoints, arch):
     """Both bf16 paths against the float32 model fed the same tokens: the fused step (float32
