@@ -14,6 +14,7 @@ ggml's: its `.blocks`.
 from __future__ import annotations
 
 import ctypes
+import functools
 from dataclasses import dataclass
 
 import gguf
@@ -135,15 +136,17 @@ def unpack_x8(packed: torch.Tensor, fmt: str, k: int) -> torch.Tensor:
     return torch.cat([rows.transpose(1, 2).reshape(groups * 8, -1), packed[groups * 8:]])
 
 
+@functools.lru_cache(maxsize=None)
 def x8_row_gather(fmt: str, k: int) -> torch.Tensor | None:
-    """int64 [8, row_bytes]: where byte b of row r of an x8 group sits among the group's 8 *
-    row_bytes bytes (unpack_x8 as one gather); None for q5_0, whose fifth bits move bit by bit."""
+    """int32 [8, row_bytes]: where byte b of row r of an x8 group sits among the group's 8 *
+    row_bytes bytes (unpack_x8 as one gather); None for q5_0, whose fifth bits move bit by bit.
+    One per (format, k), made on a table's first lookup (a model's other linears never look up rows)."""
     if fmt in HIGH_BITS_BYTES:
         return None
     size = row_bytes(fmt, k)
     position = torch.arange(8 * size).view(8, size)
     digits = [unpack_x8(((position >> shift) & 255).to(torch.uint8), fmt, k).long() << shift for shift in (0, 8, 16)]
-    return digits[0] + digits[1] + digits[2]
+    return (digits[0] + digits[1] + digits[2]).to(torch.int32)
 
 
 def _check_rows(x: torch.Tensor, k: int) -> None:
@@ -259,8 +262,6 @@ class BoundLinear:
                  level: Isa, layout: str):
         self.blocks, self.fmt, self.k, self.n, self.layout = blocks, fmt, k, blocks.shape[0], layout
         self._ops, self._bias = ops, bias   # both kept alive: the call passes raw pointers
-        gather = x8_row_gather(fmt, k) if layout == "x8" else None
-        self._row_gather = None if gather is None else gather.to(torch.int32)
         code = weight_code(fmt) | (LAYOUT_X8 if layout == "x8" else 0)
         fn, w_ptr, bias_ptr, n = ops._lib.bm_blk_linear, blocks.data_ptr(), _ptr(bias), self.n
         self._call = lambda x, rows, y, accumulate: fn(code, x.data_ptr(), rows, x.stride(0), w_ptr, n, k, bias_ptr,
@@ -286,13 +287,14 @@ class BoundLinear:
         step's embedding lookup; q5_0 over x8 unpacks the groups holding them)."""
         ids = ids.to(torch.int64).contiguous()
         grouped = self.n // 8 * 8 if self.layout == "x8" else 0
-        if grouped and self._row_gather is None:   # q5_0: its fifth bits are moved bit by bit
+        gather = x8_row_gather(self.fmt, self.k) if grouped else None
+        if grouped and gather is None:   # q5_0: its fifth bits are moved bit by bit
             if bool(((ids < 0) | (ids >= self.n)).any()):
                 self._raise_outside(ids)
             return self._rows_by_unpack(ids, grouped)
         out = torch.empty(ids.shape[0], self.k, dtype=torch.float32)
         status = self._ops._lib.bm_blk_rows(weight_code(self.fmt), self.blocks.data_ptr(), self.n, self.k,
-                                            _ptr(self._row_gather), ids.data_ptr(), ids.shape[0], out.data_ptr())
+                                            _ptr(gather), ids.data_ptr(), ids.shape[0], out.data_ptr())
         if status == -2:
             self._raise_outside(ids)
         assert status == 0, (self.fmt, status)
