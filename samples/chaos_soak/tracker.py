@@ -18,6 +18,19 @@ STEP_FAULT_RATE = 0.003      # each step (micro-batch group) raises with this pr
 DUPLICATE_RATE = 0.03        # per fetched request: also hand out a duplicate of an active id
 STOP_RATE = 0.01             # per stop poll: stop one active request and one unknown id
 KEEP_UNEXPECTED = 20
+THREAD_GRACE_S = 10.0        # how long a thread a round started may take to end after its shutdown
+
+
+def threads_started_since(before: set[threading.Thread], grace_s: float = THREAD_GRACE_S) -> list[str]:
+    """Names of the threads alive now that were not in `before` (threading.enumerate() then),
+    waiting up to grace_s for them to end. By identity, not by count: a thread of an earlier test
+    (or a library's) ending or starting meanwhile neither hides a leak nor fakes one."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        started = [t for t in threading.enumerate() if t not in before]
+        if not started or time.monotonic() >= deadline:
+            return sorted(t.name for t in started)
+        started[0].join(max(0.0, deadline - time.monotonic()))
 
 
 class InjectedFault(RuntimeError):

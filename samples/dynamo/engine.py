@@ -190,13 +190,16 @@ class ExecutorEngine(LLMEngine):
         reused, allocated = stats.reused_blocks, stats.allocated_total_blocks   # cumulative
         if allocated:
             self._num_reused_blocks, self._num_allocated_blocks = reused, allocated
-        self._publish_snapshot()
+        # The iteration's own block counts: the pool read now may already have the blocks of a
+        # request that finished since back (the consumer can see several iterations at once).
+        self._publish_snapshot((stats.used_blocks, stats.max_blocks))
 
-    def _publish_snapshot(self) -> None:
+    def _publish_snapshot(self, block_counts: tuple[int, int] | None = None) -> None:
+        """block_counts: (used, total) blocks; None reads the pool as it is now."""
         stream = self.stream
         if stream is None:
             return
-        used, total = stream.kv_block_counts()
+        used, total = block_counts if block_counts is not None else stream.kv_block_counts()
         hit_rate = self._num_reused_blocks / self._num_allocated_blocks if self._num_allocated_blocks else None
         self.metrics.kv_utilization.set(used / total)
         if hit_rate is not None:

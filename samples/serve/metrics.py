@@ -43,8 +43,18 @@ PER_ITERATION_COUNTERS = {
     "Total Context Tokens": ("nv_trt_llm_context_tokens_computed", "Prompt tokens whose KV was computed (not reused)")}
 
 # What an idle manager (no active request, so no stats callback) is known to hold.
-IDLE_VALUES = {"Active Request Count": 0, "Scheduled Requests": 0, "Context Requests": 0, "Generation Requests": 0,
-               "Paused Requests": 0, "Total Context Tokens": 0, "Used KV cache blocks": 0}
+IDLE_VALUES = {"Scheduled Requests": 0, "Context Requests": 0, "Generation Requests": 0, "Paused Requests": 0,
+               "Total Context Tokens": 0, "Used KV cache blocks": 0, "Active Request Count": 0}
+
+# What a reader polls to know the manager is idle: set after every other gauge of an update (a
+# scrape may come between two gauges' updates; one that sees these settle sees the rest).
+SETTLE_KEYS = ("Used KV cache blocks", "Active Request Count")
+assert tuple(IDLE_VALUES)[-len(SETTLE_KEYS):] == SETTLE_KEYS
+
+
+def in_update_order(stats: dict) -> list[tuple[str, object]]:
+    """stats' items with SETTLE_KEYS last."""
+    return sorted(stats.items(), key=lambda item: item[0] in SETTLE_KEYS)
 
 
 class TritonMetrics:
@@ -74,7 +84,7 @@ class TritonMetrics:
         stats = orjson.loads(stats_json)
         self.last_stats = stats
         self.vllm.update(stats)
-        for key, value in stats.items():
+        for key, value in in_update_order(stats):
             if key == "Timestamp":
                 value = time.mktime(time.strptime(value, TIMESTAMP_FORMAT))
             for child in self._key_to_gauges.get(key, ()):
@@ -87,12 +97,12 @@ class TritonMetrics:
 
     def mark_idle(self) -> None:
         """The stats callback is silent while nothing is active: show what an idle manager holds."""
-        for key, value in IDLE_VALUES.items():
-            for child in self._key_to_gauges.get(key, ()):
-                child.set(value)
         if "Max KV cache blocks" in self.last_stats:
             for child in self._key_to_gauges["Free KV cache blocks"]:
                 child.set(self.last_stats["Max KV cache blocks"])
+        for key, value in IDLE_VALUES.items():   # SETTLE_KEYS last
+            for child in self._key_to_gauges.get(key, ()):
+                child.set(value)
         self.vllm.update({**IDLE_VALUES, "Max KV cache blocks": self.last_stats.get("Max KV cache blocks", 0)})
 
 

@@ -8,7 +8,8 @@ import time
 
 import orjson
 
-from samples.serve.metrics import GENERAL, IDLE_VALUES, INFLIGHT, KV_CACHE, MEMORY, REQUEST, TIMESTAMP_FORMAT, V1
+from samples.serve.metrics import (GENERAL, IDLE_VALUES, INFLIGHT, KV_CACHE, MEMORY, REQUEST, TIMESTAMP_FORMAT, V1,
+                                   in_update_order)
 
 
 class StatsMetrics:
@@ -28,7 +29,7 @@ class StatsMetrics:
     def update(self, stats_json: str | bytes) -> None:
         stats = orjson.loads(stats_json)
         self.max_kv_blocks = stats.get("Max KV cache blocks", self.max_kv_blocks)
-        for key, value in stats.items():
+        for key, value in in_update_order(stats):   # what a reader polls for idleness last
             if key == "Timestamp":
                 value = time.mktime(time.strptime(value, TIMESTAMP_FORMAT))
             for metric in self._key_to_metrics.get(key, ()):
@@ -36,9 +37,9 @@ class StatsMetrics:
 
     def mark_idle(self) -> None:
         """No stats arrive while nothing is active: show what an idle manager holds."""
-        for key, value in IDLE_VALUES.items():
-            for metric in self._key_to_metrics.get(key, ()):
-                metric.set(float(value))
         if self.max_kv_blocks is not None:
             for metric in self._key_to_metrics["Free KV cache blocks"]:
                 metric.set(float(self.max_kv_blocks))
+        for key, value in IDLE_VALUES.items():   # what a reader polls for idleness last
+            for metric in self._key_to_metrics.get(key, ()):
+                metric.set(float(value))

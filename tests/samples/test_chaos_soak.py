@@ -16,6 +16,7 @@ from samples.chaos_soak.disaggregated_round import BAD_KINDS as BAD_PEERS
 from samples.chaos_soak.disaggregated_round import disaggregated_violations, run_disaggregated_round
 from samples.chaos_soak.fused_step_round import fused_step_violations, run_fused_step_round
 from runtime.kernels.cpu import cpu_decode_step
+from samples.chaos_soak.tracker import threads_started_since
 from samples.chaos_soak.soak import (BUILD, MODEL, POOL_TOKENS, RSS_TOLERANCE_MIB, SHUTDOWN_BOUND_S, main, make_engine,
                                      run_soak)
 
@@ -27,7 +28,7 @@ LIMITS = AdmissionLimits(vocab_size=MODEL["vocab_size"], max_input_len=BUILD["ma
 
 
 def test_short_soak_keeps_every_invariant(tmp_path):
-    threads = threading.active_count()
+    threads = set(threading.enumerate())
     report = run_soak(num_requests=360, num_producers=4, seed=0, workdir=str(tmp_path))
     assert report["violations"] == [], report["violations"]
     t = report["totals"]
@@ -49,8 +50,8 @@ def test_short_soak_keeps_every_invariant(tmp_path):
     configs = [r["config"] for r in report["rounds"]]
     for feature in ("enable_block_reuse", "enable_chunked_context", "enable_trt_overlap"):
         assert {c[feature] for c in configs} == {True, False}
-    assert all(r["threads_after"] == r["threads_before"] for r in report["rounds"])
-    assert threading.active_count() == threads
+    assert all(r["threads_left"] == [] for r in report["rounds"])
+    assert threads_started_since(threads) == []
     e = report["executor_round"]   # its violations are in report["violations"]
     assert e["served"] > 10 and e["bad"] > 0 and e["cancels"] > 0 and e["refused_after_shutdown"] > 0
     assert report["kv_events_round"]["served"] == report["kv_events_round"]["submitted"] > 0   # checks in violations
@@ -58,6 +59,19 @@ def test_short_soak_keeps_every_invariant(tmp_path):
     f = report["fused_step_round"]   # its violations are in report["violations"]
     assert f["answered"] == f["submitted"] >= 40 and f["greedy_compared"] > 10
 
+
+
+def test_threads_started_since_names_a_thread_left_running_and_waits_for_one_ending():
+    before = set(threading.enumerate())
+    release = threading.Event()
+    stays = threading.Thread(target=release.wait, name="left-running", daemon=True)
+    ending = threading.Thread(target=lambda: release.wait(0.2), name="ending-soon")
+    stays.start()
+    ending.start()
+    assert threads_started_since(before, grace_s=1.0) == ["left-running"]   # the ending one was waited for
+    release.set()
+    stays.join()
+    assert threads_started_since(before, grace_s=1.0) == []
 
 def test_fused_step_round_serves_mixed_rows_and_matches_the_eager_path(tmp_path):
     report = run_fused_step_round(make_engine(str(tmp_path)), POOL_TOKENS, 40, seed=3)

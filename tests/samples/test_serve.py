@@ -222,6 +222,29 @@ def test_metrics_scrape(server):
     assert value("nv_trt_llm_general_metrics", "general_type", "timestamp") > 1.6e9
 
 
+@pytest.mark.parametrize("idle", [False, True])
+def test_a_scrape_that_sees_the_manager_idle_sees_the_rest_of_that_update(idle):
+    """The gauges a reader polls for idleness (active requests, used blocks) are set after every
+    other gauge of an update or of mark_idle: seen at 0, the free blocks are already max."""
+    import json
+    metrics = TritonMetrics(False)
+    busy = {"Active Request Count": 1, "Used KV cache blocks": 3, "Free KV cache blocks": 93,
+            "Max KV cache blocks": 96, "Tokens per KV cache block": 4}
+    metrics.update(json.dumps(busy))
+    free_gauge = metrics._key_to_gauges["Free KV cache blocks"][0]
+    seen = []
+    for key in ("Used KV cache blocks", "Active Request Count"):
+        child = metrics._key_to_gauges[key][0]
+        child.set = lambda value, set_=child.set: (seen.append(free_gauge._value.get()), set_(value))
+    if idle:
+        metrics.mark_idle()
+    else:
+        # The final iteration's stats as the worker builds them: used and active come first.
+        metrics.update(json.dumps({"Active Request Count": 0, "Used KV cache blocks": 0, "Free KV cache blocks": 96,
+                                   "Max KV cache blocks": 96}))
+    assert seen == [96.0, 96.0]
+
+
 class SlowMetrics(TritonMetrics):
     """Paces the manager: the stats callback runs on its worker thread once per iteration."""
 

@@ -176,7 +176,9 @@ def test_metric_families_carry_the_stats_json(server, direct, client):
         "total_context_tokens": 0, "generation_requests": 0, "micro_batch_id": stats["MicroBatch ID"],
         "paused_requests": 0}
     general = metric_values(server, "nv_trt_llm_general_metrics")
-    assert general["iteration_counter"] >= 6
+    # Six tokens: the legacy manager reports the iterations that leave a request active, five
+    # (more when earlier tests ran on this module's server).
+    assert general["iteration_counter"] >= 5
     assert abs(general["timestamp"] - time.time()) < 600
 
 

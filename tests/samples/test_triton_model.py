@@ -197,3 +197,26 @@ def test_preprocessing_refuses_text_past_the_limit_before_tokenizing(preprocessi
     assert calls == [("t5",)]   # the long texts never reached the tokenizer
     (bad,) = preprocessing.execute([text_request(b"\xff\xfe t5")])
     assert bad.error.message().startswith("text_input (QUERY): not UTF-8 text")
+
+
+@pytest.mark.parametrize("idle", [False, True])
+def test_the_gauges_polled_for_idleness_are_set_after_the_rest(idle):
+    """Triton's metrics endpoint may read between two gauges' updates: active requests and used
+    blocks are set last (in an update and in mark_idle), so a reader that sees them settle at 0
+    sees the free blocks at max."""
+    import json
+    from samples.triton.stats_metrics import StatsMetrics
+    metrics = StatsMetrics(pb_utils, "tensorrt_llm", "1", is_static_batching=False)
+    metrics.update(json.dumps({"Active Request Count": 1, "Used KV cache blocks": 3, "Free KV cache blocks": 93,
+                               "Max KV cache blocks": 96}))
+    free = metrics._key_to_metrics["Free KV cache blocks"][0]
+    seen = []
+    for key in ("Used KV cache blocks", "Active Request Count"):
+        metric = metrics._key_to_metrics[key][0]
+        metric.set = lambda value, set_=metric.set: (seen.append(free.value), set_(value))
+    if idle:
+        metrics.mark_idle()
+    else:
+        metrics.update(json.dumps({"Active Request Count": 0, "Used KV cache blocks": 0, "Free KV cache blocks": 96,
+                                   "Max KV cache blocks": 96}))
+    assert seen == [96.0, 96.0]
