@@ -5,8 +5,9 @@
 //   bf16 (rounded to nearest even); int8 with a float32 scale per row (scale = max|x| / 127,
 //   q = round-half-even(x / scale), read as q * scale).
 // The per-op decode attention (ops.cpp) and the fused step (decode_step.cpp) both call
-// attend_rows, so they compute the same numbers. Its dot products and V sums are AVX2 + FMA
-// intrinsics without a lower tier, as softmax's exp8 (vec.h) is: the library builds only for
+// attend_chunk and combine_chunks over the same chunks (ChunkPlan), so they compute the same
+// numbers. Its dot products and V sums are AVX2 + FMA
+// intrinsics without a lower tier, as the weights' exp8 (vec.h) is: the library builds only for
 // AVX2 / FMA CPUs (library.cpu_supported), and the ISA cap (isa.h) selects the linear tiers only.
 #pragma once
 
@@ -15,7 +16,8 @@
 #include <stdint.h>
 
 #include <algorithm>
-#include <type_traits>
+#include <atomic>
+#include <memory>
 #include <vector>
 
 #include "formats.h"
@@ -30,15 +32,12 @@ struct KvRows {
   void* cache;
   float* scales;
   int64_t head_dim;
-  // A row read from `fresh` (float32 [head_dim], as read() would return it) instead of the cache: a
-  // task attending over a key another task is writing (decode_step.cpp's split of a KV head's queries).
-  int64_t fresh_row = -1;
-  const float* fresh = nullptr;
+
+  int64_t row_bytes() const { return head_dim * (format == kKvFloat32 ? 4 : format == kKvBf16 ? 2 : 1); }
 
   // Row `row` as float32: the cache's own memory (float32) or `buffer` [head_dim] holding it converted.
   const float* read(int64_t row, float* buffer) const {
     const int64_t d = head_dim;
-    if (row == fresh_row) return fresh;
     if (format == kKvFloat32) return (const float*)cache + row * d;
     if (format == kKvBf16) {
       const uint16_t* p = (const uint16_t*)cache + row * d;
@@ -53,21 +52,12 @@ struct KvRows {
     return buffer;
   }
 
-  // Row `row`'s bytes toward L1 (the cache was written steps ago; the weight stream has evicted it).
-  void prefetch(int64_t row) const {
-    const int64_t bytes = head_dim * (format == kKvFloat32 ? 4 : format == kKvBf16 ? 2 : 1);
-    const char* p = (const char*)cache + row * bytes;
+  // `count` consecutive rows from `row` toward L1 (the cache was written steps ago; the weight
+  // stream has evicted it). A slot's KV heads are consecutive rows: one slot is one contiguous run.
+  void prefetch(int64_t row, int64_t count) const {
+    const int64_t bytes = count * row_bytes();
+    const char* p = (const char*)cache + row * row_bytes();
     for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
-  }
-
-  // out [head_dim] = x as read() returns it once write() stored it (bf16, int8: rounded the same way);
-  // local: >= 4 * head_dim bytes of scratch. In place (out == x) is allowed.
-  void round_trip(const float* x, float* out, uint8_t* local) const {
-    float scale = 0.f;
-    const KvRows one{format, local, &scale, head_dim};
-    one.write(0, x);
-    const float* stored = one.read(0, out);
-    if (stored != out) std::copy(stored, stored + head_dim, out);
   }
 
   void write(int64_t row, const float* x) const {
@@ -93,6 +83,7 @@ struct KvRows {
 // plus the first `sink`).
 struct KeySpans {
   int64_t sinks, recent, len;
+  int64_t count() const { return sinks + len - recent; }
 };
 
 inline KeySpans visible_keys(int64_t len, int64_t window, int64_t sink) {
@@ -101,150 +92,221 @@ inline KeySpans visible_keys(int64_t len, int64_t window, int64_t sink) {
   return {sinks, std::max(len - window, sinks), len};
 }
 
-// The rows of KV head kvh that a sequence's decode query reads: its visible keys through its block
-// table, in position order (one division per span, none per key).
-inline void visible_rows(int64_t len, int64_t window, int64_t sink, const int32_t* table, int64_t tpb,
-                         int64_t num_kv_heads, int64_t kvh, std::vector<int64_t>& rows) {
-  const KeySpans spans = visible_keys(len, window, sink);
-  rows.resize(spans.sinks + spans.len - spans.recent);
-  int64_t* out = rows.data();
-  for (const auto [from, to] : {std::pair{(int64_t)0, spans.sinks}, std::pair{spans.recent, spans.len}}) {
-    for (int64_t j = from, block = from / tpb; j < to; ++block) {
-      const int64_t shift = ((int64_t)table[block] - block) * tpb, stop = std::min(to, (block + 1) * tpb);
-      for (; j < stop; ++j) *out++ = (shift + j) * num_kv_heads + kvh;
+// The cache slots (block * tpb + offset) of visible keys [from, to) (in position order) through
+// the block table: one division per block, none per key.
+inline void visible_slots(const KeySpans& spans, int64_t from, int64_t to, const int32_t* table, int64_t tpb,
+                          std::vector<int64_t>& slots) {
+  slots.resize(to - from);
+  int64_t* out = slots.data();
+  for (const auto& [first, last] : {std::pair{(int64_t)0, spans.sinks}, std::pair{spans.recent, spans.len}}) {
+    // this span's positions whose visible index lies in [from, to)
+    const int64_t base = first == 0 ? 0 : spans.sinks - spans.recent;   // visible index = position + base
+    const int64_t p0 = std::max(first, from - base), p1 = std::min(last, to - base);
+    for (int64_t j = p0, block = p0 / tpb; j < p1; ++block) {
+      const int64_t shift = ((int64_t)table[block] - block) * tpb, stop = std::min(p1, (block + 1) * tpb);
+      for (; j < stop; ++j) *out++ = shift + j;
     }
   }
 }
+
+// A sequence's visible keys are attended in chunks (flash-decoding's split over the keys): each
+// chunk's partial result is its own task, and the last chunk to finish combines them. The chunk
+// size depends on the number of visible keys only, never on the thread count, so every path and
+// any number of threads compute the same numbers: up to kMaxKeyChunks chunks of a multiple of
+// kMinChunkKeys keys.
+constexpr int64_t kMaxKeyChunks = 8, kMinChunkKeys = 16;
+
+inline int64_t chunk_keys(int64_t n) {
+  const int64_t per = (n + kMaxKeyChunks - 1) / kMaxKeyChunks;
+  return std::max(kMinChunkKeys, (per + kMinChunkKeys - 1) / kMinChunkKeys * kMinChunkKeys);
+}
+
+inline int64_t num_key_chunks(int64_t n) { return std::max<int64_t>(1, (n + chunk_keys(n) - 1) / chunk_keys(n)); }
+
+// A chunk's partial result for all query heads: float [num_heads * (head_dim + 2)], the weighted
+// sums of V [num_heads, head_dim] (weights exp(score - max), not normalised), then the heads'
+// maximum scores [num_heads], then their sums of weights [num_heads].
+inline int64_t partial_size(int64_t num_heads, int64_t head_dim) { return num_heads * (head_dim + 2); }
 
 struct AttentionScratch {
-  std::vector<float> q, acc, row, scores, fresh_k, fresh_v;
-  std::vector<uint8_t> local;
-  std::vector<int64_t> keys;
+  std::vector<float> q, row, scores, k_new;
+  std::vector<int64_t> slots;
 };
 
-// Keys per step of attend_rows, and how far ahead of the one being scored its K rows are prefetched.
-constexpr int64_t kKeyTile = 4, kPrefetchKeys = 16;
+// Keys per step of attend_chunk, and how far ahead of the ones being read their K and V rows are
+// prefetched.
+constexpr int64_t kKeyTile = 8, kPrefetchKeys = 16;
 
-// scores[g * n + t] = (q[g] . keys[t]) * scale for the group's heads and the tile's first `count` keys
-// (keys [4] float32 [d]; the unused ones point at a valid row). Each dot product: two 8-lane
-// accumulators over alternate 8-column chunks (then one more chunk into the first, then the columns
-// past the last multiple of 8 added after the horizontal sum).
-inline void score_tile(const float* q, int64_t group, int64_t d, const float* const* keys, int64_t count, float scale,
-                       float* scores, int64_t n) {
-  const int64_t d16 = d & ~(int64_t)15, d8 = d & ~(int64_t)7;
-  for (int64_t g = 0; g < group; ++g) {
-    const float* qg = q + g * d;
-    __m256 a[4], b[4];
-    for (int t = 0; t < 4; ++t) a[t] = b[t] = _mm256_setzero_ps();
-    for (int64_t c = 0; c < d16; c += 16) {
-      const __m256 x = _mm256_loadu_ps(qg + c), y = _mm256_loadu_ps(qg + c + 8);
-      for (int t = 0; t < 4; ++t) {
-        a[t] = _mm256_fmadd_ps(x, _mm256_loadu_ps(keys[t] + c), a[t]);
-        b[t] = _mm256_fmadd_ps(y, _mm256_loadu_ps(keys[t] + c + 8), b[t]);
-      }
-    }
-    if (d8 > d16) {
-      const __m256 x = _mm256_loadu_ps(qg + d16);
-      for (int t = 0; t < 4; ++t) a[t] = _mm256_fmadd_ps(x, _mm256_loadu_ps(keys[t] + d16), a[t]);
-    }
-    for (int64_t t = 0; t < count; ++t) {
-      float sum = hsum8(_mm256_add_ps(a[t], b[t]));
-      for (int64_t c = d8; c < d; ++c) sum += qg[c] * keys[t][c];
-      scores[g * n + t] = sum * scale;
-    }
-  }
-}
-
-// out[g] += p[g * n + t] * values[t] for the tile's first `count` keys in order (one multiply-add
-// per key and column, as key by key), over the group's heads; values [4] float32 [d].
-inline void accumulate_tile(const float* p, int64_t n, int64_t group, int64_t d, const float* const* values,
-                            int64_t count, float* out) {
+// q . x over d values: one 8-lane accumulator over the 8-column chunks, its lanes summed by hsum8,
+// then the columns past the last multiple of 8 added one by one.
+inline float dot_row(const float* q, const float* x, int64_t d) {
   const int64_t d8 = d & ~(int64_t)7;
-  for (int64_t g = 0; g < group; ++g) {
-    float* o = out + g * d;
-    const float* pg = p + g * n;
-    if (count == 4) {
-      const __m256 p0 = _mm256_set1_ps(pg[0]), p1 = _mm256_set1_ps(pg[1]), p2 = _mm256_set1_ps(pg[2]),
-                   p3 = _mm256_set1_ps(pg[3]);
-      for (int64_t c = 0; c < d8; c += 8) {
-        __m256 acc = _mm256_fmadd_ps(p0, _mm256_loadu_ps(values[0] + c), _mm256_loadu_ps(o + c));
-        acc = _mm256_fmadd_ps(p1, _mm256_loadu_ps(values[1] + c), acc);
-        acc = _mm256_fmadd_ps(p2, _mm256_loadu_ps(values[2] + c), acc);
-        _mm256_storeu_ps(o + c, _mm256_fmadd_ps(p3, _mm256_loadu_ps(values[3] + c), acc));
-      }
-    } else {
-      for (int64_t t = 0; t < count; ++t) {
-        const __m256 pt = _mm256_set1_ps(pg[t]);
-        for (int64_t c = 0; c < d8; c += 8)
-          _mm256_storeu_ps(o + c, _mm256_fmadd_ps(pt, _mm256_loadu_ps(values[t] + c), _mm256_loadu_ps(o + c)));
-      }
+  __m256 a = _mm256_setzero_ps();
+  for (int64_t c = 0; c < d8; c += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), _mm256_loadu_ps(x + c), a);
+  float sum = hsum8(a);
+  for (int64_t c = d8; c < d; ++c) sum += q[c] * x[c];
+  return sum;
+}
+
+// One chunk of a sequence's visible keys (their cache slots [n]) for all its query heads q
+// [num_heads, d] (float32; query head h reads KV head h / group): the chunk's partial result (see
+// partial_size), in one pass over the keys, 8 at a time, with a running maximum per head
+// (flash attention's online softmax). Memory is read in the cache's own order: a slot's KV heads
+// are consecutive rows, so each slot's keys (then its values) are one contiguous run, read slot
+// after slot (reading 8 slots' rows head by head instead ran at a third of the bandwidth on the
+// machines measured). bf16 and int8 rows are converted into s.row one at a time.
+// Rounding: a score is dot_row(q, key) * scale; a weight is exp8(score - the running max); when the
+// max rises, the weighted sums of V and the sum of weights are first multiplied by exp(old - new);
+// the V sums then add key by key in key order, one fused multiply-add per value.
+BM_ONE_COPY void attend_chunk(const float* q, int64_t num_heads, int64_t num_kv_heads, int64_t d, const KvRows& k,
+                              const KvRows& v, const int64_t* slots, int64_t n, float scale, AttentionScratch& s,
+                              float* partial) {
+  const int64_t group = num_heads / num_kv_heads, d8 = d & ~(int64_t)7;
+  float* acc = partial;
+  float* top = partial + num_heads * d;
+  float* sums = top + num_heads;
+  std::fill_n(acc, num_heads * d, 0.f);
+  std::fill_n(top, num_heads, -INFINITY);
+  std::fill_n(sums, num_heads, 0.f);
+  s.scores.resize(num_heads * kKeyTile);
+  s.row.resize(d);
+  float* w = s.scores.data();   // [num_heads, 8]: the tile's scores, then their weights
+  for (int64_t j = 0; j < std::min(n, kPrefetchKeys); ++j) {
+    k.prefetch(slots[j] * num_kv_heads, num_kv_heads);
+    v.prefetch(slots[j] * num_kv_heads, num_kv_heads);
+  }
+  for (int64_t i = 0; i < n; i += kKeyTile) {
+    const int64_t count = std::min(kKeyTile, n - i);
+    for (int64_t j = i + kPrefetchKeys; j < std::min(n, i + kPrefetchKeys + kKeyTile); ++j) {
+      k.prefetch(slots[j] * num_kv_heads, num_kv_heads);
+      v.prefetch(slots[j] * num_kv_heads, num_kv_heads);
     }
-    for (int64_t c = d8; c < d; ++c)
-      for (int64_t t = 0; t < count; ++t) o[c] = fmaf(pg[t], values[t][c], o[c]);
+    for (int64_t t = 0; t < count; ++t)
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        const float* key = k.read(slots[i + t] * num_kv_heads + h, s.row.data());
+        for (int64_t g = 0; g < group; ++g)
+          w[(h * group + g) * kKeyTile + t] = dot_row(q + (h * group + g) * d, key, d) * scale;
+      }
+    const __m256 live = _mm256_castsi256_ps(
+        _mm256_cmpgt_epi32(_mm256_set1_epi32((int)count), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+    for (int64_t hq = 0; hq < num_heads; ++hq) {
+      float* wh = w + hq * kKeyTile;
+      float tile_top = wh[0];
+      for (int64_t t = 1; t < count; ++t) tile_top = std::max(tile_top, wh[t]);
+      if (tile_top > top[hq]) {   // the running max rises: rescale what was summed under the old one
+        const float correction = expf(top[hq] - tile_top);
+        sums[hq] *= correction;
+        float* ah = acc + hq * d;
+#pragma omp simd
+        for (int64_t c = 0; c < d; ++c) ah[c] *= correction;
+        top[hq] = tile_top;
+      }
+      const __m256 e = _mm256_and_ps(live, exp8(_mm256_sub_ps(_mm256_loadu_ps(wh), _mm256_set1_ps(top[hq]))));
+      _mm256_storeu_ps(wh, e);
+      sums[hq] += hsum8(e);
+    }
+    for (int64_t t = 0; t < count; ++t)
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        const float* value = v.read(slots[i + t] * num_kv_heads + h, s.row.data());
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t hq = h * group + g;
+          float* ah = acc + hq * d;
+          const float p = w[hq * kKeyTile + t];
+          const __m256 pv = _mm256_set1_ps(p);
+          for (int64_t c = 0; c < d8; c += 8)
+            _mm256_storeu_ps(ah + c, _mm256_fmadd_ps(pv, _mm256_loadu_ps(value + c), _mm256_loadu_ps(ah + c)));
+          for (int64_t c = d8; c < d; ++c) ah[c] = fmaf(p, value[c], ah[c]);
+        }
+      }
   }
 }
 
-// The `group` query heads q [group, d] (float32) sharing one KV head over its rows `keys`:
-// out [group, d] = softmax(q k^T * scale) v, scores and sums in float32. Keys go 4 at a time: each
-// K and V row is read (float32: in place; bf16, int8: converted once into s.row) for all the group's
-// heads together.
-// Rounding: a score is its dot product summed as score_tile says, then times scale; the weighted
-// sum of V adds key by key in key order, one fused multiply-add per value.
-BM_ONE_COPY void attend_rows(const float* q, int64_t group, int64_t d, const KvRows& k, const KvRows& v,
-                             const std::vector<int64_t>& keys, float scale, AttentionScratch& s, float* out) {
-  const int64_t n = (int64_t)keys.size();
-  const int64_t* rows = keys.data();
-  s.scores.resize(group * n);
-  s.row.resize(kKeyTile * d);
-  float* scores = s.scores.data();
-  const float* tile[kKeyTile];
-  for (int64_t j = 0; j < std::min(n, kPrefetchKeys); ++j) k.prefetch(rows[j]);
-  for (int64_t i = 0; i < n; i += kKeyTile) {
-    const int64_t count = std::min(kKeyTile, n - i);
-    for (int64_t j = i + kPrefetchKeys; j < std::min(n, i + kPrefetchKeys + kKeyTile); ++j) k.prefetch(rows[j]);
-    for (int64_t j = i; j < i + count; ++j) v.prefetch(rows[j]);
-    for (int64_t t = 0; t < kKeyTile; ++t) tile[t] = k.read(rows[i + std::min(t, count - 1)], s.row.data() + t * d);
-    score_tile(q, group, d, tile, count, scale, scores + i, n);
-  }
-  for (int64_t g = 0; g < group; ++g) softmax(scores + g * n, n);
-  std::fill_n(out, group * d, 0.f);
-  for (int64_t i = 0; i < n; i += kKeyTile) {
-    const int64_t count = std::min(kKeyTile, n - i);
-    for (int64_t t = 0; t < count; ++t) tile[t] = v.read(rows[i + t], s.row.data() + t * d);
-    accumulate_tile(scores + i, n, group, d, tile, count, out);
+// out [num_heads, d] = the chunks' partial results (num_chunks <= kMaxKeyChunks) combined: per query
+// head, each chunk's weighted sum times exp(its max - the overall max) / the total weight, added
+// chunk by chunk in order (one fused multiply-add per chunk and value).
+template <class T>
+BM_ONE_COPY void combine_chunks(const float* partials, int64_t num_chunks, int64_t num_heads, int64_t d, T* out) {
+  const int64_t size = partial_size(num_heads, d);
+  for (int64_t hq = 0; hq < num_heads; ++hq) {
+    float top = -INFINITY, total = 0.f;
+    for (int64_t c = 0; c < num_chunks; ++c) top = std::max(top, partials[c * size + num_heads * d + hq]);
+    for (int64_t c = 0; c < num_chunks; ++c) {
+      const float* p = partials + c * size + num_heads * d;
+      total += expf(p[hq] - top) * p[num_heads + hq];
+    }
+    float weight[kMaxKeyChunks];
+    for (int64_t c = 0; c < num_chunks; ++c) weight[c] = expf(partials[c * size + num_heads * d + hq] - top) / total;
+    for (int64_t i = 0; i < d; ++i) {
+      float o = 0.f;
+      for (int64_t c = 0; c < num_chunks; ++c) o = fmaf(weight[c], partials[c * size + hq * d + i], o);
+      store1(out + hq * d + i, o);
+    }
   }
 }
+
+// The attention tasks of a batch of decode queries: (sequence, key chunk) pairs, and where each
+// sequence's partial results start. Built once per call, before the threads split the tasks.
+struct ChunkPlan {
+  std::vector<int64_t> first_task;   // [batch + 1]: sequence b's tasks are [first_task[b], first_task[b + 1])
+  std::vector<int64_t> task_sequence;
+  std::unique_ptr<std::atomic<int64_t>[]> done;   // [batch]: chunks finished
+
+  ChunkPlan(const int64_t* seq_lens, int64_t batch, int64_t window, int64_t sink)
+      : first_task(batch + 1, 0), done(new std::atomic<int64_t>[batch]) {
+    for (int64_t b = 0; b < batch; ++b) {
+      first_task[b + 1] = first_task[b] + num_key_chunks(visible_keys(seq_lens[b], window, sink).count());
+      done[b].store(0, std::memory_order_relaxed);
+    }
+    for (int64_t b = 0; b < batch; ++b) task_sequence.insert(task_sequence.end(), first_task[b + 1] - first_task[b], b);
+  }
+  int64_t num_tasks() const { return first_task.back(); }
+  void reset() {
+    for (int64_t b = 0; b + 1 < (int64_t)first_task.size(); ++b) done[b].store(0, std::memory_order_relaxed);
+  }
+  // Task `task`'s chunk of its sequence's visible keys [from, to).
+  void keys(int64_t task, const int64_t* seq_lens, int64_t window, int64_t sink, KeySpans& spans, int64_t& from,
+            int64_t& to) const {
+    const int64_t b = task_sequence[task], c = task - first_task[b];
+    spans = visible_keys(seq_lens[b], window, sink);
+    const int64_t n = spans.count(), per = chunk_keys(n);
+    from = std::min(n, c * per), to = std::min(n, from + per);
+  }
+  // Marks task's chunk done; true for the last of its sequence to finish (which then combines: the
+  // acquire-release count makes the other chunks' partial results visible to it).
+  bool finish(int64_t task) {
+    const int64_t b = task_sequence[task];
+    return done[b].fetch_add(1, std::memory_order_acq_rel) + 1 == first_task[b + 1] - first_task[b];
+  }
+};
 
 // Paged decode attention of one query per sequence (interface.KernelBackend.decode_attention):
 // q, out T [batch, num_heads, head_dim] contiguous (T float or bf16 bits); block_tables int32
-// [batch, bt_stride]; seq_lens int64 [batch]; window < 0: none. Tasks (sequence, KV head) over threads.
+// [batch, bt_stride]; seq_lens int64 [batch]; window < 0: none. Tasks (sequence, key chunk) over threads.
 template <class T>
 void decode_attention(const T* q, const KvRows& k, const KvRows& v, const int32_t* block_tables, int64_t bt_stride,
                       const int64_t* seq_lens, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
                       int64_t head_dim, int64_t tokens_per_block, float scale, int64_t window, int64_t sink, T* out,
                       int num_threads) {
-  const int64_t group = num_heads / num_kv_heads, d = head_dim;
+  const int64_t d = head_dim, size = partial_size(num_heads, d);
+  ChunkPlan plan(seq_lens, batch, window, sink);
+  std::vector<float> partials(plan.num_tasks() * size);
 #pragma omp parallel num_threads(num_threads)
   {
     AttentionScratch s;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < batch * num_kv_heads; ++task) {
-      const int64_t b = task / num_kv_heads, kvh = task % num_kv_heads, at = (b * num_heads + kvh * group) * d;
-      visible_rows(seq_lens[b], window, sink, block_tables + b * bt_stride, tokens_per_block, num_kv_heads, kvh,
-                   s.keys);
-      const float* qf;
-      float* acc;
-      if constexpr (std::is_same_v<T, float>) {
-        qf = q + at, acc = out + at;
-      } else {
-        s.q.resize(group * d);
-        s.acc.resize(group * d);
-        for (int64_t i = 0; i < group * d; ++i) s.q[i] = load1_f32(q + at + i);
-        qf = s.q.data(), acc = s.acc.data();
-      }
-      attend_rows(qf, group, d, k, v, s.keys, scale, s, acc);
-      if constexpr (!std::is_same_v<T, float>)
-        for (int64_t i = 0; i < group * d; ++i) store1(out + at + i, acc[i]);
+    for (int64_t task = 0; task < plan.num_tasks(); ++task) {
+      const int64_t b = plan.task_sequence[task];
+      KeySpans spans;
+      int64_t from, to;
+      plan.keys(task, seq_lens, window, sink, spans, from, to);
+      visible_slots(spans, from, to, block_tables + b * bt_stride, tokens_per_block, s.slots);
+      s.q.resize(num_heads * d);
+      for (int64_t i = 0; i < num_heads * d; ++i) s.q[i] = load1_f32(q + b * num_heads * d + i);
+      attend_chunk(s.q.data(), num_heads, num_kv_heads, d, k, v, s.slots.data(), to - from, scale, s,
+                   partials.data() + task * size);
+      if (plan.finish(task))
+        combine_chunks(partials.data() + plan.first_task[b] * size, plan.first_task[b + 1] - plan.first_task[b],
+                       num_heads, d, out + b * num_heads * d);
     }
   }
 }

@@ -1,13 +1,13 @@
 // The generation step of a LLaMA-family model as one native call (cpu_decode_step.py binds it),
 // over the op families' functions that the per-op entry points (ops.cpp) call too: the linear
 // ranges (linear_float.h, linear_weight_only.h, linear_act_quant.h), rms_norm_row and
-// silu_mul_range (norm_activation.h), the KV rows and attend_rows (attention.h). One OpenMP
+// silu_mul_range (norm_activation.h), the KV rows, attend_chunk and combine_chunks (attention.h). One OpenMP
 // parallel region runs every layer:
 //
 //   per layer:  RMSNorm (each thread its own copy: no barrier) -> QKV GEMV (outputs in chunks that
-//               the threads claim as they go: Chunks) | barrier | per (sequence, KV head), or per
-//               query head when those are few (attend): the q / k RMSNorm (Qwen3), rotary, the
-//               KV-cache write, paged decode attention | barrier |
+//               the threads claim as they go: Chunks) | barrier | per (sequence, chunk of its
+//               keys) for every head (attend): the q / k RMSNorm (Qwen3), rotary, the KV-cache
+//               write, paged decode attention, the last chunk combining | barrier |
 //               out-projection GEMV added into the residual | barrier | RMSNorm -> gate and up GEMV
 //               over the same outputs, silu(gate) * up | barrier | down GEMV added into the residual
 //               | barrier
@@ -274,43 +274,45 @@ __attribute__((optimize("fp-contract=off"))) inline void rotate(const Model& m, 
   }
 }
 
-// Sequence b, KV head kvh, its query heads [g0, g1) of the group: RMS-normalize (Layer.q_norm / k_norm,
-// where set) and rotate them and the key, attend over the visible keys; out [num_heads * head_dim] of
-// the sequence's row. The task with g0 == 0 writes the key and value into the cache; the others
-// read their own copy of that row, rounded as the cache stores it (KvRows::round_trip), so every
-// query head computes the same numbers whichever way the group is split.
-void attend(const Model& m, const Layer& L, const float* qkv, int64_t b, int64_t kvh, int64_t g0, int64_t g1,
+// Attention task `task` of the plan: one chunk of sequence b's visible keys for all its query heads.
+// The query heads are RMS-normalised (Layer.q_norm, where set) and rotated by every chunk's task for
+// itself; the task of the last chunk, which holds the newest key, first writes the new keys
+// (normalised by k_norm where set, rotated) and values of every KV head into the cache. The last
+// task of the sequence to finish combines the chunks' partial results into out [num_heads * head_dim]
+// of the sequence's row. Chunks depend on the number of visible keys only (attention.h), so any
+// number of threads computes the same numbers.
+void attend(const Model& m, const Layer& L, const float* qkv, bm::ChunkPlan& plan, int64_t task,
             const int64_t* positions, const int64_t* slots, const int32_t* block_tables, int64_t bt_stride,
-            const int64_t* seq_lens, float* out, bm::AttentionScratch& s) {
-  const int64_t d = m.head_dim, group = m.num_heads / m.num_kv_heads, heads = g1 - g0;
-  const int64_t q_size = m.num_heads * d, kv_size = m.num_kv_heads * d;
-  bm::KvRows k{m.kv_format, L.k_cache, L.k_scales, d}, v{m.kv_format, L.v_cache, L.v_scales, d};
+            const int64_t* seq_lens, float* partials, float* out, bm::AttentionScratch& s) {
+  const int64_t d = m.head_dim, kv_heads = m.num_kv_heads, q_size = m.num_heads * d, kv_size = kv_heads * d;
+  const int64_t size = bm::partial_size(m.num_heads, d), b = plan.task_sequence[task];
+  const bm::KvRows k{m.kv_format, L.k_cache, L.k_scales, d}, v{m.kv_format, L.v_cache, L.v_scales, d};
   const float* row = qkv + b * (q_size + 2 * kv_size);
-  const float* value = row + q_size + kv_size + kvh * d;
-  s.q.assign(row + (kvh * group + g0) * d, row + (kvh * group + g1) * d);
-  s.fresh_k.assign(row + q_size + kvh * d, row + q_size + (kvh + 1) * d);
-  if (L.q_norm != nullptr) {  // before rotary, as the eager model's _qk_norm
-    for (int64_t g = 0; g < heads; ++g)
-      bm::rms_norm_row(s.q.data() + g * d, d, L.q_norm, m.eps, s.q.data() + g * d);
-    bm::rms_norm_row(s.fresh_k.data(), d, L.k_norm, m.eps, s.fresh_k.data());
+  bm::KeySpans spans;
+  int64_t from, to;
+  plan.keys(task, seq_lens, m.window, m.sink, spans, from, to);
+  if (to == spans.count()) {
+    s.k_new.assign(row + q_size, row + q_size + kv_size);
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      float* key = s.k_new.data() + h * d;
+      if (L.k_norm != nullptr) bm::rms_norm_row(key, d, L.k_norm, m.eps, key);   // before rotary, as _qk_norm
+      rotate(m, key, positions[b]);
+      k.write(slots[b] * kv_heads + h, key);
+      v.write(slots[b] * kv_heads + h, row + q_size + kv_size + h * d);
+    }
   }
-  for (int64_t g = 0; g < heads; ++g) rotate(m, s.q.data() + g * d, positions[b]);
-  rotate(m, s.fresh_k.data(), positions[b]);
-  const int64_t new_row = slots[b] * m.num_kv_heads + kvh;
-  if (g0 == 0) {
-    k.write(new_row, s.fresh_k.data());
-    v.write(new_row, value);
-  } else {
-    s.local.resize(4 * d);
-    s.fresh_v.resize(d);
-    k.round_trip(s.fresh_k.data(), s.fresh_k.data(), s.local.data());
-    v.round_trip(value, s.fresh_v.data(), s.local.data());
-    k.fresh_row = v.fresh_row = new_row;
-    k.fresh = s.fresh_k.data(), v.fresh = s.fresh_v.data();
+  s.q.assign(row, row + q_size);
+  for (int64_t h = 0; h < m.num_heads; ++h) {
+    float* query = s.q.data() + h * d;
+    if (L.q_norm != nullptr) bm::rms_norm_row(query, d, L.q_norm, m.eps, query);
+    rotate(m, query, positions[b]);
   }
-  bm::visible_rows(seq_lens[b], m.window, m.sink, block_tables + b * bt_stride, m.tokens_per_block, m.num_kv_heads,
-                   kvh, s.keys);
-  bm::attend_rows(s.q.data(), heads, d, k, v, s.keys, m.attention_scale, s, out + b * q_size + (kvh * group + g0) * d);
+  bm::visible_slots(spans, from, to, block_tables + b * bt_stride, m.tokens_per_block, s.slots);
+  bm::attend_chunk(s.q.data(), m.num_heads, kv_heads, d, k, v, s.slots.data(), to - from, m.attention_scale, s,
+                   partials + task * size);
+  if (plan.finish(task))
+    bm::combine_chunks(partials + plan.first_task[b] * size, plan.first_task[b + 1] - plan.first_task[b], m.num_heads,
+                       d, out + b * q_size);
 }
 
 }  // namespace
@@ -327,13 +329,12 @@ extern "C" void bm_decode_step(const Model* model, int64_t rows, float* x, const
   const int64_t num_gemvs = 4 * m.num_layers + 1;
   std::unique_ptr<std::atomic<int64_t>[]> counters(new std::atomic<int64_t>[num_gemvs]);
   for (int64_t i = 0; i < num_gemvs; ++i) counters[i].store(0, std::memory_order_relaxed);
+  // Attention tasks: (sequence, chunk of its visible keys) with every head (attention.h's ChunkPlan).
+  bm::ChunkPlan plan(seq_lens, rows, m.window, m.sink);
+  std::vector<float> partials(plan.num_tasks() * bm::partial_size(m.num_heads, d));
 #pragma omp parallel num_threads(num_threads)
   {
     const int nt = omp_get_num_threads();
-    // Attention tasks: per (sequence, KV head), or, when those are too few to keep the threads busy
-    // (one sequence: 3 KV heads on 2 threads leave one idle half the time), per query head.
-    const int64_t group = m.num_heads / m.num_kv_heads;
-    const int64_t splits = rows * m.num_kv_heads < 2 * nt ? group : 1, num_attention_tasks = rows * m.num_kv_heads * splits;
     std::vector<float> normed(rows * h, 0.f);
     InputScratch input_scratch;
     bm::AttentionScratch attention_scratch;
@@ -347,14 +348,13 @@ extern "C" void bm_decode_step(const Model* model, int64_t rows, float* x, const
         linear_range(L.qkv, in, qkv.data(), qkv_width, 0, n0, n1, m.isa);
 #pragma omp barrier
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t task = 0; task < num_attention_tasks; ++task) {
-        const int64_t part = task % splits, pair = task / splits;
+      for (int64_t task = 0; task < plan.num_tasks(); ++task) {
         if (m.matmuls_only == 0)
-          attend(m, L, qkv.data(), pair / m.num_kv_heads, pair % m.num_kv_heads, part * group / splits,
-                 (part + 1) * group / splits, positions, slots, block_tables, bt_stride, seq_lens, attn.data(),
-                 attention_scratch);
+          attend(m, L, qkv.data(), plan, task, positions, slots, block_tables, bt_stride, seq_lens, partials.data(),
+                 attn.data(), attention_scratch);
       }
-      // (the for's implied barrier)
+      // (the for's implied barrier: every chunk finished; the next layer's tasks start 4 barriers on)
+      if (omp_get_thread_num() == 0) plan.reset();
       in = input_scratch.prepare(attn.data(), rows, q_size, m.isa, {&L.out});
       for (Chunks c(counter + 1, L.out.n, nt); c.claim(n0, n1);) linear_range(L.out, in, x, h, 1, n0, n1, m.isa);
 #pragma omp barrier

@@ -1,6 +1,6 @@
-// Norm and activation family of the native CPU layer: the one RMSNorm, the one silu(gate) * up and
-// the one softmax, each written once for float32 and bf16 rows (T: float or uint16_t bf16 bits;
-// arithmetic in float32). The per-op entry points (ops.cpp) and the fused step (decode_step.cpp)
+// Norm and activation family of the native CPU layer: the one RMSNorm and the one silu(gate) * up,
+// each written once for float32 and bf16 rows (T: float or uint16_t bf16 bits; arithmetic in
+// float32). The per-op entry points (ops.cpp) and the fused step (decode_step.cpp)
 // call these same functions, so the eager native path and the fused step compute the same numbers.
 // NOTE: functions with a `#pragma omp simd` reduction are BM_ONE_COPY: one out-of-line copy in the
 // library, so the compiler cannot vectorise (and so sum) them differently at two call sites.
@@ -43,26 +43,6 @@ inline void silu_mul_range(const T* gate, const T* up, T* out, int64_t n0, int64
     const float g = load1_f32(gate + i);
     store1(out + i, g / (1.f + expf(-g)) * load1_f32(up + i));
   }
-}
-
-// Softmax in place of n scores, exp 8 at a time (libm's expf per score was a visible share of a
-// many-row step).
-inline void softmax(float* scores, int64_t n) {
-  float top = -INFINITY;
-  for (int64_t i = 0; i < n; ++i) top = std::max(top, scores[i]);
-  const __m256 shift = _mm256_set1_ps(top);
-  __m256 sums = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + i), shift));
-    _mm256_storeu_ps(scores + i, e);
-    sums = _mm256_add_ps(sums, e);
-  }
-  float total = hsum8(sums);
-  for (; i < n; ++i) total += (scores[i] = expf(scores[i] - top));
-  const float inv = 1.f / total;
-#pragma omp simd
-  for (int64_t j = 0; j < n; ++j) scores[j] *= inv;
 }
 
 }  // namespace bm

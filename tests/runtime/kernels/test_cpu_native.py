@@ -76,6 +76,45 @@ def test_decode_attention_equals_the_reference(ops, num_heads, num_kv_heads, win
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
+@pytest.mark.parametrize("window,sink", [(None, 0), (200, 5)])
+def test_decode_attention_over_key_chunks_is_the_same_on_any_thread_count(ops, kv_dtype, window, sink):
+    """Sequences from 1 to 1000 keys: 1 to 8 chunks (attention.h's chunk_keys), windows crossing
+    their edges. Against the reference, and bit for bit the same on 1, 2 and 3 threads (the chunks
+    depend on the number of keys only)."""
+    from runtime.kernels import kv_quant
+    gen = torch.Generator().manual_seed(11)
+    num_blocks, tpb, num_heads, num_kv_heads, head_dim = 140, 8, 6, 2, 40
+    k_cache = torch.randn(num_blocks, tpb, num_kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(num_blocks, tpb, num_kv_heads, head_dim, generator=gen)
+    seq_lens = torch.tensor([1, 15, 16, 17, 129, 250, 1000, 600])
+    tables = torch.randperm(num_blocks, generator=gen).repeat(8)[:8 * 125].view(8, 125).int()
+    q = torch.randn(8, num_heads, head_dim, generator=gen)
+    if kv_dtype == "int8":
+        kq, ks = kv_quant.quantize_rows(k_cache, torch.int8)
+        vq, vs = kv_quant.quantize_rows(v_cache, torch.int8)
+        k_ref, v_ref = kv_quant.dequantize(kq, ks), kv_quant.dequantize(vq, vs)
+
+        def attend():
+            return ops.decode_attention_int8(q, kq, vq, ks, vs, tables, seq_lens, 0.15, window, sink)
+    else:
+        k_ref, v_ref = k_cache, v_cache
+
+        def attend():
+            return ops.decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.15, window, sink)
+    want = torch_attention.decode_attention(q, k_ref, v_ref, tables, seq_lens, 0.15, window, sink)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append(attend())
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(outs[0], want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
 def test_the_default_torch_backend_attends_natively_and_equally():
     gen = torch.Generator().manual_seed(3)
     k_cache, v_cache = torch.randn(8, 4, 2, 16, generator=gen), torch.randn(8, 4, 2, 16, generator=gen)
