@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <atomic>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "formats.h"
@@ -34,23 +35,6 @@ struct KvRows {
   int64_t head_dim;
 
   int64_t row_bytes() const { return head_dim * (format == kKvFloat32 ? 4 : format == kKvBf16 ? 2 : 1); }
-
-  // Row `row` as float32: the cache's own memory (float32) or `buffer` [head_dim] holding it converted.
-  const float* read(int64_t row, float* buffer) const {
-    const int64_t d = head_dim;
-    if (format == kKvFloat32) return (const float*)cache + row * d;
-    if (format == kKvBf16) {
-      const uint16_t* p = (const uint16_t*)cache + row * d;
-#pragma omp simd
-      for (int64_t i = 0; i < d; ++i) buffer[i] = bf16_to_f32(p[i]);
-    } else {
-      const int8_t* p = (const int8_t*)cache + row * d;
-      const float s = scales[row];
-#pragma omp simd
-      for (int64_t i = 0; i < d; ++i) buffer[i] = (float)p[i] * s;
-    }
-    return buffer;
-  }
 
   // `count` consecutive rows from `row` toward L1 (the cache was written steps ago; the weight
   // stream has evicted it). A slot's KV heads are consecutive rows: one slot is one contiguous run.
@@ -129,7 +113,8 @@ inline int64_t num_key_chunks(int64_t n) { return std::max<int64_t>(1, (n + chun
 inline int64_t partial_size(int64_t num_heads, int64_t head_dim) { return num_heads * (head_dim + 2); }
 
 struct AttentionScratch {
-  std::vector<float> q, row, scores, k_new;
+  std::vector<float> q, scores, tails, k_new;
+  std::vector<float> lanes;
   std::vector<int64_t> slots;
 };
 
@@ -137,30 +122,88 @@ struct AttentionScratch {
 // prefetched.
 constexpr int64_t kKeyTile = 8, kPrefetchKeys = 16;
 
-// q . x over d values: one 8-lane accumulator over the 8-column chunks, its lanes summed by hsum8,
-// then the columns past the last multiple of 8 added one by one.
-inline float dot_row(const float* q, const float* x, int64_t d) {
-  const int64_t d8 = d & ~(int64_t)7;
-  __m256 a = _mm256_setzero_ps();
-  for (int64_t c = 0; c < d8; c += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), _mm256_loadu_ps(x + c), a);
-  float sum = hsum8(a);
-  for (int64_t c = d8; c < d; ++c) sum += q[c] * x[c];
-  return sum;
+// A KV row as attend_chunk reads it: 8 values at a time converted to float32 in registers, as
+// KvRows' format stores them (bf16: widened; int8: q * its row's scale, one multiply).
+struct F32Row {
+  const float* p;
+  __m256 load8(int64_t c) const { return _mm256_loadu_ps(p + c); }
+  float at(int64_t c) const { return p[c]; }
+};
+struct Bf16Row {
+  const uint16_t* p;
+  __m256 load8(int64_t c) const { return load8_f32(p + c); }
+  float at(int64_t c) const { return bf16_to_f32(p[c]); }
+};
+struct Int8Row {
+  const int8_t* p;
+  float scale;
+  __m256 load8(int64_t c) const {
+    const __m256i wide = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + c)));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(wide), _mm256_set1_ps(scale));
+  }
+  float at(int64_t c) const { return (float)p[c] * scale; }
+};
+
+template <class R>
+inline R kv_row(const KvRows& kv, int64_t row) {
+  if constexpr (std::is_same_v<R, F32Row>) return {(const float*)kv.cache + row * kv.head_dim};
+  else if constexpr (std::is_same_v<R, Bf16Row>) return {(const uint16_t*)kv.cache + row * kv.head_dim};
+  else return {(const int8_t*)kv.cache + row * kv.head_dim, kv.scales[row]};
 }
 
-// One chunk of a sequence's visible keys (their cache slots [n]) for all its query heads q
-// [num_heads, d] (float32; query head h reads KV head h / group): the chunk's partial result (see
-// partial_size), in one pass over the keys, 8 at a time, with a running maximum per head
-// (flash attention's online softmax). Memory is read in the cache's own order: a slot's KV heads
-// are consecutive rows, so each slot's keys (then its values) are one contiguous run, read slot
-// after slot (reading 8 slots' rows head by head instead ran at a third of the bandwidth on the
-// machines measured). bf16 and int8 rows are converted into s.row one at a time.
-// Rounding: a score is dot_row(q, key) * scale; a weight is exp8(score - the running max); when the
-// max rises, the weighted sums of V and the sum of weights are first multiplied by exp(old - new);
-// the V sums then add key by key in key order, one fused multiply-add per value.
-BM_ONE_COPY void attend_chunk(const float* q, int64_t num_heads, int64_t num_kv_heads, int64_t d, const KvRows& k,
-                              const KvRows& v, const int64_t* slots, int64_t n, float scale, AttentionScratch& s,
-                              float* partial) {
+// The 8 lanes of each of a[0..7] summed: lane t of the result = the sum of a[t]'s lanes (a pairwise
+// tree: adjacent lanes, then pairs, then the two 128-bit halves).
+inline __m256 sum8x8(const float* lanes) {   // a[t] = lanes[8 t, 8 t + 8)
+  __m256 a[8];
+  for (int t = 0; t < 8; ++t) a[t] = _mm256_loadu_ps(lanes + 8 * t);
+  const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+// q[g] . x for the group's query heads q [group, d] over one key row, the row read once for all of
+// them: lanes[g * kKeyTile * 8, + 8) = one 8-lane accumulator per head over the 8-column chunks
+// (summed later by sum8x8), tails[g * kKeyTile] += the columns past the last multiple of 8.
+template <class R>
+inline void dot_rows(const float* q, int64_t group, const R& x, int64_t d, float* lanes, float* tails) {
+  const int64_t d8 = d & ~(int64_t)7;
+  for (int64_t g0 = 0; g0 < group; g0 += 4) {
+    const int64_t gs = std::min<int64_t>(4, group - g0);
+    __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t c = 0; c < d8; c += 8) {
+      const __m256 v = x.load8(c);
+      for (int64_t g = 0; g < gs; ++g) a[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + (g0 + g) * d + c), v, a[g]);
+    }
+    for (int64_t g = 0; g < gs; ++g) _mm256_storeu_ps(lanes + (g0 + g) * kKeyTile * 8, a[g]);
+    for (int64_t c = d8; c < d; ++c)
+      for (int64_t g = 0; g < gs; ++g) tails[(g0 + g) * kKeyTile] += q[(g0 + g) * d + c] * x.at(c);
+  }
+}
+
+// acc[g] += p[g * kKeyTile] * value for the group's heads (acc [group, d]; one fused multiply-add
+// per value), each value chunk converted once for the group. (Blocking 2-8 keys' values per load
+// and store of acc ran faster with the cache hot and slower cold, reading several slots' rows at
+// once: one key at a time, in the cache's order.)
+template <class R>
+inline void accumulate_value(const R& value, const float* p, int64_t group, int64_t d, float* acc) {
+  const int64_t d8 = d & ~(int64_t)7;
+  for (int64_t c = 0; c < d8; c += 8) {
+    const __m256 x = value.load8(c);
+    for (int64_t g = 0; g < group; ++g)
+      _mm256_storeu_ps(acc + g * d + c,
+                       _mm256_fmadd_ps(_mm256_set1_ps(p[g * kKeyTile]), x, _mm256_loadu_ps(acc + g * d + c)));
+  }
+  for (int64_t c = d8; c < d; ++c) {
+    const float x = value.at(c);
+    for (int64_t g = 0; g < group; ++g) acc[g * d + c] = fmaf(p[g * kKeyTile], x, acc[g * d + c]);
+  }
+}
+
+template <class R>
+inline void attend_chunk_as(const float* q, int64_t num_heads, int64_t num_kv_heads, int64_t d, const KvRows& k,
+                            const KvRows& v, const int64_t* slots, int64_t n, float scale, AttentionScratch& s,
+                            float* partial) {
   const int64_t group = num_heads / num_kv_heads, d8 = d & ~(int64_t)7;
   float* acc = partial;
   float* top = partial + num_heads * d;
@@ -169,8 +212,11 @@ BM_ONE_COPY void attend_chunk(const float* q, int64_t num_heads, int64_t num_kv_
   std::fill_n(top, num_heads, -INFINITY);
   std::fill_n(sums, num_heads, 0.f);
   s.scores.resize(num_heads * kKeyTile);
-  s.row.resize(d);
+  s.lanes.resize(num_heads * kKeyTile * 8);
+  s.tails.assign(num_heads * kKeyTile, 0.f);
   float* w = s.scores.data();   // [num_heads, 8]: the tile's scores, then their weights
+  float* lanes = s.lanes.data();    // [num_heads, 8 keys, 8 lanes]: each score's partial sums
+  float* tails = s.tails.data();    // [num_heads, 8]: each score's columns past the last multiple of 8
   for (int64_t j = 0; j < std::min(n, kPrefetchKeys); ++j) {
     k.prefetch(slots[j] * num_kv_heads, num_kv_heads);
     v.prefetch(slots[j] * num_kv_heads, num_kv_heads);
@@ -181,12 +227,18 @@ BM_ONE_COPY void attend_chunk(const float* q, int64_t num_heads, int64_t num_kv_
       k.prefetch(slots[j] * num_kv_heads, num_kv_heads);
       v.prefetch(slots[j] * num_kv_heads, num_kv_heads);
     }
+    if (d8 < d) std::fill_n(tails, num_heads * kKeyTile, 0.f);
     for (int64_t t = 0; t < count; ++t)
-      for (int64_t h = 0; h < num_kv_heads; ++h) {
-        const float* key = k.read(slots[i + t] * num_kv_heads + h, s.row.data());
-        for (int64_t g = 0; g < group; ++g)
-          w[(h * group + g) * kKeyTile + t] = dot_row(q + (h * group + g) * d, key, d) * scale;
-      }
+      for (int64_t h = 0; h < num_kv_heads; ++h)
+        dot_rows(q + h * group * d, group, kv_row<R>(k, slots[i + t] * num_kv_heads + h), d,
+                 lanes + (h * group * kKeyTile + t) * 8, tails + h * group * kKeyTile + t);
+    for (int64_t t = count; t < kKeyTile; ++t)   // past the chunk's last key: lanes the live mask drops
+      for (int64_t hq = 0; hq < num_heads; ++hq) std::fill_n(lanes + (hq * kKeyTile + t) * 8, 8, 0.f);
+    for (int64_t hq = 0; hq < num_heads; ++hq) {
+      __m256 sums8 = sum8x8(lanes + hq * kKeyTile * 8);
+      if (d8 < d) sums8 = _mm256_add_ps(sums8, _mm256_loadu_ps(tails + hq * kKeyTile));
+      _mm256_storeu_ps(w + hq * kKeyTile, _mm256_mul_ps(sums8, _mm256_set1_ps(scale)));
+    }
     const __m256 live = _mm256_castsi256_ps(
         _mm256_cmpgt_epi32(_mm256_set1_epi32((int)count), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
     for (int64_t hq = 0; hq < num_heads; ++hq) {
@@ -206,18 +258,35 @@ BM_ONE_COPY void attend_chunk(const float* q, int64_t num_heads, int64_t num_kv_
       sums[hq] += hsum8(e);
     }
     for (int64_t t = 0; t < count; ++t)
-      for (int64_t h = 0; h < num_kv_heads; ++h) {
-        const float* value = v.read(slots[i + t] * num_kv_heads + h, s.row.data());
-        for (int64_t g = 0; g < group; ++g) {
-          const int64_t hq = h * group + g;
-          float* ah = acc + hq * d;
-          const float p = w[hq * kKeyTile + t];
-          const __m256 pv = _mm256_set1_ps(p);
-          for (int64_t c = 0; c < d8; c += 8)
-            _mm256_storeu_ps(ah + c, _mm256_fmadd_ps(pv, _mm256_loadu_ps(value + c), _mm256_loadu_ps(ah + c)));
-          for (int64_t c = d8; c < d; ++c) ah[c] = fmaf(p, value[c], ah[c]);
-        }
-      }
+      for (int64_t h = 0; h < num_kv_heads; ++h)
+        accumulate_value(kv_row<R>(v, slots[i + t] * num_kv_heads + h), w + h * group * kKeyTile + t, group, d,
+                         acc + h * group * d);
+  }
+}
+
+// One chunk of a sequence's visible keys (their cache slots [n]) for all its query heads q
+// [num_heads, d] (float32; query head h reads KV head h / group): the chunk's partial result (see
+// partial_size), in one pass over the keys, 8 at a time, with a running maximum per head
+// (flash attention's online softmax). Memory is read in the cache's own order: a slot's KV heads
+// are consecutive rows, so each slot's keys (then its values) are one contiguous run, read slot
+// after slot (reading 8 slots' rows head by head instead ran at a third of the bandwidth on the
+// machine measured). bf16 and int8 rows are converted 8 values at a time in registers (F32Row,
+// Bf16Row, Int8Row), each key and value row once for the group's heads; k and v are in one format.
+// Rounding: a score is one 8-lane accumulator over the 8-column chunks (dot_rows), its lanes summed
+// by sum8x8's pairwise tree, plus the columns past the last multiple of 8 summed one by one, times
+// scale; a weight is exp8(score - the running max); when the
+// max rises, the weighted sums of V and the sum of weights are first multiplied by exp(old - new);
+// the V sums then add key by key in key order, one fused multiply-add per value.
+BM_ONE_COPY void attend_chunk(const float* q, int64_t num_heads, int64_t num_kv_heads, int64_t d, const KvRows& k,
+                              const KvRows& v, const int64_t* slots, int64_t n, float scale, AttentionScratch& s,
+                              float* partial) {
+  switch (k.format) {
+    case kKvFloat32:
+      return attend_chunk_as<F32Row>(q, num_heads, num_kv_heads, d, k, v, slots, n, scale, s, partial);
+    case kKvBf16:
+      return attend_chunk_as<Bf16Row>(q, num_heads, num_kv_heads, d, k, v, slots, n, scale, s, partial);
+    default:
+      return attend_chunk_as<Int8Row>(q, num_heads, num_kv_heads, d, k, v, slots, n, scale, s, partial);
   }
 }
 

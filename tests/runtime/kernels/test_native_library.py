@@ -32,7 +32,7 @@ def test_no_source_is_pasted_into_another():
         assert ".cpp\")" not in module.read_text().replace("'", '"') or module.name == "library.py", module.name
 
 
-@pytest.mark.parametrize("function", ["rms_norm_row", "silu_mul_range", "dot_row", "attend_chunk", "combine_chunks",
+@pytest.mark.parametrize("function", ["rms_norm_row", "silu_mul_range", "dot_rows", "attend_chunk", "combine_chunks",
                                       "exp8", "visible_keys"])
 def test_each_shared_function_is_defined_once(function):
     """One RMSNorm, one silu * up, one paged decode attention: the per-op entry points
