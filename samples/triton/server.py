@@ -23,6 +23,7 @@ EXIT_TIMEOUT_S = 20     # Triton's own: how long it waits for requests in flight
 KILL_MARGIN_S = 30      # a server still running this long after its exit timeout is killed
 KILLED_AFTER_TIMEOUT = 124   # the launcher's exit code then (as timeout(1) says it)
 MAX_DRAINED_GRACE_S = 10     # after the model drained: how long Triton may take to exit on its own
+DRAIN_WAIT_S = 10       # after the drain file: how long SIGTERM waits for the model's drained file
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +65,9 @@ class TritonServer:
                                         stderr=subprocess.STDOUT if log_file else None,
                                         start_new_session=True, preexec_fn=_die_with_parent)
         self._stop_deadline_s: float | None = None
+        self.drain_wait_s = DRAIN_WAIT_S
+        self._drain_since_s: float | None = None   # when the drain file was written
+        self._is_terminated = False                # SIGTERM sent
 
     @property
     def http_url(self) -> str:
@@ -99,24 +103,36 @@ class TritonServer:
         return self._stop_deadline_s is not None
 
     def request_stop(self) -> None:
-        """The drain file first (the tensorrt_llm model ends its live requests with a final
-        response within a check period and answers the waiting ones with an error), then SIGTERM:
-        Triton waits for the requests in flight, unloads the models (each GptManager shuts down)
-        and exits. Once: a second call only logs. Without the drain, requests still in flight at
-        Triton's exit timeout crash the server's exit."""
+        """The drain file: the tensorrt_llm model ends its live requests with a final response
+        within a check period, answers the waiting ones with an error, and writes its drained file.
+        wait() then sends SIGTERM (once the drained file is there, at most drain_wait_s on): Triton
+        unloads the models (each GptManager shuts down) and exits. Every final response is handed
+        to Triton before it starts shutting down: with SIGTERM sent at once, a stream could break
+        with a final response still on its way (seen once under load). Once: a second call only
+        logs. Async-signal-safe enough for a signal handler (a file and a few attributes); the
+        caller is in wait(), or calls it next."""
         if self._stop_deadline_s is not None:
             logger.info("tritonserver is stopping already (killed %.0f s from now if still running)",
                         self._stop_deadline_s - time.monotonic())
             return
-        self._stop_deadline_s = time.monotonic() + self.exit_timeout_s + KILL_MARGIN_S
+        now_s = time.monotonic()
+        self._stop_deadline_s = now_s + self.drain_wait_s + self.exit_timeout_s + KILL_MARGIN_S
         if self.process.poll() is None:
             with open(drain_file(self.repository), "w"):
                 pass
+            self._drain_since_s = now_s
+
+    def _terminate_once_drained(self, now_s: float) -> None:
+        if self._drain_since_s is None or self._is_terminated:
+            return
+        if os.path.exists(drained_file(self.repository)) or now_s - self._drain_since_s > self.drain_wait_s:
+            self._is_terminated = True
             self.process.send_signal(signal.SIGTERM)
 
     def wait(self, poll_s: float = 0.1) -> int:
-        """Until the server exits. Once a stop was requested: when the model has answered every
-        request (its drained file) and Triton has not exited within a grace, the server is
+        """Until the server exits. Once a stop was requested: SIGTERM once the model drained (see
+        request_stop); when the model has answered every request (its drained file) and Triton
+        has not exited within a grace, the server is
         stopped with SIGKILL (see the NOTE) and that is a clean stop; without the drained file,
         at most the exit timeout plus a margin, then SIGKILL. -> the launcher's exit code: 0 for
         a clean stop, the server's own status (128 + N for signal N) when it failed,
@@ -130,6 +146,7 @@ class TritonServer:
         drained_since_s = None
         while self.process.poll() is None:
             now_s = time.monotonic()
+            self._terminate_once_drained(now_s)
             if drained_since_s is None and self.is_stopping and os.path.exists(drained_file(self.repository)):
                 drained_since_s = now_s
             if drained_since_s is not None and now_s - drained_since_s > grace_s:

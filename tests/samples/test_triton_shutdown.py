@@ -123,3 +123,50 @@ def test_a_server_that_hangs_while_stopping_is_killed_in_bounded_time(launcher):
     os.killpg(launcher.server_pid, signal.SIGSTOP)   # tritonserver and the model's stub: nothing drains
     launcher.process.send_signal(signal.SIGINT)
     assert launcher.process.wait(EXIT_TIMEOUT_S + KILL_MARGIN_S + 60) == KILLED_AFTER_TIMEOUT
+
+
+# A stand-in for tritonserver: on SIGTERM it writes whether the model's drained file was there, then exits 0.
+FAKE_SERVER = """
+import os, signal, sys, time
+def on_term(signum, frame):
+    with open(sys.argv[2], "w") as f:
+        f.write(str(os.path.exists(sys.argv[1])))
+    sys.exit(0)
+signal.signal(signal.SIGTERM, on_term)
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("drains", [True, False])
+def test_the_launcher_sends_sigterm_only_once_the_model_drained(tmp_path, drains):
+    """request_stop writes the drain file; wait() sends SIGTERM once the model's drained file is
+    there (every final response handed to Triton before it starts shutting down), or after
+    drain_wait_s when it never comes. Needs no tritonserver."""
+    from samples.triton.repository import drain_file, drained_file
+    from samples.triton.server import TritonServer
+    (tmp_path / "tensorrt_llm").mkdir()
+    seen = tmp_path / "drained-at-sigterm"
+    server = object.__new__(TritonServer)
+    server.repository, server.exit_timeout_s = str(tmp_path), 5
+    server.process = subprocess.Popen([sys.executable, "-c", FAKE_SERVER, drained_file(str(tmp_path)), str(seen)],
+                                      stdout=subprocess.PIPE, text=True, start_new_session=True)
+    assert server.process.stdout.readline().strip() == "ready"
+    server._stop_deadline_s, server._drain_since_s, server._is_terminated = None, None, False
+    server.drain_wait_s = 1.0
+    try:
+        server.request_stop()
+        assert os.path.exists(drain_file(str(tmp_path)))
+        codes = []
+        waiter = threading.Thread(target=lambda: codes.append(server.wait(poll_s=0.01)))
+        waiter.start()
+        time.sleep(0.3)
+        assert server.process.poll() is None and not seen.exists()   # no SIGTERM while the model drains
+        if drains:
+            open(drained_file(str(tmp_path)), "w").close()
+        waiter.join(10)
+        assert codes == [0] and seen.read_text() == str(drains)
+    finally:
+        if server.process.poll() is None:
+            server.process.kill()
+        server.process.wait()
