@@ -43,13 +43,12 @@ PER_ITERATION_COUNTERS = {
     "Total Context Tokens": ("nv_trt_llm_context_tokens_computed", "Prompt tokens whose KV was computed (not reused)")}
 
 # What an idle manager (no active request, so no stats callback) is known to hold.
-IDLE_VALUES = {"Scheduled Requests": 0, "Context Requests": 0, "Generation Requests": 0, "Paused Requests": 0,
-               "Total Context Tokens": 0, "Used KV cache blocks": 0, "Active Request Count": 0}
+IDLE_VALUES = {"Active Request Count": 0, "Scheduled Requests": 0, "Context Requests": 0, "Generation Requests": 0,
+               "Paused Requests": 0, "Total Context Tokens": 0, "Used KV cache blocks": 0}
 
 # What a reader polls to know the manager is idle: set after every other gauge of an update (a
 # scrape may come between two gauges' updates; one that sees these settle sees the rest).
 SETTLE_KEYS = ("Used KV cache blocks", "Active Request Count")
-assert tuple(IDLE_VALUES)[-len(SETTLE_KEYS):] == SETTLE_KEYS
 
 
 def in_update_order(stats: dict) -> list[tuple[str, object]]:
@@ -100,7 +99,7 @@ class TritonMetrics:
         if "Max KV cache blocks" in self.last_stats:
             for child in self._key_to_gauges["Free KV cache blocks"]:
                 child.set(self.last_stats["Max KV cache blocks"])
-        for key, value in IDLE_VALUES.items():   # SETTLE_KEYS last
+        for key, value in in_update_order(IDLE_VALUES):
             for child in self._key_to_gauges.get(key, ()):
                 child.set(value)
         self.vllm.update({**IDLE_VALUES, "Max KV cache blocks": self.last_stats.get("Max KV cache blocks", 0)})

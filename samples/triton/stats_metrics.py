@@ -40,6 +40,6 @@ class StatsMetrics:
         if self.max_kv_blocks is not None:
             for metric in self._key_to_metrics["Free KV cache blocks"]:
                 metric.set(float(self.max_kv_blocks))
-        for key, value in IDLE_VALUES.items():   # what a reader polls for idleness last
+        for key, value in in_update_order(IDLE_VALUES):   # what a reader polls for idleness last
             for metric in self._key_to_metrics.get(key, ()):
                 metric.set(float(value))

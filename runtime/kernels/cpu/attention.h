@@ -113,8 +113,7 @@ inline int64_t num_key_chunks(int64_t n) { return std::max<int64_t>(1, (n + chun
 inline int64_t partial_size(int64_t num_heads, int64_t head_dim) { return num_heads * (head_dim + 2); }
 
 struct AttentionScratch {
-  std::vector<float> q, scores, tails, k_new;
-  std::vector<float> lanes;
+  std::vector<float> q, scores, lanes, tails, k_new;
   std::vector<int64_t> slots;
 };
 
@@ -213,7 +212,7 @@ inline void attend_chunk_as(const float* q, int64_t num_heads, int64_t num_kv_he
   std::fill_n(sums, num_heads, 0.f);
   s.scores.resize(num_heads * kKeyTile);
   s.lanes.resize(num_heads * kKeyTile * 8);
-  s.tails.assign(num_heads * kKeyTile, 0.f);
+  s.tails.resize(num_heads * kKeyTile);   // zeroed per tile when used
   float* w = s.scores.data();   // [num_heads, 8]: the tile's scores, then their weights
   float* lanes = s.lanes.data();    // [num_heads, 8 keys, 8 lanes]: each score's partial sums
   float* tails = s.tails.data();    // [num_heads, 8]: each score's columns past the last multiple of 8
