@@ -13,7 +13,9 @@
 //               | barrier
 //   then:       final RMSNorm -> lm_head GEMV -> logits
 //
-// so a step costs 5 barriers per layer instead of ~15 Python-dispatched ops. Activations stay
+// so a step costs 5 barriers per layer instead of ~15 Python-dispatched ops: one per dependency
+// of every row on every thread's outputs (the GEMVs split their outputs, the next op reads whole
+// rows), the fewest this split allows. Activations stay
 // float32 throughout (the weight-only kernels' contract); bf16 weights are read by the bf16 kernel
 // (with AVX512-BF16 the inputs are rounded to bf16 first, as the eager bf16 model's are).
 //
@@ -27,10 +29,11 @@
 //       and bf16 [n, k] take float32 inputs (bf16-rounded for AVX512-BF16's dot product); int8
 //       [n, k] + scale [n] and int4 packed [n, k / 2] + scale, min float16 [n, k / gs] take float32
 //       inputs (linear_weight_only.h's layouts), or q8x32 inputs (int8 activations: the input
-//       quantized per block of 32 columns, once per input by each thread) over linear_act_quant.h's
-//       repacked layout. Block weights (llama.cpp's q8_0 ... q6_k): Linear.segments, runs of
-//       output rows each in its own format, by the format table's kernels (format_table.h) over
-//       the q8x32 or q8k input their format takes (quantized once per input by each thread).
+//       quantized per block of 32 columns) over linear_act_quant.h's repacked layout. Block
+//       weights (llama.cpp's q8_0 ... q6_k): Linear.segments, runs of output rows each in its own
+//       format, by the format table's kernels (format_table.h) over the q8x32 or q8k input their
+//       format takes. The out and down projections' inputs are quantized once, by the threads
+//       that produce their rows (SharedInput); the RMSNorm outputs once per thread (InputScratch).
 //   KV formats (Model.kv_format): attention.h's KvFormat (0 float32, 1 bf16, 2 int8 with float32
 //       scales per (slot, head)).
 //   rope_cos, rope_sin: float32 [rope_positions, rotary_dim / 2] (neox pairing: dim i with
@@ -113,9 +116,10 @@ struct Chunks {
   std::atomic<int64_t>* next;
   int64_t n, chunk;
 
-  Chunks(std::atomic<int64_t>* counter, int64_t outputs, int nt) : next(counter), n(outputs) {
-    const int64_t units = (n + kUnit - 1) / kUnit;
-    chunk = std::max<int64_t>(1, (units + nt * kChunksPerThread - 1) / (nt * kChunksPerThread)) * kUnit;
+  // unit: a multiple of kUnit every chunk but the last is made of (a q8k input's producer: 256)
+  Chunks(std::atomic<int64_t>* counter, int64_t outputs, int nt, int64_t unit = kUnit) : next(counter), n(outputs) {
+    const int64_t units = (n + unit - 1) / unit;
+    chunk = std::max<int64_t>(1, (units + nt * kChunksPerThread - 1) / (nt * kChunksPerThread)) * unit;
   }
   // The next unclaimed chunk [n0, n1); false when none is left.
   bool claim(int64_t& n0, int64_t& n1) {
@@ -204,8 +208,8 @@ void linear_range(const Linear& L, const Input& in, float* y, int64_t ldy, int a
   }
 }
 
-// A thread's private buffers for one GEMV input: the rows' bf16 copy and int4 group sums as the
-// weights `uses` need them.
+// A thread's private buffers for one GEMV input: the rows quantized (q8x32, q8k), their bf16 copy
+// and int4 group sums, as the weights `uses` need them.
 struct InputScratch {
   std::vector<uint16_t> bf16;
   std::vector<float> xsum, d, kd;
@@ -221,44 +225,89 @@ struct InputScratch {
     return false;
   }
 
-  Input prepare(const float* x, int64_t rows, int64_t k, int isa, std::initializer_list<const Linear*> uses) {
-    Input in{x, nullptr, nullptr, rows, k, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
-    for (const Linear* L : uses) {
-      if (takes(*L, bm::kInputQ8x32) && in.q == nullptr) {
-        q.resize(rows * k);
-        d.resize(rows * k / bm_blk::kQ);
-        s.resize(rows * k / bm_blk::kQ);
-        bm_blk::quantize_q8x32(x, rows, k, k, q.data(), d.data(), s.data());
-        in.q = q.data(), in.d = d.data(), in.s = s.data();
-      }
-      if (takes(*L, bm::kInputQ8K) && in.kq == nullptr) {
-        kq.resize(rows * k);
-        kd.resize(rows * k / bm_blk::kQK);
-        kbsums.resize(rows * k / 16);
-        bm_blk::quantize_q8k(x, rows, k, k, kq.data(), kd.data(), kbsums.data());
-        in.kq = kq.data(), in.kd = kd.data(), in.kbsums = kbsums.data();
-      }
-      const bool dot_product = bm_float::kHasDpbf16 && isa >= bm::kAvx512Bf16 && k % 32 == 0;
-      if (L->format == bm::kWeightBf16 && dot_product && in.x_bf16 == nullptr) {
-        bf16.resize(rows * k);
-        for (int64_t i = 0; i < rows * k; ++i) bf16[i] = bm::f32_to_bf16(x[i]);
-        in.x_bf16 = bf16.data();
-      }
-      if (L->format == bm::kWeightInt4 && L->input == bm::kInputFloat32 && in.xsum == nullptr) {
-        const int64_t groups = k / L->gs;
-        xsum.resize(rows * groups);
-        for (int64_t r = 0; r < rows; ++r)
-          for (int64_t g = 0; g < groups; ++g) {
-            float s = 0.f;
-            for (int64_t t = 0; t < L->gs; ++t) s += x[r * k + g * L->gs + t];
-            xsum[r * groups + g] = s;
-          }
-        in.xsum = xsum.data();
-      }
+  // `shared`: the q8x32 / q8k input its producers quantized (SharedInput), used instead of
+  // quantizing x here.
+  Input prepare(const float* x, int64_t rows, int64_t k, int isa, std::initializer_list<const Linear*> uses,
+                const struct SharedInput* shared = nullptr);
+};
+
+// A GEMV input quantized once for all the threads by whoever writes its rows: the out-projection's
+// input by the attention task that combines a sequence's row, the down projection's by the thread
+// of each gate / up chunk (whole 32-column blocks; 256 for a q8k input, whose producer's chunks are
+// then multiples of 256 outputs). So neither input is quantized once per thread, and no barrier is
+// added: the barrier that publishes the rows publishes their quantized copy. Zero until written
+// (the quantized zero rows of an input a benchmark mode skips). The RMSNorm outputs (the QKV and
+// gate / up inputs) stay per thread: each thread normalises the rows for itself, as sharing them
+// would cost a barrier, and quantizes its copy.
+struct SharedInput {
+  int64_t k;
+  std::vector<int8_t> q, kq;
+  std::vector<float> d, kd;
+  std::vector<int32_t> s;
+  std::vector<int16_t> kbsums;
+
+  // Buffers for the input types some layer's consumer takes (q8x32, q8k).
+  SharedInput(int64_t rows, int64_t width, bool q8x32, bool q8k) : k(width) {
+    if (q8x32) q.assign(rows * k, 0), d.assign(rows * k / bm_blk::kQ, 0.f), s.assign(rows * k / bm_blk::kQ, 0);
+    if (q8k) kq.assign(rows * k, 0), kd.assign(rows * k / bm_blk::kQK, 0.f), kbsums.assign(rows * k / 16, 0);
+  }
+
+  // Row r's columns [c0, c1) of x (row stride ldx) in the types `consumer` takes: c0 and c1 whole
+  // blocks of each (or c1 = k).
+  void quantize(const Linear& consumer, const float* x, int64_t ldx, int64_t r, int64_t c0, int64_t c1) {
+    const float* row = x + r * ldx + c0;
+    if (InputScratch::takes(consumer, bm::kInputQ8x32)) {
+      const int64_t b = (r * k + c0) / bm_blk::kQ;
+      bm_blk::quantize_q8x32(row, 1, ldx, c1 - c0, q.data() + r * k + c0, d.data() + b, s.data() + b);
     }
-    return in;
+    if (InputScratch::takes(consumer, bm::kInputQ8K))
+      bm_blk::quantize_q8k(row, 1, ldx, c1 - c0, kq.data() + r * k + c0, kd.data() + (r * k + c0) / bm_blk::kQK,
+                           kbsums.data() + (r * k + c0) / 16);
   }
 };
+
+Input InputScratch::prepare(const float* x, int64_t rows, int64_t k, int isa, std::initializer_list<const Linear*> uses,
+                            const SharedInput* shared) {
+  Input in{x, nullptr, nullptr, rows, k, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
+  if (shared != nullptr) {
+    if (!shared->q.empty()) in.q = shared->q.data(), in.d = shared->d.data(), in.s = shared->s.data();
+    if (!shared->kq.empty()) in.kq = shared->kq.data(), in.kd = shared->kd.data(), in.kbsums = shared->kbsums.data();
+  }
+  for (const Linear* L : uses) {
+    if (takes(*L, bm::kInputQ8x32) && in.q == nullptr) {
+      q.resize(rows * k);
+      d.resize(rows * k / bm_blk::kQ);
+      s.resize(rows * k / bm_blk::kQ);
+      bm_blk::quantize_q8x32(x, rows, k, k, q.data(), d.data(), s.data());
+      in.q = q.data(), in.d = d.data(), in.s = s.data();
+    }
+    if (takes(*L, bm::kInputQ8K) && in.kq == nullptr) {
+      kq.resize(rows * k);
+      kd.resize(rows * k / bm_blk::kQK);
+      kbsums.resize(rows * k / 16);
+      bm_blk::quantize_q8k(x, rows, k, k, kq.data(), kd.data(), kbsums.data());
+      in.kq = kq.data(), in.kd = kd.data(), in.kbsums = kbsums.data();
+    }
+    const bool dot_product = bm_float::kHasDpbf16 && isa >= bm::kAvx512Bf16 && k % 32 == 0;
+    if (L->format == bm::kWeightBf16 && dot_product && in.x_bf16 == nullptr) {
+      bf16.resize(rows * k);
+      for (int64_t i = 0; i < rows * k; ++i) bf16[i] = bm::f32_to_bf16(x[i]);
+      in.x_bf16 = bf16.data();
+    }
+    if (L->format == bm::kWeightInt4 && L->input == bm::kInputFloat32 && in.xsum == nullptr) {
+      const int64_t groups = k / L->gs;
+      xsum.resize(rows * groups);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t g = 0; g < groups; ++g) {
+          float s = 0.f;
+          for (int64_t t = 0; t < L->gs; ++t) s += x[r * k + g * L->gs + t];
+          xsum[r * groups + g] = s;
+        }
+      in.xsum = xsum.data();
+    }
+  }
+  return in;
+}
 
 // Rotary (neox pairing) of one head in place over its first rotary_dim dims, rounded as the eager
 // model's torch ops round it (two products, then their sum: no fused multiply-add), so a key lands
@@ -279,9 +328,9 @@ __attribute__((optimize("fp-contract=off"))) inline void rotate(const Model& m, 
 // itself; the task of the last chunk, which holds the newest key, first writes the new keys
 // (normalised by k_norm where set, rotated) and values of every KV head into the cache. The last
 // task of the sequence to finish combines the chunks' partial results into out [num_heads * head_dim]
-// of the sequence's row. Chunks depend on the number of visible keys only (attention.h), so any
-// number of threads computes the same numbers.
-void attend(const Model& m, const Layer& L, const float* qkv, bm::ChunkPlan& plan, int64_t task,
+// of the sequence's row (and returns true). Chunks depend on the number of visible keys only
+// (attention.h), so any number of threads computes the same numbers.
+bool attend(const Model& m, const Layer& L, const float* qkv, bm::ChunkPlan& plan, int64_t task,
             const int64_t* positions, const int64_t* slots, const int32_t* block_tables, int64_t bt_stride,
             const int64_t* seq_lens, float* partials, float* out, bm::AttentionScratch& s) {
   const int64_t d = m.head_dim, kv_heads = m.num_kv_heads, q_size = m.num_heads * d, kv_size = kv_heads * d;
@@ -310,9 +359,10 @@ void attend(const Model& m, const Layer& L, const float* qkv, bm::ChunkPlan& pla
   bm::visible_slots(spans, from, to, block_tables + b * bt_stride, m.tokens_per_block, s.slots);
   bm::attend_chunk(s.q.data(), m.num_heads, kv_heads, d, k, v, s.slots.data(), to - from, m.attention_scale, s,
                    partials + task * size);
-  if (plan.finish(task))
-    bm::combine_chunks(partials + plan.first_task[b] * size, plan.first_task[b + 1] - plan.first_task[b], m.num_heads,
-                       d, out + b * q_size);
+  if (!plan.finish(task)) return false;
+  bm::combine_chunks(partials + plan.first_task[b] * size, plan.first_task[b + 1] - plan.first_task[b], m.num_heads,
+                     d, out + b * q_size);
+  return true;
 }
 
 }  // namespace
@@ -332,6 +382,15 @@ extern "C" void bm_decode_step(const Model* model, int64_t rows, float* x, const
   // Attention tasks: (sequence, chunk of its visible keys) with every head (attention.h's ChunkPlan).
   bm::ChunkPlan plan(seq_lens, rows, m.window, m.sink);
   std::vector<float> partials(plan.num_tasks() * bm::partial_size(m.num_heads, d));
+  // The out-projection's and the down projection's inputs, quantized by their producers.
+  bool takes[2][2] = {{false, false}, {false, false}};   // [out, mlp_out][q8x32, q8k]
+  for (int64_t i = 0; i < m.num_layers; ++i)
+    for (int j = 0; j < 2; ++j) {
+      const Linear& consumer = j == 0 ? m.layers[i].out : m.layers[i].mlp_out;
+      takes[j][0] |= InputScratch::takes(consumer, bm::kInputQ8x32);
+      takes[j][1] |= InputScratch::takes(consumer, bm::kInputQ8K);
+    }
+  SharedInput attn_q(rows, q_size, takes[0][0], takes[0][1]), act_q(rows, inter, takes[1][0], takes[1][1]);
 #pragma omp parallel num_threads(num_threads)
   {
     const int nt = omp_get_num_threads();
@@ -349,26 +408,29 @@ extern "C" void bm_decode_step(const Model* model, int64_t rows, float* x, const
 #pragma omp barrier
 #pragma omp for schedule(dynamic, 1)
       for (int64_t task = 0; task < plan.num_tasks(); ++task) {
-        if (m.matmuls_only == 0)
-          attend(m, L, qkv.data(), plan, task, positions, slots, block_tables, bt_stride, seq_lens, partials.data(),
-                 attn.data(), attention_scratch);
+        if (m.matmuls_only == 0 && attend(m, L, qkv.data(), plan, task, positions, slots, block_tables, bt_stride,
+                                          seq_lens, partials.data(), attn.data(), attention_scratch))
+          attn_q.quantize(L.out, attn.data(), q_size, plan.task_sequence[task], 0, q_size);
       }
       // (the for's implied barrier: every chunk finished; the next layer's tasks start 4 barriers on)
       if (omp_get_thread_num() == 0) plan.reset();
-      in = input_scratch.prepare(attn.data(), rows, q_size, m.isa, {&L.out});
+      in = input_scratch.prepare(attn.data(), rows, q_size, m.isa, {&L.out}, &attn_q);
       for (Chunks c(counter + 1, L.out.n, nt); c.claim(n0, n1);) linear_range(L.out, in, x, h, 1, n0, n1, m.isa);
 #pragma omp barrier
       if (m.matmuls_only != 1) rms_norm_rows(x, rows, h, L.post_norm, m.eps, normed.data());
       in = input_scratch.prepare(normed.data(), rows, h, m.isa, {&L.mlp_in});
-      for (Chunks c(counter + 2, inter, nt); c.claim(n0, n1);) {   // gate outputs [n0, n1) and the same up outputs
+      const int64_t act_unit = InputScratch::takes(L.mlp_out, bm::kInputQ8K) ? bm_blk::kQK : kUnit;
+      for (Chunks c(counter + 2, inter, nt, act_unit); c.claim(n0, n1);) {   // gate [n0, n1) and the same up outputs
         linear_range(L.mlp_in, in, gate_up.data(), 2 * inter, 0, n0, n1, m.isa);
         linear_range(L.mlp_in, in, gate_up.data(), 2 * inter, 0, inter + n0, inter + n1, m.isa);
-        for (int64_t r = 0; r < rows && m.matmuls_only != 1; ++r)
+        for (int64_t r = 0; r < rows && m.matmuls_only != 1; ++r) {
           bm::silu_mul_range(gate_up.data() + r * 2 * inter, gate_up.data() + r * 2 * inter + inter,
                              act.data() + r * inter, n0, n1);
+          act_q.quantize(L.mlp_out, act.data(), inter, r, n0, n1);
+        }
       }
 #pragma omp barrier
-      in = input_scratch.prepare(act.data(), rows, inter, m.isa, {&L.mlp_out});
+      in = input_scratch.prepare(act.data(), rows, inter, m.isa, {&L.mlp_out}, &act_q);
       for (Chunks c(counter + 3, L.mlp_out.n, nt); c.claim(n0, n1);)
         linear_range(L.mlp_out, in, x, h, 1, n0, n1, m.isa);
 #pragma omp barrier
