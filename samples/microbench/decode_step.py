@@ -9,9 +9,9 @@ one generation step of R rows, median of --steps, for:
 and "outside" = fused - matmuls: the time of everything but the weight matmuls (norms, rotary, KV
 write, attention, SiLU, the barriers, the embedding lookup and the call itself).
 
-    python -m samples.microbench.decode_step [--rows 1 4 8] [--modes fp32 bf16 int8 int4 int8+a8 int4+a8]
+    python -m samples.microbench.decode_step [--rows 1 4 8] [--modes fp32 bf16 int8 int4 int8+a8 int4+a8 blocks]
 
-(+a8: int8 activations, BuildConfig.act_quant.)
+(+a8: int8 activations, BuildConfig.act_quant; blocks: a GGUF file's own blocks, the default model's Q4_1.)
 """
 from __future__ import annotations
 
@@ -23,10 +23,18 @@ import time
 
 import torch
 
-MODES = {"fp32": {}, "bf16": {"dtype": "bfloat16"}, "int8": {"weight_only": "int8"},
-         "int4": {"weight_only": "int4", "group_size": 32},
+# A GGUF source's blocks are kept by default (BuildConfig.weight_format "auto"): "fp32" and "bf16"
+# de-quantize them, "blocks" keeps them (GGUF sources only).
+MODES = {"fp32": {"weight_format": "dequantize"}, "bf16": {"dtype": "bfloat16", "weight_format": "dequantize"},
+         "int8": {"weight_only": "int8"}, "int4": {"weight_only": "int4", "group_size": 32},
          "int8+a8": {"weight_only": "int8", "act_quant": "int8"},
-         "int4+a8": {"weight_only": "int4", "group_size": 32, "act_quant": "int8"}}
+         "int4+a8": {"weight_only": "int4", "group_size": 32, "act_quant": "int8"},
+         "blocks": {"weight_format": "keep"}}
+
+
+def modes_for(source: str, modes: list[str]) -> list[str]:
+    """`modes` less "blocks" when `source` is not a GGUF file (a checkpoint has no blocks to keep)."""
+    return [m for m in modes if m != "blocks" or str(source).endswith(".gguf")]
 
 
 def _build(source: str, directory: str, overrides: dict) -> None:
@@ -70,7 +78,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"(median of {args.steps}), {args.prompt}-token context")
     results = {}
     with tempfile.TemporaryDirectory() as work:
-        for mode in args.modes:
+        for mode in modes_for(source, args.modes):
             directory = os.path.join(work, mode)
             in_fresh_process(_build, source, directory, MODES[mode])   # NOTE: no build thread pool left here
             engine = Engine.from_dir(directory)

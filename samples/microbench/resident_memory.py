@@ -9,7 +9,7 @@ place); the ratio to `Engine.weight_bytes()` (the weights as stored, quantized o
 scales) is 1.0 when the weights are held once and nothing else of size is. Other file-backed growth
 (code pages of the libraries a first request touches) is shown apart.
 
-    python -m samples.microbench.resident_memory [--modes fp32 bf16 int8 int4 int8+a8 int4+a8] [--kv-tokens 512]
+    python -m samples.microbench.resident_memory [--modes fp32 bf16 int8 int4 int8+a8 int4+a8 blocks] [--kv-tokens 512]
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import argparse
 import os
 import tempfile
 
-from samples.microbench.decode_step import MODES
+from samples.microbench.decode_step import MODES, modes_for
 from samples.microbench.llama_cpp_compare import in_fresh_process
 
 
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{cpu_description()}; resident weights of a serving process (anonymous growth less the KV pool of "
           f"{args.kv_tokens} tokens, plus the weights file's pages) against the weight bytes:")
     with tempfile.TemporaryDirectory() as work:
-        for mode in args.modes:
+        for mode in modes_for(source, args.modes):
             engine_dir = os.path.join(work, mode)
             build_engine(source, engine_dir, **MODES[mode])
             engine = Engine.from_dir(engine_dir)
