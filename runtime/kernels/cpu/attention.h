@@ -161,12 +161,18 @@ inline __m256 sum8x8(const float* lanes) {   // a[t] = lanes[8 t, 8 t + 8)
   return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
 
+// The functions below take the group (query heads per KV head) as a template constant G for the
+// common 1-8, so their per-head accumulators and weights stay in registers and the head loops
+// unroll, or G = 0 for any group at run time: the same operations in the same order either way.
+template <int G>
+inline int64_t group_of(int64_t group) { return G ? G : group; }
+
 // q[g] . x for the group's query heads q [group, d] over one key row, the row read once for all of
 // them: lanes[g * kKeyTile * 8, + 8) = one 8-lane accumulator per head over the 8-column chunks
 // (summed later by sum8x8), tails[g * kKeyTile] += the columns past the last multiple of 8.
-template <class R>
-inline void dot_rows(const float* q, int64_t group, const R& x, int64_t d, float* lanes, float* tails) {
-  const int64_t d8 = d & ~(int64_t)7;
+template <int G = 0, class R>
+inline void dot_rows(const float* q, int64_t group_rt, const R& x, int64_t d, float* lanes, float* tails) {
+  const int64_t group = group_of<G>(group_rt), d8 = d & ~(int64_t)7;
   for (int64_t g0 = 0; g0 < group; g0 += 4) {
     const int64_t gs = std::min<int64_t>(4, group - g0);
     __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
@@ -181,17 +187,22 @@ inline void dot_rows(const float* q, int64_t group, const R& x, int64_t d, float
 }
 
 // acc[g] += p[g * kKeyTile] * value for the group's heads (acc [group, d]; one fused multiply-add
-// per value), each value chunk converted once for the group. (Blocking 2-8 keys' values per load
-// and store of acc ran faster with the cache hot and slower cold, reading several slots' rows at
-// once: one key at a time, in the cache's order.)
-template <class R>
-inline void accumulate_value(const R& value, const float* p, int64_t group, int64_t d, float* acc) {
-  const int64_t d8 = d & ~(int64_t)7;
-  for (int64_t c = 0; c < d8; c += 8) {
-    const __m256 x = value.load8(c);
-    for (int64_t g = 0; g < group; ++g)
-      _mm256_storeu_ps(acc + g * d + c,
-                       _mm256_fmadd_ps(_mm256_set1_ps(p[g * kKeyTile]), x, _mm256_loadu_ps(acc + g * d + c)));
+// per value), each value chunk converted once for the group, the weights broadcast once per row.
+// (Blocking 2-8 keys' values per load and store of acc ran faster with the cache hot and slower
+// cold, reading several slots' rows at once: one key at a time, in the cache's order.)
+template <int G = 0, class R>
+inline void accumulate_value(const R& value, const float* p, int64_t group_rt, int64_t d, float* acc) {
+  const int64_t group = group_of<G>(group_rt), d8 = d & ~(int64_t)7;
+  for (int64_t g0 = 0; g0 < group; g0 += 4) {
+    const int64_t gs = std::min<int64_t>(4, group - g0);
+    __m256 w[4];
+    for (int64_t g = 0; g < gs; ++g) w[g] = _mm256_set1_ps(p[(g0 + g) * kKeyTile]);
+    float* a = acc + g0 * d;
+    for (int64_t c = 0; c < d8; c += 8) {
+      const __m256 x = value.load8(c);
+      for (int64_t g = 0; g < gs; ++g)
+        _mm256_storeu_ps(a + g * d + c, _mm256_fmadd_ps(w[g], x, _mm256_loadu_ps(a + g * d + c)));
+    }
   }
   for (int64_t c = d8; c < d; ++c) {
     const float x = value.at(c);
@@ -199,11 +210,11 @@ inline void accumulate_value(const R& value, const float* p, int64_t group, int6
   }
 }
 
-template <class R>
+template <class R, int G>
 inline void attend_chunk_as(const float* q, int64_t num_heads, int64_t num_kv_heads, int64_t d, const KvRows& k,
                             const KvRows& v, const int64_t* slots, int64_t n, float scale, AttentionScratch& s,
                             float* partial) {
-  const int64_t group = num_heads / num_kv_heads, d8 = d & ~(int64_t)7;
+  const int64_t group = group_of<G>(num_heads / num_kv_heads), d8 = d & ~(int64_t)7;
   float* acc = partial;
   float* top = partial + num_heads * d;
   float* sums = top + num_heads;
@@ -229,8 +240,8 @@ inline void attend_chunk_as(const float* q, int64_t num_heads, int64_t num_kv_he
     if (d8 < d) std::fill_n(tails, num_heads * kKeyTile, 0.f);
     for (int64_t t = 0; t < count; ++t)
       for (int64_t h = 0; h < num_kv_heads; ++h)
-        dot_rows(q + h * group * d, group, kv_row<R>(k, slots[i + t] * num_kv_heads + h), d,
-                 lanes + (h * group * kKeyTile + t) * 8, tails + h * group * kKeyTile + t);
+        dot_rows<G>(q + h * group * d, group, kv_row<R>(k, slots[i + t] * num_kv_heads + h), d,
+                    lanes + (h * group * kKeyTile + t) * 8, tails + h * group * kKeyTile + t);
     for (int64_t t = count; t < kKeyTile; ++t)   // past the chunk's last key: lanes the live mask drops
       for (int64_t hq = 0; hq < num_heads; ++hq) std::fill_n(lanes + (hq * kKeyTile + t) * 8, 8, 0.f);
     for (int64_t hq = 0; hq < num_heads; ++hq) {
@@ -258,8 +269,24 @@ inline void attend_chunk_as(const float* q, int64_t num_heads, int64_t num_kv_he
     }
     for (int64_t t = 0; t < count; ++t)
       for (int64_t h = 0; h < num_kv_heads; ++h)
-        accumulate_value(kv_row<R>(v, slots[i + t] * num_kv_heads + h), w + h * group * kKeyTile + t, group, d,
-                         acc + h * group * d);
+        accumulate_value<G>(kv_row<R>(v, slots[i + t] * num_kv_heads + h), w + h * group * kKeyTile + t, group, d,
+                            acc + h * group * d);
+  }
+}
+
+// attend_chunk_as with the group as a template constant where it is 1-8 (else at run time).
+template <class R>
+inline void attend_chunk_of(const float* q, int64_t num_heads, int64_t num_kv_heads, int64_t d, const KvRows& k,
+                            const KvRows& v, const int64_t* slots, int64_t n, float scale, AttentionScratch& s,
+                            float* partial) {
+  switch (num_heads / num_kv_heads) {
+#define BM_GROUP(G) \
+  case G:           \
+    return attend_chunk_as<R, G>(q, num_heads, num_kv_heads, d, k, v, slots, n, scale, s, partial);
+    BM_GROUP(1) BM_GROUP(2) BM_GROUP(3) BM_GROUP(4) BM_GROUP(5) BM_GROUP(6) BM_GROUP(7) BM_GROUP(8)
+#undef BM_GROUP
+    default:
+      return attend_chunk_as<R, 0>(q, num_heads, num_kv_heads, d, k, v, slots, n, scale, s, partial);
   }
 }
 
@@ -281,11 +308,11 @@ BM_ONE_COPY void attend_chunk(const float* q, int64_t num_heads, int64_t num_kv_
                               float* partial) {
   switch (k.format) {
     case kKvFloat32:
-      return attend_chunk_as<F32Row>(q, num_heads, num_kv_heads, d, k, v, slots, n, scale, s, partial);
+      return attend_chunk_of<F32Row>(q, num_heads, num_kv_heads, d, k, v, slots, n, scale, s, partial);
     case kKvBf16:
-      return attend_chunk_as<Bf16Row>(q, num_heads, num_kv_heads, d, k, v, slots, n, scale, s, partial);
+      return attend_chunk_of<Bf16Row>(q, num_heads, num_kv_heads, d, k, v, slots, n, scale, s, partial);
     default:
-      return attend_chunk_as<Int8Row>(q, num_heads, num_kv_heads, d, k, v, slots, n, scale, s, partial);
+      return attend_chunk_of<Int8Row>(q, num_heads, num_kv_heads, d, k, v, slots, n, scale, s, partial);
   }
 }
 

@@ -1,6 +1,6 @@
 """The native paged decode attention (runtime/kernels/cpu/attention.h) at the edges of its tiling:
 keys taken four at a time (1-9 visible keys, block-crossing and partial blocks), head sizes with and
-without a 16- or 8-column tail, one to five query heads per KV head, the window and sink spans
+without a 16- or 8-column tail, 1, 3, 5 and 12 query heads per KV head, the window and sink spans
 (window start inside a block, sinks past the length, window 0, window past the start, released
 blocks), over each KV format (float32, int8 with row scales, bf16) against torch_attention."""
 from __future__ import annotations
@@ -45,11 +45,11 @@ def problem(num_heads: int, num_kv_heads: int, head_dim: int, window: int | None
     return q, k, v, released, tables, torch.tensor(SEQ_LENS)
 
 
-HEADS = [(3, 3), (9, 3), (10, 2)]   # group 1, 3 (SmolLM2), 5
+HEADS = [(3, 3), (9, 3), (10, 2), (12, 1)]   # group 1, 3 (SmolLM2), 5; 12: past the groups compiled as constants (1-8)
 HEAD_DIMS = [64, 80, 37, 8]
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads", HEADS, ids=["group1", "group3", "group5"])
+@pytest.mark.parametrize("num_heads,num_kv_heads", HEADS, ids=["group1", "group3", "group5", "group12"])
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("window,sink", SPANS)
 def test_float32_cache(num_heads, num_kv_heads, head_dim, window, sink):
@@ -59,7 +59,7 @@ def test_float32_cache(num_heads, num_kv_heads, head_dim, window, sink):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads", HEADS, ids=["group1", "group3", "group5"])
+@pytest.mark.parametrize("num_heads,num_kv_heads", HEADS, ids=["group1", "group3", "group5", "group12"])
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("window,sink", SPANS)
 def test_int8_cache(num_heads, num_kv_heads, head_dim, window, sink):
@@ -72,7 +72,7 @@ def test_int8_cache(num_heads, num_kv_heads, head_dim, window, sink):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads", HEADS, ids=["group1", "group3", "group5"])
+@pytest.mark.parametrize("num_heads,num_kv_heads", HEADS, ids=["group1", "group3", "group5", "group12"])
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("window,sink", SPANS)
 def test_bf16_cache(num_heads, num_kv_heads, head_dim, window, sink):
