@@ -208,28 +208,49 @@ void linear_range(const Linear& L, const Input& in, float* y, int64_t ldy, int a
   }
 }
 
-// A thread's private buffers for one GEMV input: the rows quantized (q8x32, q8k), their bf16 copy
-// and int4 group sums, as the weights `uses` need them.
-struct InputScratch {
-  std::vector<uint16_t> bf16;
-  std::vector<float> xsum, d, kd;
+// Rows of a GEMV input quantized in the input types its weights take: q8x32 (q, d, s) and q8k (kq,
+// kd, kbsums), each laid out as bm_blk::quantize_q8x32 / quantize_q8k lay out rows of width k.
+struct QuantizedRows {
+  int64_t k = 0;
   std::vector<int8_t> q, kq;
+  std::vector<float> d, kd;
   std::vector<int32_t> s;
   std::vector<int16_t> kbsums;
 
-  // The q8x32 / q8k input types a linear's kernels take: its own, or its segments'.
-  static bool takes(const Linear& L, bm::InputType type) {
-    if (!L.segments) return L.input == type;
-    for (int64_t i = 0; i < L.num_segments; ++i)
-      if (bm::format_traits(L.segments[i].format)->input == type) return true;
-    return false;
+  // Room for `rows` rows of `width` in the types asked (new room zeroed: the quantized zero rows).
+  void reset(int64_t rows, int64_t width, bool q8x32, bool q8k) {
+    k = width;
+    if (q8x32) q.resize(rows * k), d.resize(rows * k / bm_blk::kQ), s.resize(rows * k / bm_blk::kQ);
+    if (q8k) kq.resize(rows * k), kd.resize(rows * k / bm_blk::kQK), kbsums.resize(rows * k / 16);
   }
 
-  // `shared`: the q8x32 / q8k input its producers quantized (SharedInput), used instead of
-  // quantizing x here.
-  Input prepare(const float* x, int64_t rows, int64_t k, int isa, std::initializer_list<const Linear*> uses,
-                const struct SharedInput* shared = nullptr);
+  // Row r's columns [c0, c1) of x (row stride ldx) in the types asked: c0 and c1 whole blocks of
+  // each (or c1 = k).
+  void quantize(bool q8x32, bool q8k, const float* x, int64_t ldx, int64_t r, int64_t c0, int64_t c1) {
+    const float* row = x + r * ldx + c0;
+    if (q8x32) {
+      const int64_t b = (r * k + c0) / bm_blk::kQ;
+      bm_blk::quantize_q8x32(row, 1, ldx, c1 - c0, q.data() + r * k + c0, d.data() + b, s.data() + b);
+    }
+    if (q8k)
+      bm_blk::quantize_q8k(row, 1, ldx, c1 - c0, kq.data() + r * k + c0, kd.data() + (r * k + c0) / bm_blk::kQK,
+                           kbsums.data() + (r * k + c0) / 16);
+  }
+
+  // `in` reads the types asked of those held here.
+  void point(Input& in, bool q8x32 = true, bool q8k = true) const {
+    if (q8x32 && !q.empty()) in.q = q.data(), in.d = d.data(), in.s = s.data();
+    if (q8k && !kq.empty()) in.kq = kq.data(), in.kd = kd.data(), in.kbsums = kbsums.data();
+  }
 };
+
+// The q8x32 / q8k input types a linear's kernels take: its own, or its segments'.
+inline bool takes(const Linear& L, bm::InputType type) {
+  if (!L.segments) return L.input == type;
+  for (int64_t i = 0; i < L.num_segments; ++i)
+    if (bm::format_traits(L.segments[i].format)->input == type) return true;
+  return false;
+}
 
 // A GEMV input quantized once for all the threads by whoever writes its rows: the out-projection's
 // input by the attention task that combines a sequence's row, the down projection's by the thread
@@ -238,76 +259,61 @@ struct InputScratch {
 // added: the barrier that publishes the rows publishes their quantized copy. Zero until written
 // (the quantized zero rows of an input a benchmark mode skips). The RMSNorm outputs (the QKV and
 // gate / up inputs) stay per thread: each thread normalises the rows for itself, as sharing them
-// would cost a barrier, and quantizes its copy.
-struct SharedInput {
-  int64_t k;
-  std::vector<int8_t> q, kq;
-  std::vector<float> d, kd;
-  std::vector<int32_t> s;
-  std::vector<int16_t> kbsums;
+// would cost a barrier, and quantizes its copy (InputScratch).
+struct SharedInput : QuantizedRows {
+  // Buffers for the input types some layer's consumer takes.
+  SharedInput(int64_t rows, int64_t width, bool q8x32, bool q8k) { reset(rows, width, q8x32, q8k); }
 
-  // Buffers for the input types some layer's consumer takes (q8x32, q8k).
-  SharedInput(int64_t rows, int64_t width, bool q8x32, bool q8k) : k(width) {
-    if (q8x32) q.assign(rows * k, 0), d.assign(rows * k / bm_blk::kQ, 0.f), s.assign(rows * k / bm_blk::kQ, 0);
-    if (q8k) kq.assign(rows * k, 0), kd.assign(rows * k / bm_blk::kQK, 0.f), kbsums.assign(rows * k / 16, 0);
-  }
-
-  // Row r's columns [c0, c1) of x (row stride ldx) in the types `consumer` takes: c0 and c1 whole
-  // blocks of each (or c1 = k).
-  void quantize(const Linear& consumer, const float* x, int64_t ldx, int64_t r, int64_t c0, int64_t c1) {
-    const float* row = x + r * ldx + c0;
-    if (InputScratch::takes(consumer, bm::kInputQ8x32)) {
-      const int64_t b = (r * k + c0) / bm_blk::kQ;
-      bm_blk::quantize_q8x32(row, 1, ldx, c1 - c0, q.data() + r * k + c0, d.data() + b, s.data() + b);
-    }
-    if (InputScratch::takes(consumer, bm::kInputQ8K))
-      bm_blk::quantize_q8k(row, 1, ldx, c1 - c0, kq.data() + r * k + c0, kd.data() + (r * k + c0) / bm_blk::kQK,
-                           kbsums.data() + (r * k + c0) / 16);
+  // Row r's columns [c0, c1) of x in the types `consumer` takes.
+  void quantize_for(const Linear& consumer, const float* x, int64_t ldx, int64_t r, int64_t c0, int64_t c1) {
+    quantize(takes(consumer, bm::kInputQ8x32), takes(consumer, bm::kInputQ8K), x, ldx, r, c0, c1);
   }
 };
 
-Input InputScratch::prepare(const float* x, int64_t rows, int64_t k, int isa, std::initializer_list<const Linear*> uses,
-                            const SharedInput* shared) {
-  Input in{x, nullptr, nullptr, rows, k, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
-  if (shared != nullptr) {
-    if (!shared->q.empty()) in.q = shared->q.data(), in.d = shared->d.data(), in.s = shared->s.data();
-    if (!shared->kq.empty()) in.kq = shared->kq.data(), in.kd = shared->kd.data(), in.kbsums = shared->kbsums.data();
+// A thread's private buffers for one GEMV input: the rows quantized, their bf16 copy and int4 group
+// sums, as the weights `uses` need them.
+struct InputScratch {
+  QuantizedRows quantized;
+  std::vector<uint16_t> bf16;
+  std::vector<float> xsum;
+
+  // `shared`: the q8x32 / q8k input its producers quantized, used instead of quantizing x here.
+  Input prepare(const float* x, int64_t rows, int64_t k, int isa, std::initializer_list<const Linear*> uses,
+                const SharedInput* shared = nullptr) {
+    Input in{x, nullptr, nullptr, rows, k, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
+    bool q8x32 = false, q8k = false;
+    for (const Linear* L : uses) q8x32 |= takes(*L, bm::kInputQ8x32), q8k |= takes(*L, bm::kInputQ8K);
+    if (shared != nullptr) {
+      shared->point(in);
+      q8x32 &= in.q == nullptr, q8k &= in.kq == nullptr;
+    }
+    if (q8x32 || q8k) {
+      quantized.reset(rows, k, q8x32, q8k);
+      for (int64_t r = 0; r < rows; ++r) quantized.quantize(q8x32, q8k, x, k, r, 0, k);
+      quantized.point(in, q8x32, q8k);
+    }
+    for (const Linear* L : uses) {
+      const bool dot_product = bm_float::kHasDpbf16 && isa >= bm::kAvx512Bf16 && k % 32 == 0;
+      if (L->format == bm::kWeightBf16 && dot_product && in.x_bf16 == nullptr) {
+        bf16.resize(rows * k);
+        for (int64_t i = 0; i < rows * k; ++i) bf16[i] = bm::f32_to_bf16(x[i]);
+        in.x_bf16 = bf16.data();
+      }
+      if (L->format == bm::kWeightInt4 && L->input == bm::kInputFloat32 && in.xsum == nullptr) {
+        const int64_t groups = k / L->gs;
+        xsum.resize(rows * groups);
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t g = 0; g < groups; ++g) {
+            float s = 0.f;
+            for (int64_t t = 0; t < L->gs; ++t) s += x[r * k + g * L->gs + t];
+            xsum[r * groups + g] = s;
+          }
+        in.xsum = xsum.data();
+      }
+    }
+    return in;
   }
-  for (const Linear* L : uses) {
-    if (takes(*L, bm::kInputQ8x32) && in.q == nullptr) {
-      q.resize(rows * k);
-      d.resize(rows * k / bm_blk::kQ);
-      s.resize(rows * k / bm_blk::kQ);
-      bm_blk::quantize_q8x32(x, rows, k, k, q.data(), d.data(), s.data());
-      in.q = q.data(), in.d = d.data(), in.s = s.data();
-    }
-    if (takes(*L, bm::kInputQ8K) && in.kq == nullptr) {
-      kq.resize(rows * k);
-      kd.resize(rows * k / bm_blk::kQK);
-      kbsums.resize(rows * k / 16);
-      bm_blk::quantize_q8k(x, rows, k, k, kq.data(), kd.data(), kbsums.data());
-      in.kq = kq.data(), in.kd = kd.data(), in.kbsums = kbsums.data();
-    }
-    const bool dot_product = bm_float::kHasDpbf16 && isa >= bm::kAvx512Bf16 && k % 32 == 0;
-    if (L->format == bm::kWeightBf16 && dot_product && in.x_bf16 == nullptr) {
-      bf16.resize(rows * k);
-      for (int64_t i = 0; i < rows * k; ++i) bf16[i] = bm::f32_to_bf16(x[i]);
-      in.x_bf16 = bf16.data();
-    }
-    if (L->format == bm::kWeightInt4 && L->input == bm::kInputFloat32 && in.xsum == nullptr) {
-      const int64_t groups = k / L->gs;
-      xsum.resize(rows * groups);
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t g = 0; g < groups; ++g) {
-          float s = 0.f;
-          for (int64_t t = 0; t < L->gs; ++t) s += x[r * k + g * L->gs + t];
-          xsum[r * groups + g] = s;
-        }
-      in.xsum = xsum.data();
-    }
-  }
-  return in;
-}
+};
 
 // Rotary (neox pairing) of one head in place over its first rotary_dim dims, rounded as the eager
 // model's torch ops round it (two products, then their sum: no fused multiply-add), so a key lands
@@ -383,14 +389,14 @@ extern "C" void bm_decode_step(const Model* model, int64_t rows, float* x, const
   bm::ChunkPlan plan(seq_lens, rows, m.window, m.sink);
   std::vector<float> partials(plan.num_tasks() * bm::partial_size(m.num_heads, d));
   // The out-projection's and the down projection's inputs, quantized by their producers.
-  bool takes[2][2] = {{false, false}, {false, false}};   // [out, mlp_out][q8x32, q8k]
+  bool consumed[2][2] = {{false, false}, {false, false}};   // [out, mlp_out][q8x32, q8k]
   for (int64_t i = 0; i < m.num_layers; ++i)
     for (int j = 0; j < 2; ++j) {
       const Linear& consumer = j == 0 ? m.layers[i].out : m.layers[i].mlp_out;
-      takes[j][0] |= InputScratch::takes(consumer, bm::kInputQ8x32);
-      takes[j][1] |= InputScratch::takes(consumer, bm::kInputQ8K);
+      consumed[j][0] |= takes(consumer, bm::kInputQ8x32);
+      consumed[j][1] |= takes(consumer, bm::kInputQ8K);
     }
-  SharedInput attn_q(rows, q_size, takes[0][0], takes[0][1]), act_q(rows, inter, takes[1][0], takes[1][1]);
+  SharedInput attn_q(rows, q_size, consumed[0][0], consumed[0][1]), act_q(rows, inter, consumed[1][0], consumed[1][1]);
 #pragma omp parallel num_threads(num_threads)
   {
     const int nt = omp_get_num_threads();
@@ -410,7 +416,7 @@ extern "C" void bm_decode_step(const Model* model, int64_t rows, float* x, const
       for (int64_t task = 0; task < plan.num_tasks(); ++task) {
         if (m.matmuls_only == 0 && attend(m, L, qkv.data(), plan, task, positions, slots, block_tables, bt_stride,
                                           seq_lens, partials.data(), attn.data(), attention_scratch))
-          attn_q.quantize(L.out, attn.data(), q_size, plan.task_sequence[task], 0, q_size);
+          attn_q.quantize_for(L.out, attn.data(), q_size, plan.task_sequence[task], 0, q_size);
       }
       // (the for's implied barrier: every chunk finished; the next layer's tasks start 4 barriers on)
       if (omp_get_thread_num() == 0) plan.reset();
@@ -419,14 +425,14 @@ extern "C" void bm_decode_step(const Model* model, int64_t rows, float* x, const
 #pragma omp barrier
       if (m.matmuls_only != 1) rms_norm_rows(x, rows, h, L.post_norm, m.eps, normed.data());
       in = input_scratch.prepare(normed.data(), rows, h, m.isa, {&L.mlp_in});
-      const int64_t act_unit = InputScratch::takes(L.mlp_out, bm::kInputQ8K) ? bm_blk::kQK : kUnit;
+      const int64_t act_unit = takes(L.mlp_out, bm::kInputQ8K) ? bm_blk::kQK : kUnit;
       for (Chunks c(counter + 2, inter, nt, act_unit); c.claim(n0, n1);) {   // gate [n0, n1) and the same up outputs
         linear_range(L.mlp_in, in, gate_up.data(), 2 * inter, 0, n0, n1, m.isa);
         linear_range(L.mlp_in, in, gate_up.data(), 2 * inter, 0, inter + n0, inter + n1, m.isa);
         for (int64_t r = 0; r < rows && m.matmuls_only != 1; ++r) {
           bm::silu_mul_range(gate_up.data() + r * 2 * inter, gate_up.data() + r * 2 * inter + inter,
                              act.data() + r * inter, n0, n1);
-          act_q.quantize(L.mlp_out, act.data(), inter, r, n0, n1);
+          act_q.quantize_for(L.mlp_out, act.data(), inter, r, n0, n1);
         }
       }
 #pragma omp barrier
