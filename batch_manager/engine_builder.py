@@ -121,6 +121,9 @@ def build_engine_core(engine_dir, model_type: TrtGptModelType, max_beam_width: i
     decoding = params.decoding_config or DecodingConfig()
     _non_negative("DecodingConfig.prompt_lookup_num_tokens", decoding.prompt_lookup_num_tokens)
     _non_negative("DecodingConfig.prompt_lookup_max_batch_size", decoding.prompt_lookup_max_batch_size)
+    if not isinstance(decoding.max_decode_steps, int) or isinstance(decoding.max_decode_steps, bool) \
+            or decoding.max_decode_steps < 1:
+        raise ValueError(f"DecodingConfig.max_decode_steps: must be an integer >= 1, got {decoding.max_decode_steps!r}")
     if _non_negative("DecodingConfig.max_matching_ngram_size", decoding.max_matching_ngram_size) < 1 \
             and decoding.prompt_lookup_num_tokens:
         raise ValueError(f"DecodingConfig.max_matching_ngram_size: must be >= 1 with prompt lookup, "
@@ -178,7 +181,9 @@ def build_engine_core(engine_dir, model_type: TrtGptModelType, max_beam_width: i
         peft_cache_config=params.peft_cache_manager_config or PeftCacheManagerConfig())
     config = WorkerConfig(model_type=model_type, max_num_sequences=max_num_sequences,
                           enable_trt_overlap=enable_trt_overlap,
-                          uses_drafts=bool(max_draft_tokens or decoding.prompt_lookup_num_tokens))
+                          uses_drafts=bool(max_draft_tokens or decoding.prompt_lookup_num_tokens),
+                          max_decode_steps=1 if tensor_parallel is not None or model_type == TrtGptModelType.V1
+                          else decoding.max_decode_steps)
     scheduler = Scheduler(kv, capacity, MicroBatchScheduler(max_batch_size, max_num_tokens, enable_chunked_context),
                           separate_context_forward=model_type != TrtGptModelType.InflightFusedBatching,
                           prompt_lookup_num_tokens=decoding.prompt_lookup_num_tokens,

@@ -10,7 +10,7 @@ import logging
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from runtime import KvBlocks, ModelRunner
+from runtime import GreedySteps, KvBlocks, ModelRunner
 from runtime.step_inputs import SequenceStep, pack_step
 from runtime.parallel.tensor_parallel import DistributedError
 
@@ -93,6 +93,9 @@ class ModelExecutor:
                 results += forward
                 continue
             try:
+                if isinstance(forward, GreedySteps):   # several plain-greedy steps, picked already
+                    results += self.decoder.accept_steps(list(group), forward)
+                    continue
                 results += self._decode_group(group, self.runner.finish(forward))
             except DistributedError:
                 raise
@@ -112,6 +115,7 @@ class ModelExecutor:
                          lora_task_id=r.lora_task_id, prompt_table=self._prompt_table(r, tokens))
             for r in group for tokens, table in zip(r.token_ids, r.block_tables)])
         if self.broadcaster is not None:
+            assert group[0].num_decode_steps == 1, "several steps per call run on one rank only"
             self.broadcaster.forward(copies, inputs)
         if copies:
             self.runner.copy_blocks([src for src, _ in copies], [dst for _, dst in copies])
@@ -120,6 +124,8 @@ class ModelExecutor:
                 fetched = r.kv_writes.fetched   # kv_transfer.FetchedBlocks
                 self.runner.write_blocks(r.kv_writes.block_ids, KvBlocks(
                     (fetched.values,), None if fetched.scales is None else (fetched.scales,)), r.kv_writes.slots)
+        if group[0].num_decode_steps > 1:   # the scheduler gives every request of the step the same n
+            return self.runner.decode_greedy(inputs, group[0].num_decode_steps, self.decoder.end_ids(list(group)))
         return self.runner.launch(inputs)
 
     def _decode_group(self, group: tuple[ScheduledRequest, ...], outputs: dict) -> list[RequestResult]:

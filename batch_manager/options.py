@@ -82,6 +82,16 @@ class DecodingConfig:
     prompt_lookup_num_tokens: int = 0
     max_matching_ngram_size: int = 3
     prompt_lookup_max_batch_size: int = 4
+    # Multi-step decoding: up to `max_decode_steps` generation steps per iteration, in one call
+    # (runtime.ModelRunner.decode_greedy), while every active request is plain greedy (no penalty,
+    # ban, guide, post-processor, adapter, drafts, top log probs or gathered logits; one sequence),
+    # holds the blocks for them, and no request waits to be admitted; else one step. The worker's
+    # Python (schedule, pack, decode, respond: ~1-2 ms per iteration on a 2-core CPU, mostly cache
+    # misses after a step's weight stream) then runs once per n tokens. The cost: a stream's
+    # tokens arrive n at a time, and a stop signal or a new request waits up to n steps. 1: off
+    # (every iteration one step, as TensorRT-LLM); ignored with enable_trt_overlap, pipeline or tensor
+    # parallelism and TrtGptModelType.V1.
+    max_decode_steps: int = 1
 
 
 @dataclass

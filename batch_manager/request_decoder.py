@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 import torch
 
+from runtime import GreedySteps
 from runtime.decoding import Decoder, DecodeState
 from runtime.request import FinishReason
 
@@ -77,6 +78,26 @@ class RequestDecoder:
                 results[requests[i].request_id] = RequestResult(requests[i].request_id, o)
         self.release(r.request_id for r in requests if r.request_id in failures or
                      self._entries[r.request_id].state.is_finished)
+        return results
+
+    def end_ids(self, requests: list[ScheduledRequest]) -> list[int | None]:
+        return [self._entries[r.request_id].state.params.end_id for r in requests]
+
+    def accept_steps(self, requests: list[ScheduledRequest], steps: GreedySteps) -> list[RequestResult]:
+        """The results of plain-greedy requests that ran several steps in one call
+        (ModelRunner.decode_greedy): each takes its picks up to the first that ends it."""
+        results = []
+        for r, tokens, log_probs in zip(requests, steps.tokens.tolist(), steps.log_probs.tolist()):
+            state = self._entries[r.request_id].state
+            outcome = Decoder.accept_steps(state, tokens, log_probs)
+            if outcome.finish_reason == FinishReason.NO_TOKEN:   # no bans: the model's row had no finite logit
+                results.append(RequestResult(r.request_id, error=(
+                    f"logits: no token is allowed at generation step {state.num_generated + len(outcome.tokens)}: "
+                    "the model's logits have no finite value (NaN or -inf, e.g. from non-finite weights)")))
+            else:
+                results.append(RequestResult(r.request_id, outcome))
+        self.release(r.request_id for r, result in zip(requests, results)
+                     if result.error is not None or self._entries[r.request_id].state.is_finished)
         return results
 
     def _post_process(self, requests, entries: list[_Entry], logits: torch.Tensor, spans) -> dict[int, str]:

@@ -43,6 +43,10 @@ class WorkerConfig:
     max_num_sequences: int
     enable_trt_overlap: bool = False
     uses_drafts: bool = False   # draft tokens accepted or proposed: the stats report them
+    # Up to this many generation steps per iteration while every active request is plain greedy
+    # and none waits to be admitted (options.DecodingConfig.max_decode_steps); one step per
+    # iteration with overlap or pipeline micro-batches.
+    max_decode_steps: int = 1
 
 
 @dataclass(frozen=True)
@@ -148,7 +152,7 @@ class Worker:
                 continue
             self._last_busy_s = time.monotonic()
             if self._num_in_flight == 1:
-                step, num_paused = self.scheduler.schedule()
+                step, num_paused = self.scheduler.schedule(max_decode_steps=self._max_decode_steps())
                 self.scheduler.update(step, self.executor.execute(step))
                 self._send_responses(step)
                 if not step.requests:   # all waiting (for a grammar to compile, say): poll, do not spin
@@ -162,6 +166,12 @@ class Worker:
                     self._stop_requested.wait(WAITING_SLEEP_S)
                     continue
             self._send_stats(step, num_paused)
+
+    def _max_decode_steps(self) -> int:
+        """Several steps per iteration only while nothing waits to be admitted: a request that
+        arrives meanwhile waits for the call to end (at most max_decode_steps steps)."""
+        n = self.config.max_decode_steps
+        return n if n > 1 and not self._queued and not self.front_end.num_pending else 1
 
     def _in_flight_ids(self) -> frozenset[int]:
         return frozenset().union(*(f.request_ids for f in self._in_flight))
@@ -300,7 +310,7 @@ class Worker:
             reused_blocks=kv.num_reused, num_scheduled=num_scheduled, num_context=len(step.context_requests),
             num_generation=len(step.generation_requests),
             num_context_tokens=sum(r.num_step_tokens * r.num_beams for r in step.context_requests),
-            num_generation_tokens=len(step.generation_requests), num_paused=num_paused,
+            num_generation_tokens=sum(r.num_decode_steps for r in step.generation_requests), num_paused=num_paused,
             num_empty_generation_slots=max(0, self._static_batch_size - num_scheduled) if is_v1 else 0,
             micro_batch_id=(step.iteration + 1) % self._num_in_flight,
             num_lora_adapters=peft.num_cached if peft is not None else 0,

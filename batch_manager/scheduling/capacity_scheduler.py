@@ -39,6 +39,10 @@ class CapacityScheduler:
     not fit. It keeps its adapter pinned while it holds blocks.
     """
 
+    # Every running request's worst case is kept free for it, so it may take its blocks early
+    # (multi-step decoding, Scheduler._decode_steps) at no other request's cost.
+    reserves_worst_case = True
+
     def __init__(self, kv_cache_manager: KvCacheManager, max_num_requests: int, peft_cache: PeftCache | None = None):
         self.kv = kv_cache_manager
         self.max_num_requests = max_num_requests
@@ -228,6 +232,8 @@ class MaxUtilizationScheduler(CapacityScheduler):
     first among equals); when one needs a block and none is free, pause the lowest-priority
     request, the most recently started among equals (free its blocks; it resumes later by
     recomputing its tokens, or by reusing them when block reuse is on)."""
+
+    reserves_worst_case = False   # a block taken early could pause another request
 
     def schedule(self, requests: list[LlmRequest], in_flight: frozenset[LlmRequest] = frozenset()) -> CapacityOutput:
         running = sorted((r for r in requests if r.holds_blocks and r not in in_flight),

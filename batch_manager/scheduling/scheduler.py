@@ -112,10 +112,11 @@ class Scheduler:
     # -- one step -----------------------------------------------------------------------------------
 
     def schedule(self, in_flight_ids: frozenset[int] = frozenset(),
-                 max_batch_size: int | None = None) -> tuple[ScheduledStep, int]:
+                 max_batch_size: int | None = None, max_decode_steps: int = 1) -> tuple[ScheduledStep, int]:
         """-> (the step, requests paused to make room). Requests in `in_flight_ids` (their
         forward runs: overlap) keep their blocks and are not scheduled; `max_batch_size` lowers
-        the micro-batch limit for this step."""
+        the micro-batch limit for this step. max_decode_steps n > 1: a step of plain-greedy
+        generation requests only may run up to n generation steps in one call (`_decode_steps`)."""
         requests = self._ready(list(self._requests.values()))
         in_flight = frozenset(r for r in requests if r.request_id in in_flight_ids)
         if self.prompt_lookup_num_tokens:
@@ -123,10 +124,13 @@ class Scheduler:
         capacity = self.capacity.schedule(requests, in_flight)
         batch = self.micro_batch.schedule(capacity.fitting, max_batch_size)
         adapter_loads, adapter_evictions = self.capacity.take_adapter_changes()
+        # Several steps in one call only when no active request is left out of this one.
+        num_decode_steps = 1 if max_decode_steps <= 1 or batch.context_requests or len(self._requests) \
+            != len(batch.generation_requests) else self._decode_steps(batch.generation_requests, max_decode_steps)
         step = ScheduledStep(
             iteration=self._num_steps,
             context_requests=tuple(self._scheduled(r) for r in batch.context_requests),
-            generation_requests=tuple(self._scheduled(r) for r in batch.generation_requests),
+            generation_requests=tuple(self._scheduled(r, num_decode_steps) for r in batch.generation_requests),
             separate_context_forward=self.separate_context_forward,
             released_request_ids=tuple(self._released_ids),
             adapter_loads=adapter_loads, adapter_evictions=adapter_evictions)
@@ -170,7 +174,38 @@ class Scheduler:
                 r.draft_tokens = propose_drafts(r.output.sequence(0), min(room, self.prompt_lookup_num_tokens),
                                                 self.max_matching_ngram_size) if room > 0 else []
 
-    def _scheduled(self, r: LlmRequest) -> ScheduledRequest:
+    def _decode_steps(self, requests: list[LlmRequest], max_decode_steps: int) -> int:
+        """How many generation steps these requests (the whole step, every active one) run in one
+        call: up to max_decode_steps when each is plain greedy (its token is the argmax of the
+        model's logits: no post-processor, drafts, adapter, gathered logits; one sequence), else 1.
+        Bounded by what each still may generate and by its blocks: where the capacity policy
+        reserves every request's worst case (and no window releases blocks), it takes the blocks
+        ahead now, at no one's cost; else the call stays within the blocks it holds."""
+        for r in requests:
+            spec = r.spec
+            if (r.draft_tokens or r.adapter is not None or r.pending_block_copies or r.pending_kv_writes is not None
+                    or r.num_live_beams != 1 or not spec.decoding.is_plain_greedy or spec.logits_post_processor
+                    or spec.use_batched_post_processor or spec.return_generation_logits):
+                return 1
+        takes_ahead = self.capacity.reserves_worst_case and self.kv.attention_window is None
+        tpb = self.kv.tokens_per_block
+
+        def room(r: LlmRequest) -> int:   # steps its blocks hold: past + n tokens
+            return len(self.kv.block_table(beam_holder(r.request_id, 0))) * tpb - r.num_computed_tokens
+
+        n = max_decode_steps
+        for r in requests:
+            n = min(n, r.max_new_tokens - len(r.generated))   # past + n <= prompt + max_new_tokens: its worst case
+            if not takes_ahead:
+                n = min(n, room(r))
+        if n > 1 and takes_ahead:
+            for r in requests:
+                if not self.kv.allocate(beam_holder(r.request_id, 0), r.num_computed_tokens + n):
+                    n = min(n, *(room(q) for q in requests))   # reserved, but not free: what is held
+                    break
+        return max(n, 1)
+
+    def _scheduled(self, r: LlmRequest, num_decode_steps: int = 1) -> ScheduledRequest:
         past = r.num_computed_tokens
         n = r.context_chunk_size or r.num_tokens_to_compute
         r.context_chunk_size = None
@@ -193,7 +228,7 @@ class Scheduler:
             is_last_chunk=is_last_chunk, block_copies=copies, kv_writes=kv_writes, num_draft_tokens=len(drafts),
             # Whole-prompt logits: such a request is never chunked and reuses no prefix.
             return_context_logits=r.spec.return_context_logits and r.output.context_logits is None and past == 0,
-            new=new, lora_task_id=None if r.adapter is None else r.adapter.task_id)
+            new=new, lora_task_id=None if r.adapter is None else r.adapter.task_id, num_decode_steps=num_decode_steps)
 
     def update(self, step: ScheduledStep, result: StepResult) -> None:
         """Advance each scheduled request by the tokens it computed, register its newly full

@@ -41,6 +41,9 @@ class ScheduledRequest:
     lora_task_id: int | None = None            # its LoRA adapter (resident in the runtime's store), or None
     num_draft_tokens: int = 0                  # the last D of token_ids are drafts (beam width 1, last chunk):
                                                # logits are wanted after each of the last D + 1 tokens
+    num_decode_steps: int = 1                  # n > 1: a plain-greedy generation request runs n steps in
+                                               # one call (its blocks hold past + n tokens); every request
+                                               # of the step has the same n
 
     @property
     def num_beams(self) -> int:

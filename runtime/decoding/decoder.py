@@ -164,6 +164,17 @@ class Decoder:
                 outcomes[i] = self._samples_step(state, logits, raw, rows.first_row[i])
         return outcomes
 
+    @classmethod
+    def accept_steps(cls, state: DecodeState, tokens: list[int], log_probs: list[float]) -> DecodeOutcome:
+        """The outcome of n greedy steps computed in one call (runtime.ModelRunner.decode_greedy)
+        for a plain-greedy state (DecodingParams.is_plain_greedy): tokens[j] and its log prob were
+        picked after tokens[:j], so each but the last is accepted like a verified draft, until one
+        ends the request (end id, stop word, length); the tokens after it are dropped."""
+        assert state.params.is_plain_greedy and state.search is None and state.samples is None
+        last = len(tokens) - 1
+        return cls._accept(state, [(token, log_prob, j < last)
+                                   for j, (token, log_prob) in enumerate(zip(tokens, log_probs))], None, 0)
+
     def _top_log_probs(self, states, drafts, raw, rows: StepRows) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """state index -> (values [rows, k], ids [rows, k]) of the raw logits, for the states that
         want num_top_log_probs k (one kernel call per distinct k)."""

@@ -142,6 +142,15 @@ class DecodingParams:
                 (self.temperature == 0 or self.top_k == 1 or (self.top_k == 0 and self.top_p == 0)))
 
     @property
+    def is_plain_greedy(self) -> bool:
+        """Greedy with nothing between the model's logits and the pick: no penalty, ban, guide,
+        top log probs or external drafts. Such a request's token is the argmax of its row, so
+        several generation steps may run in one call (runtime.ModelRunner.decode_greedy)."""
+        return (self.is_greedy and self.num_return_sequences == 1 and not self.needs_penalties
+                and not self.bad_words and not self.no_repeat_ngram_size and self.guide is None
+                and not self.num_top_log_probs and self.draft_logits is None)
+
+    @property
     def needs_penalties(self) -> bool:
         """True when the bias/temperature/penalty kernel changes this request's logits."""
         return (self.embedding_bias is not None or self.temperature not in (0.0, 1.0)

@@ -148,6 +148,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     r.add_argument("--max-batch-size", type=int, help="default: the engine's")
     r.add_argument("--max-num-tokens", type=int, help="default: the engine's")
     r.add_argument("--max-tokens-in-paged-kvcache", type=int)
+    r.add_argument("--max-decode-steps", type=int, default=1, metavar="N",
+                   help="up to N generation steps per iteration while every request is plain greedy "
+                        "(DecodingConfig.max_decode_steps; default 1)")
     r.add_argument("--kv-cache-free-gpu-mem-fraction", type=float)
     r.add_argument("--warm-up", type=int, default=2, help="untimed requests (copies of sample 0) first")
     h = p.add_argument_group("hf")

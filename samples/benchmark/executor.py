@@ -10,8 +10,8 @@ import time
 
 from tqdm import tqdm
 
-from batch_manager.executor import (BatchingType, CapacitySchedulerPolicy, Executor, ExecutorConfig, KvCacheConfig,
-                                    OutputConfig, ParallelConfig, Request, SchedulerConfig)
+from batch_manager.executor import (BatchingType, CapacitySchedulerPolicy, DecodingConfig, Executor, ExecutorConfig,
+                                    KvCacheConfig, OutputConfig, ParallelConfig, Request, SchedulerConfig)
 from samples.benchmark.dataset import Sample
 from samples.benchmark.ours import world_config
 from samples.benchmark.report import RequestTiming, RunResult, progress_bar
@@ -29,6 +29,7 @@ def executor_config(args) -> ExecutorConfig:
         scheduler_config=SchedulerConfig(CapacitySchedulerPolicy[args.scheduler_policy.upper()]),
         kv_cache_config=kv, batching_type=BATCHING_TYPES[args.type], max_batch_size=args.max_batch_size,
         max_num_tokens=args.max_num_tokens, iter_stats_max_iterations=100_000,
+        decoding_config=DecodingConfig(max_decode_steps=args.max_decode_steps),
         parallel_config=None if world is None else ParallelConfig(
             tensor_parallelism=world.tensor_parallelism, pipeline_parallelism=world.pipeline_parallelism))
 

@@ -12,7 +12,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from batch_manager import (GptManager, InferenceRequest, KvCacheConfig, SchedulerPolicy,
+from batch_manager import (DecodingConfig, GptManager, InferenceRequest, KvCacheConfig, SchedulerPolicy,
                            TrtGptModelOptionalParams, TrtGptModelType, tensor_names)
 from runtime import WorldConfig
 from samples.benchmark.dataset import Sample
@@ -117,7 +117,8 @@ def optional_params(args) -> TrtGptModelOptionalParams:
     kv = KvCacheConfig(max_tokens=args.max_tokens_in_paged_kvcache,
                        free_gpu_memory_fraction=args.kv_cache_free_gpu_mem_fraction)
     return TrtGptModelOptionalParams(kv_cache_config=kv, max_batch_size=args.max_batch_size,
-                                     max_num_tokens=args.max_num_tokens, world_config=world_config(args))
+                                     max_num_tokens=args.max_num_tokens, world_config=world_config(args),
+                                     decoding_config=DecodingConfig(max_decode_steps=args.max_decode_steps))
 
 
 def world_config(args) -> WorldConfig | None:

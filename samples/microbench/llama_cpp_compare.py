@@ -11,12 +11,13 @@ process; `pip install --no-deps xllamacpp`) generates from each file; ours gener
 built from the F32 file in float32 and in the matching weight-only modes (int8 for Q8_0, int4 group
 32 for Q4_0), each exact and with int8 activations (act_quant), and from the format's own file with
 its blocks kept as they are ("blocks"). Each side: greedy, one request, the same prompt, N new
-tokens, the generation rate (tokens after the first / their time), best of --repeats. Every
+tokens, the generation rate (tokens after the first / their time), best of --repeats; ours once per
+--decode-steps value (DecodingConfig.max_decode_steps: several greedy steps per worker iteration). Every
 measurement runs in a fresh process: llama.cpp's threads and a thread pool left by an engine build
 would otherwise share the cores with the side being timed (runtime.engine.build_engine's NOTE).
 
     python -m samples.microbench.llama_cpp_compare [--model smollm2|llama-1b] [--new-tokens 64] [--repeats 3]
-        [--threads 2] [--formats F32 Q8_0 Q4_0 Q4_1 Q5_0 Q6_K Q4_K_M]
+        [--threads 2] [--formats F32 Q8_0 Q4_0 Q4_1 Q5_0 Q6_K Q4_K_M] [--decode-steps 1 8]
 """
 from __future__ import annotations
 
@@ -117,13 +118,16 @@ def llama_cpp_rate(path: str, prompt: str | list[int], new_tokens: int, threads:
     return float(llama_cpp_completion(server, prompt, new_tokens)["timings"]["predicted_per_second"])
 
 
-def our_rate(engine_dir: str, prompt_ids: list[int], new_tokens: int, threads: int | None = None) -> float:
+def our_rate(engine_dir: str, prompt_ids: list[int], new_tokens: int, threads: int | None = None,
+             max_decode_steps: int = 1) -> float:
     """Our generation tokens/s for one greedy streamed request through the Executor: tokens after
-    the first over the time from the first to the last."""
+    the first over the time from the first to the last. max_decode_steps > 1: multi-step decoding
+    (DecodingConfig.max_decode_steps; the tokens then arrive several per response)."""
     if threads is not None:
         torch.set_num_threads(threads)
-    from batch_manager.executor import Executor, ExecutorConfig, ModelType, OutputConfig, Request
-    with Executor(engine_dir, ModelType.DECODER_ONLY, ExecutorConfig()) as executor:
+    from batch_manager.executor import DecodingConfig, Executor, ExecutorConfig, ModelType, OutputConfig, Request
+    config = ExecutorConfig(decoding_config=DecodingConfig(max_decode_steps=max_decode_steps))
+    with Executor(engine_dir, ModelType.DECODER_ONLY, config) as executor:
         request_id = executor.enqueue_request(Request(prompt_ids, new_tokens, streaming=True,
                                                       output_config=OutputConfig(exclude_input_from_output=True)))
         stamps, done = [], False
@@ -173,6 +177,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--model", choices=("smollm2", "llama-1b"), default="smollm2")
     p.add_argument("--formats", nargs="+", choices=LLAMA_CPP_TYPES, default=list(LLAMA_CPP_TYPES))
     p.add_argument("--work-dir", help="keep the files and engines here (default: a temporary directory)")
+    p.add_argument("--decode-steps", type=int, nargs="+", default=[1],
+                   help="ours with each DecodingConfig.max_decode_steps (1: one step per iteration, the default)")
     p.add_argument("--json", help="write the figures here")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -186,15 +192,17 @@ def main(argv: list[str] | None = None) -> dict:
         for type_name in args.formats:
             row = {"llama_cpp_tok_s": max(in_fresh_process(llama_cpp_rate, files[type_name], prompt, args.new_tokens,
                                                            args.threads) for _ in range(args.repeats)), "ours": {}}
-            for mode, (source, fields) in our_modes(type_name).items():
-                engine_dir = os.path.join(work, f"ours-{args.model}-{type_name}-{len(row['ours'])}")
-                try:
-                    if not os.path.exists(os.path.join(engine_dir, "engine.json")):
-                        build_engine(files[source], engine_dir, **fields)
-                    row["ours"][mode] = max(in_fresh_process(our_rate, engine_dir, prompt_ids, args.new_tokens,
-                                                             args.threads) for _ in range(args.repeats))
-                except ConfigError as e:
-                    row["ours"][mode] = f"refused: {e}"
+            for number, (mode, (source, fields)) in enumerate(our_modes(type_name).items()):
+                engine_dir = os.path.join(work, f"ours-{args.model}-{type_name}-{number}")
+                for steps in args.decode_steps:
+                    label = mode if steps == 1 else f"{mode}, {steps} steps/call"
+                    try:
+                        if not os.path.exists(os.path.join(engine_dir, "engine.json")):
+                            build_engine(files[source], engine_dir, **fields)
+                        row["ours"][label] = max(in_fresh_process(our_rate, engine_dir, prompt_ids, args.new_tokens,
+                                                                  args.threads, steps) for _ in range(args.repeats))
+                    except ConfigError as e:
+                        row["ours"][label] = f"refused: {e}"
             results[type_name] = row
     fp32 = results.get("F32", {}).get("ours", {}).get("float32")
     print(f"{cpu_description()}; {args.model}, one stream, {args.new_tokens} new tokens, {args.threads} threads, best of {args.repeats}:")

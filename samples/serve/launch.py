@@ -171,6 +171,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-batch-size", type=int)
     p.add_argument("--max-num-tokens", type=int)
     p.add_argument("--max-tokens-in-paged-kvcache", type=int)
+    p.add_argument("--max-decode-steps", type=int, default=1, metavar="N",
+                   help="up to N generation steps per iteration while every request is plain greedy "
+                        "(DecodingConfig.max_decode_steps; default 1)")
     p.add_argument("--kv-cache-free-gpu-mem-fraction", type=float)
     p.add_argument("--default-max-new-tokens", type=int, default=64)
     p.add_argument("--enable-block-reuse", action="store_true",
