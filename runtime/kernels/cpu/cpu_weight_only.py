@@ -66,10 +66,9 @@ class WeightOnlyOps:
         assert scale.shape == minimum.shape == (n, k // group_size)
         assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())
         y, accumulate = self._out(x, n, out)
-        xsum = torch.empty(x.shape[0], k // group_size, dtype=torch.float32)
         self._lib.bm_wo_int4_linear(x.data_ptr(), x.shape[0], x.stride(0), packed.data_ptr(), scale.data_ptr(),
                                     minimum.data_ptr(), n, k, group_size, _ptr(bias), y.data_ptr(), y.stride(0),
-                                    accumulate, xsum.data_ptr(), torch.get_num_threads(), self.isa_level(isa))
+                                    accumulate, torch.get_num_threads(), self.isa_level(isa))
         return y
 
     def bind(self, weight: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None,
@@ -86,24 +85,16 @@ class WeightOnlyOps:
             self.int4_linear(torch.zeros(1, weight.shape[1] * 2), weight, scale, minimum, bias, isa=isa)
             fn, n, k = self._lib.bm_wo_int4_linear, weight.shape[0], weight.shape[1] * 2
             head = (weight.data_ptr(), scale.data_ptr(), minimum.data_ptr(), n, k, k // scale.shape[1], _ptr(bias))
-        level, groups = self.isa_level(isa), None if is_int8 else scale.shape[1]
+        level = self.isa_level(isa)
         keep = (weight, scale, minimum, bias)   # the pointers above stay valid while fn lives
-        # int4: scratch for the rows' group sums (NOTE: one per bound weight; not thread-safe)
-        xsum_rows = 64
-        xsum = None if groups is None else torch.empty(xsum_rows, groups, dtype=torch.float32)
 
         def linear(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
             assert keep and x.dtype == torch.float32 and x.stride(1) == 1 and x.shape[1] == k
             rows = x.shape[0]
             y = torch.empty(rows, n, dtype=torch.float32) if out is None else out
             assert y.stride(1) == 1 and y.shape == (rows, n)
-            if groups is None:
-                fn(x.data_ptr(), rows, x.stride(0), *head, y.data_ptr(), y.stride(0), int(out is not None),
-                   torch.get_num_threads(), level)
-            else:
-                sums = xsum if rows <= xsum_rows else torch.empty(rows, groups, dtype=torch.float32)
-                fn(x.data_ptr(), rows, x.stride(0), *head, y.data_ptr(), y.stride(0), int(out is not None),
-                   sums.data_ptr(), torch.get_num_threads(), level)
+            fn(x.data_ptr(), rows, x.stride(0), *head, y.data_ptr(), y.stride(0), int(out is not None),
+               torch.get_num_threads(), level)
             return y
         return linear
 

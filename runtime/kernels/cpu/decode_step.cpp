@@ -134,11 +134,10 @@ inline void rms_norm_rows(const float* x, int64_t rows, int64_t h, const float* 
 }
 
 // A GEMV's input as each weight format reads it: float32 rows, their bf16 copy (AVX512-BF16) and
-// the int4 group sums, prepared once per input by each thread for itself.
+// their q8x32 / q8k quantization, prepared once per input by each thread for itself (or shared).
 struct Input {
   const float* x;
   const uint16_t* x_bf16;  // null unless a bf16 weight reads it with the dot-product instruction
-  const float* xsum;       // [rows, k / gs] for int4 weights, else null
   int64_t rows, k;
   const int8_t* q;         // q8x32 inputs (int8-activation and 32-element block weights): x quantized
   const float* d;          // per block of 32 (bm_blk::quantize_q8x32)
@@ -156,7 +155,7 @@ void weight_only_range(const Linear& L, const Input& in, float* y, int64_t ldy, 
     bm_wo::tier_range<bm_wo::Int8Args, bm_wo::Int8K>(a, in.rows, n0, n1, isa);
   } else {
     const bm_wo::Int4Args a{in.x, in.k, (const uint8_t*)L.w, (const uint16_t*)L.scale, (const uint16_t*)L.min,
-                            L.n, L.k, L.gs, L.bias, y, ldy, accumulate, in.xsum};
+                            L.n, L.k, L.gs, L.bias, y, ldy, accumulate};
     bm_wo::tier_range<bm_wo::Int4Args, bm_wo::Int4K>(a, in.rows, n0, n1, isa);
   }
 }
@@ -270,17 +269,16 @@ struct SharedInput : QuantizedRows {
   }
 };
 
-// A thread's private buffers for one GEMV input: the rows quantized, their bf16 copy and int4 group
-// sums, as the weights `uses` need them.
+// A thread's private buffers for one GEMV input: the rows quantized and their bf16 copy, as the
+// weights `uses` need them.
 struct InputScratch {
   QuantizedRows quantized;
   std::vector<uint16_t> bf16;
-  std::vector<float> xsum;
 
   // `shared`: the q8x32 / q8k input its producers quantized, used instead of quantizing x here.
   Input prepare(const float* x, int64_t rows, int64_t k, int isa, std::initializer_list<const Linear*> uses,
                 const SharedInput* shared = nullptr) {
-    Input in{x, nullptr, nullptr, rows, k, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
+    Input in{x, nullptr, rows, k, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
     bool q8x32 = false, q8k = false;
     for (const Linear* L : uses) q8x32 |= takes(*L, bm::kInputQ8x32), q8k |= takes(*L, bm::kInputQ8K);
     if (shared != nullptr) {
@@ -298,17 +296,6 @@ struct InputScratch {
         bf16.resize(rows * k);
         for (int64_t i = 0; i < rows * k; ++i) bf16[i] = bm::f32_to_bf16(x[i]);
         in.x_bf16 = bf16.data();
-      }
-      if (L->format == bm::kWeightInt4 && L->input == bm::kInputFloat32 && in.xsum == nullptr) {
-        const int64_t groups = k / L->gs;
-        xsum.resize(rows * groups);
-        for (int64_t r = 0; r < rows; ++r)
-          for (int64_t g = 0; g < groups; ++g) {
-            float s = 0.f;
-            for (int64_t t = 0; t < L->gs; ++t) s += x[r * k + g * L->gs + t];
-            xsum[r * groups + g] = s;
-          }
-        in.xsum = xsum.data();
       }
     }
     return in;

@@ -53,7 +53,7 @@ SIGNATURES: dict[str, tuple[list, object]] = {
     "bm_decode_attention_bf16": ([_P, _P, _P, *_DECODE_TAIL], None),
     "bm_bf16_has_dot_product": ([], _INT),
     "bm_wo_int8_linear": ([_P, _I64, _I64, _P, _P, _I64, _I64, _P, _P, _I64, _INT, _INT, _INT], None),
-    "bm_wo_int4_linear": ([_P, _I64, _I64, _P, _P, _P, _I64, _I64, _I64, _P, _P, _I64, _INT, _P, _INT, _INT], None),
+    "bm_wo_int4_linear": ([_P, _I64, _I64, _P, _P, _P, _I64, _I64, _I64, _P, _P, _I64, _INT, _INT, _INT], None),
     "bm_aq_quantize": ([_P, _I64, _I64, _P, _P, _P], None),
     "bm_aq_linear": ([_P, _P, _I64, _P, _I64, _INT, _INT, _INT], None),
     "bm_blk_format_info": ([_INT, _P], _INT),

@@ -1,6 +1,6 @@
 // Linear family, weight-only int8 / int4 at batch (context steps, large generation batches): a
 // fused de-quantize-and-multiply with float32 activations, the same contract as
-// linear_weight_only.h's int8 / int4 (Int8Args, Int4Args; xsum unused). ops.cpp's bm_wo_* run it
+// linear_weight_only.h's int8 / int4 (Int8Args, Int4Args). ops.cpp's bm_wo_* run it
 // from kGemmMinRows rows; the GEMV ranges stay below (and in the fused step).
 //
 // Layout and loops (per call):

@@ -231,21 +231,10 @@ extern "C" void bm_wo_int8_linear(const float* x, int64_t rows, int64_t ldx, con
 
 extern "C" void bm_wo_int4_linear(const float* x, int64_t rows, int64_t ldx, const uint8_t* w, const uint16_t* scale,
                                   const uint16_t* min, int64_t n, int64_t k, int64_t gs, const float* bias, float* y,
-                                  int64_t ldy, int accumulate, float* xsum, int num_threads, int isa) {
-  if (rows >= bm_wo::kGemmMinRows) {
-    const bm_wo::Int4Args a{x, ldx, w, scale, min, n, k, gs, bias, y, ldy, accumulate, nullptr};
-    bm_wo::gemm(a, rows, isa, num_threads);
-    return;
-  }
-  const int64_t groups = k / gs;
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t g = 0; g < groups; ++g) {
-      float s = 0.f;
-      for (int64_t t = 0; t < gs; ++t) s += x[r * ldx + g * gs + t];
-      xsum[r * groups + g] = s;
-    }
-  const bm_wo::Int4Args a{x, ldx, w, scale, min, n, k, gs, bias, y, ldy, accumulate, xsum};
-  bm_wo::parallel_linear<bm_wo::Int4Args, bm_wo::Int4K>(a, rows, isa, num_threads);
+                                  int64_t ldy, int accumulate, int num_threads, int isa) {
+  const bm_wo::Int4Args a{x, ldx, w, scale, min, n, k, gs, bias, y, ldy, accumulate};
+  if (rows >= bm_wo::kGemmMinRows) bm_wo::gemm(a, rows, isa, num_threads);
+  else bm_wo::parallel_linear<bm_wo::Int4Args, bm_wo::Int4K>(a, rows, isa, num_threads);
 }
 
 // ---- int8 activations ----
