@@ -17,7 +17,7 @@ measurement runs in a fresh process: llama.cpp's threads and a thread pool left 
 would otherwise share the cores with the side being timed (runtime.engine.build_engine's NOTE).
 
     python -m samples.microbench.llama_cpp_compare [--model smollm2|llama-1b] [--new-tokens 64] [--repeats 3]
-        [--threads 2] [--formats F32 Q8_0 Q4_0 Q4_1 Q5_0 Q6_K Q4_K_M] [--decode-steps 1 8]
+        [--threads 2] [--formats F32 Q8_0 Q4_0 Q4_1 Q5_0 Q6_K Q4_K_M] [--our-modes blocks ...] [--decode-steps 1 8]
 """
 from __future__ import annotations
 
@@ -177,6 +177,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--model", choices=("smollm2", "llama-1b"), default="smollm2")
     p.add_argument("--formats", nargs="+", choices=LLAMA_CPP_TYPES, default=list(LLAMA_CPP_TYPES))
     p.add_argument("--work-dir", help="keep the files and engines here (default: a temporary directory)")
+    p.add_argument("--our-modes", nargs="+", help="only these of our modes (e.g. blocks float32 int8+a8; default: all)")
     p.add_argument("--decode-steps", type=int, nargs="+", default=[1],
                    help="ours with each DecodingConfig.max_decode_steps (1: one step per iteration, the default)")
     p.add_argument("--json", help="write the figures here")
@@ -193,6 +194,8 @@ def main(argv: list[str] | None = None) -> dict:
             row = {"llama_cpp_tok_s": max(in_fresh_process(llama_cpp_rate, files[type_name], prompt, args.new_tokens,
                                                            args.threads) for _ in range(args.repeats)), "ours": {}}
             for number, (mode, (source, fields)) in enumerate(our_modes(type_name).items()):
+                if args.our_modes and mode not in args.our_modes:
+                    continue
                 engine_dir = os.path.join(work, f"ours-{args.model}-{type_name}-{number}")
                 for steps in args.decode_steps:
                     label = mode if steps == 1 else f"{mode}, {steps} steps/call"
