@@ -90,10 +90,9 @@ class RequestDecoder:
         for r, tokens, log_probs in zip(requests, steps.tokens.tolist(), steps.log_probs.tolist()):
             state = self._entries[r.request_id].state
             outcome = Decoder.accept_steps(state, tokens, log_probs)
-            if outcome.finish_reason == FinishReason.NO_TOKEN:   # no bans: the model's row had no finite logit
-                results.append(RequestResult(r.request_id, error=(
-                    f"logits: no token is allowed at generation step {state.num_generated + len(outcome.tokens)}: "
-                    "the model's logits have no finite value (NaN or -inf, e.g. from non-finite weights)")))
+            if outcome.finish_reason == FinishReason.NO_TOKEN:   # no bans, no guide: the model's logits were NaN
+                results.append(RequestResult(r.request_id, error=_no_token_error(
+                    state, state.num_generated + len(outcome.tokens), is_nan=True)))
             else:
                 results.append(RequestResult(r.request_id, outcome))
         self.release(r.request_id for r, result in zip(requests, results)

@@ -5,7 +5,8 @@ from .engine import Engine, build_engine
 from .loading.gguf_tokenizer import save_gguf_tokenizer
 from .models import SUPPORTED_ARCHITECTURES
 from .precision import QuantMode
-from .model_runner import GreedySteps, KvBlocks, ModelRunner
+from .greedy_steps import GreedySteps
+from .model_runner import KvBlocks, ModelRunner
 from .session import GenerationInput, GenerationOutput, GptSession, SamplingConfig
 from .parallel.world_config import WorldConfig
 from .loading.weights import WeightError

@@ -182,6 +182,9 @@ def main(argv: list[str] | None = None) -> dict:
                    help="ours with each DecodingConfig.max_decode_steps (1: one step per iteration, the default)")
     p.add_argument("--json", help="write the figures here")
     args = p.parse_args(argv)
+    known = {mode for type_name in args.formats for mode in our_modes(type_name)}
+    if args.our_modes and not set(args.our_modes) <= known:
+        p.error(f"--our-modes: {sorted(set(args.our_modes) - known)} are none of the formats' modes {sorted(known)}")
     torch.set_num_threads(args.threads)
     from runtime import ConfigError, build_engine
     results: dict = {}
