@@ -2,9 +2,10 @@
 (prompts of 1-40 tokens, 1-24 new tokens, some ending on an end id, half streamed, a few stopped while
 they run) at most 8 sequences at a time, so that its generation steps run the fused native step
 (runtime/kernels/cpu/cpu_decode_step.py, counted) over rows that finish at different steps while new
-ones join. Then the same requests, minus the stopped ones, through a manager on the eager path
+ones join, with multi-step decoding on (DecodingConfig.max_decode_steps 4: the calls that ran several
+steps counted). Then the same requests, minus the stopped ones, through a manager on the eager path
 (BATCH_MANAGER_FUSED_DECODE=0). Checked: every request got exactly one final response and no error,
-nothing after it, the pool is whole, the fused step ran, and each greedy request's tokens equal the
+nothing after it, the pool is whole, the fused step ran, calls of several steps ran, and each greedy request's tokens equal the
 eager run's (the soak's engine is float32, where the two agree token for token; sampled requests
 are counted, not compared: a draw that falls on a near tie may go either way)."""
 from __future__ import annotations
@@ -17,7 +18,8 @@ from collections import deque
 
 import torch
 
-from batch_manager import GptManager, InferenceRequest, KvCacheConfig, SchedulerPolicy, TrtGptModelOptionalParams
+from batch_manager import (DecodingConfig, GptManager, InferenceRequest, KvCacheConfig, SchedulerPolicy,
+                           TrtGptModelOptionalParams)
 from batch_manager import TrtGptModelType, tensor_names as tn
 from runtime.kernels.cpu import cpu_decode_step
 
@@ -26,6 +28,7 @@ from .requests import MAX_NEW_TOKENS, MAX_PROMPT_LEN, VOCAB_SIZE
 STOP_RATE = 0.05      # per request: stopped after its first streamed response
 SAMPLED_RATE = 0.3
 DRAIN_TIMEOUT_S = 120.0
+MAX_DECODE_STEPS = 4
 
 
 class _Client:
@@ -113,7 +116,8 @@ def _serve(engine_dir: str, pool_tokens: int, requests: list[InferenceRequest], 
            fused: bool) -> tuple[_Client, dict]:
     """One manager over `requests` (the eager one built with the switch off) -> (its client, facts)."""
     client = _Client(requests, stops)
-    params = TrtGptModelOptionalParams(kv_cache_config=KvCacheConfig(max_tokens=pool_tokens))
+    params = TrtGptModelOptionalParams(kv_cache_config=KvCacheConfig(max_tokens=pool_tokens),
+                                       decoding_config=DecodingConfig(max_decode_steps=MAX_DECODE_STEPS if fused else 1))
     saved = os.environ.get(cpu_decode_step.ENV_VAR)
     os.environ[cpu_decode_step.ENV_VAR] = "1" if fused else "0"   # read once, as the runner is built
     try:
@@ -129,6 +133,14 @@ def _serve(engine_dir: str, pool_tokens: int, requests: list[InferenceRequest], 
     counter = None
     if runner.decode_step is not None:
         counter = runner.decode_step = _CountingStep(runner.decode_step)
+    multi_step_calls = []   # steps of each call that ran several
+    decode_greedy = runner.decode_greedy
+
+    def counting_decode_greedy(*args, **kwargs):
+        steps = decode_greedy(*args, **kwargs)
+        multi_step_calls.append(steps.tokens.shape[1])
+        return steps
+    runner.decode_greedy = counting_decode_greedy
     deadline = time.monotonic() + DRAIN_TIMEOUT_S
     while not client.is_done and time.monotonic() < deadline and manager.is_running:
         time.sleep(0.005)
@@ -136,7 +148,8 @@ def _serve(engine_dir: str, pool_tokens: int, requests: list[InferenceRequest], 
     kv = manager.kv_cache_manager
     facts = dict(has_fused_step=counter is not None, fused_calls=len(counter.rows) if counter else 0,
                  fused_rows=sorted(set(counter.rows)) if counter else [],
-                 leaked_blocks=kv.num_blocks - kv.num_free_blocks, worker_died=manager.fatal_error is not None)
+                 leaked_blocks=kv.num_blocks - kv.num_free_blocks, worker_died=manager.fatal_error is not None,
+                 multi_step_calls=len(multi_step_calls), multi_steps=sum(multi_step_calls))
     return client, facts
 
 
@@ -154,7 +167,8 @@ def run_fused_step_round(engine_dir: str, pool_tokens: int, num_requests: int, s
         unanswered=sorted(set(served.tokens) - set(served.finals)), after_final=served.after_final,
         errors=dict(list(served.errors.items())[:10]), eager_errors=dict(list(reference.errors.items())[:10]),
         has_fused_step=fused["has_fused_step"], fused_calls=fused["fused_calls"], fused_rows=fused["fused_rows"],
-        eager_fused_calls=eager["fused_calls"], leaked_blocks=fused["leaked_blocks"] + eager["leaked_blocks"],
+        eager_fused_calls=eager["fused_calls"], multi_step_calls=fused["multi_step_calls"],
+        multi_steps=fused["multi_steps"], eager_multi_step_calls=eager["multi_step_calls"], leaked_blocks=fused["leaked_blocks"] + eager["leaked_blocks"],
         worker_died=fused["worker_died"] or eager["worker_died"], greedy_compared=len(greedy),
         greedy_mismatches=[dict(request_id=i, fused=served.tokens[i], eager=reference.tokens[i])
                            for i in greedy if served.tokens[i] != reference.tokens[i]][:10],
@@ -174,6 +188,10 @@ def fused_step_violations(report: dict) -> list[str]:
         found.append("a worker died")
     if r["has_fused_step"] and (r["fused_calls"] == 0 or len(r["fused_rows"]) < 2):
         found.append(f"the fused step ran {r['fused_calls']} times over row counts {r['fused_rows']}")
+    if r["has_fused_step"] and r["multi_step_calls"] == 0:
+        found.append("no call ran several generation steps (DecodingConfig.max_decode_steps)")
+    if r["eager_multi_step_calls"]:
+        found.append(f"the eager reference ran {r['eager_multi_step_calls']} calls of several steps")
     if r["eager_fused_calls"]:
         found.append(f"the eager reference ran the fused step {r['eager_fused_calls']} times")
     return found

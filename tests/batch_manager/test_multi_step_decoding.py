@@ -16,7 +16,10 @@ from batch_manager.scheduling.capacity_scheduler import GuaranteedNoEvictSchedul
 from batch_manager.scheduling.llm_request import LlmRequest
 from batch_manager.scheduling.micro_batch_scheduler import MicroBatchScheduler
 from batch_manager.scheduling.scheduler import Scheduler
-from batch_manager.scheduling.step import RequestResult, StepResult
+from batch_manager.request_decoder import RequestDecoder
+from batch_manager.scheduling.step import NewRequest, RequestResult, ScheduledRequest, StepResult
+from runtime import GreedySteps
+from runtime.kernels.interface import NO_TOKEN
 from runtime.cache.kv_cache_manager import KvCacheManager
 from runtime.decoding import DecodeOutcome, DecodingParams
 from runtime.request import FinishReason, RequestSpec
@@ -109,7 +112,8 @@ def executor_config(max_decode_steps: int, **overrides) -> ExecutorConfig:
 
 def run(engine_dir, requests: list[Request], max_decode_steps: int, streaming: bool, late: Request | None = None,
         **overrides):
-    """-> (per request: tokens, log probs), and (the iterations that ran a step, their generation tokens)."""
+    """-> (per request: tokens, log probs), and (the iterations that ran a step, their generation
+    tokens, whether some iteration ran several steps)."""
     with Executor(engine_dir, ModelType.DECODER_ONLY, executor_config(max_decode_steps, **overrides)) as executor:
         ids = [executor.enqueue_request(r) for r in requests]
         first = []
@@ -125,7 +129,8 @@ def run(engine_dir, requests: list[Request], max_decode_steps: int, streaming: b
         finals = [r for r in responses[i] if r.result.is_final]
         log_probs = [float(lp) for r in (responses[i] if streaming else finals) for lp in r.result.log_probs[0]]
         outputs.append((final_tokens(responses[i], streaming)[0], log_probs))
-    return outputs, (sum(1 for s in stats if s.num_scheduled), sum(s.num_generation_tokens for s in stats))
+    return outputs, (sum(1 for s in stats if s.num_scheduled), sum(s.num_generation_tokens for s in stats),
+                     any(s.num_generation_tokens > s.num_generation for s in stats))
 
 
 def greedy_request(prompt, streaming: bool, end_id: int | None = None, **sampling) -> Request:
@@ -149,6 +154,7 @@ def test_executor_tokens_and_log_probs_equal_one_step_per_iteration(tiny_engine,
     # iterations: fewer; generation tokens (every step of a call counts): the same
     assert num_once[0] == NUM_NEW_TOKENS and num_several[0] < num_once[0] / 2
     assert num_several[1] == num_once[1] == len(ids) * (NUM_NEW_TOKENS - 1)
+    assert num_several[2] and not num_once[2]
 
 
 @pytest.mark.parametrize("policy", [SchedulerPolicy.MAX_UTILIZATION, SchedulerPolicy.GUARANTEED_NO_EVICT])
@@ -158,11 +164,12 @@ def test_block_reuse_and_a_tight_pool_under_each_policy(tiny_engine, prompts, re
     engine_dir, _ = tiny_engine
     ids = list(prompts)[:8]
     requests = [greedy_request(prompts[i], False) for i in ids]
-    outputs, _ = run(engine_dir, requests + requests, 8, False,
-                     kv_cache_config=KvCacheConfig(max_tokens=160, enable_block_reuse=True),
-                     scheduler_config=SchedulerConfig(policy))
+    outputs, (_, _, ran_several) = run(engine_dir, requests + requests, 8, False,
+                                       kv_cache_config=KvCacheConfig(max_tokens=160, enable_block_reuse=True),
+                                       scheduler_config=SchedulerConfig(policy))
     for i, (tokens, _) in zip(ids + ids, outputs):
         assert tokens == references[i][len(prompts[i]):], f"request {i}"
+    assert ran_several
 
 
 def test_end_ids_stop_words_a_sampled_request_and_a_late_arrival(tiny_engine, prompts, references):
@@ -176,8 +183,9 @@ def test_end_ids_stop_words_a_sampled_request_and_a_late_arrival(tiny_engine, pr
     sampled = greedy_request(prompts[3], False, top_k=4, seed=11)
     for extra in ([], [sampled]):
         once, _ = run(engine_dir, requests + extra, 1, True, late)
-        several, _ = run(engine_dir, requests + extra, 8, True, late)
+        several, (_, _, ran_several) = run(engine_dir, requests + extra, 8, True, late)
         assert [t for t, _ in several] == [t for t, _ in once]
+        assert ran_several   # (with the sampled request: once it has ended)
         first = continuation[0][:continuation[0].index(continuation[0][5])]
         assert several[0][0] == first
         assert several[1][0] == continuation[1]
@@ -200,6 +208,19 @@ def test_gpt_manager_streams_the_tokens_of_several_steps(tiny_engine, prompts, r
         tokens = [t for tensors, _, _ in responses for t in tensors[tensor_names.OUTPUT_IDS][0, 0].tolist()]
         assert tokens == references[i][len(prompts[i]):], f"request {i}"
         assert len(responses) < NUM_NEW_TOKENS   # several tokens per streamed response
+
+
+def test_a_row_with_no_token_fails_its_request_naming_the_logits():
+    """A plain-greedy row whose logits allow nothing (NaN from the model) mid-call ends that request
+    with the decoder's error, its store released."""
+    decoder = RequestDecoder(kernels=None)
+    spec = RequestSpec([1, 2, 3], 8, DecodingParams())
+    decoder.open(1, NewRequest(spec, LlmRequest(1, spec, arrival_index=1).output))
+    scheduled = ScheduledRequest(1, ((40,),), 3, ((0,),), True, num_decode_steps=3)
+    steps = GreedySteps(torch.tensor([[5, NO_TOKEN, 0]]), torch.tensor([[-1.0, float("-inf"), -1.0]]))
+    (result,) = decoder.accept_steps([scheduled], steps)
+    assert result.error.startswith("logits: no token is allowed at generation step 1: the logits are NaN")
+    assert len(decoder) == 0
 
 
 @pytest.mark.parametrize("value", [0, -1, 1.5, True])
