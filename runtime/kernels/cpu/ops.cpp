@@ -250,14 +250,15 @@ extern "C" void bm_aq_linear(const bm_aq::ActLinear* w, const float* x, int64_t 
   std::vector<int8_t> q(rows * k);
   std::vector<float> d(rows * blocks);
   std::vector<int32_t> s(rows * blocks);
-  bm_aq::quantize_rows(x, rows, k, q.data(), d.data(), s.data());
   const int threads = (int)std::max<int64_t>(1, std::min<int64_t>(num_threads, units));
 #pragma omp parallel num_threads(threads)
   {
     const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+    bm_blk::quantize_share(false, x, rows, k, k, q.data(), d.data(), s.data(), t, nt);
+#pragma omp barrier
     const int64_t u0 = units * t / nt, u1 = units * (t + 1) / nt;
     if (u0 < u1)
       bm_aq::act_linear_range(*w, q.data(), d.data(), s.data(), rows, k, y, ldy, accumulate, u0 * bm_aq::kActUnit,
-                       std::min(w->n, u1 * bm_aq::kActUnit), isa);
+                              std::min(w->n, u1 * bm_aq::kActUnit), isa);
   }
 }

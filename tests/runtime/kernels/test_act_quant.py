@@ -119,6 +119,25 @@ def test_batch_panels_exact(isa, fmt, gs, rows):
     assert torch.equal(OPS.act_linear(x, pack(weight, scale, minimum), bias, isa=isa), ref)
 
 
+@pytest.mark.parametrize("rows", [1, 9, 64])
+def test_threads_share_the_quantization_without_changing_it(rows):
+    """The threads quantize even ranges of the input's 32-column blocks (3 threads cut 9 rows of 20
+    blocks mid-row) before splitting the outputs: the same bits at any thread count."""
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 640, generator=gen)
+    weight, scale, minimum = quantize_int4(torch.randn(16 * 30 + 8, 640, generator=gen), 32)
+    packed = pack(weight, scale, minimum)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = OPS.act_linear(x, packed, None)
+        for num_threads in (2, 3):
+            torch.set_num_threads(num_threads)
+            assert torch.equal(OPS.act_linear(x, packed, None), one)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("isa", list(ISAS))
 @pytest.mark.parametrize("fmt,gs,k", FORMATS)
 @pytest.mark.parametrize("rows", [1, 3, 8, 17, 64])

@@ -243,14 +243,22 @@ def test_bias_accumulate_and_row_strides(fmt):
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_1", "q6_k"])
-def test_threads_split_outputs_without_changing_them(fmt):
+@pytest.mark.parametrize("rows", [1, 9])
+def test_threads_split_outputs_without_changing_them(fmt, rows):
+    """The threads split the outputs, and before them the input's quantization (even ranges of its
+    blocks: 3 threads cut 9 rows mid-row, 1 row leaves a thread with no q8k block): the same bits."""
     k, n = 512, 300   # 300: a 16-output tile straddles the last whole 8-row group (296) of the x8 layout
     blocks = random_blocks(fmt, n, k, np.random.default_rng(8), np.float16([0.01, -0.03]))
-    x, bound = torch.randn(9, k), OPS.bind(blocks, fmt, k)
-    torch.set_num_threads(1)
-    one, bound_one = OPS.linear(x, blocks, fmt, k), bound(x)
-    torch.set_num_threads(2)
-    assert torch.equal(OPS.linear(x, blocks, fmt, k), one) and torch.equal(bound(x), bound_one)
+    x, bound = torch.randn(rows, k), OPS.bind(blocks, fmt, k)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one, bound_one = OPS.linear(x, blocks, fmt, k), bound(x)
+        for num_threads in (2, 3):
+            torch.set_num_threads(num_threads)
+            assert torch.equal(OPS.linear(x, blocks, fmt, k), one) and torch.equal(bound(x), bound_one)
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS)
