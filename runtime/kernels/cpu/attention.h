@@ -1,6 +1,7 @@
 // Attention family of the native CPU layer: one paged decode attention over a KV format's row
-// reader. A KV row is one (slot, KV head) of a cache [num_blocks, tpb, kv_heads, head_dim]:
-// row = slot * kv_heads + head, its values at cache + row * head_dim.
+// reader (a context step's causal attention over contiguous keys: attention_dense.h). A KV row is
+// one (slot, KV head) of a cache [num_blocks, tpb, kv_heads, head_dim]: row = slot * kv_heads +
+// head, its values at cache + row * head_dim.
 // KV formats (formats.h's KvFormat; runtime/kernels/kv_quant.py defines the int8 one): float32;
 //   bf16 (rounded to nearest even); int8 with a float32 scale per row (scale = max|x| / 127,
 //   q = round-half-even(x / scale), read as q * scale).

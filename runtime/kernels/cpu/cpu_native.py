@@ -1,9 +1,9 @@
 """The float32 per-op entry points of the native CPU layer (library.py): few-row linear, RMSNorm,
-the gated MLP's silu(gate) * up, paged decode attention in float32 (and over an int8 cache), the
-token bitmask and the shared-memory all-reduce. Callers, all in the torch backend: linear.py (rows up
-to linear.NATIVE_MAX_ROWS), torch_backend.py (RMSNorm, silu * up, the token bitmask) and
-cpu_attention.py (decode attention); each keeps its torch path for every other case, and tests
-hold these kernels to it.
+the gated MLP's silu(gate) * up, paged decode attention in float32 (and over an int8 cache), a
+context step's causal attention, the token bitmask and the shared-memory all-reduce. Callers, all in
+the torch backend: linear.py (rows up to linear.NATIVE_MAX_ROWS), torch_backend.py (RMSNorm, silu *
+up, the token bitmask) and cpu_attention.py (decode and context attention); each keeps its torch
+path for every other case, and tests hold these kernels to it.
 
 `native_ops()` is None where the kernels cannot run (no x86-64 AVX2/FMA, no compiler, or
 BATCH_MANAGER_CPU_NATIVE=0); callers then stay on torch. `load_ops` gives the other binding
@@ -184,6 +184,22 @@ class NativeCpuOps:
                                            torch.get_num_threads())
         return out
 
+
+    def dense_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """Causal attention of a context step: q float32 [n, H, D], k and v [total, kvH, D] (head rows
+        contiguous, token rows at any stride), query i at position total - n + i, D % 16 == 0 ->
+        [n, H, D] (torch_attention.dense_attention without window or ALiBi)."""
+        assert q.dtype == k.dtype == v.dtype == torch.float32 and q.dim() == k.dim() == v.dim() == 3
+        (n, num_heads, head_dim), (total, num_kv_heads, _) = q.shape, k.shape
+        assert v.shape == k.shape and k.shape[2] == head_dim and head_dim % 16 == 0 and total >= n
+        assert num_heads % num_kv_heads == 0
+        assert all(t.stride(2) == 1 and t.stride(1) == head_dim for t in (q, k, v))
+        out = torch.empty(n, num_heads, head_dim, dtype=torch.float32)
+        if n:
+            self._lib.bm_dense_attention(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(),
+                                         v.stride(0), out.data_ptr(), out.stride(0), n, total, num_heads,
+                                         num_kv_heads, head_dim, scale, torch.get_num_threads())
+        return out
 
 def native_ops() -> NativeCpuOps | None:
     """The kernels (built and loaded once per process); None where they cannot run here or while

@@ -1,5 +1,5 @@
 """The native CPU layer's one library: its C++ sources (tiers and format codes: isa.h, formats.h; by
-op family: vec.h, norm_activation.h, attention.h, linear_float.h, linear_weight_only.h,
+op family: vec.h, norm_activation.h, attention.h, attention_dense.h, linear_float.h, linear_weight_only.h,
 linear_act_quant.h; llama.cpp's block formats: quants_blocks.h, linear_blocks.h, linear_blocks_avx2.h,
 linear_blocks_avx2_k.h and their table format_table.h; entry points ops.cpp, collectives.cpp,
 decode_step.cpp, blocks.cpp) compiled once into one shared object, loaded once with ctypes, with the one signature table of every
@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
 SOURCES = ("ops.cpp", "collectives.cpp", "decode_step.cpp", "blocks.cpp")
-HEADERS = ("isa.h", "formats.h", "vec.h", "norm_activation.h", "attention.h",
+HEADERS = ("isa.h", "formats.h", "vec.h", "norm_activation.h", "attention.h", "attention_dense.h",
            "linear_float.h", "linear_weight_only.h", "linear_weight_only_gemm.h", "linear_act_quant.h",
            "quants_blocks.h", "linear_blocks.h", "linear_blocks_avx2.h", "linear_blocks_avx2_k.h",
            "format_table.h")
@@ -43,6 +43,7 @@ SIGNATURES: dict[str, tuple[list, object]] = {
     "bm_silu_mul": ([_P, _I64, _I64, _I64, _P, _INT], None),
     "bm_decode_attention": ([_P, _P, _P, *_DECODE_TAIL], None),
     "bm_decode_attention_int8": ([_P, _P, _P, _P, _P, *_DECODE_TAIL], None),
+    "bm_dense_attention": ([_P, _I64, _P, _I64, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _INT], None),
     "bm_token_bitmask": ([_P, _P, _P, _I64, _I64, _I64, _I64, _INT], None),
     "bm_greedy": ([_P, _I64, _I64, _I64, _I64, _P, _P, _INT], None),
     "bm_shm_all_reduce": ([_P, _I64, _P, _I64, _INT, _INT, _I64, _I64, _P, _I64], _INT),

@@ -21,6 +21,9 @@
 //               _bf16); k_cache, v_cache [num_blocks, tpb, kvH, D] contiguous in the KV format
 //               (attention.h); _int8: k_scales, v_scales float32 [num_blocks, tpb, kvH];
 //               block_tables int32 [B, bt_stride]; seq_lens int64 [B]; window < 0 means none.
+//   bm_dense_attention: causal attention of a context step over contiguous keys and values
+//               (attention_dense.h): q [n, H, D] token stride ldq, k and v [total, kvH, D] strides
+//               ldk and ldv, out [n, H, D] stride ldo; query i at position past + i = total - n + i.
 //   bm_token_bitmask: logits[rows[i], v] = -inf where bit v % 32 of bitmask[i, v / 32] is clear.
 //   bm_greedy: interface.KernelBackend.greedy over logits [rows, vocab] row stride ld: tokens int64
 //               [rows], log_probs [rows] (torch_decoder.greedy is the reference).
@@ -36,6 +39,7 @@
 #include <vector>
 
 #include "attention.h"
+#include "attention_dense.h"
 #include "isa.h"
 #include "linear_act_quant.h"
 #include "linear_float.h"
@@ -141,6 +145,13 @@ extern "C" void bm_decode_attention_bf16(const uint16_t* q, const uint16_t* k_ca
 
 // Guided decoding: logits[rows[i], v] = -inf where bit v % 32 of bitmask[i, v / 32] is clear
 // (llguidance's packed layout; torch_decoder.apply_token_bitmask is the reference).
+extern "C" void bm_dense_attention(const float* q, int64_t ldq, const float* k, int64_t ldk, const float* v,
+                                   int64_t ldv, float* out, int64_t ldo, int64_t n, int64_t total, int64_t heads,
+                                   int64_t kv_heads, int64_t head_dim, float scale, int num_threads) {
+  bm::dense_attention({q, ldq, k, ldk, v, ldv, out, ldo, n, total, total - n, heads, kv_heads, head_dim, scale},
+                      num_threads);
+}
+
 extern "C" void bm_token_bitmask(float* logits, const int64_t* rows, const int32_t* bitmask, int64_t n,
                                  int64_t words, int64_t vocab, int64_t row_stride, int num_threads) {
   const float neg_inf = -__builtin_inff();

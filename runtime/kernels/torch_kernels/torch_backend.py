@@ -2,7 +2,8 @@
 from the reference functions of torch_attention.py, torch_decoder.py and torch_dense.py (the
 oracle in tests). With `fast_paths` (what get_kernels("torch") builds: the CPU default) decode and
 context attention go through cpu_attention.py instead, with equal results; with `native` too
-(also the default), float32 decode attention runs in the native kernel of cpu_native.py where it can.
+(also the default), float32 decode and context attention run in the native kernels of cpu_native.py
+where they can.
 
 The dense ops take their CPU fast paths whatever those flags say, as the model always did:
 matmul weights prepared by linear.py (oneDNN, BLAS or the native few-row kernels),
@@ -42,7 +43,11 @@ class TorchKernels:
 
     write_kv = staticmethod(torch_attention.write_kv)
     copy_blocks = staticmethod(torch_attention.copy_blocks)
-    dense_attention = staticmethod(torch_attention.dense_attention)
+
+    def dense_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past_len: int, scale: float,
+                        window: int | None, sink: int = 0, alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+        attend = (self.cpu_attention or torch_attention).dense_attention
+        return attend(q, k, v, past_len, scale, window, sink, alibi_slopes)
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
