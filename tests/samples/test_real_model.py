@@ -115,4 +115,8 @@ def test_quality_gguf_section_runs_each_format_with_its_blocks_kept(real_model_d
     # the block files hold ~1/4 (Q8_0) and ~1/7 (Q4_0) of the float32 bytes of the matmuls
     assert report["Q8_0"]["weight_bytes"] < 0.3 * report["F32"]["weight_bytes"]
     assert report["Q4_0"]["weight_bytes"] < report["Q8_0"]["weight_bytes"]
-    assert abs(report["Q8_0"]["perplexity_vs_f32"]) < 0.01 < report["Q4_0"]["perplexity_vs_f32"] < 0.5
+    # Q8_0 runs with int8 activations: one flipped rounding of a block with an outlier moves its
+    # logits by up to ~0.5 (a 1e-6 relative perturbation of the attention output did that), so on 96
+    # tokens its gap to F32 moves by ~1 % between equally exact attention kernels (SDPA: -0.2 %, the
+    # native one: -1.2 %); Q4_0's (~25 %) stays far above it
+    assert abs(report["Q8_0"]["perplexity_vs_f32"]) < 0.02 < report["Q4_0"]["perplexity_vs_f32"] < 0.5
