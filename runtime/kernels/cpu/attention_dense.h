@@ -30,6 +30,7 @@
 #include <math.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 #include "vec.h"
@@ -87,6 +88,22 @@ inline void value_tile(const float* p, int64_t ldp, int64_t keys, const float* v
     _mm256_storeu_ps(o + r * ldo + 8, acc[r][1]);
   }
 }
+
+// tile(std::integral_constant<int, NR>, r) over rows [0, rows): tiles of kDenseRows, then one of
+// the remaining 1 .. kDenseRows - 1 rows.
+template <class Tile>
+inline void by_row_tiles(int64_t rows, Tile&& tile) {
+  int64_t r = 0;
+  for (; r + kDenseRows <= rows; r += kDenseRows) tile(std::integral_constant<int, kDenseRows>{}, r);
+  switch (rows - r) {
+    case 5: tile(std::integral_constant<int, 5>{}, r); break;
+    case 4: tile(std::integral_constant<int, 4>{}, r); break;
+    case 3: tile(std::integral_constant<int, 3>{}, r); break;
+    case 2: tile(std::integral_constant<int, 2>{}, r); break;
+    case 1: tile(std::integral_constant<int, 1>{}, r); break;
+  }
+}
+static_assert(kDenseRows == 6, "by_row_tiles' remainder cases");
 
 // Softmax of row s[0, visible) in place (zeros in [visible, width)); returns 1 / its sum.
 inline float softmax_row(float* s, int64_t visible, int64_t width) {
@@ -151,16 +168,9 @@ inline void dense_attention(const DenseAttention& a, int num_threads) {
       for (int64_t kt_i = 0; kt_i < key_tiles; ++kt_i) {
         const float* tile_k = kh + kt_i * tile_floats;
         float* sc = s.data() + kt_i * kDenseKeys;
-        int64_t r = 0;
-        for (; r + kDenseRows <= rows; r += kDenseRows)
-          score_tile<kDenseRows>(qs.data() + r * D, D, tile_k, sc + r * lds, lds);
-        switch (rows - r) {
-          case 5: score_tile<5>(qs.data() + r * D, D, tile_k, sc + r * lds, lds); break;
-          case 4: score_tile<4>(qs.data() + r * D, D, tile_k, sc + r * lds, lds); break;
-          case 3: score_tile<3>(qs.data() + r * D, D, tile_k, sc + r * lds, lds); break;
-          case 2: score_tile<2>(qs.data() + r * D, D, tile_k, sc + r * lds, lds); break;
-          case 1: score_tile<1>(qs.data() + r * D, D, tile_k, sc + r * lds, lds); break;
-        }
+        by_row_tiles(rows, [&](auto nr, int64_t r) {
+          score_tile<decltype(nr)::value>(qs.data() + r * D, D, tile_k, sc + r * lds, lds);
+        });
       }
       for (int64_t r = 0; r < rows; ++r)
         inv_sum[r] = softmax_row(s.data() + r * lds, a.past + t0 + r / group + 1, keys);
@@ -168,16 +178,9 @@ inline void dense_attention(const DenseAttention& a, int num_threads) {
       for (int64_t d0 = 0; d0 < D; d0 += 16) {
         const float* vd = vh + d0;
         float* od = o.data() + d0;
-        int64_t r = 0;
-        for (; r + kDenseRows <= rows; r += kDenseRows)
-          value_tile<kDenseRows>(s.data() + r * lds, lds, keys, vd, a.ldv, od + r * D, D);
-        switch (rows - r) {
-          case 5: value_tile<5>(s.data() + r * lds, lds, keys, vd, a.ldv, od + r * D, D); break;
-          case 4: value_tile<4>(s.data() + r * lds, lds, keys, vd, a.ldv, od + r * D, D); break;
-          case 3: value_tile<3>(s.data() + r * lds, lds, keys, vd, a.ldv, od + r * D, D); break;
-          case 2: value_tile<2>(s.data() + r * lds, lds, keys, vd, a.ldv, od + r * D, D); break;
-          case 1: value_tile<1>(s.data() + r * lds, lds, keys, vd, a.ldv, od + r * D, D); break;
-        }
+        by_row_tiles(rows, [&](auto nr, int64_t r) {
+          value_tile<decltype(nr)::value>(s.data() + r * lds, lds, keys, vd, a.ldv, od + r * D, D);
+        });
       }
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t i = t0 + r / group, g = r % group;

@@ -10,8 +10,9 @@
 //       sums int32 [rows, k / 32] (q8x32) or int16 [rows, k / 16] (q8k). -1: not a block input type.
 //   bm_blk_linear(format, x, rows, ldx, w, n, k, bias, y, ldy, accumulate, num_threads, isa):
 //       y[r, o] (+)= x[r, :] . W[o, :] (+ bias[o]) over w uint8 [n, k / block_elems * block_bytes];
-//       x quantized once into the format's input type (each thread an even share of its blocks,
-//       then one barrier), each thread a contiguous range of whole output tiles. bias float32 [n] or null;
+//       x quantized once into the format's input type (from bm_blk::kShareMinInputs values each
+//       thread an even share of its blocks, then one barrier; below, before the parallel region),
+//       each thread a contiguous range of whole output tiles. bias float32 [n] or null;
 //       y row stride ldy; isa a bm::Isa cap. format | kLayoutX8: w is in the 8-row interleaved
 //       layout (linear_blocks_avx2.h; blocks.py's repack), same bytes. -1: no such linear kernel.
 //   bm_blk_dequant(format, w, n0, n1, k, out, num_threads): rows [n0, n1) of w -> out float32
@@ -40,10 +41,7 @@ extern "C" int bm_blk_format_info(int format, int32_t* info) {
 
 extern "C" int bm_blk_quantize(int input, const float* x, int64_t rows, int64_t ldx, int64_t k, int8_t* q, float* d,
                                void* sums) {
-  if (input == bm::kInputQ8x32) bm_blk::quantize_q8x32(x, rows, ldx, k, q, d, (int32_t*)sums);
-  else if (input == bm::kInputQ8K) bm_blk::quantize_q8k(x, rows, ldx, k, q, d, (int16_t*)sums);
-  else return -1;
-  return 0;
+  return bm_blk::quantize_share(input, x, rows, ldx, k, q, d, sums, 0, 1) ? 0 : -1;
 }
 
 extern "C" int bm_blk_linear(int format, const float* x, int64_t rows, int64_t ldx, const uint8_t* w, int64_t n,
@@ -59,6 +57,8 @@ extern "C" int bm_blk_linear(int format, const float* x, int64_t rows, int64_t l
   std::vector<int32_t> s(is_k ? 0 : rows * (k / bm_blk::kQ));
   std::vector<int16_t> bsums(is_k ? rows * (k / 16) : 0);
   void* sums = is_k ? (void*)bsums.data() : (void*)s.data();
+  const bool by_threads = bm_blk::quantize_by_threads(rows, k);
+  if (!by_threads) bm_blk::quantize_share(t->input, x, rows, ldx, k, q.data(), d.data(), sums, 0, 1);
   const bm_blk::QInput in{q.data(), d.data(), is_k ? nullptr : s.data(), is_k ? bsums.data() : nullptr, k, nd};
   const bm_blk::LinearArgs a{w, k / t->block_elems * t->block_bytes, n, k, in, rows, bias, y, ldy, accumulate};
   const int64_t tiles = (n + bm_blk::kTile - 1) / bm_blk::kTile;
@@ -66,8 +66,10 @@ extern "C" int bm_blk_linear(int format, const float* x, int64_t rows, int64_t l
 #pragma omp parallel num_threads(threads)
   {
     const int64_t i = omp_get_thread_num(), nt = omp_get_num_threads();
-    bm_blk::quantize_share(is_k, x, rows, ldx, k, q.data(), d.data(), sums, i, nt);
+    if (by_threads) {   // the same branch on every thread
+      bm_blk::quantize_share(t->input, x, rows, ldx, k, q.data(), d.data(), sums, i, nt);
 #pragma omp barrier
+    }
     const int64_t o0 = tiles * i / nt * bm_blk::kTile, o1 = std::min(n, tiles * (i + 1) / nt * bm_blk::kTile);
     if (o0 < o1) kernel(a, o0, o1);
   }

@@ -143,8 +143,6 @@ extern "C" void bm_decode_attention_bf16(const uint16_t* q, const uint16_t* k_ca
   bm::decode_attention(q, k, v, BM_DECODE_CALL, out, num_threads);
 }
 
-// Guided decoding: logits[rows[i], v] = -inf where bit v % 32 of bitmask[i, v / 32] is clear
-// (llguidance's packed layout; torch_decoder.apply_token_bitmask is the reference).
 extern "C" void bm_dense_attention(const float* q, int64_t ldq, const float* k, int64_t ldk, const float* v,
                                    int64_t ldv, float* out, int64_t ldo, int64_t n, int64_t total, int64_t heads,
                                    int64_t kv_heads, int64_t head_dim, float scale, int num_threads) {
@@ -152,6 +150,8 @@ extern "C" void bm_dense_attention(const float* q, int64_t ldq, const float* k, 
                       num_threads);
 }
 
+// Guided decoding: logits[rows[i], v] = -inf where bit v % 32 of bitmask[i, v / 32] is clear
+// (llguidance's packed layout; torch_decoder.apply_token_bitmask is the reference).
 extern "C" void bm_token_bitmask(float* logits, const int64_t* rows, const int32_t* bitmask, int64_t n,
                                  int64_t words, int64_t vocab, int64_t row_stride, int num_threads) {
   const float neg_inf = -__builtin_inff();
@@ -261,12 +261,16 @@ extern "C" void bm_aq_linear(const bm_aq::ActLinear* w, const float* x, int64_t 
   std::vector<int8_t> q(rows * k);
   std::vector<float> d(rows * blocks);
   std::vector<int32_t> s(rows * blocks);
+  const bool by_threads = bm_blk::quantize_by_threads(rows, k);
+  if (!by_threads) bm_aq::quantize_rows(x, rows, k, q.data(), d.data(), s.data());
   const int threads = (int)std::max<int64_t>(1, std::min<int64_t>(num_threads, units));
 #pragma omp parallel num_threads(threads)
   {
     const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-    bm_blk::quantize_share(false, x, rows, k, k, q.data(), d.data(), s.data(), t, nt);
+    if (by_threads) {   // the same branch on every thread
+      bm_blk::quantize_share(bm::kInputQ8x32, x, rows, k, k, q.data(), d.data(), s.data(), t, nt);
 #pragma omp barrier
+    }
     const int64_t u0 = units * t / nt, u1 = units * (t + 1) / nt;
     if (u0 < u1)
       bm_aq::act_linear_range(*w, q.data(), d.data(), s.data(), rows, k, y, ldy, accumulate, u0 * bm_aq::kActUnit,

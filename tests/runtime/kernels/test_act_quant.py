@@ -122,7 +122,8 @@ def test_batch_panels_exact(isa, fmt, gs, rows):
 @pytest.mark.parametrize("rows", [1, 9, 64])
 def test_threads_share_the_quantization_without_changing_it(rows):
     """The threads quantize even ranges of the input's 32-column blocks (3 threads cut 9 rows of 20
-    blocks mid-row) before splitting the outputs: the same bits at any thread count."""
+    blocks mid-row; 1 row, below quants_blocks.h's kShareMinInputs, is quantized before the parallel
+    region) before splitting the outputs: the same bits at any thread count."""
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 640, generator=gen)
     weight, scale, minimum = quantize_int4(torch.randn(16 * 30 + 8, 640, generator=gen), 32)

@@ -246,7 +246,8 @@ def test_bias_accumulate_and_row_strides(fmt):
 @pytest.mark.parametrize("rows", [1, 9])
 def test_threads_split_outputs_without_changing_them(fmt, rows):
     """The threads split the outputs, and before them the input's quantization (even ranges of its
-    blocks: 3 threads cut 9 rows mid-row, 1 row leaves a thread with no q8k block): the same bits."""
+    blocks: 3 threads cut 9 rows mid-row; 1 row, below quants_blocks.h's kShareMinInputs, is
+    quantized before the parallel region): the same bits."""
     k, n = 512, 300   # 300: a 16-output tile straddles the last whole 8-row group (296) of the x8 layout
     blocks = random_blocks(fmt, n, k, np.random.default_rng(8), np.float16([0.01, -0.03]))
     x, bound = torch.randn(rows, k), OPS.bind(blocks, fmt, k)
