@@ -46,6 +46,7 @@ from .engine import Engine
 from .greedy_steps import GreedySteps, decode_greedy
 from .loading.weights import weights_fingerprint
 from .kernels import get_kernels
+from .kernels.cpu.weight_memory import seal as seal_weight_chunks
 from .kernels.kv_quant import check_kv_storage, is_quantized_kv
 from .adapters.lora_step import LoraWeightStore
 from .models.transformer import StepLayout, Transformer
@@ -178,6 +179,7 @@ class ModelRunner:
         self.decode_step = (self.kernels.prepare_decode_step(self.model, self.kv_pool, self.kv_scales,
                                                              self.tokens_per_block)
                             if fused_decode and self.stage is None else None)
+        seal_weight_chunks()
         release_freed_heap()
 
     def _stage_weights(self, engine: Engine) -> dict[str, torch.Tensor]:

@@ -16,6 +16,7 @@ import torch
 from . import cpu_native, isa as isa_tiers
 from .cpu_native import INT4_CODE, INT8_CODE, quantized_code
 from .isa import Isa
+from .weight_memory import hold
 
 TIERS = (Isa.SCALAR, Isa.AVX2, Isa.AVXVNNI, Isa.AVX512VNNI)   # this family's kernels (linear_act_quant.h)
 BLOCK = 32          # activation columns per quantization block
@@ -98,7 +99,7 @@ def pack(weight: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None
                              f"{weight.dtype} {tuple(weight.shape)} and {tuple(scale.shape)}")
         biased = (_pad_rows(weight, units * UNIT).to(torch.int16) + 128).to(torch.uint8)
         packed = biased.reshape(units, UNIT, k // BLOCK, 8, 4).permute(0, 2, 3, 1, 4).contiguous()
-        return PackedActWeight(packed, _pad_rows(scale.float(), units * UNIT).contiguous(), None, n, k, 0,
+        return PackedActWeight(hold(packed), _pad_rows(scale.float(), units * UNIT).contiguous(), None, n, k, 0,
                                INT8_CODE)
     k = weight.shape[1] * 2
     groups = scale.shape[1]
@@ -112,7 +113,7 @@ def pack(weight: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None
 
     def per_unit(name: str, t: torch.Tensor) -> torch.Tensor:
         return _pad_rows(_float16(name, t), units * UNIT).reshape(units, UNIT, groups).transpose(1, 2).contiguous()
-    return PackedActWeight(packed, per_unit("scale", scale), per_unit("minimum", minimum), n, k, group_size,
+    return PackedActWeight(hold(packed), per_unit("scale", scale), per_unit("minimum", minimum), n, k, group_size,
                            INT4_CODE)
 
 

@@ -23,6 +23,7 @@ import torch
 from . import cpu_native, isa as isa_tiers
 from .cpu_native import _ptr
 from .isa import Isa
+from .weight_memory import hold
 from ...quantization.native_codes import INPUT_TYPES, weight_code
 
 # ggml's names, lowercase; each a row of the native format table
@@ -234,7 +235,7 @@ class BlockOps:
         self.linear(torch.zeros(1, k), blocks, fmt, k, bias, isa=isa)   # checks bias and isa
         level = self.isa_level(fmt, isa)
         if level in self._x8_tiers[fmt] and blocks.shape[0] >= 8:
-            return BoundLinear(self, repack_x8(blocks, fmt, k), fmt, k, bias, level, "x8")
+            return BoundLinear(self, hold(repack_x8(blocks, fmt, k)), fmt, k, bias, level, "x8")
         return BoundLinear(self, blocks, fmt, k, bias, level, "ggml")
 
     def dequantize(self, blocks: torch.Tensor, fmt: str, k: int, start: int, stop: int,

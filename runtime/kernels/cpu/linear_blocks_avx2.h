@@ -43,6 +43,29 @@ inline void prefetch_ahead(const void* p, int bytes) {
   for (int line = 0; line < bytes; line += 64) _mm_prefetch((const char*)p + kPrefetch + line, _MM_HINT_T0);
 }
 inline __m256i pair_sums(__m256i p16) { return _mm256_madd_epi16(p16, _mm256_set1_epi16(1)); }
+
+// The VNNI tier (BM_BLK_VNNI): vpdpbusd on ymm, u8 x s8 quads summed straight into int32 lanes
+// (AVX512-VNNI + VL's EVEX form, else AVX-VNNI's VEX form), at the tier BM_BLK_VNNI_TIER.
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define BM_BLK_VNNI 1
+#define BM_BLK_VNNI_TIER bm::kAvx512Vnni
+inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+#elif defined(__AVXVNNI__)
+#define BM_BLK_VNNI 1
+#define BM_BLK_VNNI_TIER bm::kAvxVnni
+inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
+#endif
+
+// Per int32 lane the sum of its 4 products u8 x s8: vpmaddubsw then vpmaddwd by 1 (AVX2; the
+// unsigned operands here are at most 128 and the inputs at most 127 in magnitude, so a pair is at
+// most 2 * 128 * 127 and never saturates int16) or one vpdpbusd: the same integers.
+template <bool kVnni>
+inline __m256i quad_sums(__m256i u, __m256i s) {
+#ifdef BM_BLK_VNNI
+  if constexpr (kVnni) return dpbusd(_mm256_setzero_si256(), u, s);
+#endif
+  return pair_sums(_mm256_maddubs_epi16(u, s));
+}
 inline int32_t hsum4_epi32(__m128i v) {
   v = _mm_add_epi32(v, _mm_unpackhi_epi64(v, v));
   return _mm_cvtsi128_si32(_mm_add_epi32(v, _mm_shuffle_epi32(v, 1)));
@@ -63,7 +86,7 @@ inline __m256i codes32_avx2(const BlockQ5_0& b) {   // nib - 16 where the fifth 
 // q8_0, q4_0, q5_0 (signed codes: |w| x sign(q, w), pairs <= 2 * 128 * 127) and q4_1 (unsigned
 // nibbles, its min term m * d_x * s as a float per row). Two blocks per step into two accumulator
 // sets: one set's fma chain would bound a row at one block per fma latency.
-template <class B, bool kHasMin>
+template <class B, bool kHasMin, bool kVnni = false>
 struct Avx2Small {
   template <int R>
   static inline void block(const B& b, const QInput& x, int64_t i, int64_t nb, __m256 acc[R], float mins[R]) {
@@ -72,9 +95,9 @@ struct Avx2Small {
     const float dw = f16(b.d), m = block_min(b);
     for (int r = 0; r < R; ++r) {
       const __m256i q = load32(x.q + r * x.k + i * kQ);
-      const __m256i p = _mm256_maddubs_epi16(wabs, kHasMin ? q : _mm256_sign_epi8(q, w));
+      const __m256i sum4 = quad_sums<kVnni>(wabs, kHasMin ? q : _mm256_sign_epi8(q, w));
       const float dx = x.d[r * x.nd + i];
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pair_sums(p)), _mm256_set1_ps(dw * dx), acc[r]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum4), _mm256_set1_ps(dw * dx), acc[r]);
       if (kHasMin) mins[r] += m * (dx * (float)x.s[r * nb + i]);
     }
   }
@@ -325,6 +348,96 @@ struct Avx2Q8_0x8 {
   }
 };
 
+#ifdef BM_BLK_VNNI
+// The VNNI tier over the x8 layout: the AVX2 kernels' loads and unpacking, each 4-byte input
+// broadcast multiplied into every row's lane by one vpdpbusd (u8 codes x s8 inputs, int32 sums).
+// Exact integers as the AVX2 kernels', so both tiers give the same bits. q8_0's signed codes as
+// unsigned w + 128 (w ^ 0x80), the 128 * s taken off per block.
+
+// q4_0 / q4_1 (nibbles) and q5_0 (5-bit codes, bit 4 spread as in Avx2Q5_0x8): per block the 8
+// vectors of codes u[c] (lo 0..3, hi 4..7) against inputs 4c (lo) and 16 + 4c (hi); q4_0's -8 as
+// 8 * s, q5_0's -16 as 16 * s, q4_1's min as Avx2Nib8's.
+template <int kKind>   // 0: q4_0, 1: q4_1, 2: q5_0
+struct VnniSmallX8 {
+  static constexpr bool kHasMin = kKind == 1, kFifth = kKind == 2;
+  static constexpr int kHead = kKind == 0 ? 16 : 32;   // q4_1: d and m; q5_0: d then 32 bytes of fifth bits at 16
+  static constexpr int kCodes = kFifth ? 48 : kHead, kGroupBlock = kCodes + 128;
+  static constexpr int kOffset = kKind == 0 ? 8 : kKind == 2 ? 16 : 0;
+
+  template <int R>
+  static void group(const uint8_t* g, const QInput& x, __m256 out[R]) {
+    const int64_t nb = x.k / kQ;
+    const __m256i m4 = _mm256_set1_epi8(15), bit4 = _mm256_set1_epi8(16);
+    __m256 acc[R], accm[R];
+    for (int r = 0; r < R; ++r) acc[r] = accm[r] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nb; ++i, g += kGroupBlock) {
+      prefetch_ahead(g, kGroupBlock);
+      __m256i lo[4], hi[4];
+      for (int c = 0; c < 4; ++c) {
+        const __m256i v = load32(g + kCodes + 32 * c);
+        lo[c] = _mm256_and_si256(v, m4);
+        hi[c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+        if (kFifth) {
+          const __m256i high = load32(g + 16);
+          lo[c] = _mm256_or_si256(lo[c], _mm256_and_si256(_mm256_slli_epi16(high, 4 - c), bit4));
+          hi[c] = _mm256_or_si256(hi[c], _mm256_and_si256(_mm256_srli_epi16(high, c), bit4));
+        }
+      }
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)g));
+      for (int r = 0; r < R; ++r) {
+        const int8_t* q = x.q + r * x.k + i * kQ;
+        __m256i isum = _mm256_setzero_si256();
+        for (int c = 0; c < 4; ++c) {
+          isum = dpbusd(isum, lo[c], bcast4(q + 4 * c));
+          isum = dpbusd(isum, hi[c], bcast4(q + 16 + 4 * c));
+        }
+        const int32_t s = x.s[r * nb + i];
+        if (kOffset) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(kOffset * s));
+        const float dx = x.d[r * x.nd + i];
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_set1_ps(dx)), acc[r]);
+        if (kHasMin) {
+          const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(g + 16)));
+          accm[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(dx * (float)s), accm[r]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) out[r] = kHasMin ? _mm256_add_ps(acc[r], accm[r]) : acc[r];
+  }
+};
+
+struct VnniQ8_0x8 {
+  static constexpr int kGroupBlock = 16 + 256;
+
+  template <int R>
+  static void group(const uint8_t* g, const QInput& x, __m256 out[R]) {
+    const int64_t nb = x.k / kQ;
+    const __m256i flip = _mm256_set1_epi8((char)0x80);
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nb; ++i, g += kGroupBlock) {
+      prefetch_ahead(g, kGroupBlock);
+      __m256i isum[R];
+      for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
+      for (int c = 0; c < 8; ++c) {
+        const __m256i u = _mm256_xor_si256(load32(g + 16 + 32 * c), flip);
+        for (int r = 0; r < R; ++r) isum[r] = dpbusd(isum[r], u, bcast4(x.q + r * x.k + i * kQ + 4 * c));
+      }
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)g));
+      for (int r = 0; r < R; ++r) {
+        const __m256i exact = _mm256_sub_epi32(isum[r], _mm256_set1_epi32(128 * x.s[r * nb + i]));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), _mm256_mul_ps(d, _mm256_set1_ps(x.d[r * x.nd + i])),
+                                 acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) out[r] = acc[r];
+  }
+};
+
+using VnniQ4_0x8 = VnniSmallX8<0>;
+using VnniQ4_1x8 = VnniSmallX8<1>;
+using VnniQ5_0x8 = VnniSmallX8<2>;
+#endif  // BM_BLK_VNNI
+
 #endif  // __F16C__
 
 using Avx2Q8_0 = Avx2Small<BlockQ8_0, false>;
@@ -332,6 +445,12 @@ using Avx2Q4_0 = Avx2Small<BlockQ4_0, false>;
 using Avx2Q4_1 = Avx2Small<BlockQ4_1, true>;
 using Avx2Q5_0 = Avx2Small<BlockQ5_0, false>;
 using Avx2Q4_K = Avx2K4<BlockQ4_K>;
+#ifdef BM_BLK_VNNI
+using VnniQ8_0 = Avx2Small<BlockQ8_0, false, true>;
+using VnniQ4_0 = Avx2Small<BlockQ4_0, false, true>;
+using VnniQ4_1 = Avx2Small<BlockQ4_1, true, true>;
+using VnniQ5_0 = Avx2Small<BlockQ5_0, false, true>;
+#endif
 using Avx2Q5_K = Avx2K4<BlockQ5_K>;
 #ifdef BM_BLK_X8
 using Avx2Q4_0x8 = Avx2Nib8<false>;

@@ -84,12 +84,37 @@ void linear_range(const float* x, int64_t rows, int64_t ldx, const float* w, int
   for (; o < n1; ++o) linear_outputs<1>(x, rows, ldx, w, o, k, bias, y, ldy, accumulate, false);
 }
 
-// Outputs [n0, n1) of every row, the tile width chosen by the row count (more outputs per tile for
-// fewer rows: independent FMA chains).
+// One row: outputs [n0, n1) one weight row after another, so a thread reads its range of the
+// weight as one sequential stream (the hardware prefetcher's case); 4 accumulators of 8 lanes, x in
+// L1. SmolLM2's weights per token (538 MB), 2 threads, AMD EPYC Zen 4: 1.26-1.35x the 8-output
+// tile's rate (its 8 interleaved streams and software prefetch), up to a plain sum's over the same
+// buffers; at 4 rows the tiles (weights read once for all rows) stay as fast.
+inline void linear_row_sequential(const float* x, const float* w, int64_t n0, int64_t n1, int64_t k,
+                                  const float* bias, float* y, int accumulate) {
+  for (int64_t o = n0; o < n1; ++o) {
+    const float* wo = w + o * k;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    int64_t kk = 0;
+    for (; kk + 32 <= k; kk += 32) {
+      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(wo + kk), _mm256_loadu_ps(x + kk), a0);
+      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(wo + kk + 8), _mm256_loadu_ps(x + kk + 8), a1);
+      a2 = _mm256_fmadd_ps(_mm256_loadu_ps(wo + kk + 16), _mm256_loadu_ps(x + kk + 16), a2);
+      a3 = _mm256_fmadd_ps(_mm256_loadu_ps(wo + kk + 24), _mm256_loadu_ps(x + kk + 24), a3);
+    }
+    for (; kk + 8 <= k; kk += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(wo + kk), _mm256_loadu_ps(x + kk), a0);
+    float s = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+    for (; kk < k; ++kk) s += x[kk] * wo[kk];
+    if (bias) s += bias[o];
+    y[o] = accumulate ? y[o] + s : s;
+  }
+}
+
+// Outputs [n0, n1) of every row: one row sequentially, more rows in tiles whose width is chosen by
+// the row count (more outputs per tile for fewer rows: independent FMA chains).
 inline void linear_rows_range(const float* x, int64_t rows, int64_t ldx, const float* w, int64_t n0, int64_t n1,
                               int64_t k, const float* bias, float* y, int64_t ldy, int accumulate) {
   switch (rows) {
-    case 1: linear_range<8>(x, rows, ldx, w, n0, n1, k, bias, y, ldy, accumulate); break;
+    case 1: linear_row_sequential(x, w, n0, n1, k, bias, y, accumulate); break;
     case 2: linear_range<4>(x, rows, ldx, w, n0, n1, k, bias, y, ldy, accumulate); break;
     default: linear_range<3>(x, rows, ldx, w, n0, n1, k, bias, y, ldy, accumulate); break;  // 3 rows and more
   }

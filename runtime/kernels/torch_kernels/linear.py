@@ -30,8 +30,9 @@ of at most NATIVE_MAX_ROWS rows go to the native kernel, which multiplies by the
 as stored; larger ones to the impl above.
 
 NOTE: one copy of each weight. Where the native kernel runs, the [out, in] weight it reads is the
-engine's own tensor (`Linear.plain`: an engine directory's mapped file pages) and oneDNN multiplies
-that same tensor above NATIVE_MAX_ROWS; oneDNN's reordered weight replaces it only where no native
+engine's own tensor (`Linear.plain`: the engine directory's mapped file pages, copied once into huge
+pages by kernels/cpu/weight_memory.py where the kernel has them, the copy replacing the mapped
+tensor) and oneDNN multiplies that same tensor above NATIVE_MAX_ROWS; oneDNN's reordered weight replaces it only where no native
 kernel runs. Measured on SmolLM2-135M float32 (AMD EPYC, AVX2, 1 thread, in one process,
 interleaved, best of 3, on a machine busy with other work: ratios only), ms per 1-row step / 32-row
 step / 512-token context step: plain + reordered (the two copies before) 223 / 1384 / 13831;
@@ -61,6 +62,7 @@ import torch.nn.functional as F
 
 from ..cpu.cpu_native import native_ops
 from ..cpu.cpu_native_bf16 import bf16_ops
+from ..cpu.weight_memory import hold
 
 CPU_IMPLS = ("onednn", "w_xt")
 # Rows up to which the native kernel runs (oneDNN's blocked GEMM wins at 64: samples.microbench.linear).
@@ -142,7 +144,8 @@ class Linear:
         # One copy of the weight (NOTE: at the top of this module): the [out, in] matrix where a
         # native kernel reads it, oneDNN then multiplying that same tensor above its rows; oneDNN's
         # reordered weight (replacing the original) only where no native kernel runs.
-        self.plain = weight.contiguous() if self.native is not None or self.native_bf16 is not None else None
+        # (in huge pages, weight_memory.py: the copy replaces the engine's mapped tensor)
+        self.plain = hold(weight) if self.native is not None or self.native_bf16 is not None else None
         if self.plain is not None:
             self.weight = self.plain
         elif self.impl == "onednn":   # nothing else may read it as an [out, in] matrix

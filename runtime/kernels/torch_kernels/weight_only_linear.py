@@ -8,6 +8,7 @@ import torch
 
 from ..cpu import act_quant as aq
 from ..cpu.cpu_weight_only import weight_only_ops
+from ..cpu.weight_memory import hold
 from ...quantization import lookup_dtype
 from .torch_dense import weight_only_linear
 
@@ -52,6 +53,8 @@ class QuantizedLinear:
             self.ops = self.kernel = None
             return
         self.ops = weight_only_ops() if weight.device.type == "cpu" else None
+        if self.ops is not None:   # in huge pages (weight_memory.py), replacing the stored tensor
+            self.weight = hold(self.weight)
         self.kernel = (None if self.ops is None
                        else self.ops.bind(self.weight, self.scale, self.minimum, self.bias_f32))
 
