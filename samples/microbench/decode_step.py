@@ -6,8 +6,10 @@ one generation step of R rows, median of --steps, for:
   eager        every op from Python (BATCH_MANAGER_FUSED_DECODE=0's path)
   fused        the whole step as one native call
   matmuls      the same call running its weight GEMVs alone (same inputs, split and barriers)
-and "outside" = fused - matmuls: the time of everything but the weight matmuls (norms, rotary, KV
-write, attention, SiLU, the barriers, the embedding lookup and the call itself).
+and "outside" = the median over step pairs of fused - matmuls: the time of everything but the
+weight matmuls (norms, rotary, KV write, attention, SiLU, the barriers). Fused and matmuls-only
+steps alternate on one runner (the matmuls-only ones write no KV; their positions are still
+taken), so a shared machine's drift falls on both alike.
 
     python -m samples.microbench.decode_step [--rows 1 4 8] [--modes fp32 bf16 int8 int4 int8+a8 int4+a8 blocks]
 
@@ -42,21 +44,32 @@ def _build(source: str, directory: str, overrides: dict) -> None:
     build_engine(source, directory, **overrides)
 
 
-def time_steps(runner, rows: int, prompt: int, steps: int) -> float:
-    """Median seconds of a generation step of `rows` sequences after a `prompt`-token context."""
+def time_steps(runner, rows: int, prompt: int, steps: int, setups=(None,)) -> list[list[float]]:
+    """Seconds of each generation step of `rows` sequences after a `prompt`-token context, per
+    setup: setup(runner) runs before each of its steps, the setups taking turns step by step."""
     from runtime.step_inputs import SequenceStep, pack_step
     tpb = runner.tokens_per_block
-    blocks_per_seq = -(-(prompt + steps + 8) // tpb)
+    total = steps * len(setups)
+    blocks_per_seq = -(-(prompt + total + 8) // tpb)
     tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(rows)]
     tokens = [[(7 * i + j) % 1000 + 10 for j in range(prompt)] for i in range(rows)]
     runner.forward(pack_step([SequenceStep(t, 0, b) for t, b in zip(tokens, tables)]))
-    times = []
-    for step in range(steps):
+    times = [[] for _ in setups]
+    for step in range(total):
+        which = step % len(setups)
+        if setups[which] is not None:
+            setups[which](runner)
         inputs = pack_step([SequenceStep([42 + i], prompt + step, b) for i, b in enumerate(tables)])
         start = time.perf_counter()
         runner.forward(inputs)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[2:])
+        times[which].append(time.perf_counter() - start)
+    return [t[2:] for t in times]
+
+
+def matmuls_only(value: int):
+    def setup(runner):
+        runner.decode_step.matmuls_only = value
+    return setup
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -82,18 +95,17 @@ def main(argv: list[str] | None = None) -> dict:
             directory = os.path.join(work, mode)
             in_fresh_process(_build, source, directory, MODES[mode])   # NOTE: no build thread pool left here
             engine = Engine.from_dir(directory)
-            blocks = -(-(args.prompt + args.steps + 8) // engine.build_config.tokens_per_block) * max(args.rows)
+            blocks = -(-(args.prompt + 2 * args.steps + 8) // engine.build_config.tokens_per_block) * max(args.rows)
             fused, eager = ModelRunner(engine, blocks), ModelRunner(engine, blocks, fused_decode=False)
             if fused.decode_step is None:
                 print(f"  {mode}: the fused step does not cover this model")
                 continue
             for rows in args.rows:
-                row = {"eager": time_steps(eager, rows, args.prompt, args.steps),
-                       "fused": time_steps(fused, rows, args.prompt, args.steps)}
-                fused.decode_step.matmuls_only = 1
-                row["matmuls"] = time_steps(fused, rows, args.prompt, args.steps)
+                whole, alone = time_steps(fused, rows, args.prompt, args.steps, (matmuls_only(0), matmuls_only(1)))
                 fused.decode_step.matmuls_only = 0
-                row["outside"] = row["fused"] - row["matmuls"]
+                row = {"eager": statistics.median(time_steps(eager, rows, args.prompt, args.steps)[0]),
+                       "fused": statistics.median(whole), "matmuls": statistics.median(alone),
+                       "outside": statistics.median(a - b for a, b in zip(whole, alone))}
                 results[(mode, rows)] = row
                 print(f"  {mode:7s} rows {rows}: eager {row['eager'] * 1e3:6.2f}  fused {row['fused'] * 1e3:6.2f} "
                       f"({row['eager'] / row['fused']:.2f}x)  matmuls {row['matmuls'] * 1e3:6.2f}  "

@@ -1,12 +1,14 @@
 """One-row GEMV of each weight format against this machine's measured read bandwidth, in one process.
 
-Bandwidth: a torch sum over --bandwidth-gib GiB of float32 at each thread count, measured again
+Bandwidth: a torch sum over --bandwidth-gib GiB of float32 at each thread count, on 4 KiB pages
+and on huge pages (runtime/kernels/cpu/weight_memory.py, where the kernel has them), measured again
 (best of --repeats) before every GEMV and the best of all kept (on a shared machine the fraction is
 then against the quietest moment, a lower bound). GEMV: x [1, in] times a model-sized weight [out, in] with the kernel a one-stream generation
 step runs for its format (the native float32 and bf16 linears, the exact int8 / int4 weight-only
-kernels, int8 / int4 with int8 activations over the repacked weight), cycling through enough copies
-of the weight to read --stream-mib MiB per pass (a model's weights are read once per step, never
-from the cache). Printed per (threads, shape, format): ms per GEMV, GB/s of the weight bytes the
+kernels, int8 / int4 with int8 activations over the repacked weight, llama.cpp's q8_0 and q4_0
+blocks over their 8-row interleaved copy), held as an engine holds it (weight_memory.hold),
+cycling through enough copies of the weight to read --stream-mib MiB per pass (a model's weights
+are read once per step, never from the cache). Printed per (threads, shape, format): ms per GEMV, GB/s of the weight bytes the
 kernel reads (as held: a repacked weight's own bytes) and that rate's fraction of the bandwidth.
 
     python -m samples.microbench.gemv_bandwidth [--threads 1 2] [--shapes 8192x2048 1536x576]
@@ -30,28 +32,41 @@ def best_seconds(fn, repeats: int) -> float:
 
 
 def read_bandwidth(num_bytes: int, repeats: int) -> float:
-    """Bytes per second of a torch sum over a float32 tensor of num_bytes (at torch's thread count)."""
-    data = torch.ones(num_bytes // 4)
-    return num_bytes / best_seconds(lambda: data.sum(), repeats)
+    """Bytes per second of a torch sum over a float32 tensor of num_bytes (at torch's thread count),
+    the better of 4 KiB pages and huge pages."""
+    from runtime.kernels.cpu.weight_memory import hold, seal
+    plain = torch.ones(num_bytes // 4)
+    rates = [num_bytes / best_seconds(lambda: plain.sum(), repeats)]
+    del plain
+    held = hold(torch.ones(num_bytes // 4))
+    seal()
+    rates.append(num_bytes / best_seconds(lambda: held.sum(), repeats))
+    return max(rates)
 
 
 def format_kernels(n: int, k: int, group_size: int) -> dict[str, tuple]:
     """format -> (make(seed) -> (the tensors the kernel reads, fn(x) -> y)), for the formats this
     machine runs."""
+    import gguf
+    import numpy as np
+
     from runtime.kernels.cpu import act_quant as aq
+    from runtime.kernels.cpu.blocks import block_ops
     from runtime.kernels.cpu.cpu_native import native_ops
     from runtime.kernels.cpu.cpu_native_bf16 import bf16_ops
     from runtime.kernels.cpu.cpu_weight_only import weight_only_ops
     from runtime.quantization.int4 import quantize_int4
+    from runtime.kernels.cpu.weight_memory import hold
     from runtime.quantization.int8 import quantize_int8
-    native, bf16, weight_only, act = native_ops(), bf16_ops(), weight_only_ops(), aq.act_quant_ops()
+    native, bf16, weight_only, act, blocks = (native_ops(), bf16_ops(), weight_only_ops(), aq.act_quant_ops(),
+                                              block_ops())
 
     def weight(seed: int) -> torch.Tensor:
         return torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.02
 
     def dense(ops, dtype):
         def make(seed):
-            w = weight(seed).to(dtype)
+            w = hold(weight(seed).to(dtype))
             return (w,), lambda x: ops.linear(x, w, None)
         return make
 
@@ -62,7 +77,15 @@ def format_kernels(n: int, k: int, group_size: int) -> dict[str, tuple]:
             if act_quant:
                 packed = aq.pack(*parts)
                 return (packed.packed, packed.scale, packed.minimum), act.bind(packed, None)
+            parts = (hold(parts[0]),) + parts[1:]
             return parts, weight_only.bind(*parts, None)
+        return make
+
+    def block(fmt: str, quant_type):
+        def make(seed):
+            stored = gguf.quants.quantize(weight(seed).numpy(), quant_type)
+            bound = blocks.bind(torch.from_numpy(np.ascontiguousarray(stored)).reshape(n, -1), fmt, k)
+            return (bound.blocks,), bound
         return make
 
     int4 = lambda w: quantize_int4(w, group_size)   # noqa: E731
@@ -75,6 +98,9 @@ def format_kernels(n: int, k: int, group_size: int) -> dict[str, tuple]:
         kernels["int8"], kernels["int4"] = quantized(quantize_int8, False), quantized(int4, False)
     if act is not None:
         kernels["int8+a8"], kernels["int4+a8"] = quantized(quantize_int8, True), quantized(int4, True)
+    if blocks is not None and k % 32 == 0:
+        kernels["q8_0"] = block("q8_0", gguf.GGMLQuantizationType.Q8_0)
+        kernels["q4_0"] = block("q4_0", gguf.GGMLQuantizationType.Q4_0)
     return kernels
 
 

@@ -3,6 +3,7 @@ runs timed against the measured bandwidth."""
 from __future__ import annotations
 
 from runtime.kernels.cpu.act_quant import act_quant_ops
+from runtime.kernels.cpu.blocks import block_ops
 from runtime.kernels.cpu.cpu_native import native_ops
 from samples.microbench import gemv_bandwidth
 
@@ -15,6 +16,8 @@ def test_every_format_is_timed_against_the_bandwidth(capsys):
         expected |= {"float32", "bf16", "int8", "int4"}
     if act_quant_ops() is not None:
         expected |= {"int8+a8", "int4+a8"}
+    if block_ops() is not None:
+        expected |= {"q8_0", "q4_0"}
     measured = results[1]
     assert measured["bandwidth"] > 0
     assert {name for _, name in measured["gemv"]} == expected
