@@ -219,7 +219,7 @@ struct Avx2Q6_K {
 #ifdef __F16C__
 #define BM_BLK_X8 1
 // Rows 8g .. 8g + 7 of a weight become one group of the same 8 * row_bytes bytes: per block i, the
-// 8 rows' fp16 d (then q4_1's m, q4_k's dmin; q5_0's fifth bits, 4 bytes a row, see Avx2Q5_0x8)
+// 8 rows' fp16 d (then q4_1's m, q4_k's dmin; q5_0's fifth bits, 4 bytes a row, see SmallX8)
 // and the rest of their bytes in 32-byte vectors whose 4-byte lane j is row j's bytes 4c .. 4c + 3
 // of that rest (q4_0 / q4_1 / q5_0: qs, 4 vectors; q8_0: qs, 8; q4_k: scales then qs, 3 + 32).
 // One vpmaddubsw per
@@ -233,37 +233,71 @@ inline __m256i bcast4(const void* p) {
   return _mm256_set1_epi32(v);
 }
 
-// q4_0 / q4_1: unsigned nibbles u by vpmaddubsw; the 8 products of a block added in int16 (each
-// <= 2 * 15 * 127, 8 of them <= 30480: exact), then pairs by vpmaddwd. q4_0's -8 as 8 * s.
-template <bool kHasMin>
-struct Avx2Nib8 {
-  static constexpr int kHead = kHasMin ? 32 : 16, kGroupBlock = kHead + 128;
+// q4_0 / q4_1 / q5_0 (kKind 0 / 1 / 2): per block the 8 vectors of unsigned codes lo[c] (elements
+// 4c .. 4c + 3 of each row) and hi[c] (16 + 4c ..) against the input's 4 bytes at 4c and 16 + 4c
+// broadcast; q4_0's -8 as 8 * s, q5_0's -16 as 16 * s, q4_1's min as m * d_x * s per row.
+//   AVX2: vpmaddubsw per vector, the 8 products of a block added in int16 (q4: each <= 2 * 15 * 127,
+//   8 of them <= 30480: exact), then pairs by vpmaddwd; q5_0's codes 0..31 (<= 2 * 31 * 127 a
+//   pair) sum 4 products in int16 (<= 31496), two vpmaddwd.
+//   VNNI (kVnni): one vpdpbusd per vector into int32. The same integers, so the same bits.
+// q5_0's fifth bits: 32 bytes whose lane j byte b holds, in bit t, row j's element 4t + b
+// (blocks.py spreads qh so): one shift and mask per chunk put it at bit 4.
+template <int kKind, bool kVnni>
+struct SmallX8 {
+  static constexpr bool kHasMin = kKind == 1, kFifth = kKind == 2;
+  static constexpr int kCodes = kKind == 0 ? 16 : kKind == 1 ? 32 : 48;   // d; d, m; d, the fifth bits
+  static constexpr int kGroupBlock = kCodes + 128, kOffset = kKind == 0 ? 8 : kFifth ? 16 : 0;
+
+  // The block's codes (module comment) from its group bytes g.
+  static inline void codes(const uint8_t* g, __m256i lo[4], __m256i hi[4]) {
+    const __m256i m4 = _mm256_set1_epi8(15), bit4 = _mm256_set1_epi8(16);
+    for (int c = 0; c < 4; ++c) {
+      const __m256i v = load32(g + kCodes + 32 * c);
+      lo[c] = _mm256_and_si256(v, m4);
+      hi[c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+      if (kFifth) {   // element 4c + b: bit c of byte b; element 16 + 4c + b: bit 4 + c
+        const __m256i high = load32(g + 16);
+        lo[c] = _mm256_or_si256(lo[c], _mm256_and_si256(_mm256_slli_epi16(high, 4 - c), bit4));
+        hi[c] = _mm256_or_si256(hi[c], _mm256_and_si256(_mm256_srli_epi16(high, c), bit4));
+      }
+    }
+  }
+
+  // Per int32 lane (a weight row) the integer dot of its 32 codes with the input's block q.
+  static inline __m256i dot(const __m256i lo[4], const __m256i hi[4], const int8_t* q) {
+#ifdef BM_BLK_VNNI
+    if constexpr (kVnni) {
+      __m256i isum = _mm256_setzero_si256();
+      for (int c = 0; c < 4; ++c) {
+        isum = dpbusd(isum, lo[c], bcast4(q + 4 * c));
+        isum = dpbusd(isum, hi[c], bcast4(q + 16 + 4 * c));
+      }
+      return isum;
+    }
+#endif
+    __m256i p[4];
+    for (int c = 0; c < 4; ++c)
+      p[c] = _mm256_add_epi16(_mm256_maddubs_epi16(lo[c], bcast4(q + 4 * c)),
+                              _mm256_maddubs_epi16(hi[c], bcast4(q + 16 + 4 * c)));
+    if (kFifth)
+      return _mm256_add_epi32(pair_sums(_mm256_add_epi16(p[0], p[1])), pair_sums(_mm256_add_epi16(p[2], p[3])));
+    return pair_sums(_mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3])));
+  }
 
   template <int R>
   static void group(const uint8_t* g, const QInput& x, __m256 out[R]) {
     const int64_t nb = x.k / kQ;
-    const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
     __m256 acc[R], accm[R];
     for (int r = 0; r < R; ++r) acc[r] = accm[r] = _mm256_setzero_ps();
     for (int64_t i = 0; i < nb; ++i, g += kGroupBlock) {
       prefetch_ahead(g, kGroupBlock);
       __m256i lo[4], hi[4];
-      for (int c = 0; c < 4; ++c) {
-        const __m256i v = load32(g + kHead + 32 * c);
-        lo[c] = _mm256_and_si256(v, m4);
-        hi[c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-      }
+      codes(g, lo, hi);
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)g));
       for (int r = 0; r < R; ++r) {
-        const int8_t* q = x.q + r * x.k + i * kQ;
-        __m256i p[4];
-        for (int c = 0; c < 4; ++c)
-          p[c] = _mm256_add_epi16(_mm256_maddubs_epi16(lo[c], bcast4(q + 4 * c)),
-                                  _mm256_maddubs_epi16(hi[c], bcast4(q + 16 + 4 * c)));
-        const __m256i p16 = _mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3]));
-        __m256i isum = _mm256_madd_epi16(p16, ones);
+        __m256i isum = dot(lo, hi, x.q + r * x.k + i * kQ);
         const int32_t s = x.s[r * nb + i];
-        if (!kHasMin) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(8 * s));
+        if (kOffset) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(kOffset * s));
         const float dx = x.d[r * x.nd + i];
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_set1_ps(dx)), acc[r]);
         if (kHasMin) {
@@ -273,47 +307,6 @@ struct Avx2Nib8 {
       }
     }
     for (int r = 0; r < R; ++r) out[r] = kHasMin ? _mm256_add_ps(acc[r], accm[r]) : acc[r];
-  }
-};
-
-// q5_0: q4_0's nibbles with the fifth bits from 32 bytes whose lane j byte b holds, in bit t, row
-// j's element 4t + b (blocks.py spreads qh so): one shift and mask per chunk put it at bit 4. Codes
-// 0..31 by vpmaddubsw (<= 2 * 31 * 127 per pair; 4 products summed in int16 <= 31496), the -16 as
-// 16 * s.
-struct Avx2Q5_0x8 {
-  static constexpr int kGroupBlock = 16 + 32 + 128;
-
-  template <int R>
-  static void group(const uint8_t* g, const QInput& x, __m256 out[R]) {
-    const int64_t nb = x.k / kQ;
-    const __m256i m4 = _mm256_set1_epi8(15), bit4 = _mm256_set1_epi8(16), ones = _mm256_set1_epi16(1);
-    __m256 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < nb; ++i, g += kGroupBlock) {
-      prefetch_ahead(g, kGroupBlock);
-      const __m256i high = load32(g + 16);
-      __m256i lo[4], hi[4];
-      for (int c = 0; c < 4; ++c) {   // element 4c + b: bit c of byte b; element 16 + 4c + b: bit 4 + c
-        const __m256i v = load32(g + 48 + 32 * c);
-        lo[c] = _mm256_or_si256(_mm256_and_si256(v, m4), _mm256_and_si256(_mm256_slli_epi16(high, 4 - c), bit4));
-        hi[c] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4),
-                                _mm256_and_si256(_mm256_srli_epi16(high, c), bit4));
-      }
-      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)g));
-      for (int r = 0; r < R; ++r) {
-        const int8_t* q = x.q + r * x.k + i * kQ;
-        __m256i p[4];
-        for (int c = 0; c < 4; ++c)
-          p[c] = _mm256_add_epi16(_mm256_maddubs_epi16(lo[c], bcast4(q + 4 * c)),
-                                  _mm256_maddubs_epi16(hi[c], bcast4(q + 16 + 4 * c)));
-        const __m256i isum = _mm256_sub_epi32(
-            _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(p[0], p[1]), ones),
-                             _mm256_madd_epi16(_mm256_add_epi16(p[2], p[3]), ones)),
-            _mm256_set1_epi32(16 * x.s[r * nb + i]));
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_set1_ps(x.d[r * x.nd + i])), acc[r]);
-      }
-    }
-    for (int r = 0; r < R; ++r) out[r] = acc[r];
   }
 };
 
@@ -349,62 +342,8 @@ struct Avx2Q8_0x8 {
 };
 
 #ifdef BM_BLK_VNNI
-// The VNNI tier over the x8 layout: the AVX2 kernels' loads and unpacking, each 4-byte input
-// broadcast multiplied into every row's lane by one vpdpbusd (u8 codes x s8 inputs, int32 sums).
-// Exact integers as the AVX2 kernels', so both tiers give the same bits. q8_0's signed codes as
-// unsigned w + 128 (w ^ 0x80), the 128 * s taken off per block.
-
-// q4_0 / q4_1 (nibbles) and q5_0 (5-bit codes, bit 4 spread as in Avx2Q5_0x8): per block the 8
-// vectors of codes u[c] (lo 0..3, hi 4..7) against inputs 4c (lo) and 16 + 4c (hi); q4_0's -8 as
-// 8 * s, q5_0's -16 as 16 * s, q4_1's min as Avx2Nib8's.
-template <int kKind>   // 0: q4_0, 1: q4_1, 2: q5_0
-struct VnniSmallX8 {
-  static constexpr bool kHasMin = kKind == 1, kFifth = kKind == 2;
-  static constexpr int kHead = kKind == 0 ? 16 : 32;   // q4_1: d and m; q5_0: d then 32 bytes of fifth bits at 16
-  static constexpr int kCodes = kFifth ? 48 : kHead, kGroupBlock = kCodes + 128;
-  static constexpr int kOffset = kKind == 0 ? 8 : kKind == 2 ? 16 : 0;
-
-  template <int R>
-  static void group(const uint8_t* g, const QInput& x, __m256 out[R]) {
-    const int64_t nb = x.k / kQ;
-    const __m256i m4 = _mm256_set1_epi8(15), bit4 = _mm256_set1_epi8(16);
-    __m256 acc[R], accm[R];
-    for (int r = 0; r < R; ++r) acc[r] = accm[r] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < nb; ++i, g += kGroupBlock) {
-      prefetch_ahead(g, kGroupBlock);
-      __m256i lo[4], hi[4];
-      for (int c = 0; c < 4; ++c) {
-        const __m256i v = load32(g + kCodes + 32 * c);
-        lo[c] = _mm256_and_si256(v, m4);
-        hi[c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-        if (kFifth) {
-          const __m256i high = load32(g + 16);
-          lo[c] = _mm256_or_si256(lo[c], _mm256_and_si256(_mm256_slli_epi16(high, 4 - c), bit4));
-          hi[c] = _mm256_or_si256(hi[c], _mm256_and_si256(_mm256_srli_epi16(high, c), bit4));
-        }
-      }
-      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)g));
-      for (int r = 0; r < R; ++r) {
-        const int8_t* q = x.q + r * x.k + i * kQ;
-        __m256i isum = _mm256_setzero_si256();
-        for (int c = 0; c < 4; ++c) {
-          isum = dpbusd(isum, lo[c], bcast4(q + 4 * c));
-          isum = dpbusd(isum, hi[c], bcast4(q + 16 + 4 * c));
-        }
-        const int32_t s = x.s[r * nb + i];
-        if (kOffset) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(kOffset * s));
-        const float dx = x.d[r * x.nd + i];
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_set1_ps(dx)), acc[r]);
-        if (kHasMin) {
-          const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(g + 16)));
-          accm[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(dx * (float)s), accm[r]);
-        }
-      }
-    }
-    for (int r = 0; r < R; ++r) out[r] = kHasMin ? _mm256_add_ps(acc[r], accm[r]) : acc[r];
-  }
-};
-
+// q8_0 on the VNNI tier: the signed codes as unsigned w + 128 (w ^ 0x80), one vpdpbusd per vector
+// and row into int32, the 128 * s taken off per block: Avx2Q8_0x8's integers, so its bits.
 struct VnniQ8_0x8 {
   static constexpr int kGroupBlock = 16 + 256;
 
@@ -433,9 +372,9 @@ struct VnniQ8_0x8 {
   }
 };
 
-using VnniQ4_0x8 = VnniSmallX8<0>;
-using VnniQ4_1x8 = VnniSmallX8<1>;
-using VnniQ5_0x8 = VnniSmallX8<2>;
+using VnniQ4_0x8 = SmallX8<0, true>;
+using VnniQ4_1x8 = SmallX8<1, true>;
+using VnniQ5_0x8 = SmallX8<2, true>;
 #endif  // BM_BLK_VNNI
 
 #endif  // __F16C__
@@ -453,8 +392,9 @@ using VnniQ5_0 = Avx2Small<BlockQ5_0, false, true>;
 #endif
 using Avx2Q5_K = Avx2K4<BlockQ5_K>;
 #ifdef BM_BLK_X8
-using Avx2Q4_0x8 = Avx2Nib8<false>;
-using Avx2Q4_1x8 = Avx2Nib8<true>;
+using Avx2Q4_0x8 = SmallX8<0, false>;
+using Avx2Q4_1x8 = SmallX8<1, false>;
+using Avx2Q5_0x8 = SmallX8<2, false>;
 #endif
 
 }  // namespace bm_blk
