@@ -19,7 +19,8 @@ are given back, the rest of the huge page its last weight ends in included: unus
 not memory.
 
 Off (weights stay where they are) where the kernel has no transparent huge pages or has them set to
-never, for a non-CPU or empty tensor, and with BATCH_MANAGER_HUGE_PAGES=0.
+never, for a non-CPU or empty tensor, where the mapping is refused (OSError: a strict overcommit
+limit), and with BATCH_MANAGER_HUGE_PAGES=0.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ import threading
 import torch
 
 HUGE_PAGE_BYTES = 2 << 20
-CHUNK_BYTES = 256 << 20
+CHUNK_BYTES = 64 << 20   # a model's small weights share chunks; each chunk's size counts in the commit charge
 ALIGN_BYTES = 256
 THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
 
@@ -120,7 +121,10 @@ def hold(t: torch.Tensor) -> torch.Tensor:
     nbytes = t.numel() * t.element_size()
     if t.device.type != "cpu" or nbytes == 0 or not enabled():
         return t
-    return _CHUNKS.place(t)
+    try:
+        return _CHUNKS.place(t)
+    except OSError:   # no address space or commit charge left for a mapping: the weight stays put
+        return t
 
 
 def seal() -> None:

@@ -99,3 +99,11 @@ def test_switched_off_the_tensor_stays_where_it_is(monkeypatch):
     view = t.t()
     held = weight_memory.hold(view)
     assert held.is_contiguous() and torch.equal(held, view)
+
+
+def test_a_refused_mapping_leaves_the_weight_where_it_is(monkeypatch):
+    def refuse(nbytes):
+        raise OSError(12, "Cannot allocate memory")
+    monkeypatch.setattr(weight_memory, "_advised_mapping", refuse)
+    t = torch.randn(300, 200)
+    assert weight_memory.hold(t).data_ptr() == t.data_ptr()
