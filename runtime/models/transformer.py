@@ -160,14 +160,11 @@ class Transformer:
             self.embed_parts = None
             self._hold_prepared("embed_tokens", self.lm_head)
         elif "lm_head" in self.w or self.lm_head.weight is not self.w["embed_tokens"]:
-            self.w["lm_head"] = self.lm_head.weight
-            held = self.lm_head.weight
-            if head_name == "embed_tokens" and held.layout == torch.strided:
-                table = self.w["embed_tokens"]
-                if held.dtype == table.dtype and held.shape[1:] == table.shape[1:] and held.shape[0] >= table.shape[0]:
-                    # One copy of a tied float table: the head's (held in huge pages, or padded under
-                    # TP), its first rows the lookup's
-                    self.w["embed_tokens"] = held[:table.shape[0]]
+            self.w["lm_head"] = held = self.lm_head.weight
+            table = self.w.get("embed_tokens") if head_name == "embed_tokens" and held.layout == torch.strided else None
+            if table is not None and held.dtype == table.dtype and held[:len(table)].shape == table.shape:
+                # One copy of a tied float table: the head's (in huge pages; padded under TP), its first rows
+                self.w["embed_tokens"] = held[:len(table)]
 
     def _hold_prepared(self, name: str, linear: PreparedLinear) -> None:
         """The prepared tensors replace the weight `name` (and its stored parts) in self.w: the
