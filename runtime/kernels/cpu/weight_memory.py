@@ -24,6 +24,7 @@ limit), and with BATCH_MANAGER_HUGE_PAGES=0.
 """
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import threading
@@ -36,8 +37,10 @@ ALIGN_BYTES = 256
 THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
+@functools.cache
 def huge_pages_available() -> bool:
-    """Whether this kernel can back advised anonymous memory with transparent huge pages."""
+    """Whether this kernel can back advised anonymous memory with transparent huge pages (read once
+    per process, not once per weight)."""
     if not hasattr(mmap, "MADV_HUGEPAGE"):
         return False
     try:
