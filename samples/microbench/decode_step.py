@@ -7,7 +7,8 @@ one generation step of R rows, median of --steps, for:
   fused        the whole step as one native call
   matmuls      the same call running its weight GEMVs alone (same inputs, split and barriers)
 and "outside" = the median over step pairs of fused - matmuls: the time of everything but the
-weight matmuls (norms, rotary, KV write, attention, SiLU, the barriers). Fused and matmuls-only
+weight matmuls (norms, rotary, KV write, attention, SiLU, the attention-out and down projections'
+inputs quantized by their producers, the barriers). Fused and matmuls-only
 steps alternate on one runner (the matmuls-only ones write no KV; their positions are still
 taken), so a shared machine's drift falls on both alike.
 

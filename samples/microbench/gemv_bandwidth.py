@@ -55,8 +55,8 @@ def format_kernels(n: int, k: int, group_size: int) -> dict[str, tuple]:
     from runtime.kernels.cpu.cpu_native import native_ops
     from runtime.kernels.cpu.cpu_native_bf16 import bf16_ops
     from runtime.kernels.cpu.cpu_weight_only import weight_only_ops
-    from runtime.quantization.int4 import quantize_int4
     from runtime.kernels.cpu.weight_memory import hold
+    from runtime.quantization.int4 import quantize_int4
     from runtime.quantization.int8 import quantize_int8
     native, bf16, weight_only, act, blocks = (native_ops(), bf16_ops(), weight_only_ops(), aq.act_quant_ops(),
                                               block_ops())
