@@ -56,7 +56,7 @@ inline void linear_tile(const float* x, int64_t ldx, const float* w, int64_t k, 
 
 // Outputs [n0, n1) for every row: per tile of O outputs, all rows (tiles of 4, then the rest), so
 // the tile's weight rows come from memory once and stay in L1 for the later row tiles while the
-// prefetches of the next tile are in flight. O: 8, 4, 3 outputs for 1, 2, 3 rows; 3 from 4 rows
+// prefetches of the next tile are in flight. O: 4 outputs for 2 rows, 3 from 3 rows
 // (12 accumulators; measured 1.07-1.10x over 2 at 8 rows, and over row tiles outermost).
 template <int O>
 void linear_outputs(const float* x, int64_t rows, int64_t ldx, const float* w, int64_t o, int64_t k,
