@@ -118,9 +118,10 @@ struct AttentionScratch {
   std::vector<int64_t> slots;
 };
 
-// Keys per step of attend_chunk, and how far ahead of the ones being read their K and V rows are
-// prefetched.
-constexpr int64_t kKeyTile = 8, kPrefetchKeys = 16;
+// Keys per tile of attend_chunk's score pass (one sum8x8 per head and tile), keys per tile of its
+// value pass (one load and store of the accumulators per tile), and how far ahead of the keys being
+// read their K or V rows are prefetched.
+constexpr int64_t kKeyTile = 8, kValueTile = 16, kPrefetchKeys = 16;
 
 // A KV row as attend_chunk reads it: 8 values at a time converted to float32 in registers, as
 // KvRows' format stores them (bf16: widened; int8: q * its row's scale, one multiply).
@@ -187,28 +188,48 @@ inline void dot_rows(const float* q, int64_t group_rt, const R& x, int64_t d, fl
   }
 }
 
-// acc[g] += p[g * kKeyTile] * value for the group's heads (acc [group, d]; one fused multiply-add
-// per value), each value chunk converted once for the group, the weights broadcast once per row.
-// (Blocking 2-8 keys' values per load and store of acc ran faster with the cache hot and slower
-// cold, reading several slots' rows at once: one key at a time, in the cache's order.)
+// acc[g] += sum over the tile's keys t of w[g * stride + t] * values[t] for the group's heads (acc
+// [group, d]), key by key in key order, one fused multiply-add per value: the accumulators of up to
+// 4 heads x 16 columns stay in registers over the tile (one load and store per tile, not per key),
+// each value chunk converted once for those heads.
 template <int G = 0, class R>
-inline void accumulate_value(const R& value, const float* p, int64_t group_rt, int64_t d, float* acc) {
+inline void accumulate_values(const R* values, int64_t count, const float* w, int64_t stride, int64_t group_rt,
+                              int64_t d, float* acc) {
   const int64_t group = group_of<G>(group_rt), d8 = d & ~(int64_t)7;
   for (int64_t g0 = 0; g0 < group; g0 += 4) {
     const int64_t gs = std::min<int64_t>(4, group - g0);
-    __m256 w[4];
-    for (int64_t g = 0; g < gs; ++g) w[g] = _mm256_set1_ps(p[(g0 + g) * kKeyTile]);
-    float* a = acc + g0 * d;
-    for (int64_t c = 0; c < d8; c += 8) {
-      const __m256 x = value.load8(c);
-      for (int64_t g = 0; g < gs; ++g)
-        _mm256_storeu_ps(a + g * d + c, _mm256_fmadd_ps(w[g], x, _mm256_loadu_ps(a + g * d + c)));
+    for (int64_t c = 0; c < d8; c += 16) {
+      const bool two = c + 8 < d8;   // a second 8-column chunk in this step
+      __m256 a[4][2];
+      for (int64_t g = 0; g < gs; ++g) {
+        a[g][0] = _mm256_loadu_ps(acc + (g0 + g) * d + c);
+        a[g][1] = two ? _mm256_loadu_ps(acc + (g0 + g) * d + c + 8) : _mm256_setzero_ps();
+      }
+      for (int64_t t = 0; t < count; ++t) {
+        const __m256 x0 = values[t].load8(c), x1 = two ? values[t].load8(c + 8) : _mm256_setzero_ps();
+        for (int64_t g = 0; g < gs; ++g) {
+          const __m256 p = _mm256_broadcast_ss(w + (g0 + g) * stride + t);
+          a[g][0] = _mm256_fmadd_ps(p, x0, a[g][0]);
+          if (two) a[g][1] = _mm256_fmadd_ps(p, x1, a[g][1]);
+        }
+      }
+      for (int64_t g = 0; g < gs; ++g) {
+        _mm256_storeu_ps(acc + (g0 + g) * d + c, a[g][0]);
+        if (two) _mm256_storeu_ps(acc + (g0 + g) * d + c + 8, a[g][1]);
+      }
     }
   }
-  for (int64_t c = d8; c < d; ++c) {
-    const float x = value.at(c);
-    for (int64_t g = 0; g < group; ++g) acc[g * d + c] = fmaf(p[g * kKeyTile], x, acc[g * d + c]);
-  }
+  for (int64_t t = 0; t < count; ++t)
+    for (int64_t c = d8; c < d; ++c) {
+      const float x = values[t].at(c);
+      for (int64_t g = 0; g < group; ++g) acc[g * d + c] = fmaf(w[g * stride + t], x, acc[g * d + c]);
+    }
+}
+
+inline float hmax8(__m256 v) {
+  const __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  return _mm_cvtss_f32(_mm_max_ss(m2, _mm_movehdup_ps(m2)));
 }
 
 template <class R, int G>
@@ -216,28 +237,25 @@ inline void attend_chunk_as(const float* q, int64_t num_heads, int64_t num_kv_he
                             const KvRows& v, const int64_t* slots, int64_t n, float scale, AttentionScratch& s,
                             float* partial) {
   const int64_t group = group_of<G>(num_heads / num_kv_heads), d8 = d & ~(int64_t)7;
+  const int64_t stride = (n + kKeyTile - 1) / kKeyTile * kKeyTile;
   float* acc = partial;
   float* top = partial + num_heads * d;
   float* sums = top + num_heads;
   std::fill_n(acc, num_heads * d, 0.f);
   std::fill_n(top, num_heads, -INFINITY);
   std::fill_n(sums, num_heads, 0.f);
-  s.scores.resize(num_heads * kKeyTile);
+  s.scores.resize(num_heads * stride);
   s.lanes.resize(num_heads * kKeyTile * 8);
   s.tails.resize(num_heads * kKeyTile);   // zeroed per tile when used
-  float* w = s.scores.data();   // [num_heads, 8]: the tile's scores, then their weights
+  float* w = s.scores.data();       // [num_heads, stride]: the chunk's scores, then their weights
   float* lanes = s.lanes.data();    // [num_heads, 8 keys, 8 lanes]: each score's partial sums
   float* tails = s.tails.data();    // [num_heads, 8]: each score's columns past the last multiple of 8
-  for (int64_t j = 0; j < std::min(n, kPrefetchKeys); ++j) {
-    k.prefetch(slots[j] * num_kv_heads, num_kv_heads);
-    v.prefetch(slots[j] * num_kv_heads, num_kv_heads);
-  }
+  // 1. scores, 8 keys at a time, each K row read once for its group's heads
+  for (int64_t j = 0; j < std::min(n, kPrefetchKeys); ++j) k.prefetch(slots[j] * num_kv_heads, num_kv_heads);
   for (int64_t i = 0; i < n; i += kKeyTile) {
     const int64_t count = std::min(kKeyTile, n - i);
-    for (int64_t j = i + kPrefetchKeys; j < std::min(n, i + kPrefetchKeys + kKeyTile); ++j) {
+    for (int64_t j = i + kPrefetchKeys; j < std::min(n, i + kPrefetchKeys + kKeyTile); ++j)
       k.prefetch(slots[j] * num_kv_heads, num_kv_heads);
-      v.prefetch(slots[j] * num_kv_heads, num_kv_heads);
-    }
     if (d8 < d) std::fill_n(tails, num_heads * kKeyTile, 0.f);
     for (int64_t t = 0; t < count; ++t)
       for (int64_t h = 0; h < num_kv_heads; ++h)
@@ -248,30 +266,40 @@ inline void attend_chunk_as(const float* q, int64_t num_heads, int64_t num_kv_he
     for (int64_t hq = 0; hq < num_heads; ++hq) {
       __m256 sums8 = sum8x8(lanes + hq * kKeyTile * 8);
       if (d8 < d) sums8 = _mm256_add_ps(sums8, _mm256_loadu_ps(tails + hq * kKeyTile));
-      _mm256_storeu_ps(w + hq * kKeyTile, _mm256_mul_ps(sums8, _mm256_set1_ps(scale)));
+      _mm256_storeu_ps(w + hq * stride + i, _mm256_mul_ps(sums8, _mm256_set1_ps(scale)));
     }
-    const __m256 live = _mm256_castsi256_ps(
-        _mm256_cmpgt_epi32(_mm256_set1_epi32((int)count), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
-    for (int64_t hq = 0; hq < num_heads; ++hq) {
-      float* wh = w + hq * kKeyTile;
-      float tile_top = wh[0];
-      for (int64_t t = 1; t < count; ++t) tile_top = std::max(tile_top, wh[t]);
-      if (tile_top > top[hq]) {   // the running max rises: rescale what was summed under the old one
-        const float correction = expf(top[hq] - tile_top);
-        sums[hq] *= correction;
-        float* ah = acc + hq * d;
-#pragma omp simd
-        for (int64_t c = 0; c < d; ++c) ah[c] *= correction;
-        top[hq] = tile_top;
-      }
-      const __m256 e = _mm256_and_ps(live, exp8(_mm256_sub_ps(_mm256_loadu_ps(wh), _mm256_set1_ps(top[hq]))));
-      _mm256_storeu_ps(wh, e);
-      sums[hq] += hsum8(e);
+  }
+  for (int64_t j = 0; j < std::min(n, kPrefetchKeys); ++j) v.prefetch(slots[j] * num_kv_heads, num_kv_heads);
+  // 2. per head: the chunk's maximum score, then the weights exp(score - maximum) and their sum
+  for (int64_t hq = 0; hq < num_heads; ++hq) {
+    float* wh = w + hq * stride;
+    __m256 m8 = _mm256_set1_ps(-INFINITY);
+    for (int64_t i = 0; i < n; i += kKeyTile) {
+      const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)std::min(kKeyTile, n - i)),
+                                                                 _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+      m8 = _mm256_max_ps(m8, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_loadu_ps(wh + i), live));
     }
-    for (int64_t t = 0; t < count; ++t)
-      for (int64_t h = 0; h < num_kv_heads; ++h)
-        accumulate_value<G>(kv_row<R>(v, slots[i + t] * num_kv_heads + h), w + h * group * kKeyTile + t, group, d,
-                            acc + h * group * d);
+    const float maximum = hmax8(m8);
+    float sum = 0.f;
+    for (int64_t i = 0; i < n; i += kKeyTile) {
+      const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)std::min(kKeyTile, n - i)),
+                                                                 _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+      const __m256 e = _mm256_and_ps(live, exp8(_mm256_sub_ps(_mm256_loadu_ps(wh + i), _mm256_set1_ps(maximum))));
+      _mm256_storeu_ps(wh + i, e);
+      sum += hsum8(e);
+    }
+    top[hq] = maximum, sums[hq] = sum;
+  }
+  // 3. the weighted sums of V, kValueTile keys at a time, each V row read once for its group's heads
+  R rows[kValueTile];
+  for (int64_t i = 0; i < n; i += kValueTile) {
+    const int64_t count = std::min(kValueTile, n - i);
+    for (int64_t j = i + kPrefetchKeys; j < std::min(n, i + kPrefetchKeys + kValueTile); ++j)
+      v.prefetch(slots[j] * num_kv_heads, num_kv_heads);
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      for (int64_t t = 0; t < count; ++t) rows[t] = kv_row<R>(v, slots[i + t] * num_kv_heads + h);
+      accumulate_values<G>(rows, count, w + h * group * stride + i, stride, group, d, acc + h * group * d);
+    }
   }
 }
 
@@ -293,17 +321,18 @@ inline void attend_chunk_of(const float* q, int64_t num_heads, int64_t num_kv_he
 
 // One chunk of a sequence's visible keys (their cache slots [n]) for all its query heads q
 // [num_heads, d] (float32; query head h reads KV head h / group): the chunk's partial result (see
-// partial_size), in one pass over the keys, 8 at a time, with a running maximum per head
-// (flash attention's online softmax). Memory is read in the cache's own order: a slot's KV heads
-// are consecutive rows, so each slot's keys (then its values) are one contiguous run, read slot
-// after slot (reading 8 slots' rows head by head instead ran at a third of the bandwidth on the
-// machine measured). bf16 and int8 rows are converted 8 values at a time in registers (F32Row,
-// Bf16Row, Int8Row), each key and value row once for the group's heads; k and v are in one format.
+// partial_size), in three passes: every key's score, then per head the chunk's maximum score and the
+// weights exp(score - maximum), then the weighted sums of V. Memory is read in the cache's own
+// order: a slot's KV heads are consecutive rows, so each slot's keys (then its values) are one
+// contiguous run, read slot after slot (reading 8 slots' rows head by head instead ran at a third of
+// the bandwidth on the machine measured). bf16 and int8 rows are converted 8 values at a time in
+// registers (F32Row, Bf16Row, Int8Row), each key and value row once for the group's heads; k and v
+// are in one format.
 // Rounding: a score is one 8-lane accumulator over the 8-column chunks (dot_rows), its lanes summed
 // by sum8x8's pairwise tree, plus the columns past the last multiple of 8 summed one by one, times
-// scale; a weight is exp8(score - the running max); when the
-// max rises, the weighted sums of V and the sum of weights are first multiplied by exp(old - new);
-// the V sums then add key by key in key order, one fused multiply-add per value.
+// scale; a weight is exp8(score - the chunk's maximum score); a head's sum of weights adds each tile
+// of 8 weights' hsum8 in key order; the V sums add key by key in key order, one fused multiply-add
+// per value.
 BM_ONE_COPY void attend_chunk(const float* q, int64_t num_heads, int64_t num_kv_heads, int64_t d, const KvRows& k,
                               const KvRows& v, const int64_t* slots, int64_t n, float scale, AttentionScratch& s,
                               float* partial) {

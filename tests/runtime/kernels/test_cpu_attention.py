@@ -86,3 +86,17 @@ def test_bf16_cache(num_heads, num_kv_heads, head_dim, window, sink):
     want = torch_attention.decode_attention(q.float(), k.float(), v.float(), tables, lens, head_dim ** -0.5,
                                             window, sink)
     torch.testing.assert_close(got.float(), want, atol=1e-5, rtol=2 ** -8)
+
+
+@pytest.mark.parametrize("head_dim", [64, 37])
+def test_scores_far_below_zero(head_dim):
+    """Every score of a chunk far below zero (the keys point away from the queries: scores ~ -150,
+    whose exp underflows float32):
+    the weights are taken from the chunk's own maximum, never from a tile's padding past its last
+    key (a maximum of 0 there would round every weight to 0 and the output to NaN)."""
+    q, k, v, released, tables, lens = problem(9, 3, head_dim, None, 0, seed=5)
+    q, k = q.abs() * 6, -k.abs() * 6
+    got = cpu_native.native_ops().decode_attention(q, k, v, released, lens, head_dim ** -0.5, None, 0)
+    want = torch_attention.decode_attention(q, k, v, tables, lens, head_dim ** -0.5, None, 0)
+    assert want.isfinite().all()
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
