@@ -107,25 +107,42 @@ struct Model {
 constexpr int64_t kUnit = 32;  // outputs per unit of thread work (a multiple of every tile's O and of kActUnit)
 static_assert(kUnit % bm_aq::kActUnit == 0, "thread ranges must start on act-quant units");
 
-constexpr int64_t kChunksPerThread = 4;
+// 2 chunks per thread: in-process A/B of the step (SmolLM2 Q4_0 blocks, AMD Zen 4, 2 threads), each
+// chunk start costing a stream's ramp-up: 4 -> 8 or 16 per thread ran 0.90-0.98x; 4 -> 2 or 1
+// 1.02-1.05x, and with the next chunk's start prefetched (below) 2 ran best.
+constexpr int64_t kChunksPerThread = 2;
 
 // One GEMV's outputs handed out in chunks of whole units to whichever thread asks next (ggml's
 // chunked matmul): a thread slowed by another process or by a slower share of the kernels does not
 // hold the others at the next barrier. `next` is this GEMV's own counter, zero before the region.
+// A thread claims its next chunk when it starts one, and the caller requests the next chunk's first
+// weight bytes (prefetch_outputs): a chunk's stream then starts with its lines in flight rather
+// than with demand misses while the hardware prefetcher ramps up.
 struct Chunks {
   std::atomic<int64_t>* next;
-  int64_t n, chunk;
+  int64_t n, chunk, ahead0 = -1, ahead1 = 0;
 
   // unit: a multiple of kUnit every chunk but the last is made of (a q8k input's producer: 256)
   Chunks(std::atomic<int64_t>* counter, int64_t outputs, int nt, int64_t unit = kUnit) : next(counter), n(outputs) {
     const int64_t units = (n + unit - 1) / unit;
     chunk = std::max<int64_t>(1, (units + nt * kChunksPerThread - 1) / (nt * kChunksPerThread)) * unit;
   }
-  // The next unclaimed chunk [n0, n1); false when none is left.
-  bool claim(int64_t& n0, int64_t& n1) {
+  // The next chunk [n0, n1) (false when none is left); starting(first output) runs for the chunk
+  // claimed after it, if any.
+  template <class Starting>
+  bool claim(int64_t& n0, int64_t& n1, Starting starting) {
+    if (ahead0 < 0) take(ahead0, ahead1);
+    n0 = ahead0, n1 = ahead1;
+    if (n0 >= n) return false;
+    take(ahead0, ahead1);
+    if (ahead0 < n) starting(ahead0);
+    return true;
+  }
+
+ private:
+  void take(int64_t& n0, int64_t& n1) {
     n0 = next->fetch_add(1, std::memory_order_relaxed) * chunk;
     n1 = std::min(n, n0 + chunk);
-    return n0 < n;
   }
 };
 
@@ -205,6 +222,26 @@ void linear_range(const Linear& L, const Input& in, float* y, int64_t ldy, int a
         weight_only_range(L, in, y, ldy, accumulate, n0, n1, isa);
       }
   }
+}
+
+// The first kStartBytes of the weights of L's outputs from o on, toward L1 (Chunks). Every layout
+// holds an output's weights in o's order (a block segment's x8 groups, the int8-activation units of
+// 16 outputs: chunks start on kUnit multiples), so output o's start is o times its bytes.
+constexpr int64_t kStartBytes = 8192;
+
+inline void prefetch_outputs(const Linear& L, int64_t o) {
+  const char* p = nullptr;
+  if (L.segments) {
+    for (int64_t i = 0; i < L.num_segments; ++i)
+      if (o >= L.segments[i].first && o < L.segments[i].last)
+        p = (const char*)L.segments[i].w + (o - L.segments[i].first) * L.segments[i].row_bytes;
+  } else {
+    const int64_t bytes = L.format == bm::kWeightFloat32 ? 4 * L.k : L.format == bm::kWeightBf16 ? 2 * L.k
+                          : L.format == bm::kWeightInt8 ? L.k : L.k / 2;
+    p = (const char*)L.w + o * bytes;
+  }
+  if (p != nullptr)
+    for (int64_t b = 0; b < kStartBytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
 }
 
 // Rows of a GEMV input quantized in the input types its weights take: q8x32 (q, d, s) and q8k (kq,
@@ -396,7 +433,7 @@ extern "C" void bm_decode_step(const Model* model, int64_t rows, float* x, const
       std::atomic<int64_t>* counter = &counters[4 * layer];
       if (m.matmuls_only != 1) rms_norm_rows(x, rows, h, L.input_norm, m.eps, normed.data());
       Input in = input_scratch.prepare(normed.data(), rows, h, m.isa, {&L.qkv});
-      for (Chunks c(counter, L.qkv.n, nt); c.claim(n0, n1);)
+      for (Chunks c(counter, L.qkv.n, nt); c.claim(n0, n1, [&](int64_t o) { prefetch_outputs(L.qkv, o); });)
         linear_range(L.qkv, in, qkv.data(), qkv_width, 0, n0, n1, m.isa);
 #pragma omp barrier
 #pragma omp for schedule(dynamic, 1)
@@ -408,12 +445,18 @@ extern "C" void bm_decode_step(const Model* model, int64_t rows, float* x, const
       // (the for's implied barrier: every chunk finished; the next layer's tasks start 4 barriers on)
       if (omp_get_thread_num() == 0) plan.reset();
       in = input_scratch.prepare(attn.data(), rows, q_size, m.isa, {&L.out}, &attn_q);
-      for (Chunks c(counter + 1, L.out.n, nt); c.claim(n0, n1);) linear_range(L.out, in, x, h, 1, n0, n1, m.isa);
+      for (Chunks c(counter + 1, L.out.n, nt); c.claim(n0, n1, [&](int64_t o) { prefetch_outputs(L.out, o); });)
+        linear_range(L.out, in, x, h, 1, n0, n1, m.isa);
 #pragma omp barrier
       if (m.matmuls_only != 1) rms_norm_rows(x, rows, h, L.post_norm, m.eps, normed.data());
       in = input_scratch.prepare(normed.data(), rows, h, m.isa, {&L.mlp_in});
       const int64_t act_unit = takes(L.mlp_out, bm::kInputQ8K) ? bm_blk::kQK : kUnit;
-      for (Chunks c(counter + 2, inter, nt, act_unit); c.claim(n0, n1);) {   // gate [n0, n1) and the same up outputs
+      const auto gate_up_start = [&](int64_t o) {
+        prefetch_outputs(L.mlp_in, o);
+        prefetch_outputs(L.mlp_in, inter + o);
+      };
+      // gate [n0, n1) and the same up outputs
+      for (Chunks c(counter + 2, inter, nt, act_unit); c.claim(n0, n1, gate_up_start);) {
         linear_range(L.mlp_in, in, gate_up.data(), 2 * inter, 0, n0, n1, m.isa);
         linear_range(L.mlp_in, in, gate_up.data(), 2 * inter, 0, inter + n0, inter + n1, m.isa);
         for (int64_t r = 0; r < rows && m.matmuls_only != 1; ++r) {
@@ -424,13 +467,14 @@ extern "C" void bm_decode_step(const Model* model, int64_t rows, float* x, const
       }
 #pragma omp barrier
       in = input_scratch.prepare(act.data(), rows, inter, m.isa, {&L.mlp_out}, &act_q);
-      for (Chunks c(counter + 3, L.mlp_out.n, nt); c.claim(n0, n1);)
+      for (Chunks c(counter + 3, L.mlp_out.n, nt); c.claim(n0, n1, [&](int64_t o) { prefetch_outputs(L.mlp_out, o); });)
         linear_range(L.mlp_out, in, x, h, 1, n0, n1, m.isa);
 #pragma omp barrier
     }
     if (m.matmuls_only != 1) rms_norm_rows(x, rows, h, m.final_norm, m.eps, normed.data());
     Input in = input_scratch.prepare(normed.data(), rows, h, m.isa, {&m.lm_head});
-    for (Chunks c(&counters[4 * m.num_layers], m.vocab, nt); c.claim(n0, n1);)
+    const auto head_start = [&](int64_t o) { prefetch_outputs(m.lm_head, o); };
+    for (Chunks c(&counters[4 * m.num_layers], m.vocab, nt); c.claim(n0, n1, head_start);)
       linear_range(m.lm_head, in, logits, m.vocab, 0, n0, n1, m.isa);
   }
 }
