@@ -226,12 +226,6 @@ inline void accumulate_values(const R* values, int64_t count, const float* w, in
     }
 }
 
-inline float hmax8(__m256 v) {
-  const __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-  return _mm_cvtss_f32(_mm_max_ss(m2, _mm_movehdup_ps(m2)));
-}
-
 template <class R, int G>
 inline void attend_chunk_as(const float* q, int64_t num_heads, int64_t num_kv_heads, int64_t d, const KvRows& k,
                             const KvRows& v, const int64_t* slots, int64_t n, float scale, AttentionScratch& s,
@@ -272,23 +266,8 @@ inline void attend_chunk_as(const float* q, int64_t num_heads, int64_t num_kv_he
   for (int64_t j = 0; j < std::min(n, kPrefetchKeys); ++j) v.prefetch(slots[j] * num_kv_heads, num_kv_heads);
   // 2. per head: the chunk's maximum score, then the weights exp(score - maximum) and their sum
   for (int64_t hq = 0; hq < num_heads; ++hq) {
-    float* wh = w + hq * stride;
-    __m256 m8 = _mm256_set1_ps(-INFINITY);
-    for (int64_t i = 0; i < n; i += kKeyTile) {
-      const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)std::min(kKeyTile, n - i)),
-                                                                 _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
-      m8 = _mm256_max_ps(m8, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_loadu_ps(wh + i), live));
-    }
-    const float maximum = hmax8(m8);
-    float sum = 0.f;
-    for (int64_t i = 0; i < n; i += kKeyTile) {
-      const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)std::min(kKeyTile, n - i)),
-                                                                 _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
-      const __m256 e = _mm256_and_ps(live, exp8(_mm256_sub_ps(_mm256_loadu_ps(wh + i), _mm256_set1_ps(maximum))));
-      _mm256_storeu_ps(wh + i, e);
-      sum += hsum8(e);
-    }
-    top[hq] = maximum, sums[hq] = sum;
+    const SoftmaxRow row = softmax_row(w + hq * stride, n, stride);
+    top[hq] = row.maximum, sums[hq] = row.sum;
   }
   // 3. the weighted sums of V, kValueTile keys at a time, each V row read once for its group's heads
   R rows[kValueTile];
@@ -330,9 +309,8 @@ inline void attend_chunk_of(const float* q, int64_t num_heads, int64_t num_kv_he
 // are in one format.
 // Rounding: a score is one 8-lane accumulator over the 8-column chunks (dot_rows), its lanes summed
 // by sum8x8's pairwise tree, plus the columns past the last multiple of 8 summed one by one, times
-// scale; a weight is exp8(score - the chunk's maximum score); a head's sum of weights adds each tile
-// of 8 weights' hsum8 in key order; the V sums add key by key in key order, one fused multiply-add
-// per value.
+// scale; a head's weights and their sum are softmax_row's (norm_activation.h) over the chunk's
+// scores; the V sums add key by key in key order, one fused multiply-add per value.
 BM_ONE_COPY void attend_chunk(const float* q, int64_t num_heads, int64_t num_kv_heads, int64_t d, const KvRows& k,
                               const KvRows& v, const int64_t* slots, int64_t n, float scale, AttentionScratch& s,
                               float* partial) {

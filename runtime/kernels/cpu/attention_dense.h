@@ -33,6 +33,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "norm_activation.h"
 #include "vec.h"
 
 namespace bm {
@@ -105,34 +106,6 @@ inline void by_row_tiles(int64_t rows, Tile&& tile) {
 }
 static_assert(kDenseRows == 6, "by_row_tiles' remainder cases");
 
-// Softmax of row s[0, visible) in place (zeros in [visible, width)); returns 1 / its sum.
-inline float softmax_row(float* s, int64_t visible, int64_t width) {
-  __m256 mv = _mm256_set1_ps(-INFINITY);
-  int64_t j = 0;
-  for (; j + 8 <= visible; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + j));
-  float lanes[8];
-  _mm256_storeu_ps(lanes, mv);
-  float m = *std::max_element(lanes, lanes + 8);
-  for (; j < visible; ++j) m = std::max(m, s[j]);
-  const __m256 mb = _mm256_set1_ps(m);
-  __m256 sv = _mm256_setzero_ps();
-  for (j = 0; j + 8 <= visible; j += 8) {
-    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mb));
-    _mm256_storeu_ps(s + j, e);
-    sv = _mm256_add_ps(sv, e);
-  }
-  float sum = hsum8(sv);
-  if (j < visible) {   // the tail through a masked vector: the same exp8 for every key
-    float tail[8] = {};
-    for (int64_t t = j; t < visible; ++t) tail[t - j] = s[t] - m;
-    float e[8];
-    _mm256_storeu_ps(e, exp8(_mm256_loadu_ps(tail)));
-    for (int64_t t = j; t < visible; ++t) s[t] = e[t - j], sum += e[t - j];
-  }
-  std::fill(s + visible, s + width, 0.f);
-  return 1.f / sum;
-}
-
 inline void dense_attention(const DenseAttention& a, int num_threads) {
   const int64_t D = a.head_dim, group = a.heads / a.kv_heads;
   const int64_t tiles = (a.total + kDenseKeys - 1) / kDenseKeys, tile_floats = D * kDenseKeys;
@@ -173,7 +146,7 @@ inline void dense_attention(const DenseAttention& a, int num_threads) {
         });
       }
       for (int64_t r = 0; r < rows; ++r)
-        inv_sum[r] = softmax_row(s.data() + r * lds, a.past + t0 + r / group + 1, keys);
+        inv_sum[r] = 1.f / softmax_row(s.data() + r * lds, a.past + t0 + r / group + 1, keys).sum;
       const float* vh = a.v + head * D;
       for (int64_t d0 = 0; d0 < D; d0 += 16) {
         const float* vd = vh + d0;

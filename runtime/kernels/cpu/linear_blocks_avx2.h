@@ -251,12 +251,12 @@ struct SmallX8 {
   // The block's codes (module comment) from its group bytes g.
   static inline void codes(const uint8_t* g, __m256i lo[4], __m256i hi[4]) {
     const __m256i m4 = _mm256_set1_epi8(15), bit4 = _mm256_set1_epi8(16);
+    const __m256i high = kFifth ? load32(g + 16) : _mm256_setzero_si256();
     for (int c = 0; c < 4; ++c) {
       const __m256i v = load32(g + kCodes + 32 * c);
       lo[c] = _mm256_and_si256(v, m4);
       hi[c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
       if (kFifth) {   // element 4c + b: bit c of byte b; element 16 + 4c + b: bit 4 + c
-        const __m256i high = load32(g + 16);
         lo[c] = _mm256_or_si256(lo[c], _mm256_and_si256(_mm256_slli_epi16(high, 4 - c), bit4));
         hi[c] = _mm256_or_si256(hi[c], _mm256_and_si256(_mm256_srli_epi16(high, c), bit4));
       }

@@ -1,5 +1,5 @@
-// Norm and activation family of the native CPU layer: the one RMSNorm and the one silu(gate) * up,
-// each written once for float32 and bf16 rows (T: float or uint16_t bf16 bits; arithmetic in
+// Norm and activation family of the native CPU layer: the one RMSNorm, the one silu(gate) * up
+// (each written once for float32 and bf16 rows) and the one softmax of a row (T: float or uint16_t bf16 bits; arithmetic in
 // float32). The per-op entry points (ops.cpp) and the fused step (decode_step.cpp)
 // call these same functions, so the eager native path and the fused step compute the same numbers.
 // NOTE: functions with a `#pragma omp simd` reduction are BM_ONE_COPY: one out-of-line copy in the
@@ -43,6 +43,41 @@ inline void silu_mul_range(const T* gate, const T* up, T* out, int64_t n0, int64
     const float g = load1_f32(gate + i);
     store1(out + i, g / (1.f + expf(-g)) * load1_f32(up + i));
   }
+}
+
+// Softmax weights of row s[0, visible) in place, not normalised: exp(s - the row's maximum), zeros
+// in [visible, width); returns that maximum and the weights' sum (a vector sum of the whole 8-lane
+// chunks, hsum8, then the tail's weights one by one). Decode attention's key chunks
+// (attention.h) and the context step's rows (attention_dense.h) both take their weights here.
+struct SoftmaxRow {
+  float maximum, sum;
+};
+
+inline SoftmaxRow softmax_row(float* s, int64_t visible, int64_t width) {
+  __m256 mv = _mm256_set1_ps(-INFINITY);
+  int64_t j = 0;
+  for (; j + 8 <= visible; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + j));
+  float lanes[8];
+  _mm256_storeu_ps(lanes, mv);
+  float m = *std::max_element(lanes, lanes + 8);
+  for (; j < visible; ++j) m = std::max(m, s[j]);
+  const __m256 mb = _mm256_set1_ps(m);
+  __m256 sv = _mm256_setzero_ps();
+  for (j = 0; j + 8 <= visible; j += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mb));
+    _mm256_storeu_ps(s + j, e);
+    sv = _mm256_add_ps(sv, e);
+  }
+  float sum = hsum8(sv);
+  if (j < visible) {   // the tail through a masked vector: the same exp8 for every key
+    float tail[8] = {};
+    for (int64_t t = j; t < visible; ++t) tail[t - j] = s[t] - m;
+    float e[8];
+    _mm256_storeu_ps(e, exp8(_mm256_loadu_ps(tail)));
+    for (int64_t t = j; t < visible; ++t) s[t] = e[t - j], sum += e[t - j];
+  }
+  std::fill(s + visible, s + width, 0.f);
+  return {m, sum};
 }
 
 }  // namespace bm

@@ -32,10 +32,11 @@ def test_no_source_is_pasted_into_another():
         assert ".cpp\")" not in module.read_text().replace("'", '"') or module.name == "library.py", module.name
 
 
-@pytest.mark.parametrize("function", ["rms_norm_row", "silu_mul_range", "dot_rows", "attend_chunk", "combine_chunks",
-                                      "exp8", "visible_keys"])
+@pytest.mark.parametrize("function", ["rms_norm_row", "silu_mul_range", "softmax_row", "dot_rows", "attend_chunk",
+                                      "combine_chunks", "exp8", "visible_keys"])
 def test_each_shared_function_is_defined_once(function):
-    """One RMSNorm, one silu * up, one paged decode attention: the per-op entry points
+    """One RMSNorm, one silu * up, one softmax of a row (decode and context attention's), one paged
+    decode attention: the per-op entry points
     (ops.cpp) and the fused step (decode_step.cpp) call these, so both compute the same numbers."""
     definition = re.compile(rf"^(?:template <[^>]*>\s*)?(?:inline |static |BM_ONE_COPY )*[\w:<>]+ {function}\(", re.M)
     found = [name for name in (*library.SOURCES, *library.HEADERS)
