@@ -65,7 +65,9 @@ def test_constant_rows_quantize_exactly():
     torch.testing.assert_close(dequantize(*quantize_int4(weight, 32)), weight)
 
 
-SHAPES = [(1536, 576), (576, 1536), (13, 64), (70, 128), (49152, 576)]
+# (9, 4160): more groups in a row than the one-row int4 kernel converts at once (64), and row bytes
+# past its last whole 64
+SHAPES = [(1536, 576), (576, 1536), (13, 64), (70, 128), (49152, 576), (9, 4160)]
 
 
 @needs_native

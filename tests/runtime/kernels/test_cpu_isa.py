@@ -60,6 +60,21 @@ def test_linear_family_matches_its_references_under_each_tier(monkeypatch, tier)
 
 
 @pytest.mark.parametrize("tier", TIERS)
+def test_int8_weight_only_column_tails_under_each_tier(monkeypatch, tier):
+    # int8 takes any column count: 3, 37 and 77 leave each tier's loops a remainder (the one-row
+    # kernel's 4-vector step, its single vectors, the scalar tail; the tiles' vectors and tail)
+    force(monkeypatch, tier)
+    gen = torch.Generator().manual_seed(5)
+    wo = weight_only_ops()
+    for k in (3, 37, 77):
+        weight, bias = torch.randn(OUTPUTS, k, generator=gen) * 0.1, torch.randn(OUTPUTS, generator=gen)
+        q8, s8 = quantize_int8(weight)
+        for rows in ROWS:
+            x = torch.randn(rows, k, generator=gen)
+            close(wo.int8_linear(x, q8, s8, bias), weight_only_linear(x, q8, s8, None, bias), 2e-5)
+
+
+@pytest.mark.parametrize("tier", TIERS)
 def test_norm_activation_and_attention_match_their_references_under_each_tier(monkeypatch, tier):
     force(monkeypatch, tier)
     gen = torch.Generator().manual_seed(4)
