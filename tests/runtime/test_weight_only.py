@@ -66,7 +66,7 @@ def test_constant_rows_quantize_exactly():
 
 
 # (9, 4160): more groups in a row than the one-row int4 kernel converts at once (64), and row bytes
-# past its last whole 64
+# past its last whole 64; int8's one row past kSequentialMaxColumns (4096) takes the tiles
 SHAPES = [(1536, 576), (576, 1536), (13, 64), (70, 128), (49152, 576), (9, 4160)]
 
 

@@ -29,10 +29,10 @@ HEADERS = ("isa.h", "formats.h", "vec.h", "norm_activation.h", "attention.h", "a
            "linear_float.h", "linear_weight_only.h", "linear_weight_only_gemm.h", "linear_act_quant.h",
            "quants_blocks.h", "linear_blocks.h", "linear_blocks_avx2.h", "linear_blocks_avx2_k.h",
            "format_table.h")
-# -falign-loops=64: a hot loop's speed must not depend on where it lands. The one-row int8 GEMV's loop
-# (linear_weight_only.h) ran at 12.7 or 21.6 GB/s by its address alone in a harness on an AMD EPYC
-# Zen 4 (both placements 21.5-22.2 with the flag); the library's steps measured the same with and
-# without it (0.99-1.03x in one process, SmolLM2, 1 and 4 rows).
+# -falign-loops=64: a hot loop's speed must not depend on where it lands. A 16-lane one-row int8 GEMV
+# loop (tried for linear_weight_only.h) ran at 12.7 or 21.6 GB/s by its address alone in a harness
+# on an AMD EPYC Zen 4 (both placements 21.5-22.2 with the flag); the library's steps measured the
+# same with and without it (0.99-1.03x in one process, SmolLM2, 1 and 4 rows).
 CXX_FLAGS = ("-std=c++17", "-O3", "-march=native", "-mavx2", "-mfma", "-falign-loops=64", "-fopenmp", "-fPIC",
              "-shared")
 NAME = "cpu-native"

@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "isa.h"
 #include "vec.h"
@@ -144,9 +145,20 @@ void int8_tile(const Int8Args& a, int64_t r0, int64_t o0) {
 }
 
 // One row: each weight row read after the last, so a thread reads its range as one sequential
-// stream (the hardware prefetcher's case, as linear_float.h's linear_row_sequential); 4 accumulators
-// of V::W lanes, x in L1. Measured on an AMD EPYC Zen 4, 1 thread, AVX-512, weights cold: 8192 x 2048
-// 12.7 -> 21.6 GB/s, 1536 x 576 8.7 -> 21.5 GB/s over the 8-output tile (8 interleaved streams).
+// stream (the hardware prefetcher's case, as linear_float.h's linear_row_sequential); 4
+// accumulators of V::W lanes, x in L1. Run 8 lanes wide under AVX-512 too (Int8K::row), up to
+// kSequentialMaxColumns. Measured on an AMD EPYC Zen 4, 1 thread, weights cold, GB/s of int8 weight
+// read, x 64-byte aligned / 16 bytes off:
+//                      8-output tile   this, 16 lanes   this, 8 lanes
+//   1536 x 576          10.3 / 10.1     23.3 / 18.3      17.2 / 16.1
+//   576 x 1536          12.9 / 12.4     24.2 / 17.8      23.1 / 20.0
+//   8192 x 2048         14.4 / 14.5     10.6 / 20.7      19.0 / 20.5
+//   4096 x 4096         17.8 / 17.7      9.6 / 19.2      17.9 / 19.1
+//   2048 x 8192         17.7 / 17.4      9.1 / 10.0       8.6 /  8.7
+// 16 lanes fall to half speed on an aligned x from 2048 columns (not understood); at 8192 columns
+// x (32 KiB) leaves L1 and each row reads it again, where the tile reads it once per 8 outputs.
+constexpr int64_t kSequentialMaxColumns = 4096;
+
 template <class V>
 void int8_row_sequential(const Int8Args& a, int64_t r0, int64_t n0, int64_t n1) {
   const float* x = a.x + r0 * a.ldx;
@@ -358,7 +370,14 @@ void run_range(const Args& a, int64_t rows, int64_t n0, int64_t n1) {
 template <class V, int R, int O>
 struct Int8K {
   static void run(const Int8Args& a, int64_t r0, int64_t o0) { int8_tile<V, R, O>(a, r0, o0); }
-  static void row(const Int8Args& a, int64_t r0, int64_t n0, int64_t n1) { int8_row_sequential<V>(a, r0, n0, n1); }
+  static void row(const Int8Args& a, int64_t r0, int64_t n0, int64_t n1) {
+    if (a.k <= kSequentialMaxColumns) {
+      int8_row_sequential<std::conditional_t<V::W == 16, Avx2, V>>(a, r0, n0, n1);
+    } else {
+      constexpr int kO = V::W == 16 ? 8 : 4;   // as Int4K::row's tiles
+      cover_outputs<V, 1, kO, Int8Args, Int8K<V, 1, 1>::run, Int8K<V, 1, kO>::run>(a, r0, n0, n1);
+    }
+  }
 };
 template <class V, int R, int O>
 struct Int4K {
