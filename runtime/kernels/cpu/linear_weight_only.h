@@ -278,10 +278,12 @@ void int4_tile_lut(const Int4Args& a, int64_t r0, int64_t o0) {
 // 16-byte quarter b: a shift by 8b (+ 4) puts quarter b's low (high) nibbles in the lanes' low 4
 // bits, the columns of 16 consecutive inputs, looked up in the quarter's group's 16-entry table of
 // de-quantized values (vpermps reads an index's low 4 bits: no mask). Per 128 weights one vpermb
-// and 7 shifts replace int4_tile_lut's 8 vpmovzxbd and 4 shifts. A row's bytes past its last whole
-// 64 take the vpmovzxbd way, a quarter at a time. Measured on an AMD EPYC Zen 4, 1 thread, gs 32:
-// 8192 x 2048 13.7 -> 19.4 Gweights/s, 1536 x 512 14.8 -> 16.9 (weights cold), 256 x 512 in cache
-// 17.0 -> 20.0, over the 8-output tile.
+// and 7 shifts replace int4_tile_lut's 4 vpmovzxbd (cross-lane, like vpermb) and 4 shifts. A row's
+// bytes past its last whole 64 take the vpmovzxbd way, a quarter at a time. Measured on an AMD
+// EPYC Zen 4, 1 thread, gs 32, weights cold, GB/s of int4 weight, x 64-byte aligned / 16 bytes
+// off, 8-output tile -> this: 1536 x 576 6.3 / 6.7 -> 8.0 / 7.9, 576 x 1536 6.5 / 6.6 -> 8.4 / 8.3,
+// 8192 x 2048 6.6 / 6.8 -> 8.0 / 9.2, 2048 x 8192 6.5 / 6.3 -> 7.3 / 7.6. With the weights in cache
+// (256 x 512) both ran at 8.5-8.6 GB/s: cold, this one runs near its in-cache (compute) rate.
 inline void int4_row_vbmi(const Int4Args& a, int64_t r0, int64_t n0, int64_t n1) {
   const float* x = a.x + r0 * a.ldx;
   const int64_t groups = a.k / a.gs, half = a.gs / 2, row_bytes = a.k / 2;
@@ -342,6 +344,12 @@ inline void int4_row_vbmi(const Int4Args& a, int64_t r0, int64_t n0, int64_t n1)
 }
 #endif
 
+// One row's tiles where no row kernel runs: 8 outputs (independent FMA chains) with AVX-512's 32
+// registers, 4 with AVX2's 16 (measured AVX-512, 1 thread, 3072 x 576: int4 0.158 -> 0.109 ms,
+// int8 0.083 -> 0.070 ms).
+template <class V>
+constexpr int kRowTileOutputs = V::W == 16 ? 8 : 4;
+
 // Tiles for R rows: O outputs at a time (fewer rows: more outputs, for independent FMA chains).
 template <class V, int R, int O, class Args, void (*Tile1)(const Args&, int64_t, int64_t),
           void (*TileO)(const Args&, int64_t, int64_t)>
@@ -374,7 +382,7 @@ struct Int8K {
     if (a.k <= kSequentialMaxColumns) {
       int8_row_sequential<std::conditional_t<V::W == 16, Avx2, V>>(a, r0, n0, n1);
     } else {
-      constexpr int kO = V::W == 16 ? 8 : 4;   // as Int4K::row's tiles
+      constexpr int kO = kRowTileOutputs<V>;
       cover_outputs<V, 1, kO, Int8Args, Int8K<V, 1, 1>::run, Int8K<V, 1, kO>::run>(a, r0, n0, n1);
     }
   }
@@ -385,14 +393,12 @@ struct Int4K {
     if constexpr (V::kLut) int4_tile_lut<V, R, O>(a, r0, o0);
     else int4_tile<V, R, O>(a, r0, o0);
   }
-  // one row: int4_row_vbmi where AVX-512 has VBMI; else tiles of 8 outputs (independent FMA
-  // chains) with AVX-512's 32 registers, 4 with AVX2's 16 (measured AVX-512, 1 thread,
-  // 3072 x 576: 0.158 -> 0.109 ms)
+  // one row: int4_row_vbmi where AVX-512 has VBMI, else the row tiles
   static void row(const Int4Args& a, int64_t r0, int64_t n0, int64_t n1) {
 #ifdef __AVX512VBMI__
     if constexpr (V::W == 16) { int4_row_vbmi(a, r0, n0, n1); return; }
 #endif
-    constexpr int kO = V::W == 16 ? 8 : 4;
+    constexpr int kO = kRowTileOutputs<V>;
     cover_outputs<V, 1, kO, Int4Args, Int4K<V, 1, 1>::run, Int4K<V, 1, kO>::run>(a, r0, n0, n1);
   }
 };
