@@ -14,6 +14,7 @@
 
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 
 #include <algorithm>
@@ -37,12 +38,14 @@ struct KvRows {
 
   int64_t row_bytes() const { return head_dim * (format == kKvFloat32 ? 4 : format == kKvBf16 ? 2 : 1); }
 
-  // `count` consecutive rows from `row` toward L1 (the cache was written steps ago; the weight
-  // stream has evicted it). A slot's KV heads are consecutive rows: one slot is one contiguous run.
-  void prefetch(int64_t row, int64_t count) const {
+  // Every 64-byte line of `count` consecutive rows from `row` loaded once into `sink` (a plain
+  // streaming read; see attend_chunk_as for why not a prefetch). Integer adds: the bytes may be any
+  // format's, and a float add of a denormal pattern can stall.
+  void touch(int64_t row, int64_t count, __m256i& sink) const {
     const int64_t bytes = count * row_bytes();
     const char* p = (const char*)cache + row * row_bytes();
-    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+    for (int64_t b = 0; b + 32 <= bytes; b += 64)
+      sink = _mm256_add_epi32(sink, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + b)));
   }
 
   void write(int64_t row, const float* x) const {
@@ -96,14 +99,21 @@ inline void visible_slots(const KeySpans& spans, int64_t from, int64_t to, const
 
 // A sequence's visible keys are attended in chunks (flash-decoding's split over the keys): each
 // chunk's partial result is its own task, and the last chunk to finish combines them. The chunk
-// size depends on the number of visible keys only, never on the thread count, so every path and
-// any number of threads compute the same numbers: up to kMaxKeyChunks chunks of a multiple of
-// kMinChunkKeys keys.
-constexpr int64_t kMaxKeyChunks = 8, kMinChunkKeys = 16;
+// size depends on the number of visible keys only, never on the thread count or the batch, so every
+// path and any number of threads compute the same numbers. Up to kMinChunkKeys keys are one chunk;
+// more go in an even number of chunks (so that one sequence splits evenly over 2 threads) of about
+// kTargetChunkKeys keys (32-64), at most kMaxKeyChunks, each a multiple of kChunkKeyUnit keys
+// (whole key tiles) but the last. Each task starts its K and V reads cold and pays its fixed work:
+// with chunks of 16 keys (the rule before) SmolLM2's int8 + a8 step of 4 and 8 sequences of 64-144
+// keys was 1.06-1.13x slower than with this rule (AMD EPYC Zen 4, 2 threads, one process); chunks
+// of about 64 keys with no even count made 1 sequence up to 1.05x slower and 8 no faster.
+constexpr int64_t kMaxKeyChunks = 8, kMinChunkKeys = 16, kTargetChunkKeys = 64, kChunkKeyUnit = 8;
 
 inline int64_t chunk_keys(int64_t n) {
-  const int64_t per = (n + kMaxKeyChunks - 1) / kMaxKeyChunks;
-  return std::max(kMinChunkKeys, (per + kMinChunkKeys - 1) / kMinChunkKeys * kMinChunkKeys);
+  if (n <= kMinChunkKeys) return kMinChunkKeys;
+  const int64_t pairs = (n + 2 * kTargetChunkKeys - 1) / (2 * kTargetChunkKeys);
+  const int64_t chunks = std::min(kMaxKeyChunks, 2 * pairs), per = (n + chunks - 1) / chunks;
+  return (per + kChunkKeyUnit - 1) / kChunkKeyUnit * kChunkKeyUnit;
 }
 
 inline int64_t num_key_chunks(int64_t n) { return std::max<int64_t>(1, (n + chunk_keys(n) - 1) / chunk_keys(n)); }
@@ -119,9 +129,10 @@ struct AttentionScratch {
 };
 
 // Keys per tile of attend_chunk's score pass (one sum8x8 per head and tile), keys per tile of its
-// value pass (one load and store of the accumulators per tile), and how far ahead of the keys being
-// read their K or V rows are prefetched.
-constexpr int64_t kKeyTile = 8, kValueTile = 16, kPrefetchKeys = 16;
+// value pass (one load and store of the accumulators per tile), keys per burst of touch reads
+// (attend_chunk_as), and the most V bytes a chunk may read with its K rows before the score pass
+// (they must still be in L2 at the value pass).
+constexpr int64_t kKeyTile = 8, kValueTile = 16, kTouchKeys = 64, kMaxEarlyValueBytes = 256 << 10;
 
 // A KV row as attend_chunk reads it: 8 values at a time converted to float32 in registers, as
 // KvRows' format stores them (bf16: widened; int8: q * its row's scale, one multiply).
@@ -169,22 +180,33 @@ inline __m256 sum8x8(const float* lanes) {   // a[t] = lanes[8 t, 8 t + 8)
 template <int G>
 inline int64_t group_of(int64_t group) { return G ? G : group; }
 
-// q[g] . x for the group's query heads q [group, d] over one key row, the row read once for all of
-// them: lanes[g * kKeyTile * 8, + 8) = one 8-lane accumulator per head over the 8-column chunks
-// (summed later by sum8x8), tails[g * kKeyTile] += the columns past the last multiple of 8.
-template <int G = 0, class R>
-inline void dot_rows(const float* q, int64_t group_rt, const R& x, int64_t d, float* lanes, float* tails) {
+// q[g] . x[j] for the group's query heads q [group, d] over `keys` key rows x (1 or 2), each row read
+// once for all of them and each q chunk loaded once for both rows (2 rows: 2 x up to 4 accumulators
+// per q load, where one row had one FMA per q load and the K pass ran load-bound):
+// lanes[(g * kKeyTile + j) * 8, + 8) = one 8-lane accumulator per head and row over the 8-column
+// chunks (summed later by sum8x8), tails[g * kKeyTile + j] += the columns past the last multiple
+// of 8. Each (head, row) score adds the same products in the same order whatever `keys` is.
+template <int G = 0, int keys = 1, class R>
+inline void dot_rows(const float* q, int64_t group_rt, const R* x, int64_t d, float* lanes, float* tails) {
   const int64_t group = group_of<G>(group_rt), d8 = d & ~(int64_t)7;
   for (int64_t g0 = 0; g0 < group; g0 += 4) {
     const int64_t gs = std::min<int64_t>(4, group - g0);
-    __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    __m256 a[4][keys];
+    for (int64_t g = 0; g < 4; ++g)
+      for (int j = 0; j < keys; ++j) a[g][j] = _mm256_setzero_ps();
     for (int64_t c = 0; c < d8; c += 8) {
-      const __m256 v = x.load8(c);
-      for (int64_t g = 0; g < gs; ++g) a[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + (g0 + g) * d + c), v, a[g]);
+      __m256 v[keys];
+      for (int j = 0; j < keys; ++j) v[j] = x[j].load8(c);
+      for (int64_t g = 0; g < gs; ++g) {
+        const __m256 qg = _mm256_loadu_ps(q + (g0 + g) * d + c);
+        for (int j = 0; j < keys; ++j) a[g][j] = _mm256_fmadd_ps(qg, v[j], a[g][j]);
+      }
     }
-    for (int64_t g = 0; g < gs; ++g) _mm256_storeu_ps(lanes + (g0 + g) * kKeyTile * 8, a[g]);
+    for (int64_t g = 0; g < gs; ++g)
+      for (int j = 0; j < keys; ++j) _mm256_storeu_ps(lanes + ((g0 + g) * kKeyTile + j) * 8, a[g][j]);
     for (int64_t c = d8; c < d; ++c)
-      for (int64_t g = 0; g < gs; ++g) tails[(g0 + g) * kKeyTile] += q[(g0 + g) * d + c] * x.at(c);
+      for (int64_t g = 0; g < gs; ++g)
+        for (int j = 0; j < keys; ++j) tails[(g0 + g) * kKeyTile + j] += q[(g0 + g) * d + c] * x[j].at(c);
   }
 }
 
@@ -244,17 +266,37 @@ inline void attend_chunk_as(const float* q, int64_t num_heads, int64_t num_kv_he
   float* w = s.scores.data();       // [num_heads, stride]: the chunk's scores, then their weights
   float* lanes = s.lanes.data();    // [num_heads, 8 keys, 8 lanes]: each score's partial sums
   float* tails = s.tails.data();    // [num_heads, 8]: each score's columns past the last multiple of 8
+  // Memory: the cache rows are cold (the weight stream evicted them). Each run of kTouchKeys keys is
+  // first read in one burst of plain loads (KvRows::touch), its K rows and, where the chunk's V rows
+  // fit kMaxEarlyValueBytes, its V rows with them (two streams); else each run's V rows are read so
+  // before the value pass. The passes then read L1 and L2: the passes' own loads, behind their FMA
+  // chains, kept too few misses in flight. One thread, chunks of 64 SmolLM2 keys (9 heads, 3 KV
+  // heads of 64) each from a new place in a 256 MiB cache, AMD EPYC Zen 4, ns per key: these bursts
+  // 101-118; software prefetches 16 keys ahead (the code before) 186-213 in the same run, and in
+  // another as slow at distances 8 to 64 as with none; the reads alone 53-77, the passes on
+  // cached rows 52-55.
+  const bool early_values = n * num_kv_heads * v.row_bytes() <= kMaxEarlyValueBytes;
+  __m256i sink = _mm256_setzero_si256();
   // 1. scores, 8 keys at a time, each K row read once for its group's heads
-  for (int64_t j = 0; j < std::min(n, kPrefetchKeys); ++j) k.prefetch(slots[j] * num_kv_heads, num_kv_heads);
   for (int64_t i = 0; i < n; i += kKeyTile) {
     const int64_t count = std::min(kKeyTile, n - i);
-    for (int64_t j = i + kPrefetchKeys; j < std::min(n, i + kPrefetchKeys + kKeyTile); ++j)
-      k.prefetch(slots[j] * num_kv_heads, num_kv_heads);
+    if (i % kTouchKeys == 0)
+      for (int64_t j = i; j < std::min(n, i + kTouchKeys); ++j) {
+        k.touch(slots[j] * num_kv_heads, num_kv_heads, sink);
+        if (early_values) v.touch(slots[j] * num_kv_heads, num_kv_heads, sink);
+      }
     if (d8 < d) std::fill_n(tails, num_heads * kKeyTile, 0.f);
-    for (int64_t t = 0; t < count; ++t)
-      for (int64_t h = 0; h < num_kv_heads; ++h)
-        dot_rows<G>(q + h * group * d, group, kv_row<R>(k, slots[i + t] * num_kv_heads + h), d,
-                    lanes + (h * group * kKeyTile + t) * 8, tails + h * group * kKeyTile + t);
+    int64_t t = 0;
+    for (; t + 2 <= count; t += 2)
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        const R x[2] = {kv_row<R>(k, slots[i + t] * num_kv_heads + h), kv_row<R>(k, slots[i + t + 1] * num_kv_heads + h)};
+        dot_rows<G, 2>(q + h * group * d, group, x, d, lanes + (h * group * kKeyTile + t) * 8, tails + h * group * kKeyTile + t);
+      }
+    for (; t < count; ++t)
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        const R x = kv_row<R>(k, slots[i + t] * num_kv_heads + h);
+        dot_rows<G, 1>(q + h * group * d, group, &x, d, lanes + (h * group * kKeyTile + t) * 8, tails + h * group * kKeyTile + t);
+      }
     for (int64_t t = count; t < kKeyTile; ++t)   // past the chunk's last key: lanes the live mask drops
       for (int64_t hq = 0; hq < num_heads; ++hq) std::fill_n(lanes + (hq * kKeyTile + t) * 8, 8, 0.f);
     for (int64_t hq = 0; hq < num_heads; ++hq) {
@@ -263,7 +305,6 @@ inline void attend_chunk_as(const float* q, int64_t num_heads, int64_t num_kv_he
       _mm256_storeu_ps(w + hq * stride + i, _mm256_mul_ps(sums8, _mm256_set1_ps(scale)));
     }
   }
-  for (int64_t j = 0; j < std::min(n, kPrefetchKeys); ++j) v.prefetch(slots[j] * num_kv_heads, num_kv_heads);
   // 2. per head: the chunk's maximum score, then the weights exp(score - maximum) and their sum
   for (int64_t hq = 0; hq < num_heads; ++hq) {
     const SoftmaxRow row = softmax_row(w + hq * stride, n, stride);
@@ -273,13 +314,14 @@ inline void attend_chunk_as(const float* q, int64_t num_heads, int64_t num_kv_he
   R rows[kValueTile];
   for (int64_t i = 0; i < n; i += kValueTile) {
     const int64_t count = std::min(kValueTile, n - i);
-    for (int64_t j = i + kPrefetchKeys; j < std::min(n, i + kPrefetchKeys + kValueTile); ++j)
-      v.prefetch(slots[j] * num_kv_heads, num_kv_heads);
+    if (!early_values && i % kTouchKeys == 0)
+      for (int64_t j = i; j < std::min(n, i + kTouchKeys); ++j) v.touch(slots[j] * num_kv_heads, num_kv_heads, sink);
     for (int64_t h = 0; h < num_kv_heads; ++h) {
       for (int64_t t = 0; t < count; ++t) rows[t] = kv_row<R>(v, slots[i + t] * num_kv_heads + h);
       accumulate_values<G>(rows, count, w + h * group * stride + i, stride, group, d, acc + h * group * d);
     }
   }
+  asm volatile("" : : "x"(sink));   // the touch loads are kept for their effect on the caches
 }
 
 // attend_chunk_as with the group as a template constant where it is 1-8 (else at run time).
@@ -352,17 +394,34 @@ BM_ONE_COPY void combine_chunks(const float* partials, int64_t num_chunks, int64
 struct ChunkPlan {
   std::vector<int64_t> first_task;   // [batch + 1]: sequence b's tasks are [first_task[b], first_task[b + 1])
   std::vector<int64_t> task_sequence;
+  std::vector<int64_t> first_key;    // [num_tasks + 1]: task t's keys, counted over the batch, start here
   std::unique_ptr<std::atomic<int64_t>[]> done;   // [batch]: chunks finished
 
   ChunkPlan(const int64_t* seq_lens, int64_t batch, int64_t window, int64_t sink)
-      : first_task(batch + 1, 0), done(new std::atomic<int64_t>[batch]) {
+      : first_task(batch + 1, 0), first_key(1, 0), done(new std::atomic<int64_t>[batch]) {
     for (int64_t b = 0; b < batch; ++b) {
-      first_task[b + 1] = first_task[b] + num_key_chunks(visible_keys(seq_lens[b], window, sink).count());
+      const int64_t n = visible_keys(seq_lens[b], window, sink).count(), chunks = num_key_chunks(n);
+      first_task[b + 1] = first_task[b] + chunks;
+      task_sequence.insert(task_sequence.end(), chunks, b);
+      for (int64_t c = 0; c < chunks; ++c)
+        first_key.push_back(first_key.back() + std::max<int64_t>(0, std::min(chunk_keys(n), n - c * chunk_keys(n))));
       done[b].store(0, std::memory_order_relaxed);
     }
-    for (int64_t b = 0; b < batch; ++b) task_sequence.insert(task_sequence.end(), first_task[b + 1] - first_task[b], b);
   }
   int64_t num_tasks() const { return first_task.back(); }
+  // Thread `thread` of `num_threads`'s tasks [begin, end): the consecutive tasks whose first key falls
+  // in its equal share of the batch's keys. A static split, so that a sequence's chunks mostly stay
+  // on one core (its combine reads partial results from that core's cache) and the split costs no
+  // atomic per task; the shares differ by at most one chunk's keys.
+  void thread_tasks(int thread, int num_threads, int64_t& begin, int64_t& end) const {
+    const int64_t total = first_key.back();
+    const auto first_at = [&](int64_t share) {   // the first task whose first key * num_threads >= total * share
+      int64_t t = 0;
+      while (t < num_tasks() && first_key[t] * num_threads < total * share) ++t;
+      return t;
+    };
+    begin = first_at(thread), end = thread + 1 == num_threads ? num_tasks() : first_at(thread + 1);
+  }
   void reset() {
     for (int64_t b = 0; b + 1 < (int64_t)first_task.size(); ++b) done[b].store(0, std::memory_order_relaxed);
   }
@@ -396,8 +455,9 @@ void decode_attention(const T* q, const KvRows& k, const KvRows& v, const int32_
 #pragma omp parallel num_threads(num_threads)
   {
     AttentionScratch s;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < plan.num_tasks(); ++task) {
+    int64_t begin, end;
+    plan.thread_tasks(omp_get_thread_num(), omp_get_num_threads(), begin, end);
+    for (int64_t task = begin; task < end; ++task) {
       const int64_t b = plan.task_sequence[task];
       KeySpans spans;
       int64_t from, to;

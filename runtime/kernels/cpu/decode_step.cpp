@@ -6,8 +6,9 @@
 //
 //   per layer:  RMSNorm (each thread its own copy: no barrier) -> QKV GEMV (outputs in chunks that
 //               the threads claim as they go: Chunks) | barrier | per (sequence, chunk of its
-//               keys) for every head (attend): the q / k RMSNorm (Qwen3), rotary, the KV-cache
-//               write, paged decode attention, the last chunk combining | barrier |
+//               keys) for every head (attend; each thread its share: ChunkPlan::thread_tasks): the
+//               q / k RMSNorm (Qwen3), rotary, the KV-cache write, paged decode attention, the last
+//               chunk combining | barrier |
 //               out-projection GEMV added into the residual | barrier | RMSNorm -> gate and up GEMV
 //               over the same outputs, silu(gate) * up | barrier | down GEMV added into the residual
 //               | barrier
@@ -427,7 +428,8 @@ extern "C" void bm_decode_step(const Model* model, int64_t rows, float* x, const
     std::vector<float> normed(rows * h, 0.f);
     InputScratch input_scratch;
     bm::AttentionScratch attention_scratch;
-    int64_t n0, n1;
+    int64_t n0, n1, first_task, end_task;   // this thread's attention tasks, the same in every layer
+    plan.thread_tasks(omp_get_thread_num(), nt, first_task, end_task);
     for (int64_t layer = 0; layer < m.num_layers; ++layer) {
       const Layer& L = m.layers[layer];
       std::atomic<int64_t>* counter = &counters[4 * layer];
@@ -436,13 +438,13 @@ extern "C" void bm_decode_step(const Model* model, int64_t rows, float* x, const
       for (Chunks c(counter, L.qkv.n, nt); c.claim(n0, n1, [&](int64_t o) { prefetch_outputs(L.qkv, o); });)
         linear_range(L.qkv, in, qkv.data(), qkv_width, 0, n0, n1, m.isa);
 #pragma omp barrier
-#pragma omp for schedule(dynamic, 1)
-      for (int64_t task = 0; task < plan.num_tasks(); ++task) {
+      for (int64_t task = first_task; task < end_task; ++task) {
         if (m.matmuls_only == 0 && attend(m, L, qkv.data(), plan, task, positions, slots, block_tables, bt_stride,
                                           seq_lens, partials.data(), attn.data(), attention_scratch))
           attn_q.quantize_for(L.out, attn.data(), q_size, plan.task_sequence[task], 0, q_size);
       }
-      // (the for's implied barrier: every chunk finished; the next layer's tasks start 4 barriers on)
+#pragma omp barrier
+      // (every chunk finished; the next layer's tasks start 4 barriers on)
       if (omp_get_thread_num() == 0) plan.reset();
       in = input_scratch.prepare(attn.data(), rows, q_size, m.isa, {&L.out}, &attn_q);
       for (Chunks c(counter + 1, L.out.n, nt); c.claim(n0, n1, [&](int64_t o) { prefetch_outputs(L.out, o); });)

@@ -135,7 +135,7 @@ def test_fused_step_equals_the_eager_model(checkpoints, arch, mode):
 @pytest.mark.parametrize("mode", ["fp32", "int8_kv", "int4_act_int8_kv", "bf16_int8_kv", "bf16"])
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
 def test_one_sequence_splits_its_keys_over_the_threads_with_the_same_numbers(checkpoints, arch, mode):
-    """One sequence on 2 threads: its keys go in chunks (attention.h's chunk_keys: 16 and more)
+    """One sequence on 2 threads: its keys go in chunks (attention.h's chunk_keys: 2 and more past 16 keys)
     that run as separate tasks, the last chunk's task writing the new key and value and the last to
     finish combining. Logits, greedy tokens and the cache (int8: its scales too) equal the eager
     step's bit for bit; bf16 engines within BF16_TOLERANCE."""
