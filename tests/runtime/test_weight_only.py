@@ -95,12 +95,12 @@ def test_native_kernel_matches_reference(out, width, mode, group_size, isa):
 @needs_native
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("mode,group_size", [("int8", 32), ("int4", 32), ("int4", 64), ("int4", 128)])
-@pytest.mark.parametrize("rows", [16, 17, 64, 65, 512])
+@pytest.mark.parametrize("rows", [16, 17, 64, 65, 512, 545])
 def test_batch_gemm_matches_reference(rows, mode, group_size, isa):
     """The fused de-quantize-and-multiply GEMM (from bm_wo::kGemmMinRows = 16 rows) on every tier:
     outputs not a multiple of its 6-output tile nor of its 96-output chunk, columns a multiple of
-    32 but not of 256 (its column blocks), rows not a multiple of its panel; with a bias, added into
-    `out`, from strided rows."""
+    32 but not of 256 (its column blocks), rows not a multiple of its panel, more rows than one pass
+    takes (kRowBlock = 512); with a bias, added into `out`, from strided rows."""
     if isa_tiers.NAMES[isa] not in isa_tiers.cpu_tiers():
         pytest.skip(f"this CPU lacks {isa}")
     out, width = 301, 640
