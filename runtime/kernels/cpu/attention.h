@@ -289,13 +289,16 @@ inline void attend_chunk_as(const float* q, int64_t num_heads, int64_t num_kv_he
     int64_t t = 0;
     for (; t + 2 <= count; t += 2)
       for (int64_t h = 0; h < num_kv_heads; ++h) {
-        const R x[2] = {kv_row<R>(k, slots[i + t] * num_kv_heads + h), kv_row<R>(k, slots[i + t + 1] * num_kv_heads + h)};
-        dot_rows<G, 2>(q + h * group * d, group, x, d, lanes + (h * group * kKeyTile + t) * 8, tails + h * group * kKeyTile + t);
+        const R x[2] = {kv_row<R>(k, slots[i + t] * num_kv_heads + h),
+                        kv_row<R>(k, slots[i + t + 1] * num_kv_heads + h)};
+        dot_rows<G, 2>(q + h * group * d, group, x, d, lanes + (h * group * kKeyTile + t) * 8,
+                       tails + h * group * kKeyTile + t);
       }
     for (; t < count; ++t)
       for (int64_t h = 0; h < num_kv_heads; ++h) {
         const R x = kv_row<R>(k, slots[i + t] * num_kv_heads + h);
-        dot_rows<G, 1>(q + h * group * d, group, &x, d, lanes + (h * group * kKeyTile + t) * 8, tails + h * group * kKeyTile + t);
+        dot_rows<G, 1>(q + h * group * d, group, &x, d, lanes + (h * group * kKeyTile + t) * 8,
+                       tails + h * group * kKeyTile + t);
       }
     for (int64_t t = count; t < kKeyTile; ++t)   // past the chunk's last key: lanes the live mask drops
       for (int64_t hq = 0; hq < num_heads; ++hq) std::fill_n(lanes + (hq * kKeyTile + t) * 8, 8, 0.f);
@@ -315,7 +318,8 @@ inline void attend_chunk_as(const float* q, int64_t num_heads, int64_t num_kv_he
   for (int64_t i = 0; i < n; i += kValueTile) {
     const int64_t count = std::min(kValueTile, n - i);
     if (!early_values && i % kTouchKeys == 0)
-      for (int64_t j = i; j < std::min(n, i + kTouchKeys); ++j) v.touch(slots[j] * num_kv_heads, num_kv_heads, sink);
+      for (int64_t j = i; j < std::min(n, i + kTouchKeys); ++j)
+        v.touch(slots[j] * num_kv_heads, num_kv_heads, sink);
     for (int64_t h = 0; h < num_kv_heads; ++h) {
       for (int64_t t = 0; t < count; ++t) rows[t] = kv_row<R>(v, slots[i + t] * num_kv_heads + h);
       accumulate_values<G>(rows, count, w + h * group * stride + i, stride, group, d, acc + h * group * d);
@@ -404,18 +408,18 @@ struct ChunkPlan {
       first_task[b + 1] = first_task[b] + chunks;
       task_sequence.insert(task_sequence.end(), chunks, b);
       for (int64_t c = 0; c < chunks; ++c)
-        first_key.push_back(first_key.back() + std::max<int64_t>(0, std::min(chunk_keys(n), n - c * chunk_keys(n))));
+        first_key.push_back(first_key.back() + std::min(chunk_keys(n), n - c * chunk_keys(n)));
       done[b].store(0, std::memory_order_relaxed);
     }
   }
   int64_t num_tasks() const { return first_task.back(); }
   // Thread `thread` of `num_threads`'s tasks [begin, end): the consecutive tasks whose first key falls
-  // in its equal share of the batch's keys. A static split, so that a sequence's chunks mostly stay
-  // on one core (its combine reads partial results from that core's cache) and the split costs no
-  // atomic per task; the shares differ by at most one chunk's keys.
+  // in its equal share of the batch's keys, so each thread's keys are within one chunk's of that
+  // share at either end. Static and consecutive: a sequence's chunks mostly stay on one thread, and
+  // no task is claimed through an atomic.
   void thread_tasks(int thread, int num_threads, int64_t& begin, int64_t& end) const {
     const int64_t total = first_key.back();
-    const auto first_at = [&](int64_t share) {   // the first task whose first key * num_threads >= total * share
+    const auto first_at = [&](int64_t share) {   // the first task with first key * num_threads >= total * share
       int64_t t = 0;
       while (t < num_tasks() && first_key[t] * num_threads < total * share) ++t;
       return t;
