@@ -39,7 +39,7 @@ constexpr int64_t kBlockK = 256;        // a multiple of every int4 group size (
 // (kRowBlock * kChunkOutputs * 4 = 192 KiB), the chunk's de-quantized block (96 KiB) and a panel
 // (32 KiB at AVX-512) stay in L2 from one column block to the next (512 KiB and more on the x86
 // servers we run on); the chunk is de-quantized once per pass (0.13-0.2 ns per weight, AVX2). 512
-// rows, against 128 before: int4 g32 at 512 rows 1.13-1.19x (SmolLM2's and the ~1B LLaMA's
+// rows, against 128 before: int4 g32 at 512 rows 1.12-1.24x (SmolLM2's and the ~1B LLaMA's
 // shapes, samples.microbench.batch_linear, AMD EPYC Zen 4, 2 threads), int8 0.99-1.09x.
 constexpr int64_t kRowBlock = 512;
 
