@@ -133,6 +133,8 @@ struct AttentionScratch {
 // (attend_chunk_as), and the most V bytes a chunk may read with its K rows before the score pass
 // (they must still be in L2 at the value pass).
 constexpr int64_t kKeyTile = 8, kValueTile = 16, kTouchKeys = 64, kMaxEarlyValueBytes = 256 << 10;
+static_assert(kTouchKeys % kKeyTile == 0 && kTouchKeys % kValueTile == 0,
+              "each pass starts a run of touched keys on one of its tiles");
 
 // A KV row as attend_chunk reads it: 8 values at a time converted to float32 in registers, as
 // KvRows' format stores them (bf16: widened; int8: q * its row's scale, one multiply).
@@ -404,11 +406,11 @@ struct ChunkPlan {
   ChunkPlan(const int64_t* seq_lens, int64_t batch, int64_t window, int64_t sink)
       : first_task(batch + 1, 0), first_key(1, 0), done(new std::atomic<int64_t>[batch]) {
     for (int64_t b = 0; b < batch; ++b) {
-      const int64_t n = visible_keys(seq_lens[b], window, sink).count(), chunks = num_key_chunks(n);
+      const int64_t n = visible_keys(seq_lens[b], window, sink).count();
+      const int64_t chunks = num_key_chunks(n), per = chunk_keys(n);
       first_task[b + 1] = first_task[b] + chunks;
       task_sequence.insert(task_sequence.end(), chunks, b);
-      for (int64_t c = 0; c < chunks; ++c)
-        first_key.push_back(first_key.back() + std::min(chunk_keys(n), n - c * chunk_keys(n)));
+      for (int64_t c = 0; c < chunks; ++c) first_key.push_back(first_key.back() + std::min(per, n - c * per));
       done[b].store(0, std::memory_order_relaxed);
     }
   }

@@ -344,9 +344,9 @@ inline void int4_row_vbmi(const Int4Args& a, int64_t r0, int64_t n0, int64_t n1)
 }
 #endif
 
-// One row's tiles where no row kernel runs: 8 outputs (independent FMA chains) with AVX-512's 32
-// registers, 4 with AVX2's 16 (measured AVX-512, 1 thread, 3072 x 576: int4 0.158 -> 0.109 ms,
-// int8 0.083 -> 0.070 ms).
+// One row's tiles where no row kernel runs (int4 without VBMI; int8 past kSequentialMaxColumns):
+// 8 outputs (independent FMA chains) with AVX-512's 32 registers, 4 with AVX2's 16 (measured
+// before the row kernels, AVX-512, 1 thread, 3072 x 576, int4: 0.158 -> 0.109 ms).
 template <class V>
 constexpr int kRowTileOutputs = V::W == 16 ? 8 : 4;
 
