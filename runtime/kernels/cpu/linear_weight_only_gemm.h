@@ -12,12 +12,19 @@
 //      register tiles of kTileOutputs outputs x P rows over the block: per column 2 vector loads
 //      of the panel (L1-resident across the chunk's tiles), kTileOutputs broadcast weights,
 //      2 * kTileOutputs FMAs (AVX2: 12 of the 16 ymm registers accumulate).
-//   3. A tile's sums go to y[r, o] transposed; the first column block writes (or adds, with
-//      accumulate), the later ones add, the last adds the bias.
+//   3. A tile's sums go, a vector per (output, V::W rows), into the chunk's sums yt[o][r] (the
+//      first column block writes, the later ones add, the last adds its sums plus the bias); after
+//      the pass's last block they go to y[r, o] transposed (written, or added with accumulate).
+//      Against the tile's sums written to y element by element per block (AVX2: transposed in
+//      registers), samples.microbench.batch_linear at 512 rows, AMD EPYC Zen 4, 2 threads, one run
+//      each, GFLOP/s as a fraction of the float32 GEMM's (oneDNN) in the same run, over SmolLM2's
+//      and the ~1B LLaMA's six shapes: int8 0.77-0.92 -> 0.92-1.00, int4 (with its AVX-512
+//      de-quantization below) 0.71-0.87 -> 0.90-1.00; at 16, 64 and 128 rows on SmolLM2's shapes
+//      int8 at or above float32 in 11 of the 12 cases, int4 in 9 (the others 0.89-0.99).
 // Each output's sum runs over the columns in order within a block (per lane: one row), so a row's
 // result does not depend on the other rows of the call.
 // Tiers: the V of linear_weight_only.h (Scalar, Avx2, Avx512); de-quantization is plain C++
-// vectorized by the compiler.
+// vectorized by the compiler, int4's at AVX-512 through a table per group.
 #pragma once
 
 #include <omp.h>
@@ -32,7 +39,7 @@
 namespace bm_wo {
 
 constexpr int64_t kGemmMinRows = 16;    // rows from which bm_wo_* take this path (see weight_only_linear.py)
-constexpr int kTileOutputs = 6;
+constexpr int kTileOutputs = 6;   // 12 x 2 zmm accumulators at AVX-512 ran no faster
 constexpr int64_t kChunkOutputs = 96;   // a multiple of kTileOutputs
 constexpr int64_t kBlockK = 256;        // a multiple of every int4 group size (32, 64, 128)
 // Rows per pass over a chunk's column blocks (a multiple of every tier's panel): their outputs
@@ -42,8 +49,13 @@ constexpr int64_t kBlockK = 256;        // a multiple of every int4 group size (
 // rows, against 128 before: int4 g32 at 512 rows 1.12-1.24x (SmolLM2's and the ~1B LLaMA's
 // shapes, samples.microbench.batch_linear, AMD EPYC Zen 4, 2 threads), int8 0.99-1.09x.
 constexpr int64_t kRowBlock = 512;
+// The chunk's sums yt[o][r] are kSumsStride floats apart per output: a line more than a pass's rows,
+// so that the outputs' lines fall in different L1 sets when the pass's sums are read out by row
+// (at 2 KiB apart they all fell in 2 sets of 64).
+constexpr int64_t kSumsStride = kRowBlock + 16;
 
 // wb[o - o0][c - c0] = w[o, c] for o in [o0, o1), c in [c0, c1).
+template <class V>
 inline void dequant_block(const Int8Args& a, int64_t o0, int64_t o1, int64_t c0, int64_t c1, float* wb) {
   for (int64_t o = o0; o < o1; ++o) {
     const int8_t* src = a.w + o * a.k + c0;
@@ -54,7 +66,10 @@ inline void dequant_block(const Int8Args& a, int64_t o0, int64_t o1, int64_t c0,
   }
 }
 
-// int4: c0 and c1 on group boundaries (c1 == k or a multiple of kBlockK).
+// int4: c0 and c1 on group boundaries (c1 == k or a multiple of kBlockK). AVX-512 (V::kLut): each
+// group's 16 de-quantized values in a table, 32 weights by two vpermps (int4_tile_lut's way; the
+// same values: q * d + m is one FMA either way).
+template <class V>
 inline void dequant_block(const Int4Args& a, int64_t o0, int64_t o1, int64_t c0, int64_t c1, float* wb) {
   const int64_t groups = a.k / a.gs, half = a.gs / 2;
   for (int64_t o = o0; o < o1; ++o) {
@@ -63,47 +78,30 @@ inline void dequant_block(const Int4Args& a, int64_t o0, int64_t o1, int64_t c0,
       const float d = half_to_float(a.scale[o * groups + g]), m = half_to_float(a.min[o * groups + g]);
       const uint8_t* b = a.w + o * (a.k / 2) + g * half;
       float* lo = dst + g * a.gs - c0;
+      if constexpr (V::kLut) {
+        const typename V::F lut = V::fma(V::iota(), V::set1(d), V::set1(m));
+        for (int64_t j = 0; j < half; j += V::W) {
+          typename V::F l, h;
+          V::u4_lut(b + j, lut, l, h);
+          V::store(lo + j, l);
+          V::store(lo + half + j, h);
+        }
+      } else {
 #pragma omp simd
-      for (int64_t j = 0; j < half; ++j) {
-        lo[j] = (float)(b[j] & 15) * d + m;
-        lo[half + j] = (float)(b[j] >> 4) * d + m;
+        for (int64_t j = 0; j < half; ++j) {
+          lo[j] = (float)(b[j] & 15) * d + m;
+          lo[half + j] = (float)(b[j] >> 4) * d + m;
+        }
       }
     }
   }
 }
 
-#ifdef __AVX2__
-// a_o holds output o of 8 rows: y[r, 0..5] (+)= (a_0[r], ..., a_5[r]) (+ bias) for r < rows.
-inline void store_6x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, float* y, int64_t ldy,
-                      int64_t rows, const float* bias, bool write) {
-  const __m256 t0 = _mm256_unpacklo_ps(a0, a1), t1 = _mm256_unpackhi_ps(a0, a1);   // rows 0 1 | 4 5, 2 3 | 6 7
-  const __m256 t2 = _mm256_unpacklo_ps(a2, a3), t3 = _mm256_unpackhi_ps(a2, a3);
-  const __m256 pairs[2] = {_mm256_unpacklo_ps(a4, a5), _mm256_unpackhi_ps(a4, a5)};  // outputs 4 5 per row
-  const __m256 quads[4] = {_mm256_shuffle_ps(t0, t2, 0x44), _mm256_shuffle_ps(t0, t2, 0xEE),   // rows 0 | 4, 1 | 5
-                           _mm256_shuffle_ps(t1, t3, 0x44), _mm256_shuffle_ps(t1, t3, 0xEE)};  // 2 | 6, 3 | 7
-  const __m128 zero = _mm_setzero_ps();
-  const __m128 b4 = bias ? _mm_loadu_ps(bias) : zero;
-  const __m128 b2 = bias ? _mm_loadl_pi(zero, (const __m64*)(bias + 4)) : zero;
-  for (int64_t r = 0; r < rows; ++r) {
-    const int half = r >= 4;
-    const int i = r & 3;
-    const __m128 q = half ? _mm256_extractf128_ps(quads[i], 1) : _mm256_castps256_ps128(quads[i]);
-    const __m128 pp = half ? _mm256_extractf128_ps(pairs[i >> 1], 1) : _mm256_castps256_ps128(pairs[i >> 1]);
-    const __m128 p = (i & 1) ? _mm_movehl_ps(pp, pp) : pp;
-    float* yr = y + r * ldy;
-    const __m128 y4 = write ? b4 : _mm_add_ps(_mm_loadu_ps(yr), b4);
-    const __m128 y2 = write ? b2 : _mm_add_ps(_mm_loadl_pi(zero, (const __m64*)(yr + 4)), b2);
-    _mm_storeu_ps(yr, _mm_add_ps(y4, q));
-    _mm_storel_pi((__m64*)(yr + 4), _mm_add_ps(y2, p));
-  }
-}
-#endif
-
-// O outputs x H * V::W rows of one panel over one column block: sums into y[r, o] (r < rows).
-// first: the block that writes (or adds into, with accumulate) y; last: the block that adds bias.
+// O outputs x H * V::W rows of one panel over one column block, into the chunk's sums held output by
+// output: yt[o * ldt + r] (r: the panel's rows). first: the block that writes yt; bias (the last
+// block's) is added to the block's sums before they go into yt.
 template <class V, int O, int H>
-void gemm_tile(const float* xt, int64_t kc, const float* wb, float* y, int64_t ldy, int64_t rows,
-               const float* bias, bool write) {
+void gemm_tile(const float* xt, int64_t kc, const float* wb, float* yt, int64_t ldt, const float* bias, bool first) {
   constexpr int P = 2 * V::W;
   typename V::F acc[O][H];
   for (int o = 0; o < O; ++o)
@@ -116,56 +114,44 @@ void gemm_tile(const float* xt, int64_t kc, const float* wb, float* y, int64_t l
       for (int h = 0; h < H; ++h) acc[o][h] = V::fma(xv[h], b, acc[o][h]);
     }
   }
-#ifdef __AVX2__
-  if constexpr (std::is_same_v<V, Avx2> && O == 6) {   // transposed in registers (a tenth of the scalar stores)
-    for (int h = 0; h < H; ++h)
-      store_6x8(acc[0][h], acc[1][h], acc[2][h], acc[3][h], acc[4][h], acc[5][h], y + h * 8 * ldy, ldy,
-                std::min<int64_t>(8, rows - h * 8), bias, write);
-    return;
-  }
-#endif
-  float sums[O][P];
   for (int o = 0; o < O; ++o)
-    for (int h = 0; h < H; ++h) V::store(sums[o] + h * V::W, acc[o][h]);
-  for (int64_t r = 0; r < rows; ++r) {
-    float* yr = y + r * ldy;
-    for (int o = 0; o < O; ++o) {
-      const float s = sums[o][r] + (bias ? bias[o] : 0.f);
-      yr[o] = write ? s : yr[o] + s;
+    for (int h = 0; h < H; ++h) {
+      const typename V::F sum = bias ? V::add(acc[o][h], V::set1(bias[o])) : acc[o][h];
+      float* dst = yt + o * ldt + h * V::W;
+      V::store(dst, first ? sum : V::add(V::load(dst), sum));
     }
-  }
 }
 
 // One panel's rows (L1-resident over the chunk) against the chunk's outputs, O at a time.
 template <class V, int H>
-void gemm_panel(const float* panel, int64_t kc, const float* wb, int64_t o0, int64_t o1, float* y, int64_t ldy,
-                int64_t rows, const float* bias, bool write) {
-  int64_t o = o0;
+void gemm_panel(const float* panel, int64_t kc, const float* wb, int64_t outputs, float* yt, int64_t ldt,
+                const float* bias, bool first) {
+  int64_t o = 0;
   const float* b = bias;
-  for (; o + kTileOutputs <= o1; o += kTileOutputs)
-    gemm_tile<V, kTileOutputs, H>(panel, kc, wb + (o - o0) * kBlockK, y + o, ldy, rows, b ? b + o : b, write);
-  const float* w = wb + (o - o0) * kBlockK;
-  switch (o1 - o) {   // the chunk's last outputs
-    case 5: gemm_tile<V, 5, H>(panel, kc, w, y + o, ldy, rows, b ? b + o : b, write); break;
-    case 4: gemm_tile<V, 4, H>(panel, kc, w, y + o, ldy, rows, b ? b + o : b, write); break;
-    case 3: gemm_tile<V, 3, H>(panel, kc, w, y + o, ldy, rows, b ? b + o : b, write); break;
-    case 2: gemm_tile<V, 2, H>(panel, kc, w, y + o, ldy, rows, b ? b + o : b, write); break;
-    case 1: gemm_tile<V, 1, H>(panel, kc, w, y + o, ldy, rows, b ? b + o : b, write); break;
+  for (; o + kTileOutputs <= outputs; o += kTileOutputs)
+    gemm_tile<V, kTileOutputs, H>(panel, kc, wb + o * kBlockK, yt + o * ldt, ldt, b ? b + o : b, first);
+  const float* w = wb + o * kBlockK;
+  float* t = yt + o * ldt;
+  switch (outputs - o) {   // the chunk's last outputs
+    case 5: gemm_tile<V, 5, H>(panel, kc, w, t, ldt, b ? b + o : b, first); break;
+    case 4: gemm_tile<V, 4, H>(panel, kc, w, t, ldt, b ? b + o : b, first); break;
+    case 3: gemm_tile<V, 3, H>(panel, kc, w, t, ldt, b ? b + o : b, first); break;
+    case 2: gemm_tile<V, 2, H>(panel, kc, w, t, ldt, b ? b + o : b, first); break;
+    case 1: gemm_tile<V, 1, H>(panel, kc, w, t, ldt, b ? b + o : b, first); break;
     default: break;
   }
 }
 
-// Every panel against the chunk's outputs [o0, o1) over the columns [c0, c0 + kc) (a last panel
-// of at most V::W rows runs half tiles).
+// Every panel of `rows` rows against the chunk's `outputs` over the columns [c0, c0 + kc), into
+// yt (a last panel of at most V::W rows runs half tiles).
 template <class V>
 void gemm_chunk_block(const float* xt, int64_t k, int64_t rows, int64_t c0, int64_t kc, const float* wb,
-                      int64_t o0, int64_t o1, float* y, int64_t ldy, const float* bias, bool write) {
+                      int64_t outputs, float* yt, const float* bias, bool first) {
   constexpr int P = 2 * V::W;
   for (int64_t r0 = 0; r0 < rows; r0 += P) {
     const float* panel = xt + r0 * k + c0 * P;
-    const int64_t n = std::min<int64_t>(P, rows - r0);
-    if (n > V::W) gemm_panel<V, 2>(panel, kc, wb, o0, o1, y + r0 * ldy, ldy, n, bias, write);
-    else gemm_panel<V, 1>(panel, kc, wb, o0, o1, y + r0 * ldy, ldy, n, bias, write);
+    if (rows - r0 > V::W) gemm_panel<V, 2>(panel, kc, wb, outputs, yt + r0, kSumsStride, bias, first);
+    else gemm_panel<V, 1>(panel, kc, wb, outputs, yt + r0, kSumsStride, bias, first);
   }
 }
 
@@ -193,17 +179,28 @@ void gemm_tier(const Args& a, int64_t rows, int num_threads) {
     // NOTE: on the heap per thread and call (~1 us against a GEMM of >= 16 rows), not thread_local:
     // a large TLS array in a dlopen'ed library is at the mercy of the loader's TLS space.
     float* wb = (float*)aligned_alloc(64, kChunkOutputs * kBlockK * sizeof(float));
+    float* yt = (float*)aligned_alloc(64, kChunkOutputs * kSumsStride * sizeof(float));
 #pragma omp for schedule(static)
     for (int64_t u = 0; u < chunks; ++u) {
       const int64_t o0 = u * kChunkOutputs, o1 = std::min(a.n, o0 + kChunkOutputs);
-      for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock)
+      for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
+        const int64_t pass_rows = std::min(kRowBlock, rows - r0);
         for (int64_t c0 = 0; c0 < a.k; c0 += kBlockK) {
           const int64_t c1 = std::min(a.k, c0 + kBlockK);
-          dequant_block(a, o0, o1, c0, c1, wb);
-          gemm_chunk_block<V>(xt + r0 * a.k, a.k, std::min(kRowBlock, rows - r0), c0, c1 - c0, wb, o0, o1,
-                              a.y + r0 * a.ldy, a.ldy, c1 == a.k ? a.bias : nullptr, c0 == 0 && !a.accumulate);
+          dequant_block<V>(a, o0, o1, c0, c1, wb);
+          gemm_chunk_block<V>(xt + r0 * a.k, a.k, pass_rows, c0, c1 - c0, wb, o1 - o0, yt,
+                              c1 == a.k && a.bias ? a.bias + o0 : nullptr, c0 == 0);
         }
+        for (int64_t r = 0; r < pass_rows; ++r) {   // the pass's sums into y, transposed
+          float* yr = a.y + (r0 + r) * a.ldy;
+          for (int64_t o = o0; o < o1; ++o) {
+            const float s = yt[(o - o0) * kSumsStride + r];
+            yr[o] = a.accumulate ? yr[o] + s : s;
+          }
+        }
+      }
     }
+    free(yt);
     free(wb);
   }
   free(xt);
