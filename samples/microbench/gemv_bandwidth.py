@@ -45,8 +45,10 @@ def read_bandwidth(num_bytes: int, repeats: int) -> float:
 
 
 def format_kernels(n: int, k: int, group_size: int) -> dict[str, tuple]:
-    """format -> (make(seed) -> (the tensors the kernel reads, fn(x) -> y)), for the formats this
-    machine runs."""
+    """format -> (make(seed) -> (the tensors the kernel reads, fn(x) -> y), x's dtype), for the
+    formats this machine runs. bf16 takes bf16 inputs, as the eager bf16 model's activations are and
+    as the fused step rounds them for AVX512-BF16's dot product (a float32 x would run the kernel
+    that widens the weights instead)."""
     import gguf
     import numpy as np
 
@@ -101,15 +103,16 @@ def format_kernels(n: int, k: int, group_size: int) -> dict[str, tuple]:
     if blocks is not None and k % 32 == 0:
         kernels["q8_0"] = block("q8_0", gguf.GGMLQuantizationType.Q8_0)
         kernels["q4_0"] = block("q4_0", gguf.GGMLQuantizationType.Q4_0)
-    return kernels
+    return {name: (make, torch.bfloat16 if name == "bf16" else torch.float32) for name, make in kernels.items()}
 
 
-def gemv_rate(make, k: int, stream_bytes: int, repeats: int) -> tuple[float, int]:
-    """(seconds per GEMV, weight bytes per GEMV) over copies of the weight cycled per pass."""
+def gemv_rate(make, k: int, stream_bytes: int, repeats: int, dtype: torch.dtype) -> tuple[float, int]:
+    """(seconds per GEMV of an x in `dtype`, weight bytes per GEMV) over copies of the weight cycled
+    per pass."""
     first, fn = make(0)
     weight_bytes = sum(t.numel() * t.element_size() for t in first if t is not None)
     copies = [fn] + [make(seed)[1] for seed in range(1, max(1, -(-stream_bytes // weight_bytes)))]
-    x = torch.randn(1, k)
+    x = torch.randn(1, k).to(dtype)
 
     def one_pass():
         for f in copies:
@@ -148,11 +151,11 @@ def measure(args: argparse.Namespace, bandwidth) -> dict:
     best, gemv = 0.0, {}
     for shape in args.shapes:
         n, k = (int(v) for v in shape.split("x"))
-        for name, make in format_kernels(n, k, args.group_size).items():
+        for name, (make, dtype) in format_kernels(n, k, args.group_size).items():
             if args.formats and name not in args.formats:
                 continue
             best = max(best, bandwidth())
-            seconds, weight_bytes = gemv_rate(make, k, args.stream_mib * 2**20, args.repeats)
+            seconds, weight_bytes = gemv_rate(make, k, args.stream_mib * 2**20, args.repeats, dtype)
             gemv[(shape, name)] = {"ms": seconds * 1e3, "bytes_per_s": weight_bytes / seconds}
     return {"bandwidth": max(best, bandwidth()), "gemv": gemv}
 
