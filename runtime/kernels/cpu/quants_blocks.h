@@ -180,7 +180,68 @@ inline void dequant_bf16(const uint8_t* row, int64_t k, float* out) {
 // ---- input rows: float32 -> the blocks a dot kernel takes ----
 
 // One block of n values: d = max|x| / 127, q = round-half-even(x / d); returns the sum of q.
+// Vectorized by hand for n a multiple of 32 (AVX-512 / AVX2): the same IEEE division, rounding and
+// clamp per value, so the same q as the loop below. A standalone loop over 8 rows of 1536 (AMD EPYC
+// Zen 4, one thread), ns a value: q8x32 1.17-1.23 -> 0.29-0.36 (the AVX2 body 0.32), q8k 1.05 ->
+// 0.21 (with its sums of 16 by psadbw below). The fused step at 8 rows quantizes ~0.5 M values per
+// thread (each thread its own copy of the RMSNorm outputs): SmolLM2 int8 + a8 and kept Q4_0 steps
+// 1.07-1.12x faster at 8 rows, 1 row unchanged within the noise (one process, both orders).
 inline int32_t quantize_block(const float* x, int n, int8_t* q, float* d) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  if (n % 32 == 0) {
+    __m512 m = _mm512_setzero_ps();
+    for (int j = 0; j < n; j += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + j)));
+    const float db = _mm512_reduce_max_ps(m) / 127.f;
+    *d = db;
+    if (db == 0.f) {
+      memset(q, 0, n);
+      return 0;
+    }
+    const __m512 vd = _mm512_set1_ps(db), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+    __m512i sum = _mm512_setzero_si512();
+    for (int j = 0; j < n; j += 16) {
+      const __m512 r = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(x + j), vd),
+                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      const __m512i v = _mm512_cvtps_epi32(_mm512_min_ps(hi, _mm512_max_ps(lo, r)));
+      _mm_storeu_si128((__m128i*)(q + j), _mm512_cvtepi32_epi8(v));
+      sum = _mm512_add_epi32(sum, v);
+    }
+    return _mm512_reduce_add_epi32(sum);
+  }
+#elif defined(__AVX2__)
+  if (n % 32 == 0) {
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 m = _mm256_setzero_ps();
+    for (int j = 0; j < n; j += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + j)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float db = _mm_cvtss_f32(m4) / 127.f;
+    *d = db;
+    if (db == 0.f) {
+      memset(q, 0, n);
+      return 0;
+    }
+    const __m256 vd = _mm256_set1_ps(db), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
+    __m256i sum = _mm256_setzero_si256();
+    for (int j = 0; j < n; j += 32) {
+      __m256i v[4];
+      for (int i = 0; i < 4; ++i) {
+        const __m256 r = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + j + 8 * i), vd),
+                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        v[i] = _mm256_cvtps_epi32(_mm256_min_ps(hi, _mm256_max_ps(lo, r)));
+        sum = _mm256_add_epi32(sum, v[i]);
+      }
+      // int32 -> int8 by two packs (lane-interleaved), then the dwords back in order
+      const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+      _mm256_storeu_si256((__m256i*)(q + j),
+                          _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    }
+    const __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    const __m128i s2 = _mm_add_epi32(s4, _mm_unpackhi_epi64(s4, s4));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 1)));
+  }
+#endif
   float amax = 0.f;
 #pragma omp simd reduction(max : amax)
   for (int j = 0; j < n; ++j) amax = std::max(amax, fabsf(x[j]));
@@ -225,10 +286,10 @@ inline void quantize_q8k_blocks(const float* x, int64_t ldx, int64_t k, int8_t* 
     const int64_t r = i / nb, b = i % nb;
     int8_t* qb = q + r * k + b * kQK;
     quantize_block(x + r * ldx + b * kQK, kQK, qb, d + i);
-    for (int g = 0; g < 16; ++g) {
-      int32_t sum = 0;
-      for (int j = 0; j < 16; ++j) sum += qb[g * 16 + j];
-      bsums[i * 16 + g] = (int16_t)sum;
+    for (int g = 0; g < 16; ++g) {   // sum of 16 int8: psadbw of q + 128 against zero, less 16 * 128
+      const __m128i u = _mm_xor_si128(_mm_loadu_si128((const __m128i*)(qb + g * 16)), _mm_set1_epi8((char)0x80));
+      const __m128i halves = _mm_sad_epu8(u, _mm_setzero_si128());
+      bsums[i * 16 + g] = (int16_t)(_mm_cvtsi128_si32(halves) + _mm_extract_epi16(halves, 4) - 16 * 128);
     }
   }
 }

@@ -16,9 +16,10 @@ import torch
 
 from runtime.config import ConfigError
 from runtime.kernels.cpu import isa as isa_tiers
+from runtime.kernels.cpu import library
 from runtime.kernels.cpu.act_quant import act_quant_ops
-from runtime.kernels.cpu.blocks import (BLOCK_FORMATS, HIGH_BITS_BYTES, X8_HALF_FIELDS, block_geometry, block_ops,
-                                        input_type, repack_x8, unpack_x8)
+from runtime.kernels.cpu.blocks import (BLOCK_FORMATS, HIGH_BITS_BYTES, X8_HALF_FIELDS, BlockOps, block_geometry,
+                                        block_ops, input_type, repack_x8, unpack_x8)
 from runtime.kernels.cpu.isa import Isa
 from runtime.kernels.torch_kernels.block_reference import (block_linear_reference, dequantize_blocks,
                                                          dequantize_input, quantize_input)
@@ -142,6 +143,24 @@ def test_input_quantization_is_the_references(fmt):
     assert native.input_type == reference.input_type == input_type(fmt)
     for a, b in [(native.q, reference.q), (native.d, reference.d), (native.sums, reference.sums)]:
         assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_input_quantization_of_an_avx2_build_is_the_references():
+    """quants_blocks.h's quantize_block has an AVX-512 and an AVX2 body, chosen at compile time: an
+    AVX-512 CPU's own build never runs the AVX2 one, so it is built here for Haswell (AVX2, FMA,
+    F16C: any CPU these kernels run on) and held to the reference too."""
+    if Isa.AVX2 not in isa_tiers.cpu_tiers():
+        pytest.skip("this CPU lacks AVX2")
+    flags = tuple(f for f in library.CXX_FLAGS if f != "-march=native") + ("-march=haswell",)
+    ops = BlockOps(library.bind(library.build(flags, name="cpu-native-haswell")))
+    x = torch.randn(5, 512) * torch.logspace(-3, 2, 512)
+    x[1, :256] = 0
+    x[2, 7] = 1e4
+    x[3, 32:64] = torch.arange(32) - 15.5   # ties at half steps once divided by d
+    for fmt in ("q8_0", "q4_k"):
+        native, reference = ops.quantize_activations(x, fmt), quantize_input(x, fmt)
+        for a, b in [(native.q, reference.q), (native.d, reference.d), (native.sums, reference.sums)]:
+            assert a.dtype == b.dtype and torch.equal(a, b), fmt
 
 
 def test_q8x32_is_the_int8_activation_modes_quantization():
