@@ -36,7 +36,7 @@ RTOL = 1e-5
 # byte offsets of each format's float16 fields in a block (d; q4_1's m; the K formats' dmin)
 HALF_FIELDS = {"q8_0": (0,), "q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q4_k": (0, 2), "q5_k": (0, 2),
                "q6_k": (208,)}
-TIERS = [Isa.SCALAR, Isa.AVX2, Isa.AVXVNNI, Isa.AVX512VNNI]   # the VNNI tiers: the 32-element formats
+TIERS = [Isa.SCALAR, Isa.AVX2, Isa.AVXVNNI, Isa.AVX512VNNI]
 LAYOUTS = ["ggml", "x8"]   # the weight as the file holds it, or repacked 8 rows interleaved (BlockOps.bind)
 K_FORMATS = [fmt for fmt in BLOCK_FORMATS if block_geometry(fmt)[0] == 256]
 OUTPUTS = 37   # not a multiple of the 16-output tile; x8: 4 whole groups and 5 rows in ggml's layout
@@ -242,15 +242,17 @@ def test_the_k_formats_give_the_same_bits_on_every_tier_and_layout(fmt):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("fmt", [fmt for fmt in BLOCK_FORMATS if fmt not in K_FORMATS])
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
 def test_the_vnni_tier_gives_the_avx2_tiers_bits(fmt, layout):
-    """vpdpbusd sums the same exact integers as vpmaddubsw + vpmaddwd (linear_blocks_avx2.h), and the
-    float order is the same: random blocks (float16 fields over their whole range), random inputs."""
+    """vpdpbusd sums the same exact integers as vpmaddubsw + vpmaddwd (linear_blocks_avx2.h; the K
+    formats over the x8 layout then vpmulld by the sub-block scales, linear_blocks_avx2_k.h; over
+    ggml's layout their VNNI tier runs the AVX2 kernel), and the float order is the same: random
+    blocks (float16 fields over their whole range), random inputs."""
     vnni = [tier for tier in (Isa.AVX512VNNI, Isa.AVXVNNI) if tier in OPS.tiers(fmt)]
     if not vnni:
         pytest.skip(f"this CPU or build lacks a vnni tier for {fmt}")
     rng, gen = np.random.default_rng(14), torch.Generator().manual_seed(14)
-    for k in (32, 96, 512, 2304):
+    for k in columns(fmt):
         blocks = random_blocks(fmt, OUTPUTS, k, rng)
         bias = torch.randn(OUTPUTS, generator=gen)
         reference = linear_of(fmt, Isa.AVX2, layout, blocks, k, bias)
