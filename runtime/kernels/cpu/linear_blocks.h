@@ -2,7 +2,7 @@
 // format a dot kernel per ISA tier over R input rows at once (R <= kMaxRows: each weight block is
 // loaded and unpacked once and fed to the R rows), and the range driver that format_table.h makes
 // a row of the format table. blocks.cpp's bm_blk_linear runs it over threads. Every format also
-// has AVX2 kernels over an 8-row interleaved layout (linear_blocks_avx2.h, the K formats'
+// has AVX2 and VNNI kernels over an 8-row interleaved layout (linear_blocks_avx2.h, the K formats'
 // linear_blocks_avx2_k.h) and their driver linear_range_x8 (a bound weight's repacked copy,
 // blocks.py's repack_x8).
 //
