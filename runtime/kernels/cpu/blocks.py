@@ -170,12 +170,15 @@ class BlockOps:
             assert lib.bm_blk_format_info(weight_code(fmt), info) == 0, fmt
             elems, size, input_code, _, mask = info
             assert (elems, size) == block_geometry(fmt) and INPUT_TYPES[input_code] == input_type(fmt), fmt
-            self._tiers[fmt] = tuple(tier for tier in compiled if mask & (1 << tier))
+            # a tier with a kernel over either layout (the other layout runs its next lower one there)
+            self._tiers[fmt] = tuple(tier for tier in compiled if mask & (1 << tier | 1 << (tier + 8)))
             self._x8_tiers[fmt] = tuple(tier for tier in self._tiers[fmt] if mask & (1 << (tier + 8)))
             assert not self._x8_tiers[fmt] or fmt in X8_HALF_FIELDS, fmt
 
     def tiers(self, fmt: str) -> tuple[Isa, ...]:
-        """The tiers of `fmt`'s linear kernel that the library compiled in and this CPU runs."""
+        """The tiers of `fmt`'s linear kernels (over ggml's layout or the x8 one; a layout without a
+        kernel of its own at a tier runs its next lower one) that the library compiled in and this
+        CPU runs."""
         return self._tiers[_check_format(fmt)]
 
     def isa_level(self, fmt: str, isa: int | str | None = None) -> Isa:

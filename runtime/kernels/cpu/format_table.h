@@ -67,9 +67,9 @@ constexpr std::array<LinearRange, kNumIsa> by_tier(LinearRange scalar, LinearRan
 #define BM_VNNI_X8(KX8, K) nullptr
 #endif
 
-// A block format's row: its AVX2 kernels, and VNNI ones (row and x8 layout) where given. The K
-// formats' VNNI row kernel is their AVX2 one (only their x8 kernels have a VNNI body), so that the
-// VNNI tier runs them in both layouts.
+// A block format's row: its AVX2 kernels, and VNNI ones (row and x8 layout) where given (the K
+// formats: over the x8 layout only; at the VNNI tier their rows in ggml's layout run the AVX2
+// kernel, linear_kernel's next lower one).
 #define BM_BLOCK_ROW(name, elems, bytes, input, dequant, scalar, avx2, avx2_x8, vnni, vnni_x8)                   \
   {name, elems, bytes, input, dequant, by_tier(&bm_blk::linear_range<bm_blk::scalar>, BM_AVX2_KERNEL(avx2), vnni), \
    by_tier(nullptr, avx2_x8, vnni_x8)}
@@ -88,11 +88,11 @@ inline constexpr FormatTraits kFormats[] = {
     BM_BLOCK_ROW("q5_0", 32, 22, kInputQ8x32, bm_blk::dequant_q5_0, ScalarQ5_0, Avx2Q5_0,
                  BM_AVX2_X8(Avx2Q5_0x8, Avx2Q5_0), BM_VNNI_KERNEL(VnniQ5_0), BM_VNNI_X8(VnniQ5_0x8, VnniQ5_0)),
     BM_BLOCK_ROW("q4_k", 256, 144, kInputQ8K, bm_blk::dequant_q4_k, ScalarQ4_K, Avx2Q4_K,
-                 BM_AVX2_X8(Avx2Q4_Kx8, Avx2Q4_K), BM_VNNI_KERNEL(Avx2Q4_K), BM_VNNI_X8(VnniQ4_Kx8, Avx2Q4_K)),
+                 BM_AVX2_X8(Avx2Q4_Kx8, Avx2Q4_K), nullptr, BM_VNNI_X8(VnniQ4_Kx8, Avx2Q4_K)),
     BM_BLOCK_ROW("q5_k", 256, 176, kInputQ8K, bm_blk::dequant_q5_k, ScalarQ5_K, Avx2Q5_K,
-                 BM_AVX2_X8(Avx2Q5_Kx8, Avx2Q5_K), BM_VNNI_KERNEL(Avx2Q5_K), BM_VNNI_X8(VnniQ5_Kx8, Avx2Q5_K)),
+                 BM_AVX2_X8(Avx2Q5_Kx8, Avx2Q5_K), nullptr, BM_VNNI_X8(VnniQ5_Kx8, Avx2Q5_K)),
     BM_BLOCK_ROW("q6_k", 256, 210, kInputQ8K, bm_blk::dequant_q6_k, ScalarQ6_K, Avx2Q6_K,
-                 BM_AVX2_X8(Avx2Q6_Kx8, Avx2Q6_K), BM_VNNI_KERNEL(Avx2Q6_K), BM_VNNI_X8(VnniQ6_Kx8, Avx2Q6_K)),
+                 BM_AVX2_X8(Avx2Q6_Kx8, Avx2Q6_K), nullptr, BM_VNNI_X8(VnniQ6_Kx8, Avx2Q6_K)),
 };
 constexpr int kNumFormats = sizeof(kFormats) / sizeof(kFormats[0]);
 static_assert(kNumFormats == kWeightQ6_K + 1, "one row per WeightFormat code");

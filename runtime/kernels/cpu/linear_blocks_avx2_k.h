@@ -43,8 +43,8 @@ inline void in_order(__m256i& v) { asm("" : "+x"(v)); }
 // kVnni (the VNNI tier): a sub-block's 8 vpdpbusd into int32 in two chains of 4 (one chain of 8
 // waits on vpdpbusd's latency: 0.95x AVX2 at one row), each then vpmulld by the rows' scale: the
 // same exact integers, so the same bits. Against AVX2 over the same x8 weight, in one process (AMD
-// EPYC Zen 4, 2 threads, 3072 x 2048, L3-resident): q4_k 1.00x at 1 row, 1.16-1.20x at 8-512;
-// q6_k (4 vectors a sub-block) 1.00x / 1.10-1.13x.
+// EPYC Zen 4, 2 threads, 3072 x 2048, L3-resident, two runs): q4_k 1.00-1.04x at 1 row, 1.16-1.20x
+// at 8-512; q6_k (4 vectors a sub-block) 0.99-1.00x / 1.08-1.13x.
 template <bool kHigh, bool kVnni = false>
 struct Avx2K4x8 {
   static constexpr int kHighBits = 128, kCodes = kHigh ? 128 + 256 : 128, kGroupBlock = kCodes + 1024;
@@ -62,9 +62,10 @@ struct Avx2K4x8 {
 #endif
     return _mm256_add_epi16(p, _mm256_maddubs_epi16(u, s));
   }
-  // the summed products times the rows' scale (lane_int16's unsigned pair) in int32
+  // the summed products times the rows' scale (AVX2: the scale in both int16 of a lane, a pair
+  // per vpmaddwd; VNNI: in int32)
   static __m256i scaled(__m256i p, __m256i scale) {
-    if constexpr (kVnni) return _mm256_mullo_epi32(p, _mm256_and_si256(scale, _mm256_set1_epi32(0xffff)));
+    if constexpr (kVnni) return _mm256_mullo_epi32(p, scale);
     return _mm256_madd_epi16(p, scale);
   }
 
@@ -91,7 +92,8 @@ struct Avx2K4x8 {
 #pragma GCC unroll 8
       for (int s = 0; s < 8; ++s) {   // sub-block s: chunk j = s / 2, its low nibbles (s even) or high
         const int j = s / 2;
-        const __m256i scale = lane_int16(u[s / 4], s % 4, s % 4, false);
+        const __m256i pair = lane_int16(u[s / 4], s % 4, s % 4, false);
+        const __m256i scale = kVnni ? _mm256_and_si256(pair, _mm256_set1_epi32(0xffff)) : pair;
 #pragma GCC unroll 2
         for (int c0 = 0; c0 < 8; c0 += kSum) {
           __m256i p[R];
@@ -162,8 +164,10 @@ struct Avx2Q6_Kx8T {
 #pragma GCC unroll 4
         for (int c = 0; c < 4; ++c) {
           const int s = 8 * h + 2 * c;
-          const __m256i scale[2] = {lane_int16(sc[s / 4], s % 4, s % 4, true),
-                                    lane_int16(sc[s / 4], s % 4 + 1, s % 4 + 1, true)};
+          __m256i scale[2] = {lane_int16(sc[s / 4], s % 4, s % 4, true),
+                              lane_int16(sc[s / 4], s % 4 + 1, s % 4 + 1, true)};
+          if constexpr (kVnni)   // the sign-extended int16 to int32
+            for (__m256i& v : scale) v = _mm256_srai_epi32(_mm256_slli_epi32(v, 16), 16);
 #pragma GCC unroll 4
           for (int t0 = 0; t0 < 8; t0 += kSum) {
             __m256i p[R];
@@ -185,8 +189,8 @@ struct Avx2Q6_Kx8T {
                 in_order(p[r]);
               }
             }
-            for (int r = 0; r < R; ++r) {   // VNNI: the scale's int16 sign-extended to int32
-              const __m256i scaled = kVnni ? _mm256_mullo_epi32(p[r], _mm256_srai_epi32(_mm256_slli_epi32(scale[t0 / 4], 16), 16))
+            for (int r = 0; r < R; ++r) {
+              const __m256i scaled = kVnni ? _mm256_mullo_epi32(p[r], scale[t0 / 4])
                                            : _mm256_madd_epi16(p[r], scale[t0 / 4]);
               isum[r] = _mm256_add_epi32(isum[r], scaled);
               in_order(isum[r]);
