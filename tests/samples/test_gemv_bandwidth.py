@@ -2,6 +2,7 @@
 runs timed against the measured bandwidth."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from runtime.kernels.cpu.act_quant import act_quant_ops
@@ -33,5 +34,5 @@ def test_bf16_is_timed_with_bf16_inputs():
     weights instead, which no generation step runs there."""
     kernels = gemv_bandwidth.format_kernels(64, 128, 32)
     if "bf16" not in kernels:
-        return
+        pytest.skip("the native bf16 kernels cannot run here")
     assert {name: dtype for name, (_, dtype) in kernels.items() if dtype != torch.float32} == {"bf16": torch.bfloat16}

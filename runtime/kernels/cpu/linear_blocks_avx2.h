@@ -66,13 +66,8 @@ inline __m256i quad_sums(__m256i u, __m256i s) {
 #endif
   return pair_sums(_mm256_maddubs_epi16(u, s));
 }
-inline int32_t hsum4_epi32(__m128i v) {
-  v = _mm_add_epi32(v, _mm_unpackhi_epi64(v, v));
-  return _mm_cvtsi128_si32(_mm_add_epi32(v, _mm_shuffle_epi32(v, 1)));
-}
-inline int32_t hsum8_epi32(__m256i v) {
-  return hsum4_epi32(_mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
-}
+using bm::hsum4_epi32;
+using bm::hsum8_epi32;
 
 // A block's 32 weight codes as int8: signed values (q8_0: q, q4_0: nib - 8, q5_0: q5 - 16; the sign
 // trick multiplies them) or q4_1's unsigned nibbles.

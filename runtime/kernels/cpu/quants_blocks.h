@@ -237,9 +237,7 @@ inline int32_t quantize_block(const float* x, int n, int8_t* q, float* d) {
       _mm256_storeu_si256((__m256i*)(q + j),
                           _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
     }
-    const __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-    const __m128i s2 = _mm_add_epi32(s4, _mm_unpackhi_epi64(s4, s4));
-    return _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 1)));
+    return bm::hsum8_epi32(sum);
   }
 #endif
   float amax = 0.f;
