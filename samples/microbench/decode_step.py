@@ -13,6 +13,7 @@ steps alternate on one runner (the matmuls-only ones write no KV; their position
 taken), so a shared machine's drift falls on both alike.
 
     python -m samples.microbench.decode_step [--rows 1 4 8] [--modes fp32 bf16 int8 int4 int8+a8 int4+a8 blocks]
+        [--kv-cache-dtype auto|int8]
 
 (+a8: int8 activations, BuildConfig.act_quant; blocks: a GGUF file's own blocks, the default model's Q4_1.)
 """
@@ -81,6 +82,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--prompt", type=int, default=64)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
+                   help="BuildConfig.kv_cache_dtype of every mode's engine (the fused step reads float32, bf16 "
+                        "and int8 caches)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     from runtime import Engine, ModelRunner
@@ -89,12 +93,13 @@ def main(argv: list[str] | None = None) -> dict:
     from samples.microbench.weight_only import cpu_description
     source = args.model or real_model_gguf()
     print(f"{cpu_description()}, {torch.get_num_threads()} threads; ms per generation step "
-          f"(median of {args.steps}), {args.prompt}-token context")
+          f"(median of {args.steps}), {args.prompt}-token context, KV cache {args.kv_cache_dtype}")
     results = {}
     with tempfile.TemporaryDirectory() as work:
         for mode in modes_for(source, args.modes):
             directory = os.path.join(work, mode)
-            in_fresh_process(_build, source, directory, MODES[mode])   # NOTE: no build thread pool left here
+            overrides = {**MODES[mode], "kv_cache_dtype": args.kv_cache_dtype}
+            in_fresh_process(_build, source, directory, overrides)   # NOTE: no build thread pool left here
             engine = Engine.from_dir(directory)
             blocks = -(-(args.prompt + 2 * args.steps + 8) // engine.build_config.tokens_per_block) * max(args.rows)
             fused, eager = ModelRunner(engine, blocks), ModelRunner(engine, blocks, fused_decode=False)
@@ -106,9 +111,10 @@ def main(argv: list[str] | None = None) -> dict:
                 fused.decode_step.matmuls_only = 0
                 row = {"eager": statistics.median(time_steps(eager, rows, args.prompt, args.steps)[0]),
                        "fused": statistics.median(whole), "matmuls": statistics.median(alone),
-                       "outside": statistics.median(a - b for a, b in zip(whole, alone))}
+                       "outside": statistics.median(a - b for a, b in zip(whole, alone)),
+                       "kv_dtype": str(engine.kv_storage_dtype).removeprefix("torch.")}
                 results[(mode, rows)] = row
-                print(f"  {mode:7s} rows {rows}: eager {row['eager'] * 1e3:6.2f}  fused {row['fused'] * 1e3:6.2f} "
+                print(f"  {mode:7s} rows {rows}: KV {row['kv_dtype']}  eager {row['eager'] * 1e3:6.2f}  fused {row['fused'] * 1e3:6.2f} "
                       f"({row['eager'] / row['fused']:.2f}x)  matmuls {row['matmuls'] * 1e3:6.2f}  "
                       f"outside {row['outside'] * 1e3:5.2f}")
             del fused, eager, engine

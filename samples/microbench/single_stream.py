@@ -25,7 +25,8 @@ from samples.default_model import add_model_arguments, model_from_arguments
 
 
 class GenerationTimer:
-    """Wraps a callable taking the step's tensor dict; records the seconds of one-token steps."""
+    """Wraps a callable taking the step (a tensor dict or a ScheduledStep); records the seconds of its
+    one-token generation steps."""
 
     def __init__(self, fn):
         self.fn, self.times_s = fn, []
@@ -47,17 +48,19 @@ def _is_single_generation(step) -> bool:
             and step.generation_requests[0].num_beams == 1 and step.generation_requests[0].num_step_tokens == 1)
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(p)
     p.add_argument("--num-requests", type=int, default=8, help="W64's first N requests, one at a time")
     p.add_argument("--seed", type=int, default=0, help="W64's dataset seed")
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    """Prints and returns the stream's figures: tokens_per_s, and gap_ms, forward_ms, execute_ms
+    (medians per token)."""
+    args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     model_dir = model_from_arguments(args.model, args.random_model)
@@ -69,7 +72,7 @@ def main() -> None:
     with GptManager(model_dir, TrtGptModelType.InflightFusedBatching, 1, SchedulerPolicy.GUARANTEED_NO_EVICT,
                     *client.callbacks(), exclude_input_in_output=True) as manager:
         executor = manager.model_executor
-        forward = executor.runner.forward = GenerationTimer(executor.runner.forward)
+        forward = executor.runner.launch = GenerationTimer(executor.runner.launch)
         execute = executor.execute = GenerationTimer(executor.execute)
         client.reset(1, None)  # warm-up: the first request, untimed
         client.submit(make_request(1 << 40, samples[0], streaming=True))
@@ -93,6 +96,7 @@ def main() -> None:
     print(f"per token: gap {gap_ms:.2f} ms = forward {forward_ms:.2f} ms + decoder {execute_ms - forward_ms:.2f} ms "
           f"+ rest of the iteration {gap_ms - execute_ms:.2f} ms; gap / forward {gap_ms / forward_ms:.2f}x "
           f"(runtime alone: {1e3 / forward_ms:.1f} tokens/s)")
+    return {"tokens_per_s": num_tokens / wall_s, "gap_ms": gap_ms, "forward_ms": forward_ms, "execute_ms": execute_ms}
 
 
 if __name__ == "__main__":
