@@ -46,6 +46,8 @@ _SWITCH_VALUES = {"0": False, "false": False, "off": False, "no": False, "1": Tr
 # Sequences per fused step: the GEMVs reuse each weight load across the rows of a small batch; above
 # this many rows the eager path's blocked GEMMs (oneDNN, de-quantized tiles) are the better kernels.
 MAX_ROWS = 8
+# The rotary tables' first size, positions (then doubled as steps need): 64 KiB at 32 frequencies.
+MIN_ROPE_POSITIONS = 256
 
 # Codes of the native format table (runtime.quantization.native_codes): float weights (a quantized
 # one's: its WeightFormat.native_code), the input types of the dot kernels, the KV caches.
@@ -161,8 +163,10 @@ class DecodeStep:
             eps=cfg.norm_eps, attention_scale=model.scale, kv_format=_KV_FORMATS[kv_pool.dtype], isa=isa,
             final_norm=self._hold(_f32(model.w["final_norm.weight"])), layers=ctypes.addressof(layers),
             lm_head=self._linear(model.lm_head))
+        # The rotary tables start empty and grow by doubling as steps reach further positions
+        # (_ensure_positions): computed up front for 4096 positions (SmolLM2: 1 MiB) they were most
+        # of a serving process's memory beside its weights and KV cache.
         self._rope_cos = self._rope_sin = None
-        self._ensure_positions(min(cfg.max_position_embeddings, 4096))
 
     @classmethod
     def build(cls, model, kv_pool: torch.Tensor, kv_scales: torch.Tensor | None, tokens_per_block: int
@@ -237,7 +241,7 @@ class DecodeStep:
         computed as the eager model computes its cos / sin (rope.rope_cos_sin, float32)."""
         if self._struct.rope_positions >= num_positions:
             return
-        size = max(num_positions, 2 * self._struct.rope_positions)
+        size = max(num_positions, 2 * self._struct.rope_positions, MIN_ROPE_POSITIONS)
         freqs = torch.arange(size, dtype=torch.float32)[:, None] * self._model.inv_freq.float()[None, :]
         self._rope_cos, self._rope_sin = freqs.cos().contiguous(), freqs.sin().contiguous()
         self._struct.rope_cos, self._struct.rope_sin = self._rope_cos.data_ptr(), self._rope_sin.data_ptr()

@@ -187,6 +187,23 @@ def test_batches_of_one_to_max_rows_and_a_chunked_context(checkpoints, rows):
     assert worst == 0 and fused_tokens == eager_tokens
 
 
+def test_rotary_tables_grow_with_the_positions_and_keep_the_numbers(checkpoints):
+    """The fused step's rotary tables start at MIN_ROPE_POSITIONS and double as steps pass their end
+    (they were computed for 4096 positions up front: 1 MiB per process); logits, tokens and KV
+    stay the eager model's across the growth."""
+    skip_without_kernels()
+    engine = Engine.from_dir(checkpoints["llama"], tokens_per_block=TOKENS_PER_BLOCK, **MODES["fp32"])
+    fused, eager = ModelRunner(engine, 80), ModelRunner(engine, 80, fused_decode=False)
+    start = cpu_decode_step.MIN_ROPE_POSITIONS - 6
+    prompt, table = [(7 * i) % 90 + 3 for i in range(start)], list(range(79, -1, -1))
+    worst, fused_tokens, eager_tokens = run_both(fused, eager, [prompt], [table], num_steps=4)
+    assert fused.decode_step._struct.rope_positions == cpu_decode_step.MIN_ROPE_POSITIONS
+    worst_after, fused_after, eager_after = run_both(fused, eager, [prompt + eager_tokens[0]], [table], num_steps=8)
+    assert fused.decode_step._struct.rope_positions == 2 * cpu_decode_step.MIN_ROPE_POSITIONS
+    assert worst == worst_after == 0 and fused_tokens == eager_tokens and fused_after == eager_after
+    assert torch.equal(fused.kv_pool, eager.kv_pool)
+
+
 def test_window_and_sink_tokens(checkpoints):
     skip_without_kernels()
     fused, eager = runners(checkpoints["llama"], "fp32", max_attention_window=6, sink_token_length=2)
