@@ -49,10 +49,12 @@ constexpr int64_t kBlockK = 256;        // a multiple of every int4 group size (
 // rows, against 128 before: int4 g32 at 512 rows 1.12-1.24x (SmolLM2's and the ~1B LLaMA's
 // shapes, samples.microbench.batch_linear, AMD EPYC Zen 4, 2 threads), int8 0.99-1.09x.
 constexpr int64_t kRowBlock = 512;
-// The chunk's sums yt[o][r] are kSumsStride floats apart per output: a line more than a pass's rows,
-// so that the outputs' lines fall in different L1 sets when the pass's sums are read out by row
-// (at 2 KiB apart they all fell in 2 sets of 64).
-constexpr int64_t kSumsStride = kRowBlock + 16;
+// The chunk's sums yt[o][r] are sums_stride(rows) floats apart per output: an odd number of lines,
+// at least one more than a pass's rows (at most kRowBlock), so that the outputs' lines fall in
+// different L1 sets when the pass's sums are read out by row (at 2 KiB apart they all fell in 2
+// sets of 64). Sized by the call's rows, not kRowBlock: 12 KiB per thread for a 16-row prompt
+// instead of 198 KiB, which the allocator kept resident after the call.
+inline int64_t sums_stride(int64_t rows) { return 16 * (((std::min(kRowBlock, rows) + 15) / 16 + 1) | 1); }
 
 // wb[o - o0][c - c0] = w[o, c] for o in [o0, o1), c in [c0, c1).
 template <class V>
@@ -146,12 +148,12 @@ void gemm_panel(const float* panel, int64_t kc, const float* wb, int64_t outputs
 // yt (a last panel of at most V::W rows runs half tiles).
 template <class V>
 void gemm_chunk_block(const float* xt, int64_t k, int64_t rows, int64_t c0, int64_t kc, const float* wb,
-                      int64_t outputs, float* yt, const float* bias, bool first) {
+                      int64_t outputs, float* yt, int64_t ldt, const float* bias, bool first) {
   constexpr int P = 2 * V::W;
   for (int64_t r0 = 0; r0 < rows; r0 += P) {
     const float* panel = xt + r0 * k + c0 * P;
-    if (rows - r0 > V::W) gemm_panel<V, 2>(panel, kc, wb, outputs, yt + r0, kSumsStride, bias, first);
-    else gemm_panel<V, 1>(panel, kc, wb, outputs, yt + r0, kSumsStride, bias, first);
+    if (rows - r0 > V::W) gemm_panel<V, 2>(panel, kc, wb, outputs, yt + r0, ldt, bias, first);
+    else gemm_panel<V, 1>(panel, kc, wb, outputs, yt + r0, ldt, bias, first);
   }
 }
 
@@ -179,7 +181,8 @@ void gemm_tier(const Args& a, int64_t rows, int num_threads) {
     // NOTE: on the heap per thread and call (~1 us against a GEMM of >= 16 rows), not thread_local:
     // a large TLS array in a dlopen'ed library is at the mercy of the loader's TLS space.
     float* wb = (float*)aligned_alloc(64, kChunkOutputs * kBlockK * sizeof(float));
-    float* yt = (float*)aligned_alloc(64, kChunkOutputs * kSumsStride * sizeof(float));
+    const int64_t ldt = sums_stride(rows);
+    float* yt = (float*)aligned_alloc(64, kChunkOutputs * ldt * sizeof(float));
 #pragma omp for schedule(static)
     for (int64_t u = 0; u < chunks; ++u) {
       const int64_t o0 = u * kChunkOutputs, o1 = std::min(a.n, o0 + kChunkOutputs);
@@ -188,13 +191,13 @@ void gemm_tier(const Args& a, int64_t rows, int num_threads) {
         for (int64_t c0 = 0; c0 < a.k; c0 += kBlockK) {
           const int64_t c1 = std::min(a.k, c0 + kBlockK);
           dequant_block<V>(a, o0, o1, c0, c1, wb);
-          gemm_chunk_block<V>(xt + r0 * a.k, a.k, pass_rows, c0, c1 - c0, wb, o1 - o0, yt,
+          gemm_chunk_block<V>(xt + r0 * a.k, a.k, pass_rows, c0, c1 - c0, wb, o1 - o0, yt, ldt,
                               c1 == a.k && a.bias ? a.bias + o0 : nullptr, c0 == 0);
         }
         for (int64_t r = 0; r < pass_rows; ++r) {   // the pass's sums into y, transposed
           float* yr = a.y + (r0 + r) * a.ldy;
           for (int64_t o = o0; o < o1; ++o) {
-            const float s = yt[(o - o0) * kSumsStride + r];
+            const float s = yt[(o - o0) * ldt + r];
             yr[o] = a.accumulate ? yr[o] + s : s;
           }
         }
