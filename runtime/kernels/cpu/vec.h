@@ -27,6 +27,26 @@ inline int32_t hsum8_epi32(__m256i v) {
   return hsum4_epi32(_mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
 }
 
+// dst[j * ld_dst + i] = src[i * ld_src + j] for an 8 x 8 block of floats (AVX2 shuffles: 8 loads,
+// 24 shuffles, 8 stores); a pure move, so the values are bit for bit the scalar loop's.
+inline void transpose8x8(const float* src, int64_t ld_src, float* dst, int64_t ld_dst) {
+  __m256 r[8], t[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * ld_src);
+  for (int i = 0; i < 8; i += 2) {   // t[i]: rows i, i + 1 interleaved, columns 0, 1 | 4, 5; t[i + 1]: 2, 3 | 6, 7
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int h = 0; h < 8; h += 4) {   // r[h + c]: column c (c < 4) of rows h..h+3 | column c + 4
+    r[h + 0] = _mm256_shuffle_ps(t[h], t[h + 2], 0x44);
+    r[h + 1] = _mm256_shuffle_ps(t[h], t[h + 2], 0xEE);
+    r[h + 2] = _mm256_shuffle_ps(t[h + 1], t[h + 3], 0x44);
+    r[h + 3] = _mm256_shuffle_ps(t[h + 1], t[h + 3], 0xEE);
+  }
+  for (int c = 0; c < 4; ++c) {
+    _mm256_storeu_ps(dst + c * ld_dst, _mm256_permute2f128_ps(r[c], r[c + 4], 0x20));
+    _mm256_storeu_ps(dst + (c + 4) * ld_dst, _mm256_permute2f128_ps(r[c], r[c + 4], 0x31));
+  }
+}
 
 inline float bf16_to_f32(uint16_t h) {
   uint32_t u = (uint32_t)h << 16;
