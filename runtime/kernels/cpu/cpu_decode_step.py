@@ -164,8 +164,8 @@ class DecodeStep:
             final_norm=self._hold(_f32(model.w["final_norm.weight"])), layers=ctypes.addressof(layers),
             lm_head=self._linear(model.lm_head))
         # The rotary tables start empty and grow by doubling as steps reach further positions
-        # (_ensure_positions): computed up front for 4096 positions (SmolLM2: 1 MiB) they were most
-        # of a serving process's memory beside its weights and KV cache.
+        # (_ensure_positions): computed up front for 4096 positions they held 1 MiB (SmolLM2) in
+        # every serving process, a fifth of what it held beside its weights and KV cache.
         self._rope_cos = self._rope_sin = None
 
     @classmethod

@@ -157,7 +157,6 @@ void gemm_chunk_block(const float* xt, int64_t k, int64_t rows, int64_t c0, int6
   }
 }
 
-// xt[p][c][P] for the rows [p * P, p * P + P) of panel p.
 // xt[p][c][P] for the rows [p * P, p * P + P) of panel p. kVector: whole 8 x 8 blocks moved by
 // bm::transpose8x8, the rest one by one (the same values either way: a move). Scalar per element it
 // took 7-10 % of an int4 GEMM of 512 rows with k = 1536, n = 576 (AMD EPYC Zen 4).
