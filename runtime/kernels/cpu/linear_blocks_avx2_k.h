@@ -36,6 +36,22 @@ inline __m256i lane_int16(__m256i v, int b0, int b1, bool is_signed) {
 // unrolled loops' sums to the end of their chains, keeping every product live (spills at 4 rows).
 inline void in_order(__m256i& v) { asm("" : "+x"(v)); }
 
+// A sub-block's products in both K kernels below: p plus the products of the unsigned codes u and
+// the inputs s, in int16 pairs (AVX2) or int32 quads (VNNI); then the summed products times the
+// rows' scale (AVX2: the scale in both int16 of a lane, a pair per vpmaddwd; VNNI: in int32).
+template <bool kVnni>
+inline __m256i k_products(__m256i p, __m256i u, __m256i s) {
+#ifdef BM_BLK_VNNI
+  if constexpr (kVnni) return dpbusd(p, u, s);
+#endif
+  return _mm256_add_epi16(p, _mm256_maddubs_epi16(u, s));
+}
+template <bool kVnni>
+inline __m256i k_scaled(__m256i p, __m256i scale) {
+  if constexpr (kVnni) return _mm256_mullo_epi32(p, scale);
+  return _mm256_madd_epi16(p, scale);
+}
+
 // q4_k (kHigh false) and q5_k: the 6-bit scales and mins of the 8 rows unpacked at once
 // (scales_mins_k4's word operations lane by lane); sub-block by sub-block (2j: chunk j's low
 // nibbles, 2j + 1: its high ones) the rows' int16 sums, then vpmaddwd with the rows' scale; the
@@ -54,19 +70,6 @@ struct Avx2K4x8 {
   static __m256i bit_to_4(__m256i h, int b) {   // bit b of each byte of h at bit 4, the rest 0
     const __m256i moved = b < 4 ? _mm256_slli_epi16(h, 4 - b) : b > 4 ? _mm256_srli_epi16(h, b - 4) : h;
     return _mm256_and_si256(moved, _mm256_set1_epi8(16));
-  }
-  // p plus the products of the unsigned codes u and the inputs s: int16 pairs (AVX2) or int32 quads
-  static __m256i products(__m256i p, __m256i u, __m256i s) {
-#ifdef BM_BLK_VNNI
-    if constexpr (kVnni) return dpbusd(p, u, s);
-#endif
-    return _mm256_add_epi16(p, _mm256_maddubs_epi16(u, s));
-  }
-  // the summed products times the rows' scale (AVX2: the scale in both int16 of a lane, a pair
-  // per vpmaddwd; VNNI: in int32)
-  static __m256i scaled(__m256i p, __m256i scale) {
-    if constexpr (kVnni) return _mm256_mullo_epi32(p, scale);
-    return _mm256_madd_epi16(p, scale);
   }
 
   template <int R>
@@ -104,12 +107,12 @@ struct Avx2K4x8 {
             __m256i code = _mm256_and_si256(s % 2 ? _mm256_srli_epi16(v, 4) : v, m4);
             if (kHigh) code = _mm256_or_si256(code, bit_to_4(load32(g + kHighBits + 32 * c), s));
             for (int r = 0; r < R; ++r) {
-              p[r] = products(p[r], code, bcast4(q[r] + 32 * s + 4 * c));
+              p[r] = k_products<kVnni>(p[r], code, bcast4(q[r] + 32 * s + 4 * c));
               in_order(p[r]);
             }
           }
           for (int r = 0; r < R; ++r) {
-            isum[r] = _mm256_add_epi32(isum[r], scaled(p[r], scale));
+            isum[r] = _mm256_add_epi32(isum[r], k_scaled<kVnni>(p[r], scale));
             in_order(isum[r]);
           }
         }
@@ -181,18 +184,12 @@ struct Avx2Q6_Kx8T {
                                    : c == 2 ? qh : _mm256_srli_epi16(qh, 2);
               const __m256i u = _mm256_or_si256(low, _mm256_and_si256(high, bits45));
               for (int r = 0; r < R; ++r) {
-#ifdef BM_BLK_VNNI
-                if constexpr (kVnni) p[r] = dpbusd(p[r], u, bcast4(q[r] + 128 * h + 32 * c + 4 * t));
-                else
-#endif
-                  p[r] = _mm256_add_epi16(p[r], _mm256_maddubs_epi16(u, bcast4(q[r] + 128 * h + 32 * c + 4 * t)));
+                p[r] = k_products<kVnni>(p[r], u, bcast4(q[r] + 128 * h + 32 * c + 4 * t));
                 in_order(p[r]);
               }
             }
             for (int r = 0; r < R; ++r) {
-              const __m256i scaled = kVnni ? _mm256_mullo_epi32(p[r], scale[t0 / 4])
-                                           : _mm256_madd_epi16(p[r], scale[t0 / 4]);
-              isum[r] = _mm256_add_epi32(isum[r], scaled);
+              isum[r] = _mm256_add_epi32(isum[r], k_scaled<kVnni>(p[r], scale[t0 / 4]));
               in_order(isum[r]);
             }
           }
