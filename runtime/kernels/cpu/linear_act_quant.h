@@ -154,7 +154,8 @@ struct Avx2Base {
 struct Avx2 : Avx2Base {
   static constexpr bool kBiased8 = false;
   // rows per block: 4 rows x 2 parts of int32 sums and float accumulators take 16 of the 16 ymm
-  // registers (blocks of 6 rows ran 0.75-0.93x as fast at 6 and 8 rows, AMD EPYC Zen 3).
+  // registers (blocks of 6 rows, one part at a time, ran 0.75-0.93x as fast at 6 and 8 rows on
+  // an AMD EPYC Zen 3).
   static constexpr int kRows = 4;
   // s16 products: nibble (<= 15) x q (|q| <= 127), 2 per maddubs lane, 8 maddubs per block: <= 30480.
   static I acc4(I acc, I u, I q) { return _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, q)); }
@@ -206,9 +207,9 @@ struct Avx512Vnni {
 #endif
 
 // Software prefetch of the weight stream, 4 blocks ahead: every line of a block under AVX2 (two
-// vectors a line; a one-row int8 GEMV 8192 x 2048 on an AMD EPYC Zen 3 read 11.5 GB/s with the
-// block's first line prefetched alone, 19.3 with every line), the first line under AVX-512 (one
-// vector a line; not measured per line).
+// vectors a line; a one-row int8 GEMV 8192 x 2048, one thread, AMD EPYC Zen 3, weights streamed:
+// 11.5 GB/s with the block's first line prefetched alone, 19.3 with every line), the first line
+// under AVX-512 (one vector a line; not measured per line).
 template <class V>
 constexpr bool prefetch_line(int j) { return j == 0 || V::L < 16; }
 
