@@ -163,7 +163,7 @@ constexpr int64_t kSequentialMaxColumns = 4096;
 // weights streamed, 2 threads, both builds alternating in one process: 1.02-1.11x faster on
 // 8192 x 2048 and SmolLM2's 1536 x 576 / 49152 x 576 (a standalone loop, 1 thread: 13.0 -> 14.2-15.0
 // GB/s; 512 and 2048 bytes ahead gained less). Not measured under AVX-512, whose call keeps the
-// hardware prefetcher alone (the float32 row kernel's stream ran 0.8-0.9x as fast with a software
+// hardware prefetcher alone (the float32 row kernel's stream ran 0.75-1.0x as fast with a software
 // prefetch on the Zen 3).
 template <class V, bool kPrefetchRow>
 void int8_row_sequential(const Int8Args& a, int64_t r0, int64_t n0, int64_t n1) {
