@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 import threading
 import time
 from collections import Counter, deque
@@ -22,15 +23,23 @@ THREAD_GRACE_S = 10.0        # how long a thread a round started may take to end
 
 
 def threads_started_since(before: set[threading.Thread], grace_s: float = THREAD_GRACE_S) -> list[str]:
-    """Names of the threads alive now that were not in `before` (threading.enumerate() then),
-    waiting up to grace_s for them to end. By identity, not by count: a thread of an earlier test
-    (or a library's) ending or starting meanwhile neither hides a leak nor fakes one."""
+    """The threads alive now that were not in `before` (threading.enumerate() then), waiting up to
+    grace_s for them to end: each as its name and where it is (its innermost frame), so a leak
+    names its culprit. By identity, not by count: a thread of an earlier test (or a library's)
+    ending or starting meanwhile neither hides a leak nor fakes one."""
     deadline = time.monotonic() + grace_s
     while True:
         started = [t for t in threading.enumerate() if t not in before]
         if not started or time.monotonic() >= deadline:
-            return sorted(t.name for t in started)
+            return sorted(_where(t) for t in started)
         started[0].join(max(0.0, deadline - time.monotonic()))
+
+
+def _where(thread: threading.Thread) -> str:
+    frame = sys._current_frames().get(thread.ident)
+    if frame is None:   # ended (or not started) meanwhile
+        return thread.name
+    return f"{thread.name} at {frame.f_code.co_filename}:{frame.f_lineno} ({frame.f_code.co_name})"
 
 
 class InjectedFault(RuntimeError):

@@ -131,5 +131,14 @@ class StreamClient:
         return self.result(request_id)
 
     def close(self, cancel_requests: bool = False) -> None:
+        """End the stream: after every request's final response, or at once with the requests
+        cancelled (a client that disconnects)."""
+        stream = self.client._stream   # tritonclient's _InferStream, None once stopped
         self.client.stop_stream(cancel_requests=cancel_requests)
+        if cancel_requests and stream is not None:
+            # tritonclient ends the request iterator (a None in its queue) only on a graceful stop.
+            # After a cancel, gRPC's thread that feeds the requests to the call stays blocked in that
+            # queue for ever when it was waiting for the next request (grpc/grpc#21995): one thread
+            # leaked per disconnected stream. The end marker lets it return.
+            stream._request_queue.put(None)
         self.client.close()

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from runtime import build_engine
+from samples.chaos_soak.tracker import threads_started_since
 from tests.factories import make_checkpoint
 from tests.samples.triton_support import metric_values, module_server, skip_without_triton
 
@@ -117,11 +118,14 @@ def test_stop_input_ends_the_live_request_with_that_id(server, client):
 
 def test_client_cancellation_ends_the_request(server):
     from samples.triton.client import StreamClient
+    threads = set(threading.enumerate())
     stream = StreamClient(server.grpc_url)
     stream.submit("300", llm_inputs(PROMPTS[2], LONG, True))
     wait_for_tokens(stream, "300", 3)
     iterations_at_cancel = metric_values(server, "nv_trt_llm_general_metrics")["iteration_counter"]
     stream.close(cancel_requests=True)
+    # No thread outlives the stream: gRPC's request feeder waited for ever after a cancel.
+    assert threads_started_since(threads, grace_s=10.0) == []
     wait_idle(server)
     iterations_after = metric_values(server, "nv_trt_llm_general_metrics")["iteration_counter"]
     assert iterations_after - iterations_at_cancel < LONG / 2   # ended long before its 900 tokens
