@@ -22,6 +22,7 @@ using bm::f32_to_bf16;
 using bm::hsum8;
 using bm::load1_f32;
 using bm::load8_f32;
+using bm::row_prefetch_bytes;
 
 // R rows x O outputs of bm_linear: R * O accumulators over k, each x vector loaded once for O
 // FMAs, each weight vector once for R. The next tile's weight rows are prefetched one cache line
@@ -89,14 +90,20 @@ void linear_range(const float* x, int64_t rows, int64_t ldx, const float* w, int
 // L1. SmolLM2's weights per token (538 MB), 2 threads, AMD EPYC Zen 4, a standalone loop over
 // every matrix: 1.21-1.23x the 8-output tile's rate (its 8 interleaved streams and software
 // prefetch) on 4 KiB pages, 1.27-1.35x on huge pages, as fast as a plain sum over the same buffers;
-// at 4 rows the tiles (weights read once for all rows) are as fast as this order.
-inline void linear_row_sequential(const float* x, const float* w, int64_t n0, int64_t n1, int64_t k,
-                                  const float* bias, float* y, int accumulate) {
+// at 4 rows the tiles (weights read once for all rows) are as fast as this order. On Intel a software
+// prefetch 2 KiB ahead runs beside the hardware's (bm::row_prefetch_bytes: 1.2-1.3x there).
+template <bool kPrefetch>
+inline void linear_row_stream(const float* x, const float* w, int64_t n0, int64_t n1, int64_t k, const float* bias,
+                              float* y, int accumulate, int64_t ahead) {
   for (int64_t o = n0; o < n1; ++o) {
     const float* wo = w + o * k;
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     int64_t kk = 0;
     for (; kk + 32 <= k; kk += 32) {
+      if (kPrefetch) {   // this step's two lines' worth, `ahead` bytes on (bm::row_prefetch_bytes)
+        _mm_prefetch((const char*)(wo + kk) + ahead, _MM_HINT_T0);
+        _mm_prefetch((const char*)(wo + kk + 16) + ahead, _MM_HINT_T0);
+      }
       a0 = _mm256_fmadd_ps(_mm256_loadu_ps(wo + kk), _mm256_loadu_ps(x + kk), a0);
       a1 = _mm256_fmadd_ps(_mm256_loadu_ps(wo + kk + 8), _mm256_loadu_ps(x + kk + 8), a1);
       a2 = _mm256_fmadd_ps(_mm256_loadu_ps(wo + kk + 16), _mm256_loadu_ps(x + kk + 16), a2);
@@ -108,6 +115,11 @@ inline void linear_row_sequential(const float* x, const float* w, int64_t n0, in
     if (bias) s += bias[o];
     y[o] = accumulate ? y[o] + s : s;
   }
+}
+inline void linear_row_sequential(const float* x, const float* w, int64_t n0, int64_t n1, int64_t k,
+                                  const float* bias, float* y, int accumulate) {
+  if (const int64_t ahead = row_prefetch_bytes()) linear_row_stream<true>(x, w, n0, n1, k, bias, y, accumulate, ahead);
+  else linear_row_stream<false>(x, w, n0, n1, k, bias, y, accumulate, 0);
 }
 
 // Outputs [n0, n1) of every row: one row sequentially, more rows in tiles whose width is chosen by
@@ -238,7 +250,8 @@ constexpr int64_t kBf16SequentialMaxColumns = 2048;
 // (x aligned), against the 8-output tile: 1536 x 576 14.6 -> 26.5, 576 x 1536 22.1 -> 28.5,
 // 2048 x 2048 24.6 -> 28.4, 8192 x 2048 20.8 -> 21.2; 4096 x 4096 23.8 -> 24.3 but 21.5 -> 19.8
 // with x 16 bytes off, 2048 x 8192 22.0 -> 17.1 (there the tile's x loads, once per 8 outputs, win).
-inline void linear_bf16_row_sequential(const Bf16LinearArgs& a, int64_t n0, int64_t n1) {
+template <bool kPrefetch>
+inline void linear_bf16_row_stream(const Bf16LinearArgs& a, int64_t n0, int64_t n1, int64_t ahead) {
   const uint16_t* x = static_cast<const uint16_t*>(a.x);
   const auto load16 = [](const uint16_t* p) { return (__m256bh)_mm256_loadu_si256((const __m256i*)p); };
   for (int64_t o = n0; o < n1; ++o) {
@@ -246,6 +259,10 @@ inline void linear_bf16_row_sequential(const Bf16LinearArgs& a, int64_t n0, int6
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     int64_t kk = 0;
     for (; kk + 64 <= a.k; kk += 64) {
+      if (kPrefetch) {   // as linear_row_stream
+        _mm_prefetch((const char*)(w + kk) + ahead, _MM_HINT_T0);
+        _mm_prefetch((const char*)(w + kk + 32) + ahead, _MM_HINT_T0);
+      }
       a0 = _mm256_dpbf16_ps(a0, load16(x + kk), load16(w + kk));
       a1 = _mm256_dpbf16_ps(a1, load16(x + kk + 16), load16(w + kk + 16));
       a2 = _mm256_dpbf16_ps(a2, load16(x + kk + 32), load16(w + kk + 32));
@@ -256,6 +273,10 @@ inline void linear_bf16_row_sequential(const Bf16LinearArgs& a, int64_t n0, int6
     for (; kk < a.k; ++kk) s += bf16_to_f32(x[kk]) * bf16_to_f32(w[kk]);
     store_bf16_linear_output(a, 0, o, s);
   }
+}
+inline void linear_bf16_row_sequential(const Bf16LinearArgs& a, int64_t n0, int64_t n1) {
+  if (const int64_t ahead = row_prefetch_bytes()) linear_bf16_row_stream<true>(a, n0, n1, ahead);
+  else linear_bf16_row_stream<false>(a, n0, n1, 0);
 }
 constexpr bool kHasBf16RowSequential = true;
 #else

@@ -159,14 +159,12 @@ void int8_tile(const Int8Args& a, int64_t r0, int64_t o0) {
 // x (32 KiB) leaves L1 and each row reads it again, where the tile reads it once per 8 outputs.
 constexpr int64_t kSequentialMaxColumns = 4096;
 
-// kPrefetchRow: a line 1 KiB ahead every 64 weight bytes (the AVX2 tier's call). AMD EPYC Zen 3,
-// weights streamed, 2 threads, both builds alternating in one process: 1.02-1.11x faster on
-// 8192 x 2048 and SmolLM2's 1536 x 576 / 49152 x 576 (a standalone loop, 1 thread: 13.0 -> 14.2-15.0
-// GB/s; 512 and 2048 bytes ahead gained less). Not measured under AVX-512, whose call keeps the
-// hardware prefetcher alone (the float32 row kernel's stream ran 0.75-1.0x as fast with a software
-// prefetch on the Zen 3).
-template <class V, bool kPrefetchRow>
-void int8_row_sequential(const Int8Args& a, int64_t r0, int64_t n0, int64_t n1) {
+// kPrefetch: a line `ahead` bytes on every 64 weight bytes (bm::row_prefetch_bytes: Intel 2 KiB;
+// elsewhere the AVX2 tier's 1 KiB, measured on an AMD EPYC Zen 3, weights streamed, 2 threads, both
+// builds alternating in one process: 1.02-1.11x faster on 8192 x 2048 and SmolLM2's 1536 x 576 /
+// 49152 x 576; 512 and 2048 bytes gained less there. AMD's AVX-512 tier, not measured, runs none).
+template <class V, bool kPrefetch>
+void int8_row_sequential(const Int8Args& a, int64_t r0, int64_t n0, int64_t n1, int64_t ahead) {
   const float* x = a.x + r0 * a.ldx;
   constexpr int64_t kStep = 4 * V::W;
   for (int64_t o = n0; o < n1; ++o) {
@@ -174,7 +172,7 @@ void int8_row_sequential(const Int8Args& a, int64_t r0, int64_t n0, int64_t n1) 
     typename V::F a0 = V::zero(), a1 = a0, a2 = a0, a3 = a0;
     int64_t kk = 0;
     for (; kk + kStep <= a.k; kk += kStep) {
-      if (kPrefetchRow && (kk & 63) < kStep) _mm_prefetch((const char*)(w + kk) + 1024, _MM_HINT_T0);
+      if (kPrefetch && (kk & 63) < kStep) _mm_prefetch((const char*)(w + kk) + ahead, _MM_HINT_T0);
       a0 = V::fma(V::load(x + kk), V::i8(w + kk), a0);
       a1 = V::fma(V::load(x + kk + V::W), V::i8(w + kk + V::W), a1);
       a2 = V::fma(V::load(x + kk + 2 * V::W), V::i8(w + kk + 2 * V::W), a2);
@@ -291,10 +289,15 @@ void int4_tile_lut(const Int4Args& a, int64_t r0, int64_t o0) {
 // off, 8-output tile -> this: 1536 x 576 6.3 / 6.7 -> 8.0 / 7.9, 576 x 1536 6.5 / 6.6 -> 8.4 / 8.3,
 // 8192 x 2048 6.6 / 6.8 -> 8.0 / 9.2, 2048 x 8192 6.5 / 6.3 -> 7.3 / 7.6. With the weights in cache
 // (256 x 512) both ran at 8.5-8.6 GB/s: cold, this one runs near its in-cache (compute) rate.
+// On Intel a line 2 KiB ahead is prefetched per 64 bytes (bm::row_prefetch_bytes): Intel Xeon
+// (AVX-512, AMX), weights streamed, gemv_bandwidth alternating with and without, 8192 x 2048 at
+// 1 thread 6.0-6.8 -> 9.9-10.5 GB/s, 2 threads 9.4-12.5 -> 11.9-17.3; 49152 x 576 1 thread
+// 3.8-4.4 -> 5.9-8.8, 2 threads 7.3-10.9 -> 9.2-11.2.
 inline void int4_row_vbmi(const Int4Args& a, int64_t r0, int64_t n0, int64_t n1) {
   const float* x = a.x + r0 * a.ldx;
   const int64_t groups = a.k / a.gs, half = a.gs / 2, row_bytes = a.k / 2;
   const int half_shift = __builtin_ctzll(half);   // gs is a power of two: no division per quarter
+  const int64_t ahead = bm::row_prefetch_bytes();
   const __m512 iota = Avx512::iota();
   alignas(64) static constexpr uint8_t kTranspose[64] = {
       0, 16, 32, 48, 1, 17, 33, 49, 2, 18, 34, 50, 3, 19, 35, 51, 4, 20, 36, 52, 5, 21, 37, 53,
@@ -325,6 +328,7 @@ inline void int4_row_vbmi(const Int4Args& a, int64_t r0, int64_t n0, int64_t n1)
     auto inputs = [&](int64_t byte) { return x + (byte >> half_shift) * a.gs + (byte & (half - 1)); };
     int64_t c = 0;
     for (; c + 64 <= row_bytes; c += 64) {
+      if (ahead) _mm_prefetch((const char*)(w + c) + ahead, _MM_HINT_T0);
       const __m512i t = _mm512_permutexvar_epi8(transpose, _mm512_loadu_si512(w + c));
       convert(c, c + 63);
 #pragma GCC unroll 4
@@ -387,7 +391,11 @@ struct Int8K {
   static void run(const Int8Args& a, int64_t r0, int64_t o0) { int8_tile<V, R, O>(a, r0, o0); }
   static void row(const Int8Args& a, int64_t r0, int64_t n0, int64_t n1) {
     if (a.k <= kSequentialMaxColumns) {
-      int8_row_sequential<std::conditional_t<V::W == 16, Avx2, V>, V::W == 8>(a, r0, n0, n1);
+      using Row = std::conditional_t<V::W == 16, Avx2, V>;   // 8 lanes under AVX-512 too (above)
+      if (const int64_t ahead = bm::row_prefetch_bytes(V::W == 8 ? 1024 : 0))
+        int8_row_sequential<Row, true>(a, r0, n0, n1, ahead);
+      else
+        int8_row_sequential<Row, false>(a, r0, n0, n1, 0);
     } else {
       constexpr int kO = kRowTileOutputs<V>;
       cover_outputs<V, 1, kO, Int8Args, Int8K<V, 1, 1>::run, Int8K<V, 1, kO>::run>(a, r0, n0, n1);
