@@ -29,10 +29,11 @@ inline int32_t hsum8_epi32(__m256i v) {
 
 // Software prefetch of the one-row kernels' sequential weight streams (linear_float.h's float32 and
 // bf16 rows, linear_weight_only.h's int8 row): a line `row_prefetch_bytes()` bytes on per line read,
-// or none (0: the hardware prefetcher alone). By CPU vendor, as measured (one-row GEMV, weights
-// streamed from memory, builds with and without alternating, GB/s of weight read):
+// or none (0: the hardware prefetcher alone). By CPU vendor, as measured (one-row GEMV in a
+// standalone loop, weights streamed from memory, builds with and without alternating, GB/s of
+// weight read; gemv_bandwidth's A/B is in the README):
 //   Intel Xeon (AVX-512, AMX; 2 threads, 8192 x 2048 and 1536 x 576), 2 KiB ahead: float32
-//   16.4-18.3 -> 20.0-23.9, bf16 16.1-18.6 -> 20.6-24.6, int8 10.6-13.3 -> 13.3-19.5 (1 KiB gained
+//   16.4-18.3 -> 20.0-23.9, bf16 15.9-18.6 -> 20.6-24.6, int8 10.6-13.3 -> 13.3-19.5 (1 KiB gained
 //   less; 4 KiB about the same). One thread: float32 7.6-9.2 -> 9.7-13.6, int8 6.9 -> 10.3.
 //   AMD EPYC Zen 3 (AVX2): the float32 stream ran 0.75-1.0x as fast with 1-4 KiB; the int8 row
 //   1.02-1.11x faster with 1 KiB (the `other_bytes` its AVX2 tier passes). Zen 4: not measured,
