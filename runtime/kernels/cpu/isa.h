@@ -37,4 +37,11 @@ inline int isa_mask() {
   return mask;
 }
 
+// The CPU's vendor, for what the tiers do not tell apart: memory behaviour (vec.h's
+// row_prefetch_bytes), measured per vendor.
+inline bool cpu_is_intel() {
+  static const bool intel = __builtin_cpu_is("intel");
+  return intel;
+}
+
 }  // namespace bm

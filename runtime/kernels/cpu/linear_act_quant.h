@@ -305,6 +305,17 @@ void unit_rows(const ActLinear& a, int64_t unit, const int8_t* q, const float* d
 // of the call meets them: at batch the weights are read from memory once, not once per row block).
 constexpr int64_t kPanelBytes = 128 << 10;
 
+// unit_rows<V, R> for the R = rows (1 <= rows <= V::kRows) known at run time: only the row counts a
+// tier's blocks can have are instantiated.
+template <class V, int R = V::kRows>
+inline void unit_rows_of(int64_t rows, const ActLinear& a, int64_t u, const int8_t* q, const float* d,
+                         const int32_t* s, float* y, int64_t ldy, int accumulate) {
+  if constexpr (R > 1) {
+    if (rows < R) return unit_rows_of<V, R - 1>(rows, a, u, q, d, s, y, ldy, accumulate);
+  }
+  unit_rows<V, R>(a, u, q, d, s, y, ldy, accumulate);
+}
+
 // Rows in blocks of up to V::kRows (the row loop inside a panel of units, so a block's activations
 // stay in L1 over the panel's units and the panel's weights in L2 over the row blocks). A row's
 // arithmetic does not depend on the blocking: every split of rows and units gives the same numbers.
@@ -318,22 +329,8 @@ void range_rows(const ActLinear& a, const int8_t* q, const float* d, const int32
     const int64_t p1 = std::min(u1, p0 + panel_units);
     for (int64_t r0 = 0; r0 < rows; r0 += V::kRows) {
       const int64_t R = std::min<int64_t>(V::kRows, rows - r0);
-      const int8_t* qr = q + r0 * a.k;
-      const float* dr = d + r0 * blocks;
-      const int32_t* sr = s + r0 * blocks;
-      float* yr = y + r0 * ldy;
-      for (int64_t u = p0; u < p1; ++u) {
-        switch (R) {
-          case 1: unit_rows<V, 1>(a, u, qr, dr, sr, yr, ldy, accumulate); break;
-          case 2: unit_rows<V, 2>(a, u, qr, dr, sr, yr, ldy, accumulate); break;
-          case 3: unit_rows<V, 3>(a, u, qr, dr, sr, yr, ldy, accumulate); break;
-          case 4: unit_rows<V, 4>(a, u, qr, dr, sr, yr, ldy, accumulate); break;
-          case 5: unit_rows<V, 5>(a, u, qr, dr, sr, yr, ldy, accumulate); break;
-          case 6: unit_rows<V, 6>(a, u, qr, dr, sr, yr, ldy, accumulate); break;
-          case 7: unit_rows<V, 7>(a, u, qr, dr, sr, yr, ldy, accumulate); break;
-          default: unit_rows<V, 8>(a, u, qr, dr, sr, yr, ldy, accumulate); break;
-        }
-      }
+      for (int64_t u = p0; u < p1; ++u)
+        unit_rows_of<V>(R, a, u, q + r0 * a.k, d + r0 * blocks, s + r0 * blocks, y + r0 * ldy, ldy, accumulate);
     }
   }
 }

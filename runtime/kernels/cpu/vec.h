@@ -8,6 +8,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "isa.h"
+
 // One out-of-line copy of a function in the library (no inlining): every caller runs the same code.
 #define BM_ONE_COPY inline __attribute__((noinline))
 
@@ -38,10 +40,6 @@ inline int32_t hsum8_epi32(__m256i v) {
 //   AMD EPYC Zen 3 (AVX2): the float32 stream ran 0.75-1.0x as fast with 1-4 KiB; the int8 row
 //   1.02-1.11x faster with 1 KiB (the `other_bytes` its AVX2 tier passes). Zen 4: not measured,
 //   so AMD keeps what it ran before.
-inline bool cpu_is_intel() {
-  static const bool intel = __builtin_cpu_is("intel");
-  return intel;
-}
 inline int64_t row_prefetch_bytes(int64_t other_bytes = 0) { return cpu_is_intel() ? 2048 : other_bytes; }
 
 // dst[j * ld_dst + i] = src[i * ld_src + j] for an 8 x 8 block of floats (AVX2 shuffles: 8 loads,
