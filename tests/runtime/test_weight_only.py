@@ -16,7 +16,7 @@ from runtime.quantization.int8 import quantize_int8
 
 OPS = weight_only_ops()
 needs_native = pytest.mark.skipif(OPS is None, reason="the native weight-only kernels cannot run here")
-ISAS = ["scalar", "avx2", "avx512"]
+ISAS = ["scalar", "avx2", "avx512", "amx"]   # amx: the int8 GEMM on AMX-BF16 tiles (avx512 elsewhere)
 # float32 accumulation in another order than the reference's: relative to the output's scale.
 RTOL = 2e-5
 
@@ -136,6 +136,22 @@ def test_native_kernel_adds_into_out_and_takes_strided_rows(mode):
     else:
         OPS.int4_linear(x, weight, scale, minimum, None, out=out)
     assert_matches(out, ref)
+
+
+@needs_native
+def test_the_int8_gemm_runs_on_amx_tiles_where_the_cpu_has_them():
+    """Where the CPU has AMX-BF16 the library runs the int8 GEMM on tiles (its tier compiled in and
+    permitted): its sums come in another order than the AVX-512 tiles' (not bit-equal), and with the
+    input split into three bf16 parts it is as close to a float64 reference as they are (within 2x)."""
+    if isa_tiers.Isa.AMX not in isa_tiers.cpu_tiers():
+        pytest.skip("this CPU lacks AMX-BF16")
+    assert isa_tiers.Isa.AMX in OPS.tiers and OPS.isa_level("amx") == isa_tiers.Isa.AMX
+    weight, scale, _ = quantized("int8", 301, 640)
+    x = torch.randn(67, 640, generator=torch.Generator().manual_seed(3)) * 10
+    exact = (x.double() @ weight.double().T) * scale.double()
+    tiles, vectors = (OPS.int8_linear(x, weight, scale, None, isa=isa) for isa in ("amx", "avx512"))
+    assert not torch.equal(tiles, vectors)
+    assert (tiles.double() - exact).abs().max() <= 2 * (vectors.double() - exact).abs().max()
 
 
 @needs_native

@@ -4,7 +4,7 @@ any row count (a GEMV below bm_wo::kGemmMinRows rows, a fused de-quantize-and-mu
 there). `weight_only_ops()` is None where they cannot run (no AVX2/FMA, no compiler,
 BATCH_MANAGER_CPU_NATIVE=0). Caller: weight_only_linear.py; tests hold them to its torch reference.
 
-Tiers: scalar, avx2, avx512 (isa.py); the best one at or below the cap (the `isa` argument, else
+Tiers: scalar, avx2, avx512, amx (isa.py; amx: the int8 GEMM on AMX-BF16 tiles, its GEMV the avx512 one); the best one at or below the cap (the `isa` argument, else
 BATCH_MANAGER_CPU_ISA, else this CPU's best) that the library compiled in runs, so the AVX2 and
 scalar paths are tested on any CPU.
 """
@@ -18,7 +18,7 @@ from . import cpu_native, isa as isa_tiers
 from .cpu_native import INT8_CODE, _ptr, quantized_code
 from .isa import Isa
 
-TIERS = (Isa.SCALAR, Isa.AVX2, Isa.AVX512)   # this family's kernels (linear_weight_only.h)
+TIERS = (Isa.SCALAR, Isa.AVX2, Isa.AVX512, Isa.AMX)   # this family's kernels (linear_weight_only.h; AMX: the int8 GEMM)
 
 class WeightOnlyOps:
     """The loaded library; methods take CPU tensors and assert the layouts of the C contracts."""

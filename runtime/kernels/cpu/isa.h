@@ -4,6 +4,12 @@
 // -march=native); isa_mask says which tiers are compiled in and supported by this CPU.
 #pragma once
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 namespace bm {
 
 enum Isa : int {
@@ -13,7 +19,22 @@ enum Isa : int {
   kAvx512 = 3,      // AVX-512 F / BW / VL
   kAvx512Vnni = 4,  // AVX512-VNNI (zmm vpdpbusd)
   kAvx512Bf16 = 5,  // AVX512-BF16 (vdpbf16ps)
+  kAmx = 6,         // AMX-BF16 tiles (tdpbf16ps), with the process's permission to use them
 };
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// AMX-TILE and AMX-BF16 (CPUID leaf 7: EDX bits 24 and 22) and Linux's permission for this process
+// to use the tile data (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA: asked once, process-wide;
+// without it the first tile instruction faults).
+inline bool amx_usable() {
+  static const bool usable = [] {
+    unsigned eax, ebx, ecx, edx;
+    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) || !(edx & (1u << 24)) || !(edx & (1u << 22))) return false;
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+  }();
+  return usable;
+}
+#endif
 
 // Bit t set: tier t is compiled in and this CPU runs it.
 inline int isa_mask() {
@@ -33,6 +54,9 @@ inline int isa_mask() {
 #endif
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   if (__builtin_cpu_supports("avx512bf16")) mask |= 1 << kAvx512Bf16;
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+  if ((mask & (1 << kAvx512Bf16)) && amx_usable()) mask |= 1 << kAmx;
 #endif
   return mask;
 }

@@ -26,13 +26,15 @@ class Isa(enum.IntEnum):
     AVX512 = 3        # AVX-512 F / BW / VL
     AVX512VNNI = 4    # AVX512-VNNI (zmm vpdpbusd)
     AVX512BF16 = 5    # AVX512-BF16 (vdpbf16ps)
+    AMX = 6           # AMX-BF16 tiles (tdpbf16ps; the library also needs the OS's permission: isa.h)
 
 
 # /proc/cpuinfo flags each tier needs (every tier above SCALAR also needs AVX2's)
 _CPU_FLAGS = {Isa.SCALAR: (), Isa.AVX2: ("avx2", "fma"), Isa.AVXVNNI: ("avx2", "fma", "avx_vnni"),
               Isa.AVX512: ("avx2", "fma", "avx512f", "avx512bw", "avx512vl"),
               Isa.AVX512VNNI: ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
-              Isa.AVX512BF16: ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16")}
+              Isa.AVX512BF16: ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
+              Isa.AMX: ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_tile", "amx_bf16")}
 NAMES = {tier.name.lower(): tier for tier in Isa}
 
 
